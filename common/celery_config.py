@@ -1,0 +1,54 @@
+"""The Celery configuration every genfleet process shares: workers, beat, Flower and the CLI.
+
+A plain dict so `common` never imports Celery. The visibility timeout must be the same
+everywhere: on Redis the shortest one among the connected processes wins, and a late-acked task
+still running after it is delivered again in parallel (kombu QoS.restore_visible, celery#5935).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from common.settings import Settings
+
+GENERATE_TASK = "genfleet.generate_batch"
+POWER_WATCH_TASK = "genfleet.power_watch"
+REAPER_TASK = "genfleet.reap_leases"
+
+
+def celery_config(settings: Settings) -> dict[str, Any]:
+    broker = settings.redis_url.get_secret_value()
+    transport = {"visibility_timeout": settings.visibility_timeout_s}
+    return {
+        "broker_url": broker,
+        "result_backend": broker,
+        "broker_transport_options": transport,
+        "result_backend_transport_options": transport,
+        "broker_connection_retry_on_startup": True,
+        # JSON only: a pickled message is refused, never executed.
+        "task_serializer": "json",
+        "result_serializer": "json",
+        "accept_content": ["json"],
+        "result_accept_content": ["json"],
+        # Nothing lost: ack after the batch's output is in the store; one message at a time.
+        "task_acks_late": True,
+        "task_reject_on_worker_lost": True,
+        "worker_prefetch_multiplier": 1,
+        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        "worker_enable_soft_shutdown_on_idle": True,
+        "worker_soft_shutdown_timeout": 60.0,
+        # Threads: several batches share one asyncio loop and one in-flight limiter; the main
+        # thread stays free for heartbeats and control commands (a solo worker looks dead).
+        "worker_pool": "threads",
+        "worker_concurrency": settings.worker_concurrency,
+        "task_default_queue": settings.queue,
+        "task_routes": {GENERATE_TASK: {"queue": settings.queue}},
+        "task_track_started": True,
+        "task_send_sent_event": True,
+        "worker_send_task_events": True,
+        "result_expires": 7 * 24 * 3600,
+        "result_extended": True,
+        "worker_hijack_root_logger": False,
+        "broker_heartbeat": 0,
+        "timezone": "UTC",
+    }

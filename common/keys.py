@@ -1,0 +1,156 @@
+"""Every store key and Redis key genfleet uses, with the reason for each.
+
+The store (S3 or a local directory) is the source of truth: a run is its manifest, its staged
+inputs and its outputs. Redis carries work orders and live telemetry only; losing it loses
+nothing that `genfleet enqueue --resume` cannot rebuild from the store.
+"""
+
+from __future__ import annotations
+
+import re
+
+# Run names become key prefixes in S3 and Redis: letters, digits, '.', '_' and '-', starting
+# with a letter or digit, so no `../`, no slash, no glob or key-separator injection.
+_RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_BATCH_RE = re.compile(r"^batch-\d{6,}$")
+
+
+def validate_run(run: str) -> str:
+    """Return `run` when it is a safe run name, else raise ValueError saying why."""
+    if not run:
+        raise ValueError("run name is empty")
+    if ".." in run or not _RUN_RE.match(run):
+        raise ValueError(
+            f"run name {run!r} is not allowed: use 1-128 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit, and no '..'"
+        )
+    return run
+
+
+def validate_batch(batch: str) -> str:
+    if not _BATCH_RE.match(batch):
+        raise ValueError(f"batch id {batch!r} is not of the form batch-NNNNNN")
+    return batch
+
+
+def batch_id(index: int) -> str:
+    """Deterministic id of the index-th batch of a run (input order)."""
+    return f"batch-{index:06d}"
+
+
+def batch_index(batch: str) -> int:
+    return int(validate_batch(batch).split("-", 1)[1])
+
+
+# --- store keys (relative to the store's prefix) ---------------------------------------------
+
+
+def manifest_key(run: str) -> str:
+    """What the run is: source, settings, batch list. Written once by the first enqueue."""
+    return f"{run}/manifest.json"
+
+
+def input_key(run: str, batch: str) -> str:
+    """A staged batch of prompts (claim check: work orders carry this key, not prompts)."""
+    return f"{run}/inputs/{batch}.jsonl.gz"
+
+
+def output_key(run: str, batch: str) -> str:
+    """A batch's completions, write-once: its existence means the batch is done."""
+    return f"{run}/outputs/{batch}.jsonl.gz"
+
+
+def outputs_prefix(run: str) -> str:
+    return f"{run}/outputs/"
+
+
+def part_key(run: str, batch: str, part: int) -> str:
+    """A checkpoint of a running batch: completions flushed so a retry skips them."""
+    return f"{run}/parts/{batch}/part-{part:05d}.jsonl.gz"
+
+
+def parts_prefix(run: str, batch: str) -> str:
+    return f"{run}/parts/{batch}/"
+
+
+def rejects_key(run: str) -> str:
+    """Input lines that were refused, with file, line, field and reason."""
+    return f"{run}/rejects.jsonl"
+
+
+def batch_from_output_key(key: str) -> str:
+    name = key.rsplit("/", 1)[-1]
+    return name.removesuffix(".jsonl.gz")
+
+
+# --- Redis keys ------------------------------------------------------------------------------
+
+PREFIX = "genfleet"
+
+
+def runs_key() -> str:
+    """Set of run names seen by this Redis (for `top` and the power-watch); no TTL."""
+    return f"{PREFIX}:runs"
+
+
+def counters_key(run: str) -> str:
+    """Hash of live counters (prompts_done, completion_tokens, ...); rebuilt from the store."""
+    return f"{PREFIX}:run:{run}:counters"
+
+
+def done_key(run: str) -> str:
+    """Set of batches whose output object exists (a cache of the store, for fast status)."""
+    return f"{PREFIX}:run:{run}:done"
+
+
+def queued_key(run: str) -> str:
+    """Set of batches with a work order outstanding, so a re-run does not send it twice."""
+    return f"{PREFIX}:run:{run}:queued"
+
+
+def failed_key(run: str) -> str:
+    """Hash batch → last error of batches that exhausted their tries; `retry` clears it."""
+    return f"{PREFIX}:run:{run}:failed"
+
+
+def attempts_key(run: str) -> str:
+    """Hash batch → tries so far; a batch that reaches the limit goes to the failed set."""
+    return f"{PREFIX}:run:{run}:attempts"
+
+
+def throughput_key(run: str) -> str:
+    """Sorted set of `ts:tokens` samples for tok/s over a window; trimmed to one hour."""
+    return f"{PREFIX}:run:{run}:throughput"
+
+
+def lease_key(run: str, batch: str) -> str:
+    """Refreshed by the worker running a batch; TTL = lease_ttl_s. Expired + no output = lost."""
+    return f"{PREFIX}:lease:{run}:{batch}"
+
+
+def leases_pattern() -> str:
+    return f"{PREFIX}:lease:*"
+
+
+def running_key() -> str:
+    """Hash `run/batch` → enqueue/claim info, scanned by the reaper for batches to re-enqueue."""
+    return f"{PREFIX}:running"
+
+
+def findings_key() -> str:
+    """Stream of power-watch findings, capped at findings_maxlen entries."""
+    return f"{PREFIX}:findings"
+
+
+def alerted_key() -> str:
+    """Hash finding fingerprint → last alert time, so one finding is not re-alerted each beat."""
+    return f"{PREFIX}:alerted"
+
+
+def telemetry_key(worker: str) -> str:
+    """A worker's latest GPU and engine window (JSON), TTL a few intervals: worker health."""
+    return f"{PREFIX}:telemetry:{worker}"
+
+
+def telemetry_pattern() -> str:
+    return f"{PREFIX}:telemetry:*"

@@ -1,0 +1,157 @@
+"""Record types on the path of a prompt, and their JSON lines encoding.
+
+PromptRecord (read from a dataset) → Batch (staged in the store) → WorkOrder (the Celery
+message, a claim check naming the staged batch) → CompletionRecord (one line per prompt in the
+batch's output object). Dataclasses with slots on the hot path; validation happens where data
+enters (readers, the task's message), not per request.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, field_validator
+
+from common.keys import validate_batch, validate_run
+
+ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
+
+
+@dataclass(slots=True)
+class PromptRecord:
+    """One prompt of a run: its id, chat messages, sample index and per-prompt overrides."""
+
+    id: str
+    messages: list[dict[str, Any]]
+    sample: int = 0
+    params: dict[str, Any] | None = None  # per-line overrides (OpenAI batch `body`)
+    custom_id: str | None = None  # the source's own id, kept for OpenAI batch output
+
+    def to_json(self) -> dict[str, Any]:
+        data: dict[str, Any] = {"id": self.id, "messages": self.messages}
+        if self.sample:
+            data["sample"] = self.sample
+        if self.params:
+            data["params"] = self.params
+        if self.custom_id is not None:
+            data["custom_id"] = self.custom_id
+        return data
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PromptRecord:
+        return cls(
+            id=data["id"],
+            messages=data["messages"],
+            sample=data.get("sample", 0),
+            params=data.get("params"),
+            custom_id=data.get("custom_id"),
+        )
+
+    @property
+    def key(self) -> tuple[str, int]:
+        """(id, sample): the identity an export deduplicates on."""
+        return (self.id, self.sample)
+
+
+@dataclass(slots=True)
+class Batch:
+    run: str
+    batch: str
+    records: list[PromptRecord]
+
+
+class GenerationParams(BaseModel):
+    """Run-wide sampling parameters; an OpenAI batch line may override them per prompt."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    max_tokens: int
+    temperature: float
+    top_p: float
+    thinking: bool
+
+
+class WorkOrder(BaseModel):
+    """The Celery message body: which staged batch to generate. JSON, small, validated.
+
+    It carries the run's sampling parameters so a worker never reads the manifest.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run: str
+    batch: str
+    key: str
+    params: GenerationParams
+    prompts: int = 0
+    enqueued_at: float = 0.0
+
+    @field_validator("run")
+    @classmethod
+    def _run(cls, value: str) -> str:
+        return validate_run(value)
+
+    @field_validator("batch")
+    @classmethod
+    def _batch(cls, value: str) -> str:
+        return validate_batch(value)
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+
+
+@dataclass(slots=True)
+class CompletionRecord:
+    """One output line: what was asked, what came back, and how (engine, tokens, latency).
+
+    `error` is None for a completion, `{"type", "message"}` for a prompt the engine refused
+    (too long, bad parameters): an error record still counts the prompt as done.
+    """
+
+    id: str
+    run: str
+    batch: str
+    messages: list[dict[str, Any]]
+    reasoning: str | None
+    content: str | None
+    finish_reason: str | None
+    usage: Usage = field(default_factory=Usage)
+    model: str | None = None
+    engine: dict[str, Any] = field(default_factory=dict)
+    latency_s: float = 0.0
+    error: dict[str, str] | None = None
+    sample: int = 0
+    custom_id: str | None = None
+    request_id: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> CompletionRecord:
+        data = dict(data)
+        data["usage"] = Usage(**(data.get("usage") or {}))
+        return cls(**data)
+
+
+def dumps_jsonl(rows: Iterable[dict[str, Any]]) -> bytes:
+    return b"".join(orjson.dumps(row) + b"\n" for row in rows)
+
+
+def encode_jsonl_gz(rows: Iterable[dict[str, Any]]) -> bytes:
+    """Gzip'd JSON lines; level 6 is the usual size/speed balance for text."""
+    return gzip.compress(dumps_jsonl(rows), compresslevel=6, mtime=0)
+
+
+def decode_jsonl_gz(data: bytes) -> Iterator[dict[str, Any]]:
+    for line in gzip.decompress(data).splitlines():
+        if line.strip():
+            yield orjson.loads(line)

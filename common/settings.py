@@ -1,0 +1,247 @@
+"""The one settings model: CLI flag, environment variable and record field share a name.
+
+`--max-inflight` is `max_inflight` here and `GENFLEET_MAX_INFLIGHT` in the environment.
+Settings are built at the edge (the CLI, a worker's start-up) and passed down; nothing reads
+the environment at import time. Units live in the names (`timeout_s`, `power_w`).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+EngineKind = Literal["sglang", "emulator", "external", "command"]
+
+
+def default_store_url() -> str:
+    """A local store under the current directory: the embedded default for one machine."""
+    return (Path.cwd() / "genfleet-store").resolve().as_uri()
+
+
+class Settings(BaseSettings):
+    """Every knob of genfleet, from the producer to the engine emulator.
+
+    Examples:
+        Settings()                                  # environment + defaults
+        Settings(redis_url="redis://:pw@host:6379/0", store="s3://bucket/runs")
+        Settings.from_overrides({"max_inflight": None, "batch_size": 64})  # CLI: None = unset
+    """
+
+    model_config = SettingsConfigDict(
+        env_prefix="GENFLEET_",
+        extra="ignore",
+        validate_default=True,
+    )
+
+    # --- where work and results live -------------------------------------------------------
+    redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
+    store: str = Field(default_factory=default_store_url)
+    s3_endpoint_url: str | None = None
+    s3_region: str = "us-east-1"
+    queue: str = "gpu"
+    # Redis re-delivers a late-acked message still running after this long (kombu
+    # QoS.restore_visible): keep it at least twice the longest batch, in every process.
+    visibility_timeout_s: int = 14_400
+
+    # --- what to generate -------------------------------------------------------------------
+    batch_size: int = Field(default=256, ge=1)
+    # A batch is also closed when its expected generation work reaches this many tokens
+    # (prompts x max_tokens), so no batch outlives the visibility timeout.
+    batch_max_tokens: int = Field(default=4_000_000, ge=1)
+    max_tokens: int = Field(default=8192, ge=1)
+    temperature: float = Field(default=0.6, ge=0.0)
+    top_p: float = Field(default=0.95, gt=0.0, le=1.0)
+    thinking: bool = True
+    system_prompt: str | None = None
+    samples: int = Field(default=1, ge=1)
+    limit: int | None = Field(default=None, ge=1)
+    max_line_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
+
+    # --- the engine -------------------------------------------------------------------------
+    engine: EngineKind | None = None  # None: sglang when a model is given, else the emulator
+    model: str | None = None
+    served_model_name: str | None = None
+    sglang_version: str | None = None  # None: read from the installed package
+    engine_url: str | None = None  # --engine external
+    engine_command: str | None = None  # --engine command, with {model} and {port}
+    engine_health_path: str = "/health"
+    engine_host: str = "127.0.0.1"
+    port: int = Field(default=30000, ge=1, le=65535)
+    gpus: str | None = None  # "0,1,2,3" or GPU UUIDs; None: whatever the worker sees
+    tp_size: int = Field(default=1, ge=1)
+    mem_fraction_static: float | None = Field(default=None, gt=0.0, lt=1.0)
+    max_running_requests: int | None = Field(default=None, ge=1)
+    context_length: int | None = Field(default=None, ge=1)
+    reasoning_parser: str | None = "qwen3"
+    tool_call_parser: str | None = None
+    trust_remote_code: bool = False
+    mamba_cache_strategy: str | None = None  # None: extra_buffer with MTP on hybrid models
+    attention_backend: str | None = None
+    enable_metrics: bool = True
+    engine_api_key: SecretStr | None = None
+    engine_log_level: str = "info"
+    engine_extra_args: str = ""  # passed through to the engine, shell-split
+    mtp: bool = True
+    speculative_algorithm: str = "EAGLE"
+    speculative_num_steps: int = Field(default=3, ge=1)
+    speculative_eagle_topk: int = Field(default=1, ge=1)
+    speculative_num_draft_tokens: int = Field(default=4, ge=1)
+    startup_timeout_s: float = Field(default=3600.0, gt=0)
+    stop_timeout_s: float = Field(default=30.0, gt=0)
+    restart_budget: int = Field(default=5, ge=0)
+    restart_backoff_s: float = Field(default=2.0, ge=0)
+    min_accept_length: float = Field(default=1.2, ge=1.0)
+    log_dir: str | None = None  # engine logs; None: a temporary directory
+
+    # "gpu": consume work orders with an engine; "control": run beat tasks only, no engine.
+    role: Literal["gpu", "control"] = "gpu"
+
+    # --- feeding the engine -----------------------------------------------------------------
+    worker_concurrency: int = Field(default=3, ge=1)  # batches in flight per worker
+    max_inflight: int | None = Field(default=None, ge=1)  # None: engine cap x 1.25 + 4
+    request_timeout_s: float = Field(default=3600.0, gt=0)
+    request_retries: int = Field(default=5, ge=0)
+    batch_retries: int = Field(default=3, ge=0)
+    checkpoint_interval_s: float = Field(default=60.0, gt=0)
+    lease_ttl_s: float = Field(default=60.0, gt=0)
+    reaper_interval_s: float = Field(default=30.0, gt=0)
+
+    # --- watching ---------------------------------------------------------------------------
+    power_watch_interval_s: float = Field(default=30.0, gt=0)
+    power_window_s: float = Field(default=60.0, gt=0)
+    underuse_threshold: float = Field(default=0.70, gt=0.0, lt=1.0)
+    sample_interval_s: float = Field(default=1.0, gt=0)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    findings_maxlen: int = Field(default=10_000, ge=1)
+    # The same power-watch finding (worker, GPU, cause) is alerted again only after this long.
+    realert_after_s: float = Field(default=1800.0, gt=0)
+
+    # --- the engine emulator (a dry-run engine, never a silent fallback) --------------------
+    emulator_time_scale: float = Field(default=1.0, gt=0)  # 10 = ten times real time
+    emulator_mean_completion_tokens: int = Field(default=1800, ge=1)
+    emulator_max_completion_tokens: int = Field(default=8192, ge=1)
+    emulator_load_s: float = Field(default=2.0, ge=0)
+    emulator_warmup_s: float = Field(default=1.0, ge=0)
+    emulator_step_base_ms: float = Field(default=12.0, ge=0)
+    emulator_step_per_request_ms: float = Field(default=0.25, ge=0)
+    emulator_accept_length: float = Field(default=2.6, ge=1.0)
+    emulator_power_limit_w: float = Field(default=700.0, gt=0)
+    emulator_idle_power_w: float = Field(default=80.0, ge=0)
+    emulator_fail_after_requests: int | None = None  # crash after N requests (fault tests)
+
+    @field_validator("store")
+    @classmethod
+    def _store_url(cls, value: str) -> str:
+        if value.startswith(("s3://", "file://")):
+            return value
+        if "://" in value:
+            raise ValueError(f"store must be s3://bucket/prefix or file:///path, got {value!r}")
+        return Path(value).expanduser().resolve().as_uri()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.engine == "external" and not self.engine_url:
+            raise ValueError("--engine external needs --engine-url")
+        if self.engine == "command" and not self.engine_command:
+            raise ValueError("--engine command needs --engine-command")
+        if self.engine == "sglang" and not self.model:
+            raise ValueError("--engine sglang needs --model")
+        return self
+
+    @classmethod
+    def from_overrides(cls, overrides: dict[str, Any]) -> Settings:
+        """Environment and defaults, overridden by the CLI flags that were given (not None)."""
+        return cls(**{k: v for k, v in overrides.items() if v is not None})
+
+    @property
+    def engine_kind(self) -> EngineKind:
+        """The engine to run: an explicit choice, or sglang with a model, else the emulator."""
+        if self.engine is not None:
+            return self.engine
+        return "sglang" if self.model else "emulator"
+
+    def redacted(self) -> dict[str, Any]:
+        """The settings as a dict with secrets masked, safe for logs and task results."""
+        data = self.model_dump()
+        data["redis_url"] = redact_url(self.redis_url.get_secret_value())
+        if self.engine_api_key is not None:
+            data["engine_api_key"] = "**********"
+        return data
+
+    def child_env(self) -> dict[str, str]:
+        """These settings as GENFLEET_ variables, for processes this one starts."""
+        env: dict[str, str] = {}
+        for name, value in self.model_dump().items():
+            if value is None:
+                continue
+            if isinstance(value, SecretStr):
+                value = value.get_secret_value()
+            if isinstance(value, bool):
+                value = "true" if value else "false"
+            env[f"GENFLEET_{name.upper()}"] = str(value)
+        return env
+
+
+def redact_url(url: str) -> str:
+    """`redis://:secret@host:6379/0` → `redis://:***@host:6379/0`: never log a password."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or "@" not in rest:
+        return url
+    creds, _, host = rest.rpartition("@")
+    user = creds.split(":", 1)[0] if ":" in creds else ""
+    return f"{scheme}://{user}:***@{host}"
+
+
+def setting_names() -> set[str]:
+    """Every GENFLEET_ variable name that means something."""
+    return {f"GENFLEET_{name.upper()}" for name in Settings.model_fields}
+
+
+def env_flag(name: str) -> str | None:
+    """Read one GENFLEET_ variable at call time (never at import)."""
+    return os.environ.get(f"GENFLEET_{name.upper()}")
+
+
+def _is_bool_field(name: str) -> bool:
+    annotation = Settings.model_fields[name].annotation
+    return annotation is bool
+
+
+def parse_setting_args(args: list[str]) -> dict[str, Any]:
+    """`--max-inflight 8 --no-mtp --store=s3://b/p` → {"max_inflight": "8", "mtp": False, ...}.
+
+    Every setting is a flag of the same name (kebab-case); booleans take `--x` / `--no-x`.
+    Raises ValueError naming the flag that is unknown or lacks a value.
+    """
+    overrides: dict[str, Any] = {}
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--"):
+            raise ValueError(f"unexpected argument {arg!r}")
+        flag, has_value, value = arg[2:].partition("=")
+        name = flag.replace("-", "_")
+        if name not in Settings.model_fields and name.startswith("no_"):
+            positive = name[3:]
+            if positive in Settings.model_fields and _is_bool_field(positive):
+                overrides[positive] = False
+                i += 1
+                continue
+        if name not in Settings.model_fields:
+            raise ValueError(f"unknown option --{flag} (see `genfleet settings` for all)")
+        if _is_bool_field(name) and not has_value:
+            overrides[name] = True
+            i += 1
+            continue
+        if not has_value:
+            if i + 1 >= len(args):
+                raise ValueError(f"option --{flag} needs a value")
+            value = args[i + 1]
+            i += 1
+        overrides[name] = value
+        i += 1
+    return overrides

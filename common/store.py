@@ -1,0 +1,280 @@
+"""The object store: `s3://bucket/prefix` through boto3, or `file:///path` for one machine.
+
+Outputs are written once: `put_if_absent` returns False when the key already exists, so a
+batch delivered twice (Redis visibility timeout, a reaped lease) is harmless by construction.
+On S3 that is `PutObject` with `If-None-Match: *` (412 when the key exists); on a local
+directory it is a hard link of a complete temporary file, which fails when the name exists.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+from urllib.parse import unquote, urlparse
+
+from common.errors import ConfigError, StoreError, StoreUnavailable
+
+T = TypeVar("T")
+
+
+class Store(Protocol):
+    url: str
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        """Write `key` unless it exists; True when this call wrote it."""
+
+    def put(self, key: str, data: bytes) -> None:
+        """Write or overwrite `key` (manifests, reject lists, exports)."""
+
+    def get(self, key: str) -> bytes | None:
+        """The object's bytes, or None when it does not exist."""
+
+    def exists(self, key: str) -> bool: ...
+
+    def list(self, prefix: str) -> Iterator[str]:
+        """Keys under `prefix`, in lexical order."""
+
+    def delete_prefix(self, prefix: str) -> int: ...
+
+
+class FileStore:
+    """A directory as a store; keys are relative paths. Atomic, write-once via hard links."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.url = root.as_uri()
+
+    def _path(self, key: str) -> Path:
+        path = (self.root / key).resolve()
+        if self.root.resolve() not in path.parents:
+            raise StoreError(f"key {key!r} escapes the store root")
+        return path
+
+    def _write_temp(self, path: Path, data: bytes, durable: bool) -> str:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            if durable:
+                handle.flush()
+                os.fsync(handle.fileno())
+        return tmp
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        # Outputs are what "done" means: make them durable before they become visible.
+        path = self._path(key)
+        tmp = self._write_temp(path, data, durable=True)
+        try:
+            os.link(tmp, path)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(tmp)
+
+    def put(self, key: str, data: bytes) -> None:
+        path = self._path(key)
+        tmp = self._write_temp(path, data, durable=False)
+        os.replace(tmp, path)
+
+    def get(self, key: str) -> bytes | None:
+        try:
+            return self._path(key).read_bytes()
+        except FileNotFoundError:
+            return None
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).exists()
+
+    def list(self, prefix: str) -> Iterator[str]:
+        base = self.root / prefix
+        directory = base if prefix.endswith("/") else base.parent
+        if not directory.is_dir():
+            return
+        keys = []
+        for dirpath, _dirnames, filenames in os.walk(directory):
+            for name in filenames:
+                if name.startswith(".tmp-"):
+                    continue
+                rel = Path(dirpath, name).relative_to(self.root).as_posix()
+                if rel.startswith(prefix):
+                    keys.append(rel)
+        yield from sorted(keys)
+
+    def delete_prefix(self, prefix: str) -> int:
+        count = 0
+        for key in list(self.list(prefix)):
+            self._path(key).unlink(missing_ok=True)
+            count += 1
+        return count
+
+
+class S3Store:
+    """An S3 bucket (AWS, MinIO, moto, any S3 protocol server) under an optional prefix.
+
+    Credentials come from the standard AWS variables only and are never logged. Path-style
+    addressing for self-hosted servers; checksums only when required (botocore >= 1.36
+    defaults break some S3-compatible servers); transient failures are retried with backoff
+    here, then raised as StoreUnavailable so the caller's retry takes over.
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str,
+        endpoint_url: str | None,
+        region: str,
+        attempts: int = 6,
+        sleep: Callable[[float], None] = time.sleep,
+    ) -> None:
+        try:
+            import boto3
+            from botocore.config import Config
+        except ImportError as exc:  # pragma: no cover - boto3 is a base dependency
+            raise ConfigError("s3:// stores need boto3: pip install boto3") from exc
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        self._attempts = attempts
+        self._sleep = sleep
+        config = Config(
+            s3={"addressing_style": "path"},
+            retries={"mode": "standard", "max_attempts": 3},
+            connect_timeout=5,
+            read_timeout=60,
+            request_checksum_calculation="when_required",
+            response_checksum_validation="when_required",
+            max_pool_connections=32,
+        )
+        self._client: Any = boto3.client(
+            "s3", endpoint_url=endpoint_url, region_name=region, config=config
+        )
+
+    def _key(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _call(self, what: str, fn: Callable[[], T]) -> T:
+        from botocore.exceptions import BotoCoreError, ClientError
+
+        delay = 0.5
+        for attempt in range(1, self._attempts + 1):
+            try:
+                return fn()
+            except ClientError as exc:
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                code = exc.response.get("Error", {}).get("Code", "")
+                retryable = status >= 500 or code in {"SlowDown", "ConditionalRequestConflict"}
+                if not retryable:
+                    raise
+                error: Exception = exc
+            except BotoCoreError as exc:  # connection refused, timeouts, DNS
+                error = exc
+            if attempt == self._attempts:
+                raise StoreUnavailable(f"S3 {what} failed after {attempt} tries: {error}")
+            self._sleep(delay)
+            delay = min(delay * 2, 10.0)
+        raise AssertionError("unreachable")
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        def put() -> bool:
+            try:
+                self._client.put_object(
+                    Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*"
+                )
+                return True
+            except ClientError as exc:
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                if status == 412 or exc.response.get("Error", {}).get("Code") == (
+                    "PreconditionFailed"
+                ):
+                    return False
+                raise
+
+        return self._call(f"put {key}", put)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._call(
+            f"put {key}",
+            lambda: self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data),
+        )
+
+    def get(self, key: str) -> bytes | None:
+        from botocore.exceptions import ClientError
+
+        def get() -> bytes | None:
+            try:
+                response = self._client.get_object(Bucket=self.bucket, Key=self._key(key))
+            except ClientError as exc:
+                if exc.response.get("Error", {}).get("Code") in {"NoSuchKey", "404"}:
+                    return None
+                raise
+            body: bytes = response["Body"].read()
+            return body
+
+        return self._call(f"get {key}", get)
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        def head() -> bool:
+            try:
+                self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+                return True
+            except ClientError as exc:
+                status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+                if status == 404:
+                    return False
+                raise
+
+        return self._call(f"head {key}", head)
+
+    def list(self, prefix: str) -> Iterator[str]:
+        full = self._key(prefix)
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": full}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._call(
+                f"list {prefix}", lambda kw=kwargs: self._client.list_objects_v2(**kw)
+            )
+            for item in page.get("Contents", []):
+                yield item["Key"][strip:]
+            if not page.get("IsTruncated"):
+                return
+            token = page.get("NextContinuationToken")
+
+    def delete_prefix(self, prefix: str) -> int:
+        count = 0
+        for key in list(self.list(prefix)):
+            self._call(
+                f"delete {key}",
+                lambda key=key: self._client.delete_object(  # type: ignore[misc]
+                    Bucket=self.bucket, Key=self._key(key)
+                ),
+            )
+            count += 1
+        return count
+
+
+def open_store(url: str, endpoint_url: str | None = None, region: str = "us-east-1") -> Store:
+    """A store from its URL: `s3://bucket[/prefix]` or `file:///absolute/path`."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        path = Path(unquote(parsed.netloc + parsed.path))
+        if not path.is_absolute():
+            raise ConfigError(f"file store path must be absolute: {url}")
+        path.mkdir(parents=True, exist_ok=True)
+        return FileStore(path)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ConfigError(f"s3 store URL needs a bucket: {url}")
+        return S3Store(parsed.netloc, parsed.path, endpoint_url, region)
+    raise ConfigError(f"store must be s3://bucket/prefix or file:///path, got {url!r}")

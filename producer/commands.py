@@ -1,0 +1,244 @@
+"""The producer's commands: enqueue, status, export, report, retry and the all-in-one run."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Annotated
+
+import orjson
+import redis
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from common import keys
+from common.errors import GenfleetError
+from common.redis_conn import connect
+from common.store import Store, open_store
+from producer.cli import (
+    PASS_THROUGH,
+    Json,
+    RedisUrl,
+    S3Endpoint,
+    StoreUrl,
+    app,
+    build_settings,
+    console,
+    fail,
+    out,
+)
+from producer.enqueue import EnqueueResult, enqueue_run, reader_options
+from producer.status import run_status
+
+Run = Annotated[str, typer.Option("--run", help="run name: letters, digits, . _ -")]
+Format = Annotated[
+    str | None, typer.Option("--format", help="jsonl|openai|parquet|hf (default: from the path)")
+]
+
+
+@app.command(context_settings=PASS_THROUGH)
+def enqueue(
+    ctx: typer.Context,
+    source: Annotated[str | None, typer.Argument(help="dataset file or directory")] = None,
+    run: Run = "",
+    batch_size: Annotated[int | None, typer.Option(help="prompts per batch")] = None,
+    max_tokens: Annotated[int | None, typer.Option(help="completion cap per prompt")] = None,
+    temperature: Annotated[float | None, typer.Option()] = None,
+    top_p: Annotated[float | None, typer.Option()] = None,
+    thinking: Annotated[bool | None, typer.Option("--thinking/--no-thinking")] = None,
+    fmt: Format = None,
+    system_prompt: Annotated[str | None, typer.Option()] = None,
+    limit: Annotated[int | None, typer.Option(help="first N prompts only")] = None,
+    samples: Annotated[int | None, typer.Option(help="completions per prompt")] = None,
+    messages_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
+    prompt_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
+    id_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="rebuild the queue of RUN from the store alone")
+    ] = False,
+    redis_url: RedisUrl = None,
+    store: StoreUrl = None,
+    s3_endpoint_url: S3Endpoint = None,
+    json_out: Json = False,
+) -> None:
+    """Stage SOURCE as RUN in the store and enqueue one work order per batch.
+
+    Re-running it for a run that exists enqueues only batches without output (nothing, when
+    the run is done). `--resume RUN` does that without a SOURCE, e.g. after Redis lost all.
+    """
+    if resume and not run and source:
+        run, source = source, None  # `genfleet enqueue --resume RUN`
+    if not run:
+        fail("--run RUN is required")
+    settings = build_settings(
+        ctx.args,
+        batch_size=batch_size,
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        thinking=thinking,
+        system_prompt=system_prompt,
+        limit=limit,
+        samples=samples,
+        redis_url=redis_url,
+        store=store,
+        s3_endpoint_url=s3_endpoint_url,
+    )
+    if source is None and not resume:
+        fail("give a SOURCE to stage, or --resume RUN to re-enqueue from the store")
+    options = reader_options(
+        settings, fmt, messages_col=messages_col, prompt_col=prompt_col, id_col=id_col
+    )
+    try:
+        result = enqueue_run(settings, run, None if resume else source, options)
+    except (GenfleetError, ValueError) as exc:
+        fail(str(exc))
+    _print_enqueue(result, json_out)
+
+
+def _print_enqueue(result: EnqueueResult, json_out: bool) -> None:
+    if json_out:
+        out.print_json(orjson.dumps(result.to_json()).decode())
+        return
+    verb = "staged" if result.staged else "found"
+    console.print(
+        f"run [bold]{result.run}[/]: {verb} {result.prompts} prompts in {result.batches_total} "
+        f"batches; enqueued {result.batches_enqueued}, already done {result.batches_done}, "
+        f"rejected {result.rejects} lines",
+        highlight=False,
+    )
+    for line in result.reject_samples:
+        console.print(f"  [yellow]rejected[/] {line}", highlight=False)
+    if result.rejects > len(result.reject_samples):
+        console.print(f"  … all {result.rejects} rejects are in {result.run}/rejects.jsonl")
+
+
+@app.command()
+def status(
+    run: Annotated[str, typer.Argument()],
+    json_out: Json = False,
+    watch: Annotated[bool, typer.Option("--watch", help="a live progress bar")] = False,
+    redis_url: RedisUrl = None,
+    store: StoreUrl = None,
+    s3_endpoint_url: S3Endpoint = None,
+) -> None:
+    """Progress of RUN: batches and prompts done, failed batches, tok/s and ETA."""
+    settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
+    try:
+        objects = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+        client = connect(settings)
+        if watch:
+            watch_run(objects, client, run)
+        report = run_status(objects, client, run)
+    except (GenfleetError, ValueError) as exc:
+        fail(str(exc))
+    if json_out:
+        out.print_json(orjson.dumps(report).decode())
+        return
+    out.print(
+        f"{report['run']}: {report['state']} — batches {report['batches_done']}/"
+        f"{report['batches_total']} done, {report['batches_failed']} failed; prompts "
+        f"{report['prompts_done']}/{report['prompts_total']}; {report['completion_tokens']} "
+        f"tokens; {report['tokens_per_s']} tok/s; ETA {report['eta_s']} s",
+        highlight=False,
+    )
+    for batch, error in report["failed"].items():
+        out.print(f"  failed {batch}: {error}", highlight=False)
+
+
+def watch_run(
+    objects: Store, client: redis.Redis, run: str, check: Callable[[], None] | None = None
+) -> None:
+    """A progress bar with tok/s and ETA until the run is done or failed."""
+    with Progress(
+        TextColumn("[bold]{task.fields[run]}"),
+        BarColumn(),
+        TextColumn("{task.completed}/{task.total} prompts"),
+        TextColumn("{task.fields[rate]} tok/s"),
+        TimeRemainingColumn(),
+        console=console,
+    ) as progress:
+        task = progress.add_task("run", total=None, run=run, rate=0)
+        while True:
+            report = run_status(objects, client, run)
+            progress.update(
+                task,
+                total=report["prompts_total"],
+                completed=report["prompts_done"],
+                rate=report["tokens_per_s"],
+            )
+            if report["state"] in {"done", "failed"}:
+                return
+            if check is not None:
+                check()
+            time.sleep(1.0)
+
+
+@app.command()
+def retry(
+    run: Annotated[str, typer.Argument()],
+    redis_url: RedisUrl = None,
+    store: StoreUrl = None,
+    s3_endpoint_url: S3Endpoint = None,
+) -> None:
+    """Re-enqueue RUN's failed batches (and any batch without output and without an order)."""
+    settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
+    try:
+        client = connect(settings)
+        failed = [b.decode() for b in client.hkeys(keys.failed_key(run))]
+        pipe = client.pipeline()
+        for batch in failed:
+            pipe.hdel(keys.failed_key(run), batch)
+            pipe.hdel(keys.attempts_key(run), batch)
+            pipe.srem(keys.queued_key(run), batch)
+        pipe.execute()
+        result = enqueue_run(settings, run, None, reader_options(settings))
+    except (GenfleetError, ValueError) as exc:
+        fail(str(exc))
+    console.print(
+        f"run {run}: {len(failed)} failed batches cleared; enqueued {result.batches_enqueued}; "
+        f"{result.batches_done}/{result.batches_total} done",
+        highlight=False,
+    )
+
+
+@app.command()
+def export(
+    run: Annotated[str, typer.Argument()],
+    out_path: Annotated[str, typer.Option("--out", help="local path or s3://bucket/key")],
+    fmt: Annotated[str, typer.Option("--format", help="jsonl|parquet|openai")] = "jsonl",
+    partial: Annotated[bool, typer.Option("--partial", help="export what is done")] = False,
+    redis_url: RedisUrl = None,
+    store: StoreUrl = None,
+    s3_endpoint_url: S3Endpoint = None,
+) -> None:
+    """Write RUN's completions to one file, deduplicated, in input order."""
+    from producer.export import export_run
+
+    settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
+    try:
+        result = export_run(settings, run, out_path, fmt, partial)  # type: ignore[arg-type]
+    except (GenfleetError, ValueError) as exc:
+        fail(str(exc))
+    console.print(f"exported {result}", highlight=False)
+
+
+@app.command()
+def report(
+    run: Annotated[str, typer.Argument()],
+    json_out: Json = False,
+    store: StoreUrl = None,
+    s3_endpoint_url: S3Endpoint = None,
+) -> None:
+    """Quality of RUN's outputs: token distributions, finish reasons, short answers, flags."""
+    from producer.report import build_report, render_report
+
+    settings = build_settings(store=store, s3_endpoint_url=s3_endpoint_url)
+    try:
+        data = build_report(settings, run)
+    except (GenfleetError, ValueError) as exc:
+        fail(str(exc))
+    if json_out:
+        out.print_json(orjson.dumps(data).decode())
+    else:
+        out.print(render_report(data))

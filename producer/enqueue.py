@@ -1,0 +1,237 @@
+"""Staging a dataset into the store and enqueueing one work order per batch.
+
+First enqueue of a run: read → batch → write each batch to `RUN/inputs/…` and send its work
+order as soon as it is staged (workers start while staging goes on), write rejects, then write
+`RUN/manifest.json` last: a manifest means staging finished. Any later enqueue of the run
+(`--resume`, a re-run, `retry`) stages nothing: it sends orders for the batches that have no
+output in the store and no order outstanding, so a finished run enqueues nothing new and a
+Redis that lost everything is rebuilt from the store alone.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from common import keys
+from common.errors import InputError
+from common.manifest import BatchEntry, Manifest
+from common.records import GenerationParams, PromptRecord, WorkOrder, encode_jsonl_gz
+from common.settings import Settings
+from common.store import Store, open_store
+from producer.batching import expected_tokens, make_batches
+from producer.readers import ReaderOptions, Reject, read_source
+
+Sender = Callable[[list[WorkOrder]], int]
+
+
+@dataclass
+class EnqueueResult:
+    run: str
+    prompts: int = 0
+    batches_total: int = 0
+    batches_enqueued: int = 0
+    batches_done: int = 0
+    rejects: int = 0
+    reject_samples: list[str] = field(default_factory=list)
+    staged: bool = False  # False: the run existed and only missing batches were enqueued
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "prompts": self.prompts,
+            "batches_total": self.batches_total,
+            "batches_enqueued": self.batches_enqueued,
+            "batches_done": self.batches_done,
+            "rejects": self.rejects,
+            "staged": self.staged,
+        }
+
+
+def reader_options(
+    settings: Settings, fmt: str | None = None, **columns: str | None
+) -> ReaderOptions:
+    return ReaderOptions(
+        format=fmt,
+        system_prompt=settings.system_prompt,
+        limit=settings.limit,
+        samples=settings.samples,
+        max_line_bytes=settings.max_line_bytes,
+        messages_col=columns.get("messages_col"),
+        prompt_col=columns.get("prompt_col"),
+        id_col=columns.get("id_col"),
+    )
+
+
+def generation_params(settings: Settings) -> GenerationParams:
+    return GenerationParams(
+        max_tokens=settings.max_tokens,
+        temperature=settings.temperature,
+        top_p=settings.top_p,
+        thinking=settings.thinking,
+    )
+
+
+class _Split:
+    """Splits the reader's stream into prompts (passed on) and rejects (kept aside)."""
+
+    def __init__(self, items: Iterator[PromptRecord | Reject]) -> None:
+        self.items = items
+        self.rejects: list[Reject] = []
+
+    def __iter__(self) -> Iterator[PromptRecord]:
+        for item in self.items:
+            if isinstance(item, Reject):
+                self.rejects.append(item)
+            else:
+                yield item
+
+
+def stage(
+    settings: Settings,
+    store: Store,
+    run: str,
+    source: str,
+    options: ReaderOptions,
+    send: Sender,
+    outstanding: set[str],
+) -> tuple[Manifest, EnqueueResult]:
+    """Read `source`, stage its batches, send their orders, write rejects and the manifest."""
+    result = EnqueueResult(run=run, staged=True)
+    split = _Split(read_source(source, options))
+    digest = hashlib.sha256()
+    params = generation_params(settings)
+    digest.update(orjson.dumps(params.model_dump(), option=orjson.OPT_SORT_KEYS))
+    entries: list[BatchEntry] = []
+    pending: list[WorkOrder] = []
+    done = done_batches(store, run)  # a run staged before but never finished its manifest
+    batches = make_batches(split, settings.batch_size, settings.batch_max_tokens, params.max_tokens)
+    for index, records in enumerate(batches):
+        batch = keys.batch_id(index)
+        key = keys.input_key(run, batch)
+        data = encode_jsonl_gz(record.to_json() for record in records)
+        digest.update(data)
+        store.put(key, data)
+        work = sum(expected_tokens(record, params.max_tokens) for record in records)
+        entries.append(BatchEntry(batch=batch, key=key, prompts=len(records), expected_tokens=work))
+        result.prompts += len(records)
+        if batch not in done:
+            pending.append(_order(run, batch, key, len(records), params))
+        if len(pending) >= 64:
+            result.batches_enqueued += _send(send, pending, outstanding)
+    result.batches_enqueued += _send(send, pending, outstanding)
+    result.rejects = len(split.rejects)
+    result.reject_samples = [str(reject) for reject in split.rejects[:20]]
+    if split.rejects:
+        store.put(
+            keys.rejects_key(run),
+            b"".join(orjson.dumps(reject.to_json()) + b"\n" for reject in split.rejects),
+        )
+    if not entries:
+        reason = f"{source}: no valid prompt"
+        if split.rejects:
+            reason += f" ({len(split.rejects)} rejected; first: {split.rejects[0]})"
+        raise InputError(reason)
+    manifest = Manifest(
+        run=run,
+        source=str(source),
+        format=options.format or "auto",
+        fingerprint=digest.hexdigest(),
+        created_at=time.time(),
+        params=params,
+        prompts_total=result.prompts,
+        rejects=result.rejects,
+        batches=entries,
+    )
+    store.put(keys.manifest_key(run), manifest.to_bytes())
+    result.batches_total = len(entries)
+    result.batches_done = len(done)
+    return manifest, result
+
+
+def _order(run: str, batch: str, key: str, prompts: int, params: GenerationParams) -> WorkOrder:
+    return WorkOrder(
+        run=run, batch=batch, key=key, params=params, prompts=prompts, enqueued_at=time.time()
+    )
+
+
+def _send(send: Sender, pending: list[WorkOrder], outstanding: set[str]) -> int:
+    orders = [order for order in pending if order.batch not in outstanding]
+    pending.clear()
+    if not orders:
+        return 0
+    sent = send(orders)
+    outstanding.update(order.batch for order in orders)
+    return sent
+
+
+def done_batches(store: Store, run: str) -> set[str]:
+    """Batches whose output object exists: the store's word on what is finished."""
+    return {keys.batch_from_output_key(k) for k in store.list(keys.outputs_prefix(run))}
+
+
+def enqueue_missing(
+    store: Store,
+    manifest: Manifest,
+    send: Sender,
+    outstanding: set[str],
+    only: set[str] | None = None,
+) -> EnqueueResult:
+    """Send orders for the manifest's batches that have no output and no outstanding order."""
+    done = done_batches(store, manifest.run)
+    result = EnqueueResult(
+        run=manifest.run,
+        prompts=manifest.prompts_total,
+        batches_total=len(manifest.batches),
+        batches_done=len(done),
+        rejects=manifest.rejects,
+    )
+    pending = [
+        _order(manifest.run, entry.batch, entry.key, entry.prompts, manifest.params)
+        for entry in manifest.batches
+        if entry.batch not in done and (only is None or entry.batch in only)
+    ]
+    result.batches_enqueued = _send(send, pending, outstanding)
+    return result
+
+
+def enqueue_run(
+    settings: Settings,
+    run: str,
+    source: str | None,
+    options: ReaderOptions,
+    only: set[str] | None = None,
+) -> EnqueueResult:
+    """Stage `source` as `run` (first time), or enqueue what the run still lacks (later)."""
+    from common.redis_conn import connect
+    from producer.broker import make_client_app, send_orders
+
+    keys.validate_run(run)
+    store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+    client = connect(settings)
+    app = make_client_app(settings)
+    queued = keys.queued_key(run)
+    outstanding = {member.decode() for member in client.smembers(queued)}
+
+    def send(orders: list[WorkOrder]) -> int:
+        client.sadd(queued, *[order.batch for order in orders])
+        return send_orders(app, settings, orders)
+
+    client.sadd(keys.runs_key(), run)
+    manifest = Manifest.load(store, run)
+    if manifest is None:
+        if source is None:
+            raise InputError(f"run {run!r} has no manifest in {store.url}: give a SOURCE")
+        manifest, result = stage(settings, store, run, source, options, send, outstanding)
+    else:
+        result = enqueue_missing(store, manifest, send, outstanding, only)
+    client.hset(
+        keys.counters_key(run),
+        mapping={"prompts_total": manifest.prompts_total, "batches_total": len(manifest.batches)},
+    )
+    return result

@@ -1,0 +1,425 @@
+"""`genfleet export`: a run's outputs as one file (JSONL, Parquet or OpenAI batch output).
+
+Output objects are read one at a time in manifest order and written as they are read, so
+memory is bounded by one batch whatever the run size. Records keep the input order: batches
+are in input order in the manifest and each output object is in its batch's input order.
+
+Deduplication by (id, sample) keeps a set for the current batch only. That is enough: the
+reader rejects a repeated id, samples of an id are numbered 0..N-1, and batching puts every
+prompt in exactly one batch, so a key can only repeat inside one output object (a retried
+request or an overlapping checkpoint part merged into it).
+
+Writes go to a temporary file that replaces the target only when complete (or is uploaded,
+for `s3://bucket/key`), so a failed export never leaves half a file under the final name.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import io
+import os
+import tempfile
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import IO, Any, Literal, Protocol
+from urllib.parse import unquote, urlparse
+
+import orjson
+
+from common import keys
+from common.errors import ConfigError, GenfleetError, StoreError
+from common.manifest import Manifest
+from common.settings import Settings
+from common.store import Store, open_store
+
+ExportFormat = Literal["jsonl", "parquet", "openai"]
+FORMATS: tuple[str, ...] = ("jsonl", "parquet", "openai")
+
+
+class RunIncomplete(GenfleetError):
+    """Some batches of the run have no output yet; `--partial` exports the rest."""
+
+    def __init__(self, run: str, missing: list[str], total: int) -> None:
+        self.run = run
+        self.missing = missing
+        shown = ", ".join(missing[:10]) + (", ..." if len(missing) > 10 else "")
+        super().__init__(
+            f"run {run!r} is not finished: {len(missing)} of {total} batches have no output "
+            f"({shown}); wait for them, `genfleet retry {run}`, or export with --partial"
+        )
+
+
+@dataclass
+class ExportResult:
+    run: str
+    path: str
+    format: str
+    records: int = 0
+    errors: int = 0
+    duplicates: int = 0
+    batches_total: int = 0
+    batches_exported: int = 0
+    missing_batches: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class RunScan:
+    """The finished part of a run, read batch by batch in manifest order.
+
+    `missing` holds the manifest's batches without an output object (including one that
+    vanished between listing and reading); `duplicates` counts the records `records()`
+    dropped. Both are final once `records()` is exhausted.
+    """
+
+    store: Store
+    manifest: Manifest
+    done: list[str]
+    missing: list[str]
+    duplicates: int = 0
+    batches_read: int = 0
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        run = self.manifest.run
+        for batch in self.done:
+            data = self.store.get(keys.output_key(run, batch))
+            if data is None:
+                self.missing.append(batch)
+                self.missing.sort(key=keys.batch_index)
+                continue
+            self.batches_read += 1
+            seen: set[tuple[Any, Any]] = set()
+            for record in iter_output_lines(data):
+                key = (record.get("id"), record.get("sample", 0))
+                if key in seen:
+                    self.duplicates += 1
+                    continue
+                seen.add(key)
+                yield record
+
+
+def iter_output_lines(data: bytes) -> Iterator[dict[str, Any]]:
+    """Records of one gzip'd output object, decompressed line by line (no full copy)."""
+    with gzip.GzipFile(fileobj=io.BytesIO(data)) as handle:
+        for line in handle:
+            if line.strip():
+                yield orjson.loads(line)
+
+
+def scan_run(settings: Settings, run: str) -> RunScan:
+    """Open the run's store and split its manifest's batches into done and missing."""
+    keys.validate_run(run)
+    store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+    manifest = Manifest.load(store, run)
+    if manifest is None:
+        raise ConfigError(f"run {run!r} has no manifest in {store.url}: was it enqueued?")
+    finished = {keys.batch_from_output_key(k) for k in store.list(keys.outputs_prefix(run))}
+    done = [entry.batch for entry in manifest.batches if entry.batch in finished]
+    missing = [entry.batch for entry in manifest.batches if entry.batch not in finished]
+    return RunScan(store, manifest, done, missing)
+
+
+class _Writer(Protocol):
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class _JsonlWriter:
+    """One JSON object per line; gzip'd when the target name ends in `.gz`."""
+
+    def __init__(self, path: Path, gz: bool) -> None:
+        raw: IO[bytes] = path.open("wb")
+        self._handle: IO[bytes] | gzip.GzipFile = (
+            gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) if gz else raw
+        )
+        self._raw = raw
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._handle.write(orjson.dumps(record) + b"\n")
+
+    def close(self) -> None:
+        self._handle.close()
+        self._raw.close()
+
+
+class _OpenAIWriter(_JsonlWriter):
+    def __init__(self, path: Path, gz: bool, created: int) -> None:
+        super().__init__(path, gz)
+        self._created = created
+
+    def write(self, record: dict[str, Any]) -> None:
+        super().write(openai_output_line(record, self._created))
+
+
+def openai_output_line(record: dict[str, Any], created: int) -> dict[str, Any]:
+    """One record as a line of an OpenAI Batch API output file (a BatchRequestOutput).
+
+    Ids are derived from (run, id, sample), so exporting twice gives the same file. A
+    completion is `response.status_code` 200 with a `chat.completion` body whose message
+    carries `reasoning_content` (as SGLang and vLLM return it); an error record is
+    `response: null` with `error: {code, message}`, the shape OpenAI uses for requests that
+    produced no response: tools that check `error` before reading `response` handle both.
+    """
+    sample = record.get("sample", 0)
+    seed = f"{record.get('run')}\0{record.get('id')}\0{sample}".encode()
+    digest = hashlib.sha256(seed).hexdigest()[:32]
+    line: dict[str, Any] = {
+        "id": f"batch_req_{digest}",
+        "custom_id": record.get("custom_id") or record.get("id"),
+        "response": None,
+        "error": None,
+    }
+    error = record.get("error")
+    if error:
+        code = error.get("type") or "error"
+        line["error"] = {"code": code, "message": error.get("message") or code}
+        return line
+    usage = record.get("usage") or {}
+    prompt_tokens = int(usage.get("prompt_tokens") or 0)
+    completion_tokens = int(usage.get("completion_tokens") or 0)
+    message: dict[str, Any] = {"role": "assistant", "content": record.get("content")}
+    if record.get("reasoning") is not None:
+        message["reasoning_content"] = record["reasoning"]
+    line["response"] = {
+        "status_code": 200,
+        "request_id": record.get("request_id") or f"req_{digest}",
+        "body": {
+            "id": f"chatcmpl-{digest}",
+            "object": "chat.completion",
+            "created": created,
+            "model": record.get("model") or "",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": record.get("finish_reason"),
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt_tokens,
+                "completion_tokens": completion_tokens,
+                "total_tokens": prompt_tokens + completion_tokens,
+                "completion_tokens_details": {
+                    "reasoning_tokens": int(usage.get("reasoning_tokens") or 0)
+                },
+            },
+            "system_fingerprint": None,
+        },
+    }
+    return line
+
+
+def parquet_schema() -> Any:
+    """The fixed export schema: the JSONL record's fields, nested the same way.
+
+    Messages are a list of {role, content, name, tool_call_id, tool_calls}, the shape chat
+    trainers read; content that is not a string (parts lists) and tool_calls are JSON text.
+    `engine` is JSON text because its keys vary by engine.
+    """
+    import pyarrow as pa
+
+    message = pa.struct(
+        [
+            ("role", pa.string()),
+            ("content", pa.string()),
+            ("name", pa.string()),
+            ("tool_call_id", pa.string()),
+            ("tool_calls", pa.string()),
+        ]
+    )
+    usage = pa.struct(
+        [(name, pa.int64()) for name in ("prompt_tokens", "completion_tokens", "reasoning_tokens")]
+    )
+    error = pa.struct([("type", pa.string()), ("message", pa.string())])
+    return pa.schema(
+        [
+            ("id", pa.string()),
+            ("sample", pa.int32()),
+            ("custom_id", pa.string()),
+            ("run", pa.string()),
+            ("batch", pa.string()),
+            ("messages", pa.list_(message)),
+            ("reasoning", pa.string()),
+            ("content", pa.string()),
+            ("finish_reason", pa.string()),
+            ("usage", usage),
+            ("model", pa.string()),
+            ("engine", pa.string()),
+            ("latency_s", pa.float64()),
+            ("error", error),
+            ("request_id", pa.string()),
+        ]
+    )
+
+
+def _text(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    return orjson.dumps(value).decode()
+
+
+def _parquet_row(record: dict[str, Any]) -> dict[str, Any]:
+    messages = [
+        {
+            "role": m.get("role"),
+            "content": _text(m.get("content")),
+            "name": m.get("name"),
+            "tool_call_id": m.get("tool_call_id"),
+            "tool_calls": _text(m.get("tool_calls")),
+        }
+        for m in record.get("messages") or []
+    ]
+    error = record.get("error")
+    return {
+        "id": str(record.get("id")),
+        "sample": int(record.get("sample") or 0),
+        "custom_id": record.get("custom_id"),
+        "run": record.get("run"),
+        "batch": record.get("batch"),
+        "messages": messages,
+        "reasoning": record.get("reasoning"),
+        "content": record.get("content"),
+        "finish_reason": record.get("finish_reason"),
+        "usage": record.get("usage") or {},
+        "model": record.get("model"),
+        "engine": _text(record.get("engine")),
+        "latency_s": float(record.get("latency_s") or 0.0),
+        "error": {"type": error.get("type"), "message": error.get("message")} if error else None,
+        "request_id": record.get("request_id"),
+    }
+
+
+class _ParquetWriter:
+    """Rows buffered up to a row group (by count or by text size), then written."""
+
+    ROW_GROUP_ROWS = 4096
+    ROW_GROUP_BYTES = 32 * 1024 * 1024
+
+    def __init__(self, path: Path) -> None:
+        import pyarrow.parquet as pq
+
+        self._schema = parquet_schema()
+        self._writer = pq.ParquetWriter(str(path), self._schema, compression="zstd")
+        self._rows: list[dict[str, Any]] = []
+        self._bytes = 0
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._rows.append(_parquet_row(record))
+        self._bytes += len(record.get("content") or "") + len(record.get("reasoning") or "")
+        if len(self._rows) >= self.ROW_GROUP_ROWS or self._bytes >= self.ROW_GROUP_BYTES:
+            self._flush()
+
+    def _flush(self) -> None:
+        if self._rows:
+            import pyarrow as pa
+
+            table = pa.Table.from_pylist(self._rows, schema=self._schema)
+            self._writer.write_table(table)
+            self._rows, self._bytes = [], 0
+
+    def close(self) -> None:
+        self._flush()
+        self._writer.close()
+
+
+def _writer(fmt: str, path: Path, gz: bool, manifest: Manifest) -> _Writer:
+    if fmt == "jsonl":
+        return _JsonlWriter(path, gz)
+    if fmt == "openai":
+        return _OpenAIWriter(path, gz, int(manifest.created_at))
+    return _ParquetWriter(path)
+
+
+def _parse_out(out: str) -> tuple[str, Path | None]:
+    """("s3", None) for s3://bucket/key, ("file", path) for a local path or file:// URL."""
+    parsed = urlparse(out)
+    if parsed.scheme == "s3":
+        if not parsed.netloc or not parsed.path.strip("/") or out.endswith("/"):
+            raise ConfigError(f"--out {out!r}: an S3 target is s3://bucket/key")
+        return "s3", None
+    if parsed.scheme == "file":
+        return "file", Path(unquote(parsed.netloc + parsed.path))
+    if parsed.scheme and len(parsed.scheme) > 1:
+        raise ConfigError(f"--out {out!r}: use a local path, file:///path or s3://bucket/key")
+    return "file", Path(out).expanduser()
+
+
+def export_run(
+    settings: Settings, run: str, out: str, fmt: str = "jsonl", partial: bool = False
+) -> ExportResult:
+    """Write every finished record of `run` to `out`, deduplicated, in input order.
+
+    Raises RunIncomplete before writing anything when batches lack outputs, unless
+    `partial`; then the finished batches are exported and the rest listed in the result.
+    """
+    if fmt not in FORMATS:
+        raise ConfigError(f"unknown export format {fmt!r}: use {', '.join(FORMATS)}")
+    scheme, local = _parse_out(out)
+    scan = scan_run(settings, run)
+    total = len(scan.manifest.batches)
+    if scan.missing and not partial:
+        raise RunIncomplete(run, scan.missing, total)
+    if local is not None:
+        local.parent.mkdir(parents=True, exist_ok=True)
+    directory = local.parent if local is not None else None
+    fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=".genfleet-export-")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    result = ExportResult(run=run, path=out, format=fmt, batches_total=total)
+    try:
+        writer = _writer(fmt, tmp, out.endswith(".gz"), scan.manifest)
+        try:
+            for record in scan.records():
+                writer.write(record)
+                result.records += 1
+                if record.get("error"):
+                    result.errors += 1
+        finally:
+            writer.close()
+        if scan.missing and not partial:  # an output vanished while we read
+            raise RunIncomplete(run, scan.missing, total)
+        if local is not None:
+            os.replace(tmp, local)
+        else:
+            upload_file(settings, tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
+    result.duplicates = scan.duplicates
+    result.batches_exported = scan.batches_read
+    result.missing_batches = list(scan.missing)
+    return result
+
+
+def upload_file(settings: Settings, path: Path, url: str) -> None:
+    """Upload a finished export to s3://bucket/key (multipart for large files)."""
+    parsed = urlparse(url)
+    try:
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+        from botocore.exceptions import BotoCoreError, ClientError
+    except ImportError as exc:  # pragma: no cover - boto3 is a base dependency
+        raise ConfigError("s3:// exports need boto3: pip install boto3") from exc
+    config = Config(
+        s3={"addressing_style": "path"},
+        retries={"mode": "standard", "max_attempts": 5},
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    client = boto3.client(
+        "s3",
+        endpoint_url=settings.s3_endpoint_url,
+        region_name=settings.s3_region,
+        config=config,
+    )
+    transfer = TransferConfig(multipart_threshold=64 * 1024 * 1024, max_concurrency=4)
+    try:
+        client.upload_file(str(path), parsed.netloc, parsed.path.lstrip("/"), Config=transfer)
+    except (BotoCoreError, ClientError) as exc:
+        raise StoreError(f"upload of the export to {url} failed: {exc}") from exc

@@ -1,0 +1,189 @@
+"""`genfleet run SOURCE`: the whole job on one machine, from a dataset file to a finished run.
+
+Starts the GPU workers (one per GPU group, each with its engine) and the control worker
+(beat: power-watch and lease reaper) as child processes, stages and enqueues the dataset,
+shows progress until every prompt has an output or an error record, stops the children and
+prints a summary with the power-watch findings. Exit code 0 when the run is done, 1 when
+batches failed (then `genfleet retry RUN`), 2 on a setup error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated, Any
+
+import orjson
+import typer
+
+from common import keys
+from common.errors import GenfleetError
+from common.redis_conn import connect
+from common.settings import Settings
+from common.store import open_store
+from producer.cli import PASS_THROUGH, Json, app, build_settings, console, fail, out
+from producer.commands import Format, watch_run
+from producer.enqueue import enqueue_run, reader_options
+from producer.status import run_status
+
+
+def default_run_name(source: str) -> str:
+    """The dataset's file name, made a valid run name: re-running resumes the same run."""
+    stem = Path(source).name.split(".", 1)[0] or "run"
+    cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in stem).strip(".-_")
+    return keys.validate_run(cleaned[:100] or "run")
+
+
+class Children:
+    """The worker processes this run started; stopped together, never left behind."""
+
+    def __init__(self, log_dir: Path) -> None:
+        self.log_dir = log_dir
+        self.procs: dict[str, subprocess.Popen[bytes]] = {}
+
+    def start(self, name: str, args: list[str], env: dict[str, str]) -> None:
+        log = (self.log_dir / f"{name}.log").open("ab")
+        self.procs[name] = subprocess.Popen(
+            [sys.executable, "-m", "workers", *args],
+            env=env,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def dead(self) -> dict[str, int]:
+        return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for proc in self.procs.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+
+    def tail(self, name: str, lines: int = 15) -> str:
+        path = self.log_dir / f"{name}.log"
+        text = path.read_text(errors="replace") if path.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+
+def _wait(children: Children, settings: Settings, run: str) -> dict[str, Any]:
+    store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+    client = connect(settings)
+
+    def check() -> None:
+        dead = children.dead()
+        if "worker" in dead:
+            raise GenfleetError(
+                f"the worker exited with code {dead['worker']} before the run finished; "
+                f"last lines of {children.log_dir}/worker.log:\n{children.tail('worker')}"
+            )
+
+    watch_run(store, client, run, check=check)
+    return run_status(store, client, run)
+
+
+@app.command("run", context_settings=PASS_THROUGH)
+def run_command(
+    ctx: typer.Context,
+    source: Annotated[str, typer.Argument(help="dataset file or directory")],
+    run: Annotated[str | None, typer.Option("--run", help="default: the file's name")] = None,
+    fmt: Format = None,
+    json_out: Json = False,
+) -> None:
+    """Generate SOURCE on this machine end to end: workers, engine, enqueue, wait, summary.
+
+    Any setting is a flag: `--model PATH` (SGLang; without it the emulator runs, said loudly),
+    `--no-mtp`, `--gpus 0,1`, `--tp-size`, `--batch-size`, `--max-tokens`, `--store`, ...
+    """
+    settings = build_settings(ctx.args)
+    run = run or default_run_name(source)
+    try:
+        keys.validate_run(run)
+        connect(settings)
+    except (GenfleetError, ValueError) as exc:
+        fail(str(exc))
+    kind = settings.engine_kind
+    if kind == "emulator":
+        console.print(
+            "[bold yellow]ENGINE: the genfleet emulator[/] — no --model given, so outputs are "
+            "synthetic (a dry run). Pass --model PATH to run SGLang.",
+            highlight=False,
+        )
+    else:
+        console.print(f"ENGINE: {kind} {settings.model or settings.engine_url or ''}")
+    log_dir = Path(settings.log_dir or tempfile.mkdtemp(prefix="genfleet-run-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **settings.child_env(), "GENFLEET_LOG_DIR": str(log_dir)}
+    children = Children(log_dir)
+    console.print(f"store {settings.store}; logs in {log_dir}", highlight=False)
+    try:
+        children.start("worker", ["worker"], env)
+        children.start("control", ["control"], {**env, "GENFLEET_ROLE": "control"})
+        result = enqueue_run(settings, run, source, reader_options(settings, fmt))
+        console.print(
+            f"run [bold]{run}[/]: {result.prompts} prompts, {result.batches_total} batches "
+            f"({result.batches_done} already done), {result.rejects} lines rejected",
+            highlight=False,
+        )
+        for line in result.reject_samples:
+            console.print(f"  [yellow]rejected[/] {line}", highlight=False)
+        report = _wait(children, settings, run)
+    except (GenfleetError, ValueError) as exc:
+        children.stop()
+        fail(str(exc))
+    except KeyboardInterrupt:
+        console.print("interrupted: stopping workers (finished batches are kept)")
+        children.stop()
+        raise typer.Exit(130) from None
+    children.stop()
+    _summary(settings, report, json_out)
+    raise typer.Exit(0 if report["state"] == "done" else 1)
+
+
+def _summary(settings: Settings, report: dict[str, Any], json_out: bool) -> None:
+    findings = _findings(settings, report["run"])
+    if json_out:
+        out.print_json(orjson.dumps({**report, "findings": findings}).decode())
+        return
+    out.print(
+        f"run {report['run']}: {report['state']} — {report['prompts_done']}/"
+        f"{report['prompts_total']} prompts ({report['errors']} error records), "
+        f"{report['completion_tokens']} completion tokens, "
+        f"{report['batches_failed']} failed batches",
+        highlight=False,
+    )
+    if report["state"] != "done":
+        out.print(f"failed batches: {', '.join(report['failed'])}; fix, then `genfleet retry`")
+    out.print(f"export: genfleet export {report['run']} --out {report['run']}.jsonl")
+    for finding in findings:
+        out.print(f"finding: {finding.get('cause')}: {finding.get('suggestion')}", highlight=False)
+
+
+def _findings(settings: Settings, run: str) -> list[dict[str, Any]]:
+    """Power-watch findings recorded while this run was going (from the Redis stream)."""
+    try:
+        client = connect(settings)
+        entries = client.xrevrange(keys.findings_key(), count=200)
+    except Exception:  # noqa: BLE001 - a summary never fails on telemetry
+        return []
+    findings = []
+    for _id, fields in entries:
+        data = orjson.loads(fields.get(b"finding", b"{}"))
+        if data.get("run") in (None, run):
+            findings.append(data)
+    return findings[:20]

@@ -1,0 +1,123 @@
+"""JSON lines: chat (`messages`), prompt (`prompt`) and OpenAI Batch API request lines.
+
+Lines are read as bytes so that a line that is not UTF-8, not JSON, or over the size limit is
+one reject, not the end of the file. OpenAI batch lines (`custom_id`, `method`, `url`, `body`)
+carry per-line sampling parameters that override the run's.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Iterator
+from pathlib import Path
+from typing import IO, Any
+
+import orjson
+
+from common.records import PromptRecord
+from producer.readers import (
+    BadRecord,
+    Located,
+    ReaderOptions,
+    Reject,
+    check_id,
+    check_messages,
+    check_prompt,
+)
+
+# Body fields of an OpenAI chat request that map onto genfleet's per-prompt parameters.
+OPENAI_PARAMS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed")
+
+
+def _open(path: Path) -> IO[bytes]:
+    if path.name.endswith(".gz"):
+        return gzip.open(path, "rb")
+    return path.open("rb")
+
+
+def _files(path: Path) -> list[Path]:
+    if path.is_dir():
+        return sorted([*path.glob("*.jsonl"), *path.glob("*.jsonl.gz")])
+    return [path]
+
+
+def read_jsonl(path: Path, options: ReaderOptions) -> Iterator[Located]:
+    for file in _files(path):
+        yield from _read_file(file, options)
+
+
+def _read_file(path: Path, options: ReaderOptions) -> Iterator[Located]:
+    name = str(path)
+    stem = path.name.split(".", 1)[0]
+    with _open(path) as handle:
+        for lineno, raw in enumerate(handle, start=1):
+            if len(raw) > options.max_line_bytes:
+                yield Reject(name, lineno, None, f"line over {options.max_line_bytes} bytes")
+                continue
+            if not raw.strip():
+                continue
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                yield Reject(name, lineno, None, f"not UTF-8 (byte {exc.start})")
+                continue
+            try:
+                data = orjson.loads(text)
+            except orjson.JSONDecodeError as exc:
+                yield Reject(name, lineno, None, f"not JSON: {exc}")
+                continue
+            try:
+                record = parse_line(data, default_id=f"{stem}:{lineno}", fmt=options.format)
+            except BadRecord as exc:
+                yield Reject(name, lineno, exc.field, str(exc))
+                continue
+            yield (lineno, record)
+
+
+def parse_line(data: Any, default_id: str, fmt: str | None = None) -> PromptRecord:
+    """One decoded JSON line → a PromptRecord, or BadRecord naming the field."""
+    if not isinstance(data, dict):
+        raise BadRecord(None, f"must be a JSON object, got {type(data).__name__}")
+    if fmt == "openai" or ("custom_id" in data and "body" in data):
+        return _parse_openai(data)
+    if fmt == "openai":
+        raise BadRecord("custom_id", "an OpenAI batch line needs custom_id and body")
+    record_id = check_id(data.get("id")) or default_id
+    if "messages" in data:
+        messages = check_messages(data["messages"])
+    elif "prompt" in data:
+        messages = check_prompt(data["prompt"])
+    else:
+        raise BadRecord("messages", "neither 'messages' nor 'prompt' is present")
+    return PromptRecord(record_id, messages)
+
+
+def _parse_openai(data: dict[str, Any]) -> PromptRecord:
+    custom_id = check_id(data.get("custom_id"), "custom_id")
+    if custom_id is None:
+        raise BadRecord("custom_id", "is missing")
+    method = data.get("method", "POST")
+    if method != "POST":
+        raise BadRecord("method", f"must be POST, got {method!r}")
+    url = data.get("url", "/v1/chat/completions")
+    if url != "/v1/chat/completions":
+        raise BadRecord("url", f"only /v1/chat/completions is supported, got {url!r}")
+    body = data.get("body")
+    if not isinstance(body, dict):
+        raise BadRecord("body", "is missing or not an object")
+    messages = check_messages(body.get("messages"), "body.messages")
+    params: dict[str, Any] = {}
+    for name in OPENAI_PARAMS:
+        if body.get(name) is not None:
+            params[name] = body[name]
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = params.get(name)
+        if value is not None and (not isinstance(value, int) or value < 1):
+            raise BadRecord(f"body.{name}", "must be a positive integer")
+    for name in ("temperature", "top_p"):
+        value = params.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise BadRecord(f"body.{name}", "must be a number")
+    if "max_completion_tokens" in params:
+        params["max_tokens"] = params.pop("max_completion_tokens")
+    return PromptRecord(custom_id, messages, 0, params or None, custom_id)

@@ -1,0 +1,173 @@
+"""Parquet files and directories of Parquet shards, read one record batch at a time.
+
+Only the named columns are read (`--messages-col`, `--prompt-col`, `--id-col`; defaults
+`messages`, `prompt`, `id`) and only one record batch of them is in memory at a time, so a
+shard of any size streams. A row is numbered by its 0-based index in its file (what
+`table.slice(row, 1)` or `df.iloc[row]` would show); rows without an id get `{stem}:{row}`.
+
+Rejects: a column named on the command line that a file lacks rejects that file (the mapping
+the user asked for does not hold there, and guessing would mix datasets); a file with neither
+a messages nor a prompt column is rejected as a whole; a bad value rejects its row. Other
+files and rows go on. The row logic is shared with the Hugging Face reader (`hf_disk.py`),
+whose `.arrow` files hold the same record batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from common.errors import ConfigError
+from common.records import PromptRecord
+from producer.readers import (
+    BadRecord,
+    Located,
+    ReaderOptions,
+    Reject,
+    check_id,
+    check_messages,
+    check_prompt,
+)
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
+ROWS_PER_BATCH = 1024
+
+
+def import_pyarrow() -> Any:
+    """pyarrow, or a ConfigError with the install hint (it is the `formats` extra)."""
+    try:
+        import pyarrow
+    except ImportError as exc:  # pragma: no cover - installed with genfleet[formats]
+        raise ConfigError(
+            "Parquet and Hugging Face inputs need pyarrow: pip install pyarrow"
+        ) from exc
+    return pyarrow
+
+
+@dataclass(frozen=True, slots=True)
+class Columns:
+    """Which columns of one file carry the messages, the prompt and the id."""
+
+    messages: str | None
+    prompt: str | None
+    id: str | None
+
+    def names(self) -> list[str]:
+        return [name for name in (self.messages, self.prompt, self.id) if name is not None]
+
+
+def resolve_columns(name: str, present: Iterable[str], options: ReaderOptions) -> Columns | Reject:
+    """The columns to read from a file with these column names, or the reject of the file."""
+    available = set(present)
+    for flag, column in (
+        ("--messages-col", options.messages_col),
+        ("--prompt-col", options.prompt_col),
+        ("--id-col", options.id_col),
+    ):
+        if column is not None and column not in available:
+            return Reject(name, None, column, f"no column {column!r} (named by {flag})")
+    messages = options.messages_col or "messages"
+    prompt = options.prompt_col or "prompt"
+    id_col = options.id_col or "id"
+    columns = Columns(
+        messages if messages in available else None,
+        prompt if prompt in available else None,
+        id_col if id_col in available else None,
+    )
+    if columns.messages is None and columns.prompt is None:
+        return Reject(
+            name,
+            None,
+            messages,
+            f"neither a {messages!r} nor a {prompt!r} column; columns are {sorted(available)}",
+        )
+    return columns
+
+
+def _clean_messages(value: Any) -> Any:
+    """Drop keys whose value is null: an Arrow struct gives every message every field."""
+    if isinstance(value, str):
+        try:
+            value = orjson.loads(value)  # messages stored as a JSON string column
+        except orjson.JSONDecodeError:
+            return value
+    if isinstance(value, list):
+        return [
+            {k: v for k, v in message.items() if v is not None}
+            if isinstance(message, dict)
+            else message
+            for message in value
+        ]
+    return value
+
+
+def parse_row(row: dict[str, Any], columns: Columns, default_id: str) -> PromptRecord:
+    """One row's values → a PromptRecord, or BadRecord naming the column."""
+    record_id = default_id
+    if columns.id is not None:
+        record_id = check_id(row[columns.id], columns.id) or default_id
+    if columns.messages is not None and row[columns.messages] is not None:
+        messages = check_messages(_clean_messages(row[columns.messages]), columns.messages)
+    elif columns.prompt is not None:
+        messages = check_prompt(row[columns.prompt], columns.prompt)
+    else:
+        assert columns.messages is not None
+        raise BadRecord(columns.messages, "is null")
+    return PromptRecord(record_id, messages)
+
+
+def rows_from_batches(
+    name: str, stem: str, batches: Iterable[pa.RecordBatch], columns: Columns, start: int = 0
+) -> Iterator[Located]:
+    """Records from record batches holding `columns`; rows are numbered from `start`."""
+    row = start
+    for batch in batches:
+        values = {col: batch.column(col).to_pylist() for col in columns.names()}
+        for i in range(batch.num_rows):
+            data = {col: values[col][i] for col in values}
+            try:
+                yield (row, parse_row(data, columns, f"{stem}:{row}"))
+            except BadRecord as exc:
+                yield Reject(name, row, exc.field, f"row {row}: {exc}")
+            row += 1
+
+
+def parquet_files(path: Path) -> list[Path]:
+    """A file, or the Parquet shards of a directory in name order (shard order)."""
+    if path.is_dir():
+        return sorted([*path.glob("*.parquet"), *path.glob("*.pq")])
+    return [path]
+
+
+def read_parquet(path: Path, options: ReaderOptions) -> Iterator[Located]:
+    """Every row of every shard, in shard then row order, as records or rejects."""
+    pa = import_pyarrow()
+    import pyarrow.parquet as pq
+
+    files = parquet_files(path)
+    if not files:
+        yield Reject(str(path), None, None, "no .parquet files in this directory")
+    for file in files:
+        name = str(file)
+        try:
+            handle = pq.ParquetFile(file)
+        except (pa.ArrowException, OSError) as exc:
+            yield Reject(name, None, None, f"not a readable Parquet file: {exc}")
+            continue
+        with handle:
+            columns = resolve_columns(name, handle.schema_arrow.names, options)
+            if isinstance(columns, Reject):
+                yield columns
+                continue
+            stem = file.name.split(".", 1)[0]
+            batches = handle.iter_batches(batch_size=ROWS_PER_BATCH, columns=columns.names())
+            try:
+                yield from rows_from_batches(name, stem, batches, columns)
+            except (pa.ArrowException, OSError) as exc:
+                yield Reject(name, None, None, f"Parquet file is corrupt after some rows: {exc}")

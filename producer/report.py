@@ -1,0 +1,188 @@
+"""`genfleet report`: is this run worth training on? Counted before anyone finds out the hard way.
+
+One streaming pass over the run's output objects (the same deduplicated, input-ordered records
+`export` writes) counts finish reasons, errors by type, empty and short answers and answers
+with reasoning but no content, and the distribution of completion and reasoning tokens.
+
+Percentiles are exact and memory is bounded by the number of distinct token counts, not by
+the number of records: each distribution is a histogram (count per token value), and a
+token count cannot exceed the run's max_tokens, so a 900K-record run capped at 8192 tokens
+keeps at most 8192 entries per histogram. p50/p90 are nearest-rank: the smallest value with
+at least that share of records at or below it.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from collections import Counter
+from typing import Any
+
+from common.settings import Settings
+from producer.export import scan_run
+
+SHORT_CHARS = 32  # an answer under this many characters says nothing a trainer can use
+THRESHOLD = 0.10  # a run whose share of a bad kind of answer exceeds this is flagged
+
+
+def distribution(histogram: Counter[int]) -> dict[str, float | int]:
+    """{mean, p50, p90, max} of a value → count histogram (exact, nearest-rank)."""
+    total = sum(histogram.values())
+    if not total:
+        return {"mean": 0.0, "p50": 0, "p90": 0, "max": 0}
+    values = sorted(histogram)
+    mean = sum(value * count for value, count in histogram.items()) / total
+    result: dict[str, float | int] = {"mean": round(mean, 2)}
+    for name, share in (("p50", 0.5), ("p90", 0.9)):
+        rank = max(1, math.ceil(share * total))
+        seen = 0
+        for value in values:
+            seen += histogram[value]
+            if seen >= rank:
+                result[name] = value
+                break
+    result["max"] = values[-1]
+    return result
+
+
+def _share(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
+
+
+def _flags(report: dict[str, Any], threshold: float) -> list[str]:
+    """One line per problem a person should look at before training on the run."""
+    flags: list[str] = []
+    answers = report["records"] - report["errors"]
+    checks = (
+        ("short_or_empty_answers", report["short_answers"], answers),
+        ("length_capped", report["length_capped"], answers),
+        ("reasoning_without_content", report["reasoning_without_content"], answers),
+        ("errors", report["errors"], report["records"]),
+    )
+    for name, part, whole in checks:
+        share = _share(part, whole)
+        if share > threshold:
+            flags.append(f"{name} {share:.1%} > {threshold:.0%}")
+    if report["batches_missing"]:
+        flags.append(
+            f"incomplete: {report['batches_missing']} of {report['batches_total']} batches "
+            "have no output"
+        )
+    if not report["records"]:
+        flags.append("no records")
+    return flags
+
+
+def build_report(
+    settings: Settings,
+    run: str,
+    short_chars: int = SHORT_CHARS,
+    threshold: float = THRESHOLD,
+    short_tokens: int | None = None,
+) -> dict[str, Any]:
+    """The run's quality report as one JSON-ready object, finished or not.
+
+    An answer (the content, stripped) is short when it has fewer than `short_chars`
+    characters, or fewer than `short_tokens` content tokens (completion minus reasoning
+    tokens) when that is given; `short_answers` includes the empty ones, which
+    `empty_answers` counts on their own. Error records count in `errors` and
+    `errors_by_type` only, not in the answer statistics.
+    """
+    scan = scan_run(settings, run)
+    finish: Counter[str] = Counter()
+    errors_by_type: Counter[str] = Counter()
+    completion: Counter[int] = Counter()
+    reasoning: Counter[int] = Counter()
+    records = empty = short = reasoning_only = 0
+    for record in scan.records():
+        records += 1
+        error = record.get("error")
+        if error:
+            errors_by_type[str(error.get("type") or "error")] += 1
+            continue
+        finish[str(record.get("finish_reason"))] += 1
+        usage = record.get("usage") or {}
+        completion_tokens = int(usage.get("completion_tokens") or 0)
+        reasoning_tokens = int(usage.get("reasoning_tokens") or 0)
+        completion[completion_tokens] += 1
+        reasoning[reasoning_tokens] += 1
+        content = (record.get("content") or "").strip()
+        if not content:
+            empty += 1
+            if (record.get("reasoning") or "").strip():
+                reasoning_only += 1
+        content_tokens = completion_tokens - reasoning_tokens
+        few_tokens = short_tokens is not None and content_tokens < short_tokens
+        if len(content) < short_chars or few_tokens:
+            short += 1
+    report: dict[str, Any] = {
+        "run": run,
+        "batches_total": len(scan.manifest.batches),
+        "batches_done": scan.batches_read,
+        "batches_missing": len(scan.missing),
+        "records": records,
+        "duplicates": scan.duplicates,
+        "errors": sum(errors_by_type.values()),
+        "errors_by_type": dict(errors_by_type.most_common()),
+        "finish_reasons": dict(finish.most_common()),
+        "length_capped": finish.get("length", 0),
+        "completion_tokens": distribution(completion),
+        "reasoning_tokens": distribution(reasoning),
+        "empty_answers": empty,
+        "short_answers": short,
+        "reasoning_without_content": reasoning_only,
+        "short_chars": short_chars,
+        "short_tokens": short_tokens,
+        "threshold": threshold,
+    }
+    report["flags"] = _flags(report, threshold)
+    return report
+
+
+def render_report(report: dict[str, Any]) -> str:
+    """The report as text tables, for a terminal or a log."""
+    from rich.console import Console
+    from rich.table import Table
+
+    answers = report["records"] - report["errors"]
+    summary = Table(title=f"run {report['run']}", show_header=False)
+    summary.add_column("what")
+    summary.add_column("count", justify="right")
+    summary.add_column("share", justify="right")
+    rows: list[tuple[str, int, int | None]] = [
+        ("batches done", report["batches_done"], report["batches_total"]),
+        ("records", report["records"], None),
+        ("errors", report["errors"], report["records"]),
+        ("length capped", report["length_capped"], answers),
+        ("empty answers", report["empty_answers"], answers),
+        (f"short answers (< {report['short_chars']} chars)", report["short_answers"], answers),
+        ("reasoning without content", report["reasoning_without_content"], answers),
+        ("duplicates dropped", report["duplicates"], None),
+    ]
+    for name, count, whole in rows:
+        share = f"{_share(count, whole):.1%}" if whole is not None else ""
+        summary.add_row(name, f"{count:,}", share)
+
+    tokens = Table(title="tokens per answer")
+    tokens.add_column("")
+    for column in ("mean", "p50", "p90", "max"):
+        tokens.add_column(column, justify="right")
+    for name in ("completion_tokens", "reasoning_tokens"):
+        stats = report[name]
+        tokens.add_row(name, *(f"{stats[c]:,}" for c in ("mean", "p50", "p90", "max")))
+
+    reasons = Table(title="finish reasons and errors")
+    reasons.add_column("kind")
+    reasons.add_column("count", justify="right")
+    for reason, count in report["finish_reasons"].items():
+        reasons.add_row(f"finish: {reason}", f"{count:,}")
+    for kind, count in report["errors_by_type"].items():
+        reasons.add_row(f"error: {kind}", f"{count:,}")
+
+    buffer = io.StringIO()
+    console = Console(file=buffer, width=100, force_terminal=False, color_system=None)
+    for table in (summary, tokens, reasons):
+        console.print(table)
+    flags = report["flags"]
+    console.print("flags: " + ("; ".join(flags) if flags else "none"))
+    return buffer.getvalue()

@@ -1,0 +1,81 @@
+"""Where a run stands: the store says what is done, Redis says how fast it is going.
+
+Batches done = output objects in the store (the truth, even after Redis lost everything);
+failed batches, token counters and the throughput window come from Redis.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import redis
+
+from common import keys
+from common.errors import InputError
+from common.manifest import Manifest
+from common.store import Store
+from producer.enqueue import done_batches
+
+WINDOW_S = 120.0
+
+
+def tokens_per_s(client: redis.Redis, run: str, now: float, started_at: float | None) -> float:
+    """Output tokens per second over the last two minutes (or since the run started)."""
+    window = WINDOW_S
+    if started_at:
+        window = max(min(WINDOW_S, now - started_at), 1.0)
+    total = 0
+    for member in client.zrangebyscore(keys.throughput_key(run), now - window, "+inf"):
+        total += int(member.decode().rsplit(":", 1)[1])
+    return total / window
+
+
+def run_status(
+    store: Store, client: redis.Redis, run: str, now: float | None = None
+) -> dict[str, Any]:
+    keys.validate_run(run)
+    now = time.time() if now is None else now
+    manifest = Manifest.load(store, run)
+    if manifest is None:
+        raise InputError(f"no run {run!r} in {store.url} (no manifest): enqueue it first")
+    done = done_batches(store, run) & set(manifest.batch_ids())
+    failed = {k.decode(): v.decode() for k, v in client.hgetall(keys.failed_key(run)).items()}
+    failed = {batch: error for batch, error in failed.items() if batch not in done}
+    counters = {k.decode(): v.decode() for k, v in client.hgetall(keys.counters_key(run)).items()}
+    prompts_done = sum(entry.prompts for entry in manifest.batches if entry.batch in done)
+    total = len(manifest.batches)
+    started_at = float(counters["started_at"]) if "started_at" in counters else None
+    if len(done) == total:
+        state = "done"
+    elif failed and len(done) + len(failed) == total:
+        state = "failed"
+    elif done or started_at:
+        state = "running"
+    else:
+        state = "queued"
+    rate = tokens_per_s(client, run, now, started_at) if state == "running" else 0.0
+    completion_tokens = int(counters.get("completion_tokens", 0))
+    eta_s: float | None = None
+    if state == "done":
+        eta_s = 0.0
+    elif rate > 0 and prompts_done:
+        remaining = manifest.prompts_total - prompts_done
+        eta_s = round(remaining * (completion_tokens / prompts_done) / rate, 1)
+    return {
+        "run": run,
+        "state": state,
+        "batches_total": total,
+        "batches_done": len(done),
+        "batches_failed": len(failed),
+        "prompts_total": manifest.prompts_total,
+        "prompts_done": prompts_done,
+        "errors": int(counters.get("errors", 0)),
+        "rejects": manifest.rejects,
+        "completion_tokens": completion_tokens,
+        "reasoning_tokens": int(counters.get("reasoning_tokens", 0)),
+        "tokens_per_s": round(rate, 1),
+        "eta_s": eta_s,
+        "failed": failed,
+        "store": store.url,
+    }

@@ -1,0 +1,177 @@
+"""Shared fixtures: real Redis, a real S3 protocol server, real worker processes.
+
+Redis: the server on 127.0.0.1:6379 (GENFLEET_TEST_REDIS_URL overrides), one database
+dedicated to tests and flushed per test. Without Redis, tests that need it are skipped on a
+laptop and fail in CI (CI=true). S3: moto's ThreadedMotoServer on a free loopback port.
+Workers: `python -m workers worker` processes with the emulator, started through the same
+supervisor code path as SGLang, and stopped (with their engines) after the test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+ROOT = Path(__file__).resolve().parent.parent
+TEST_REDIS_URL = os.environ.get("GENFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_for(
+    condition: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.1
+) -> Any:
+    """Poll `condition` until it returns a truthy value; fail naming `what` at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+        time.sleep(interval_s)
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    client = redis.Redis.from_url(TEST_REDIS_URL)
+    try:
+        client.ping()
+    except redis.RedisError as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"no Redis at {TEST_REDIS_URL}: {exc}")
+    client.flushdb()
+    yield TEST_REDIS_URL
+    client.flushdb()
+    client.close()
+
+
+@pytest.fixture
+def redis_client(redis_url: str) -> Iterator[redis.Redis]:
+    client = redis.Redis.from_url(redis_url)
+    yield client
+    client.close()
+
+
+@pytest.fixture(scope="session")
+def s3_server() -> Iterator[str]:
+    """A moto S3 server on loopback; yields its endpoint URL. Dummy credentials in env."""
+    from moto.server import ThreadedMotoServer
+
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def s3_store_url(s3_server: str) -> str:
+    import boto3
+
+    bucket = f"genfleet-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(
+        Bucket=bucket
+    )
+    return f"s3://{bucket}/runs"
+
+
+def base_env(redis_url: str, store: str, **extra: Any) -> dict[str, str]:
+    """The environment of a test's genfleet processes: fast emulator, short leases."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GENFLEET_")}
+    env.update(
+        {
+            "GENFLEET_REDIS_URL": redis_url,
+            "GENFLEET_STORE": store,
+            "GENFLEET_EMULATOR_TIME_SCALE": "200",
+            "GENFLEET_EMULATOR_LOAD_S": "0.2",
+            "GENFLEET_EMULATOR_WARMUP_S": "0.2",
+            "GENFLEET_EMULATOR_MEAN_COMPLETION_TOKENS": "200",
+            "GENFLEET_EMULATOR_MAX_COMPLETION_TOKENS": "1024",
+            "GENFLEET_MAX_TOKENS": "1024",
+            "GENFLEET_STARTUP_TIMEOUT_S": "60",
+            "GENFLEET_RESTART_BACKOFF_S": "0.2",
+            "PYTHONPATH": str(ROOT),
+        }
+    )
+    env.update({f"GENFLEET_{k.upper()}": str(v) for k, v in extra.items()})
+    return env
+
+
+class Worker:
+    """A real `python -m workers worker` process (with its emulator engine)."""
+
+    def __init__(self, env: dict[str, str], log: Path, hostname: str, args: list[str]) -> None:
+        self.hostname = hostname
+        self.log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "workers", *args, "--hostname", hostname],
+            env=env,
+            cwd=ROOT,
+            stdout=log.open("ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def wait_ready(self, timeout_s: float = 60.0) -> None:
+        def ready() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"worker exited {self.proc.returncode}:\n{self.tail()}")
+            return " ready." in self.log.read_text(errors="replace")
+
+        wait_for(ready, timeout_s, f"worker {self.hostname} to be ready", 0.2)
+
+    def tail(self, lines: int = 40) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.proc.pid, sig)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine's group is its own; see below
+
+
+@pytest.fixture
+def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
+    """Start workers for a test; every one is stopped (engine included) at the end."""
+    started: list[Worker] = []
+
+    def start(env: dict[str, str], role: str = "worker", name: str | None = None) -> Worker:
+        hostname = f"{name or role}-{uuid.uuid4().hex[:6]}@test"
+        worker = Worker(env, tmp_path / f"{hostname}.log", hostname, [role])
+        started.append(worker)
+        return worker
+
+    yield start
+    for worker in started:
+        worker.stop()

@@ -1,0 +1,328 @@
+"""Exports of finished and unfinished runs, to local files and to S3, in every format."""
+
+from __future__ import annotations
+
+import gzip
+import socket
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow.parquet as pq
+import pytest
+
+from common import keys
+from common.errors import ConfigError
+from common.manifest import BatchEntry, GenerationParams, Manifest
+from common.records import (
+    CompletionRecord,
+    PromptRecord,
+    Usage,
+    decode_jsonl_gz,
+    encode_jsonl_gz,
+)
+from common.settings import Settings
+from common.store import Store, open_store
+from producer import export as export_module
+from producer.batching import make_batches
+from producer.enqueue import stage
+from producer.export import RunIncomplete, export_run
+from producer.readers import ReaderOptions
+
+RUN = "run-1"
+
+
+def stage_prompts(store: Store, run: str, prompts: list[PromptRecord], batch_size: int) -> Manifest:
+    """What enqueue leaves in the store: one input object per batch and the manifest."""
+    entries = []
+    for index, records in enumerate(make_batches(prompts, batch_size, 10**12, 16)):
+        batch = keys.batch_id(index)
+        key = keys.input_key(run, batch)
+        store.put(key, encode_jsonl_gz(r.to_json() for r in records))
+        entries.append(BatchEntry(batch=batch, key=key, prompts=len(records)))
+    manifest = Manifest(
+        run=run,
+        source="test",
+        format="jsonl",
+        fingerprint="f",
+        created_at=1_700_000_000.0,
+        params=GenerationParams(max_tokens=16, temperature=0.6, top_p=0.95, thinking=True),
+        prompts_total=len(prompts),
+        rejects=0,
+        batches=entries,
+    )
+    store.put(keys.manifest_key(run), manifest.to_bytes())
+    return manifest
+
+
+def completion(prompt: PromptRecord, run: str, batch: str) -> dict[str, Any]:
+    """A plausible worker output for `prompt`; ids ending in `!` become error records."""
+    failed = prompt.id.endswith("!")
+    return CompletionRecord(
+        id=prompt.id,
+        run=run,
+        batch=batch,
+        messages=prompt.messages,
+        reasoning=None if failed else f"thinking about {prompt.id}",
+        content=None if failed else f"answer to {prompt.id}",
+        finish_reason=None if failed else "stop",
+        usage=Usage(10, 0 if failed else 20, 0 if failed else 5),
+        model="test-model",
+        engine={"kind": "emulator", "worker": "w1"},
+        latency_s=0.5,
+        error={"type": "context_length", "message": "too long"} if failed else None,
+        sample=prompt.sample,
+        custom_id=prompt.custom_id,
+        request_id=None if failed else f"r-{prompt.id}-{prompt.sample}",
+    ).to_json()
+
+
+def finish(store: Store, manifest: Manifest, skip: set[str] = frozenset(), repeat: int = 1) -> None:
+    """Write every batch's output object (each line `repeat` times), except those in `skip`."""
+    for entry in manifest.batches:
+        if entry.batch in skip:
+            continue
+        prompts = [PromptRecord.from_json(d) for d in decode_jsonl_gz(store.get(entry.key) or b"")]
+        rows = [completion(p, manifest.run, entry.batch) for p in prompts for _ in range(repeat)]
+        assert store.put_if_absent(
+            keys.output_key(manifest.run, entry.batch), encode_jsonl_gz(rows)
+        )
+
+
+def prompts(n: int) -> list[PromptRecord]:
+    return [PromptRecord(f"p{i:04d}", [{"role": "user", "content": f"q{i}"}]) for i in range(n)]
+
+
+@pytest.fixture
+def settings(tmp_path: Path) -> Settings:
+    return Settings(store=(tmp_path / "store").as_uri())
+
+
+@pytest.fixture
+def store(settings: Settings) -> Store:
+    return open_store(settings.store)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    data = path.read_bytes()
+    if path.name.endswith(".gz"):
+        data = gzip.decompress(data)
+    return [orjson.loads(line) for line in data.splitlines()]
+
+
+def test_jsonl_export_is_complete_and_in_input_order(
+    settings: Settings, store: Store, tmp_path: Path
+) -> None:
+    inputs = prompts(23)
+    inputs[5].id = "p0005!"
+    manifest = stage_prompts(store, RUN, inputs, batch_size=4)
+    finish(store, manifest)
+    out = tmp_path / "out" / "export.jsonl"
+    result = export_run(settings, RUN, str(out), "jsonl")
+    rows = read_jsonl(out)
+    assert [r["id"] for r in rows] == [p.id for p in inputs]
+    assert (result.records, result.errors, result.duplicates) == (23, 1, 0)
+    assert (result.batches_total, result.batches_exported, result.missing_batches) == (6, 6, [])
+    assert rows[0] == completion(inputs[0], RUN, "batch-000000")
+    assert [p.name for p in out.parent.iterdir()] == ["export.jsonl"]  # no temp file left
+
+
+def test_duplicates_within_a_batch_are_dropped(
+    settings: Settings, store: Store, tmp_path: Path
+) -> None:
+    inputs = [PromptRecord(p.id, p.messages, s) for p in prompts(5) for s in range(2)]
+    manifest = stage_prompts(store, RUN, inputs, batch_size=3)
+    finish(store, manifest, repeat=2)
+    out = tmp_path / "export.jsonl.gz"
+    result = export_run(settings, RUN, str(out), "jsonl")
+    rows = read_jsonl(out)
+    assert [(r["id"], r["sample"]) for r in rows] == [p.key for p in inputs]
+    assert (result.records, result.duplicates) == (10, 10)
+
+
+def test_unfinished_run_raises_unless_partial(
+    settings: Settings, store: Store, tmp_path: Path
+) -> None:
+    inputs = prompts(10)
+    manifest = stage_prompts(store, RUN, inputs, batch_size=2)
+    finish(store, manifest, skip={"batch-000001", "batch-000003"})
+    out = tmp_path / "export.jsonl"
+    with pytest.raises(RunIncomplete, match="2 of 5 batches") as caught:
+        export_run(settings, RUN, str(out), "jsonl")
+    assert caught.value.missing == ["batch-000001", "batch-000003"]
+    assert "batch-000001, batch-000003" in str(caught.value) and "--partial" in str(caught.value)
+    assert list(tmp_path.glob("*.jsonl")) == []
+
+    result = export_run(settings, RUN, str(out), "jsonl", partial=True)
+    assert [r["id"] for r in read_jsonl(out)] == [
+        "p0000",
+        "p0001",
+        "p0004",
+        "p0005",
+        "p0008",
+        "p0009",
+    ]
+    assert result.missing_batches == ["batch-000001", "batch-000003"]
+    assert (result.records, result.batches_exported) == (6, 3)
+
+
+def test_output_vanishing_during_export_counts_as_missing(
+    settings: Settings, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    manifest = stage_prompts(store, RUN, prompts(4), batch_size=2)
+    finish(store, manifest)
+    real_get = store.get
+    gone = keys.output_key(RUN, "batch-000000")
+
+    class Vanishing:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(store, name)
+
+        def get(self, key: str) -> bytes | None:
+            return None if key == gone else real_get(key)
+
+    monkeypatch.setattr(export_module, "open_store", lambda *args: Vanishing())
+    with pytest.raises(RunIncomplete):
+        export_run(settings, RUN, str(tmp_path / "x.jsonl"))
+    assert not (tmp_path / "x.jsonl").exists()
+    result = export_run(settings, RUN, str(tmp_path / "x.jsonl"), partial=True)
+    assert (result.records, result.missing_batches) == (2, ["batch-000000"])
+
+
+def test_openai_batch_round_trip(settings: Settings, store: Store, tmp_path: Path) -> None:
+    source = tmp_path / "requests.jsonl"
+    requests = [
+        {
+            "custom_id": f"request-{i}" + ("!" if i == 3 else ""),
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": "gpt-x",
+                "messages": [{"role": "user", "content": f"q{i}"}],
+                "max_tokens": 5 + i,
+            },
+        }
+        for i in range(7)
+    ]
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in requests))
+    settings = settings.model_copy(update={"batch_size": 3})
+    manifest, staged = stage(
+        settings, store, RUN, str(source), ReaderOptions(), lambda orders: len(orders), set()
+    )
+    assert staged.prompts == 7 and len(manifest.batches) == 3
+    finish(store, manifest)
+    out = tmp_path / "results.jsonl"
+    result = export_run(settings, RUN, str(out), "openai")
+    lines = read_jsonl(out)
+    assert [line["custom_id"] for line in lines] == [r["custom_id"] for r in requests]
+    assert (result.records, result.errors) == (7, 1)
+    for line in lines:
+        assert set(line) == {"id", "custom_id", "response", "error"}
+        assert line["id"].startswith("batch_req_")
+    ok, failed = lines[0], lines[3]
+    assert ok["error"] is None
+    response = ok["response"]
+    assert response["status_code"] == 200 and response["request_id"] == "r-request-0-0"
+    body = response["body"]
+    assert body["object"] == "chat.completion" and body["model"] == "test-model"
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "answer to request-0",
+        "reasoning_content": "thinking about request-0",
+    }
+    assert body["choices"][0]["finish_reason"] == "stop"
+    assert body["usage"] == {
+        "prompt_tokens": 10,
+        "completion_tokens": 20,
+        "total_tokens": 30,
+        "completion_tokens_details": {"reasoning_tokens": 5},
+    }
+    assert failed["response"] is None
+    assert failed["error"] == {"code": "context_length", "message": "too long"}
+    # The per-line parameters reached the staged batches the workers read.
+    first = next(decode_jsonl_gz(store.get(manifest.batches[0].key) or b""))
+    assert first["params"] == {"max_tokens": 5} and first["custom_id"] == "request-0"
+    # Deterministic: a second export is byte-identical.
+    again = tmp_path / "again.jsonl"
+    export_run(settings, RUN, str(again), "openai")
+    assert again.read_bytes() == out.read_bytes()
+
+
+def test_parquet_export_has_the_fixed_schema_and_several_row_groups(
+    settings: Settings, store: Store, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(export_module._ParquetWriter, "ROW_GROUP_ROWS", 4)
+    inputs = prompts(10)
+    inputs[2].id = "p0002!"
+    inputs[4].messages = [{"role": "user", "content": [{"type": "text", "text": "parts"}]}]
+    manifest = stage_prompts(store, RUN, inputs, batch_size=3)
+    finish(store, manifest)
+    out = tmp_path / "export.parquet"
+    result = export_run(settings, RUN, str(out), "parquet")
+    handle = pq.ParquetFile(out)
+    assert handle.schema_arrow == export_module.parquet_schema()
+    assert handle.metadata.num_row_groups == 3 and result.records == 10
+    rows = handle.read().to_pylist()
+    assert [r["id"] for r in rows] == [p.id for p in inputs]
+    assert rows[0]["usage"] == {"prompt_tokens": 10, "completion_tokens": 20, "reasoning_tokens": 5}
+    assert rows[0]["messages"][0]["content"] == "q0" and rows[0]["error"] is None
+    assert orjson.loads(rows[0]["engine"]) == {"kind": "emulator", "worker": "w1"}
+    assert rows[2]["error"] == {"type": "context_length", "message": "too long"}
+    assert orjson.loads(rows[4]["messages"][0]["content"]) == [{"type": "text", "text": "parts"}]
+
+
+def test_bad_arguments(settings: Settings, store: Store, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="no manifest"):
+        export_run(settings, "nothing-here", str(tmp_path / "x.jsonl"))
+    with pytest.raises(ConfigError, match="format"):
+        export_run(settings, RUN, str(tmp_path / "x.csv"), "csv")
+    with pytest.raises(ConfigError, match="s3://bucket/key"):
+        export_run(settings, RUN, "s3://bucket-only", "jsonl")
+    with pytest.raises(ValueError, match="not allowed"):
+        export_run(settings, "../escape", str(tmp_path / "x.jsonl"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+@pytest.fixture
+def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """A real S3 protocol server (moto) on a free loopback port, with one bucket."""
+    from moto.server import ThreadedMotoServer
+
+    for name, value in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }.items():
+        monkeypatch.setenv(name, value)
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    import boto3
+
+    boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1").create_bucket(Bucket="bkt")
+    yield endpoint
+    server.stop()
+
+
+@pytest.mark.integration
+def test_s3_store_to_s3_export(s3_endpoint: str) -> None:
+    import boto3
+
+    settings = Settings(store="s3://bkt/runs", s3_endpoint_url=s3_endpoint)
+    store = open_store(settings.store, s3_endpoint)
+    inputs = prompts(9)
+    manifest = stage_prompts(store, RUN, inputs, batch_size=4)
+    finish(store, manifest)
+    result = export_run(settings, RUN, "s3://bkt/exports/run-1.jsonl.gz", "jsonl")
+    assert result.records == 9
+    client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
+    body = client.get_object(Bucket="bkt", Key="exports/run-1.jsonl.gz")["Body"].read()
+    assert [r["id"] for r in decode_jsonl_gz(body)] == [p.id for p in inputs]

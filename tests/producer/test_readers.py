@@ -1,0 +1,351 @@
+"""Every input format, valid and broken, through the dispatcher users call (`read_source`)."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from common.errors import InputError
+from common.records import PromptRecord
+from producer.readers import ReaderOptions, Reject, detect_format, read_source
+
+
+def lines(path: Path, rows: list[Any]) -> Path:
+    path.write_bytes(
+        b"".join((r if isinstance(r, bytes) else orjson.dumps(r)) + b"\n" for r in rows)
+    )
+    return path
+
+
+def split(items: Any) -> tuple[list[PromptRecord], list[Reject]]:
+    records: list[PromptRecord] = []
+    rejects: list[Reject] = []
+    for item in items:
+        (rejects if isinstance(item, Reject) else records).append(item)
+    return records, rejects
+
+
+def user(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+# --- JSONL: chat and prompt lines ------------------------------------------------------------
+
+
+def test_jsonl_chat_and_prompt_lines_with_default_ids(tmp_path: Path) -> None:
+    path = lines(
+        tmp_path / "data.jsonl",
+        [{"id": "a", "messages": user("hi")}, {"prompt": "tell me"}, {"id": 7, "prompt": "x"}],
+    )
+    records, rejects = split(read_source(path))
+    assert rejects == []
+    assert [r.id for r in records] == ["a", "data:2", "7"]
+    assert records[1].messages == user("tell me")
+
+
+def test_jsonl_gz_is_read(tmp_path: Path) -> None:
+    path = tmp_path / "data.jsonl.gz"
+    path.write_bytes(gzip.compress(orjson.dumps({"prompt": "p"}) + b"\n"))
+    records, _ = split(read_source(path))
+    assert [r.id for r in records] == ["data:1"]
+
+
+@pytest.mark.parametrize(
+    ("line", "field", "reason"),
+    [
+        (b"\xff\xfe not utf-8", None, "not UTF-8"),
+        (b"{not json", None, "not JSON"),
+        (b"[1, 2]", None, "JSON object"),
+        (orjson.dumps({"id": "x"}), "messages", "neither"),
+        (orjson.dumps({"messages": "hello"}), "messages", "list"),
+        (orjson.dumps({"messages": []}), "messages", "empty"),
+        (orjson.dumps({"messages": [{"role": "wizard", "content": "x"}]}), "role", "unknown"),
+        (orjson.dumps({"messages": [{"role": "user"}]}), "content", "missing"),
+        (orjson.dumps({"prompt": 42}), "prompt", "string"),
+        (orjson.dumps({"prompt": "   "}), "prompt", "empty"),
+        (orjson.dumps({"id": [1], "prompt": "x"}), "id", "string or integer"),
+    ],
+)
+def test_jsonl_bad_line_is_one_reject_and_the_rest_proceeds(
+    tmp_path: Path, line: bytes, field: str | None, reason: str
+) -> None:
+    path = lines(tmp_path / "d.jsonl", [{"prompt": "ok"}, line, {"prompt": "also ok"}])
+    records, rejects = split(read_source(path))
+    assert [r.id for r in records] == ["d:1", "d:3"]
+    assert len(rejects) == 1
+    reject = rejects[0]
+    assert (reject.file, reject.line) == (str(path), 2)
+    assert reason in reject.reason
+    if field is None:
+        assert reject.field is None
+    else:
+        assert reject.field is not None and field in reject.field
+
+
+def test_jsonl_line_over_the_size_limit(tmp_path: Path) -> None:
+    path = lines(tmp_path / "d.jsonl", [{"prompt": "x" * 500}, {"prompt": "short"}])
+    records, rejects = split(read_source(path, ReaderOptions(max_line_bytes=100)))
+    assert [r.id for r in records] == ["d:2"]
+    assert rejects[0].line == 1 and "over 100 bytes" in rejects[0].reason
+
+
+def test_duplicate_ids_are_rejected_after_the_first(tmp_path: Path) -> None:
+    path = lines(tmp_path / "d.jsonl", [{"id": "a", "prompt": "1"}, {"id": "a", "prompt": "2"}])
+    records, rejects = split(read_source(path))
+    assert [r.messages[0]["content"] for r in records] == ["1"]
+    assert (rejects[0].line, rejects[0].field) == (2, "id")
+    assert "duplicate" in rejects[0].reason
+
+
+def test_system_prompt_samples_and_limit(tmp_path: Path) -> None:
+    path = lines(tmp_path / "d.jsonl", [{"prompt": str(i)} for i in range(5)])
+    options = ReaderOptions(system_prompt="be brief", samples=2, limit=2)
+    records, _ = split(read_source(path, options))
+    assert [(r.id, r.sample) for r in records] == [("d:1", 0), ("d:1", 1), ("d:2", 0), ("d:2", 1)]
+    assert records[0].messages[0] == {"role": "system", "content": "be brief"}
+
+
+# --- OpenAI Batch API request lines ----------------------------------------------------------
+
+
+def openai_line(custom_id: str, **body: Any) -> dict[str, Any]:
+    return {
+        "custom_id": custom_id,
+        "method": "POST",
+        "url": "/v1/chat/completions",
+        "body": {"model": "m", "messages": user(custom_id), **body},
+    }
+
+
+def test_openai_batch_lines_keep_custom_id_and_per_line_params(tmp_path: Path) -> None:
+    path = lines(
+        tmp_path / "batch.jsonl",
+        [
+            openai_line("req-1", max_tokens=64, temperature=0.0),
+            openai_line("req-2", max_completion_tokens=128, top_p=0.5, stop=["\n"]),
+            openai_line("req-3"),
+        ],
+    )
+    records, rejects = split(read_source(path))
+    assert rejects == []
+    assert [(r.id, r.custom_id) for r in records] == [(c, c) for c in ("req-1", "req-2", "req-3")]
+    assert records[0].params == {"max_tokens": 64, "temperature": 0.0}
+    assert records[1].params == {"max_tokens": 128, "top_p": 0.5, "stop": ["\n"]}
+    assert records[2].params is None
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        ({"method": "GET"}, "method"),
+        ({"url": "/v1/embeddings"}, "url"),
+        ({"body": "nope"}, "body"),
+        ({"body": {"messages": []}}, "body.messages"),
+        ({"body": {"messages": user("x"), "max_tokens": 0}}, "body.max_tokens"),
+        ({"body": {"messages": user("x"), "temperature": "hot"}}, "body.temperature"),
+    ],
+)
+def test_openai_batch_bad_lines(tmp_path: Path, change: dict[str, Any], field: str) -> None:
+    path = lines(tmp_path / "b.jsonl", [{**openai_line("r1"), **change}, openai_line("r2")])
+    records, rejects = split(read_source(path))
+    assert [r.id for r in records] == ["r2"]
+    assert rejects[0].field == field and rejects[0].line == 1
+
+
+def test_format_openai_requires_batch_lines(tmp_path: Path) -> None:
+    path = lines(tmp_path / "b.jsonl", [{"prompt": "not a batch line"}, openai_line("r")])
+    records, rejects = split(read_source(path, ReaderOptions(format="openai")))
+    assert [r.id for r in records] == ["r"]
+    assert rejects[0].field == "custom_id"
+
+
+def test_duplicate_custom_ids_are_rejected(tmp_path: Path) -> None:
+    path = lines(tmp_path / "b.jsonl", [openai_line("same"), openai_line("same")])
+    records, rejects = split(read_source(path))
+    assert len(records) == 1 and "duplicate" in rejects[0].reason
+
+
+# --- Parquet ---------------------------------------------------------------------------------
+
+
+def test_parquet_messages_and_prompt_columns(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "id": ["a", None, "c"],
+            "messages": [user("m1"), None, [{"role": "user", "content": "m3", "name": None}]],
+            "prompt": [None, "p2", None],
+        }
+    )
+    pq.write_table(table, tmp_path / "shard.parquet")
+    records, rejects = split(read_source(tmp_path / "shard.parquet"))
+    assert rejects == []
+    assert [r.id for r in records] == ["a", "shard:1", "c"]
+    assert records[1].messages == user("p2")
+    assert records[2].messages == user("m3")  # null struct fields are dropped
+
+
+def test_parquet_named_columns_and_json_string_messages(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "key": [10, 11],
+            "conv": [orjson.dumps(user("a")).decode(), orjson.dumps(user("b")).decode()],
+        }
+    )
+    pq.write_table(table, tmp_path / "d.parquet")
+    options = ReaderOptions(messages_col="conv", id_col="key")
+    records, rejects = split(read_source(tmp_path / "d.parquet", options))
+    assert rejects == []
+    assert [(r.id, r.messages) for r in records] == [("10", user("a")), ("11", user("b"))]
+
+
+def test_parquet_directory_of_shards_in_order_streams_many_row_batches(tmp_path: Path) -> None:
+    for shard in range(3):
+        pq.write_table(
+            pa.table({"prompt": [f"{shard}-{i}" for i in range(1500)]}),
+            tmp_path / f"part-{shard:02d}.parquet",
+            row_group_size=400,
+        )
+    assert detect_format(tmp_path) == "parquet"
+    records, rejects = split(read_source(tmp_path))
+    assert rejects == []
+    assert len(records) == 4500
+    assert records[0].id == "part-00:0" and records[-1].id == "part-02:1499"
+    assert [r.messages[0]["content"] for r in records[1499:1501]] == ["0-1499", "1-0"]
+
+
+def test_parquet_shard_without_the_column_is_one_reject_and_others_proceed(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"prompt": ["a"]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"text": ["b", "c"]}), tmp_path / "b.parquet")
+    pq.write_table(pa.table({"prompt": ["d"]}), tmp_path / "c.parquet")
+    records, rejects = split(read_source(tmp_path))
+    assert [r.id for r in records] == ["a:0", "c:0"]
+    assert len(rejects) == 1
+    assert rejects[0].file == str(tmp_path / "b.parquet") and rejects[0].line is None
+    assert "'messages'" in rejects[0].reason and "'prompt'" in rejects[0].reason
+
+
+@pytest.mark.parametrize("flag", ["messages_col", "prompt_col", "id_col"])
+def test_parquet_named_column_missing_rejects_the_file(tmp_path: Path, flag: str) -> None:
+    pq.write_table(
+        pa.table({"messages": [user("a")], "prompt": ["a"], "id": ["x"]}), tmp_path / "f.parquet"
+    )
+    options = ReaderOptions(**{flag: "nope"})
+    records, rejects = split(read_source(tmp_path / "f.parquet", options))
+    assert records == []
+    assert (rejects[0].field, rejects[0].line) == ("nope", None)
+    assert "no column 'nope'" in rejects[0].reason
+
+
+def test_parquet_bad_row_values_name_row_and_field(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "messages": [
+                user("ok"),
+                [{"role": "wizard", "content": "x"}],
+                [],
+                None,
+                [{"role": "user", "content": None}],
+            ],
+            "id": ["a", "b", "c", "d", "e"],
+        }
+    )
+    pq.write_table(table, tmp_path / "rows.parquet")
+    records, rejects = split(read_source(tmp_path / "rows.parquet"))
+    assert [r.id for r in records] == ["a"]
+    assert [(r.line, r.field) for r in rejects] == [
+        (1, "messages[0].role"),
+        (2, "messages"),
+        (3, "messages"),
+        (4, "messages[0].content"),
+    ]
+    assert "row 1" in rejects[0].reason and "unknown role" in rejects[0].reason
+    assert all(r.file == str(tmp_path / "rows.parquet") for r in rejects)
+
+
+def test_parquet_wrong_typed_prompt_and_duplicate_ids(tmp_path: Path) -> None:
+    pq.write_table(pa.table({"prompt": [1, 2], "id": ["x", "y"]}), tmp_path / "a.parquet")
+    pq.write_table(pa.table({"prompt": ["p", "q"], "id": ["z", "z"]}), tmp_path / "b.parquet")
+    records, rejects = split(read_source(tmp_path))
+    assert [r.id for r in records] == ["z"]
+    assert [(r.field, r.line) for r in rejects] == [("prompt", 0), ("prompt", 1), ("id", 1)]
+
+
+def test_not_a_parquet_file_is_a_reject(tmp_path: Path) -> None:
+    (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
+    pq.write_table(pa.table({"prompt": ["p"]}), tmp_path / "good.parquet")
+    records, rejects = split(read_source(tmp_path))
+    assert [r.id for r in records] == ["good:0"]
+    assert rejects[0].file.endswith("bad.parquet")
+
+
+# --- Hugging Face save_to_disk ---------------------------------------------------------------
+
+
+def save_dataset(directory: Path, tables: list[pa.Table], split: str = "train") -> Path:
+    """The layout `Dataset.save_to_disk` writes: Arrow IPC streams + state + info."""
+    directory.mkdir(parents=True)
+    names = [f"data-{i:05d}-of-{len(tables):05d}.arrow" for i in range(len(tables))]
+    for name, table in zip(names, tables, strict=True):
+        with pa.OSFile(str(directory / name), "wb") as sink:
+            with pa.ipc.new_stream(sink, table.schema) as writer:
+                for batch in table.to_batches(max_chunksize=2):
+                    writer.write_batch(batch)
+    state = {
+        "_data_files": [{"filename": n} for n in names],
+        "_fingerprint": "0123456789abcdef",
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": split,
+    }
+    (directory / "state.json").write_bytes(orjson.dumps(state))
+    (directory / "dataset_info.json").write_bytes(orjson.dumps({"features": {}, "splits": {}}))
+    return directory
+
+
+def test_hf_saved_dataset_over_several_data_files(tmp_path: Path) -> None:
+    first = pa.table({"messages": [user("a"), user("b"), user("c")], "id": ["1", "2", None]})
+    second = pa.table({"messages": [user("d"), [{"role": "x", "content": "e"}]], "id": [None, "5"]})
+    path = save_dataset(tmp_path / "saved", [first, second])
+    assert detect_format(path) == "hf"
+    records, rejects = split(read_source(path))
+    assert [r.id for r in records] == ["1", "2", "saved:2", "saved:3"]
+    assert [(r.line, r.field) for r in rejects] == [(4, "messages[0].role")]
+
+
+def test_hf_dataset_dict_reads_train_else_first_split(tmp_path: Path) -> None:
+    root = tmp_path / "dict"
+    save_dataset(root / "test", [pa.table({"prompt": ["t"]})], "test")
+    save_dataset(root / "train", [pa.table({"prompt": ["a", "b"]})])
+    (root / "dataset_dict.json").write_bytes(orjson.dumps({"splits": ["test", "train"]}))
+    records, _ = split(read_source(root, ReaderOptions(format="hf")))
+    assert [r.id for r in records] == ["train:0", "train:1"]
+
+    (root / "dataset_dict.json").write_bytes(orjson.dumps({"splits": ["test"]}))
+    records, _ = split(read_source(root, ReaderOptions(format="hf")))
+    assert [r.id for r in records] == ["test:0"]
+
+
+def test_hf_dataset_without_the_column(tmp_path: Path) -> None:
+    path = save_dataset(tmp_path / "saved", [pa.table({"text": ["a"]})])
+    records, rejects = split(read_source(path))
+    assert records == [] and rejects[0].field == "messages"
+    records, rejects = split(read_source(path, ReaderOptions(prompt_col="text", id_col="nope")))
+    assert records == [] and rejects[0].field == "nope"
+    records, rejects = split(read_source(path, ReaderOptions(prompt_col="text")))
+    assert [r.id for r in records] == ["saved:0"] and rejects == []
+
+
+def test_unknown_source(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="no such file"):
+        list(read_source(tmp_path / "missing.jsonl"))
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(InputError, match="--format"):
+        list(read_source(tmp_path / "data.csv"))

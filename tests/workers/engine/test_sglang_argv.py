@@ -1,0 +1,332 @@
+"""Settings × SGLang version → the exact argv and environment the worker launches."""
+
+from __future__ import annotations
+
+import os
+import sys
+from importlib import metadata
+from typing import Any
+
+import pytest
+
+from common.errors import ConfigError
+from common.settings import Settings
+from workers.engine import sglang_argv
+from workers.engine.launchers import engine_launch, print_engine_command
+from workers.engine.sglang_argv import parse_release, resolve_sglang_version, sglang_launch
+
+QWEN35 = "Qwen3_5ForConditionalGeneration"
+MODEL = "/models/Qwen3.6-27B"
+PORT = 30001
+
+SERVE = ["sglang", "serve"]
+HEAD = [
+    "--model-path", MODEL, "--served-model-name", MODEL, "--tp-size", "1",
+    "--host", "127.0.0.1", "--port", str(PORT), "--max-running-requests", "256",
+    "--reasoning-parser", "qwen3",
+]  # fmt: skip
+MTP = [
+    "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
+    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+]  # fmt: skip
+TAIL = ["--enable-metrics", "--log-level", "info"]
+NEW_MAMBA = ["--mamba-radix-cache-strategy", "extra_buffer"]
+OLD_MAMBA = ["--mamba-scheduler-strategy", "extra_buffer"]
+SPEC_V2 = {"SGLANG_ENABLE_SPEC_V2": "1"}
+
+
+@pytest.fixture(autouse=True)
+def _no_genfleet_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("GENFLEET_"):
+            monkeypatch.delenv(name)
+
+
+CASES: list[tuple[str, dict[str, Any], str, str | None, list[str], dict[str, str]]] = [
+    # id, settings, version, arch, argv, env
+    ("defaults@0.5.23", {}, "0.5.23", QWEN35, SERVE + HEAD + MTP + NEW_MAMBA + TAIL, {}),
+    ("defaults@0.5.11", {}, "0.5.11", QWEN35, SERVE + HEAD + MTP + OLD_MAMBA + TAIL, SPEC_V2),
+    (
+        "next@0.5.13.post1",
+        {},
+        "0.5.13.post1",
+        "Qwen3NextForCausalLM",
+        SERVE + HEAD + MTP + OLD_MAMBA + TAIL,
+        SPEC_V2,
+    ),
+    (
+        "moe@0.5.14",
+        {},
+        "0.5.14",
+        "Qwen3_5MoeForConditionalGeneration",
+        SERVE + HEAD + MTP + NEW_MAMBA + TAIL,
+        {},
+    ),
+    ("no-mtp@0.5.11", {"mtp": False}, "0.5.11", QWEN35, SERVE + HEAD + TAIL, {}),
+    ("no-mtp@0.5.23", {"mtp": False}, "0.5.23", QWEN35, SERVE + HEAD + TAIL, {}),
+    (
+        "explicit-mamba-no-mtp@0.5.23",
+        {"mtp": False, "mamba_cache_strategy": "no_buffer"},
+        "0.5.23",
+        QWEN35,
+        SERVE + HEAD + ["--mamba-radix-cache-strategy", "no_buffer"] + TAIL,
+        {},
+    ),
+    (
+        "explicit-mamba@0.5.11",
+        {"mamba_cache_strategy": "no_buffer"},
+        "0.5.11",
+        "LlamaForCausalLM",
+        SERVE + HEAD + MTP + ["--mamba-scheduler-strategy", "no_buffer"] + TAIL,
+        {},
+    ),
+    (
+        "spec-knobs",
+        {
+            "speculative_algorithm": "NEXTN",
+            "speculative_num_steps": 5,
+            "speculative_eagle_topk": 4,
+            "speculative_num_draft_tokens": 8,
+        },
+        "0.5.23",
+        QWEN35,
+        SERVE
+        + HEAD
+        + [
+            "--speculative-algorithm",
+            "NEXTN",
+            "--speculative-num-steps",
+            "5",
+            "--speculative-eagle-topk",
+            "4",
+            "--speculative-num-draft-tokens",
+            "8",
+        ]  # fmt: skip
+        + NEW_MAMBA
+        + TAIL,
+        {},
+    ),
+    ("non-hybrid@0.5.11", {}, "0.5.11", "DeepseekV3ForCausalLM", SERVE + HEAD + MTP + TAIL, {}),
+    ("unknown-arch@0.5.11", {}, "0.5.11", None, SERVE + HEAD + MTP + TAIL, {}),
+    (
+        "every-knob",
+        {
+            "served_model_name": "qwen36",
+            "tp_size": 4,
+            "mem_fraction_static": 0.85,
+            "max_running_requests": 512,
+            "context_length": 65536,
+            "reasoning_parser": None,
+            "tool_call_parser": "qwen3_coder",
+            "trust_remote_code": True,
+            "attention_backend": "fa3",
+            "enable_metrics": False,
+            "engine_log_level": "warning",
+        },
+        "0.5.23",
+        QWEN35,
+        SERVE
+        + [
+            "--model-path",
+            MODEL,
+            "--served-model-name",
+            "qwen36",
+            "--tp-size",
+            "4",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(PORT),
+            "--mem-fraction-static",
+            "0.85",
+            "--max-running-requests",
+            "512",
+            "--context-length",
+            "65536",
+            "--tool-call-parser",
+            "qwen3_coder",
+            "--trust-remote-code",
+        ]  # fmt: skip
+        + MTP
+        + NEW_MAMBA
+        + ["--attention-backend", "fa3", "--log-level", "warning"],
+        {},
+    ),
+    (
+        "extra-args-last",
+        {"engine_extra_args": "--page-size 64 --json-model-override-args '{\"a\": 1}'"},
+        "0.5.23",
+        QWEN35,
+        SERVE
+        + HEAD
+        + MTP
+        + NEW_MAMBA
+        + TAIL
+        + ["--page-size", "64", "--json-model-override-args", '{"a": 1}'],
+        {},
+    ),
+    (
+        "api-key",
+        {"engine_api_key": "s3cret"},
+        "0.5.23",
+        QWEN35,
+        SERVE + HEAD + MTP + NEW_MAMBA + ["--enable-metrics", "--api-key", "s3cret"] + TAIL[1:],
+        {},
+    ),
+    (
+        "before-sglang-serve@0.5.4",
+        {"mtp": False},
+        "0.5.4",
+        QWEN35,
+        [sys.executable, "-m", "sglang.launch_server"] + HEAD + TAIL,
+        {},
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("settings_kw", "version", "arch", "argv", "env"),
+    [pytest.param(*case[1:], id=case[0]) for case in CASES],
+)
+def test_argv_table(
+    settings_kw: dict[str, Any],
+    version: str,
+    arch: str | None,
+    argv: list[str],
+    env: dict[str, str],
+) -> None:
+    launch = sglang_launch(Settings(model=MODEL, **settings_kw), PORT, version, arch=arch)
+    assert launch.argv == argv
+    assert launch.env == env
+    assert (launch.kind, launch.host, launch.port, launch.health_path) == (
+        "sglang",
+        "127.0.0.1",
+        PORT,
+        "/health",
+    )
+
+
+def test_api_key_is_passed_but_masked_in_describe() -> None:
+    launch = sglang_launch(Settings(model=MODEL, engine_api_key="s3cret"), PORT, "0.5.23")
+    assert launch.api_key == "s3cret"
+    text = launch.describe()
+    assert "s3cret" not in text
+    assert "--api-key '***'" in text or "--api-key ***" in text
+
+
+def test_describe_shows_the_environment_first() -> None:
+    launch = sglang_launch(Settings(model=MODEL), PORT, "0.5.11", arch=QWEN35)
+    assert launch.describe().startswith("SGLANG_ENABLE_SPEC_V2=1 sglang serve --model-path ")
+
+
+def test_explicit_program_replaces_the_entry_point() -> None:
+    launch = sglang_launch(Settings(model=MODEL), PORT, "0.5.23", ["python", "-m", "x"])
+    assert launch.argv[:4] == ["python", "-m", "x", "--model-path"]
+
+
+def test_version_comes_from_settings_then_installed_then_newest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def not_installed(name: str) -> str:
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(sglang_argv.metadata, "version", not_installed)
+    assert resolve_sglang_version(Settings()) == "0.5.23"
+    assert resolve_sglang_version(Settings(sglang_version="0.5.11")) == "0.5.11"
+    assert resolve_sglang_version(Settings(sglang_version="0.5.11"), "0.5.15") == "0.5.15"
+    monkeypatch.setattr(sglang_argv.metadata, "version", lambda name: "0.5.12")
+    assert resolve_sglang_version(Settings()) == "0.5.12"
+    launch = sglang_launch(Settings(model=MODEL), PORT, arch=QWEN35)
+    assert "--mamba-scheduler-strategy" in launch.argv
+
+
+@pytest.mark.parametrize(
+    ("text", "release"),
+    [("0.5.23", (0, 5, 23)), ("0.5.13.post1", (0, 5, 13)), ("v0.6", (0, 6, 0)), ("1", (1, 0, 0))],
+)
+def test_parse_release(text: str, release: tuple[int, ...]) -> None:
+    assert parse_release(text) == release
+
+
+def test_bad_version_and_served_name_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="not an SGLang version"):
+        sglang_launch(Settings(model=MODEL), PORT, "latest")
+    with pytest.raises(ConfigError, match="--served-model-name"):
+        sglang_launch(Settings(model="/m/qwen:27b"), PORT, "0.5.23")
+
+
+def test_emulator_runs_the_same_argv_with_its_knobs(monkeypatch: pytest.MonkeyPatch) -> None:
+    settings = Settings(engine="emulator", emulator_time_scale=10.0)
+    launch = engine_launch(settings, PORT, arch=QWEN35)
+    assert launch is not None
+    sglang = sglang_launch(Settings(model="genfleet/emulated"), PORT, "0.5.23", arch=QWEN35)
+    assert launch.kind == "emulator"
+    assert launch.argv[:3] == [sys.executable, "-m", "workers.engine.emulator"]
+    assert launch.argv[3:] == sglang.argv[2:]
+    assert launch.env["GENFLEET_EMULATOR_TIME_SCALE"] == "10.0"
+    assert all(name.startswith("GENFLEET_EMULATOR_") for name in launch.env)
+
+
+def test_emulator_keeps_a_given_model_name() -> None:
+    launch = engine_launch(Settings(engine="emulator", model="org/name"), PORT)
+    assert launch is not None
+    assert launch.argv[3:5] == ["--model-path", "org/name"]
+
+
+def test_sglang_kind_dispatches_to_the_builder() -> None:
+    settings = Settings(model=MODEL, sglang_version="0.5.23")
+    launch = engine_launch(settings, PORT, arch=QWEN35)
+    assert launch == sglang_launch(settings, PORT, arch=QWEN35)
+
+
+def test_command_launcher_fills_placeholders_per_word() -> None:
+    settings = Settings(
+        engine="command",
+        model="/models/my model",
+        engine_command="vllm serve {model} --host {host} --port={port} --x '{{literal}}'",
+        engine_health_path="/v1/models",
+        engine_api_key="k",
+    )
+    launch = engine_launch(settings, PORT)
+    assert launch is not None
+    assert launch.argv == [
+        "vllm", "serve", "/models/my model", "--host", "127.0.0.1", f"--port={PORT}",
+        "--x", "{literal}",
+    ]  # fmt: skip
+    assert (launch.kind, launch.port, launch.health_path, launch.env) == (
+        "command",
+        PORT,
+        "/v1/models",
+        {},
+    )
+    assert launch.api_key == "k"
+
+
+@pytest.mark.parametrize(
+    ("command", "model", "message"),
+    [
+        ("vllm serve {model}", "/m", r"no \{port\} placeholder"),
+        ("serve --port {port} --gpu {gpu}", "/m", "unknown placeholder.*gpu"),
+        ("serve {model} --port {port}", None, r"uses \{model\} but no --model"),
+        ("serve --port {port", "/m", "--engine-command word"),
+    ],
+)
+def test_command_launcher_errors(command: str, model: str | None, message: str) -> None:
+    settings = Settings(engine="command", engine_command=command, model=model)
+    with pytest.raises(ConfigError, match=message):
+        engine_launch(settings, PORT)
+
+
+def test_external_engine_launches_nothing() -> None:
+    settings = Settings(engine="external", engine_url="http://gpu-box:30000")
+    assert engine_launch(settings, PORT) is None
+    assert "launches nothing" in print_engine_command(settings)
+
+
+def test_print_engine_command_is_the_describe_text() -> None:
+    settings = Settings(model=MODEL, sglang_version="0.5.23", engine_api_key="s3cret")
+    text = print_engine_command(settings, port=PORT)
+    launch = sglang_launch(settings, PORT)
+    assert text == launch.describe()
+    assert "s3cret" not in text
+    assert print_engine_command(settings).count("--port 30000") == 1

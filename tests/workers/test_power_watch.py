@@ -1,0 +1,351 @@
+"""diagnose() and dedupe() as tables, on windows built from recorded-looking H200 samples.
+
+Figures measured on an H200 (700 W limit): idle 79 W, memory-bound GEMV 527 W while NVML
+read 98 % utilisation, compute-bound matmul 690 W. The 400 W of a 600 W limit is the run
+this product is modelled on (MTP was off).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from workers.power_watch import CAUSES, Finding, FleetState, dedupe, diagnose, verdicts
+from workers.telemetry import EngineState, GpuSample, TelemetryWindow
+
+NOW = 1_760_000_000.0
+WINDOW_S = 60.0
+
+SATURATED: dict[str, Any] = {
+    "up": True,
+    "inflight": 64,
+    "inflight_cap": 64,
+    "running": 48,
+    "max_running_requests": 48,
+    "queued": 4,
+    "speculative_algorithm": "EAGLE",
+    "accept_length": 2.6,
+    "active_batches": 3,
+    "runs": ["run-a"],
+}
+
+
+def recorded(
+    power_w: float,
+    limit_w: float = 700.0,
+    *,
+    uuid: str = "GPU-0a1b2c3d-0000-0000-0000-000000000001",
+    jitter_w: float = 0.0,
+    engine_down_earlier: bool = False,
+    **engine: Any,
+) -> dict[str, Any]:
+    """A worker's summary after a minute at `power_w` mean: 1 Hz readings that jitter around
+    the mean while the energy counter integrates the mean exactly, as NVML's does."""
+    window = TelemetryWindow(WINDOW_S)
+    energy0 = 9.1e7
+    for k in range(61):
+        ts = NOW - 60 + k
+        window.add(
+            [
+                GpuSample(
+                    ts=ts,
+                    gpu_uuid=uuid,
+                    gpu_name="NVIDIA H200",
+                    power_w=power_w + (jitter_w if k % 2 else -jitter_w),
+                    power_limit_w=limit_w,
+                    default_power_limit_w=limit_w,
+                    utilization_pct=98.0,
+                    memory_used_mib=120_000.0,
+                    memory_total_mib=143_771.0,
+                    sm_clock_mhz=1980.0,
+                    temperature_c=55.0,
+                    energy_j=energy0 + power_w * k,
+                )
+            ]
+        )
+        window.add_tokens(500, ts)
+    state = EngineState.from_json({**SATURATED, **engine})
+    if engine_down_earlier:
+        window.add_engine(EngineState(up=False, restarting=True), NOW - 30)
+    window.add_engine(state, NOW - 1)
+    return window.summary(NOW)
+
+
+def fleet(queue_depth: int = 5, workers: tuple[str, ...] = ("w1",)) -> FleetState:
+    return FleetState(
+        queue_depth=queue_depth,
+        pending_batches={"run-a": queue_depth + 3},
+        expected_workers=frozenset(workers),
+    )
+
+
+IDLE_ENGINE: dict[str, Any] = {
+    "inflight": 0,
+    "running": 0,
+    "queued": 0,
+    "active_batches": 0,
+    "runs": [],
+}
+FEW_INFLIGHT: dict[str, Any] = {"inflight": 2, "running": 2, "queued": 0, "active_batches": 1}
+
+# name, power W, limit W, engine overrides, queue depth, expected (verdict, cause)
+CASES: list[tuple[str, float, float, dict[str, Any], int, tuple[str, str | None]]] = [
+    ("compute-bound saturated, MTP on", 690, 700, {}, 10, ("ok", None)),
+    ("memory-bound 527 W is above 0.70", 527, 700, {}, 10, ("ok", None)),
+    ("exactly at the threshold", 490, 700, FEW_INFLIGHT, 5, ("ok", None)),
+    ("just below the threshold", 489, 700, FEW_INFLIGHT, 5, ("underused", "client_limited")),
+    (
+        "400 W of 600 W, MTP off",
+        400,
+        600,
+        {"speculative_algorithm": None, "accept_length": None},
+        5,
+        ("underused", "mtp_off"),
+    ),
+    ("idle, nothing waits", 79, 700, IDLE_ENGINE, 0, ("idle", None)),
+    ("tail of a run: queue empty", 79, 700, FEW_INFLIGHT, 0, ("underused", "starved")),
+    ("engine down", 79, 700, {"up": False, **IDLE_ENGINE}, 5, ("underused", "engine_down")),
+    ("engine restarting", 79, 700, {"restarting": True}, 5, ("underused", "engine_down")),
+    (
+        "down beats MTP off",
+        79,
+        700,
+        {"up": False, "speculative_algorithm": None},
+        5,
+        ("underused", "engine_down"),
+    ),
+    (
+        "MTP off beats client-limited",
+        134,
+        700,
+        {"speculative_algorithm": None, "accept_length": None, **FEW_INFLIGHT},
+        5,
+        ("underused", "mtp_off"),
+    ),
+    (
+        "MTP ineffective beats engine capped",
+        400,
+        700,
+        {"accept_length": 1.0, "running": 48, "queued": 30},
+        5,
+        ("underused", "mtp_ineffective"),
+    ),
+    (
+        "MTP ineffective at good power",
+        690,
+        700,
+        {"accept_length": 1.0},
+        5,
+        ("mtp_ineffective",) * 2,
+    ),
+    (
+        "MTP ineffective while idle",
+        79,
+        700,
+        {"accept_length": 1.02, **IDLE_ENGINE},
+        0,
+        ("mtp_ineffective", "mtp_ineffective"),
+    ),
+    ("accept length at the minimum is fine", 690, 700, {"accept_length": 1.2}, 5, ("ok", None)),
+    (
+        "accept length not measured yet",
+        300,
+        700,
+        {"accept_length": None, **FEW_INFLIGHT},
+        5,
+        ("underused", "client_limited"),
+    ),
+    (
+        "engine capped",
+        420,
+        700,
+        {"running": 48, "max_running_requests": 48, "queued": 16},
+        5,
+        ("underused", "engine_capped"),
+    ),
+    (
+        "engine full, nothing queued inside: the limiter",
+        420,
+        700,
+        {"running": 48, "queued": 0},
+        5,
+        ("underused", "client_limited"),
+    ),
+    (
+        "engine capped beats starved",
+        420,
+        700,
+        {"running": 48, "queued": 16},
+        0,
+        ("underused", "engine_capped"),
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("power_w", "limit_w", "engine", "queue_depth", "expected"),
+    [case[1:] for case in CASES],
+    ids=[case[0] for case in CASES],
+)
+def test_diagnose_table(
+    power_w: float,
+    limit_w: float,
+    engine: dict[str, Any],
+    queue_depth: int,
+    expected: tuple[str, str | None],
+) -> None:
+    samples = {"w1": recorded(power_w, limit_w, jitter_w=25.0, **engine)}
+    rows = verdicts(samples, fleet(queue_depth), NOW)
+    findings = diagnose(samples, fleet(queue_depth), NOW)
+    assert [(r["verdict"], r["cause"]) for r in rows] == [expected]
+    if expected[1] is None:
+        assert findings == []
+    else:
+        (finding,) = findings
+        assert (finding.verdict, finding.cause) == expected
+        assert finding.numbers["power_w"] == pytest.approx(power_w)
+        assert finding.numbers["power_limit_w"] == limit_w
+        assert finding.numbers["queue_depth"] == queue_depth
+        assert finding.suggestion and "\n" not in finding.suggestion
+
+
+def test_threshold_is_a_parameter() -> None:
+    samples = {"w1": recorded(527, **FEW_INFLIGHT)}
+    assert diagnose(samples, fleet(), NOW) == []
+    (finding,) = diagnose(samples, fleet(), NOW, threshold=0.80)
+    assert finding.cause == "client_limited"
+    assert finding.numbers["threshold"] == 0.80
+    assert finding.numbers["share_of_limit"] == pytest.approx(527 / 700)
+
+
+def test_min_accept_length_is_a_parameter() -> None:
+    samples = {"w1": recorded(690, accept_length=1.5)}
+    assert diagnose(samples, fleet(), NOW) == []
+    (finding,) = diagnose(samples, fleet(), NOW, min_accept_length=1.8)
+    assert finding.verdict == "mtp_ineffective"
+    assert "1.50 < 1.8" in finding.suggestion
+
+
+def test_restart_during_the_window_explains_low_power() -> None:
+    samples = {"w1": recorded(300, engine_down_earlier=True, **FEW_INFLIGHT)}
+    (finding,) = diagnose(samples, fleet(), NOW)
+    assert finding.cause == "engine_down"
+
+
+def test_findings_carry_numbers_run_and_other_causes() -> None:
+    engine = {"speculative_algorithm": None, "accept_length": None, **FEW_INFLIGHT}
+    (finding,) = diagnose({"w1": recorded(400, 600, **engine)}, fleet(), NOW)
+    assert finding.run == "run-a"
+    assert finding.ts == NOW
+    assert finding.numbers["other_causes"] == ["client_limited"]
+    assert finding.numbers["share_of_limit"] == pytest.approx(400 / 600)
+    assert (finding.numbers["inflight"], finding.numbers["inflight_cap"]) == (2, 64)
+    assert finding.fingerprint() == f"w1|{finding.gpu_uuid}|mtp_off"
+    data = json.loads(json.dumps(finding.to_json()))
+    assert Finding.from_json(data) == finding
+
+
+def test_one_finding_per_underused_gpu_of_a_worker() -> None:
+    hot = recorded(690, uuid="GPU-hot", **FEW_INFLIGHT)
+    cold = recorded(200, uuid="GPU-cold", **FEW_INFLIGHT)
+    both = {**hot, "gpus": hot["gpus"] + cold["gpus"]}
+    findings = diagnose({"w1": both}, fleet(), NOW)
+    assert [(f.gpu_uuid, f.cause) for f in findings] == [("GPU-cold", "client_limited")]
+    assert [r["verdict"] for r in verdicts({"w1": both}, fleet(), NOW)] == ["ok", "underused"]
+
+
+def test_missing_worker_is_unresponsive() -> None:
+    samples = {"w1": recorded(690)}
+    (finding,) = diagnose(samples, fleet(workers=("w1", "w2")), NOW)
+    assert (finding.worker, finding.verdict, finding.cause) == (
+        "w2",
+        "unresponsive",
+        "worker_unresponsive",
+    )
+
+
+@pytest.mark.parametrize(("age_s", "stale"), [(90.0, False), (90.5, True), (600.0, True)])
+def test_stale_summary_is_unresponsive(age_s: float, stale: bool) -> None:
+    summary = recorded(690)
+    findings = diagnose({"w1": summary}, fleet(), NOW + age_s, stale_after_s=90.0)
+    assert [f.cause for f in findings] == (["worker_unresponsive"] if stale else [])
+    if stale:
+        assert findings[0].numbers["summary_age_s"] == pytest.approx(age_s)
+
+
+def test_worker_without_gpu_telemetry_is_judged_on_its_engine() -> None:
+    down = {**recorded(79, up=False), "gpus": [], "telemetry_available": False}
+    up = {**recorded(79), "gpus": [], "telemetry_available": False}
+    (finding,) = diagnose({"w1": down}, fleet(), NOW)
+    assert (finding.gpu_uuid, finding.cause) == (None, "engine_down")
+    assert diagnose({"w1": up}, fleet(), NOW) == []
+    assert verdicts({"w1": up}, fleet(), NOW)[0]["verdict"] == "unknown"
+
+
+def test_fleet_state_as_json_and_top_rows() -> None:
+    state = fleet().to_json()
+    samples = {"w1": recorded(690)}
+    (row,) = verdicts(samples, json.loads(json.dumps(state)), NOW)
+    assert set(row) == {
+        "worker",
+        "gpu_uuid",
+        "gpu_name",
+        "power_w",
+        "power_limit_w",
+        "tokens_per_s",
+        "inflight",
+        "inflight_cap",
+        "accept_length",
+        "j_per_token",
+        "verdict",
+        "cause",
+    }
+    assert row["tokens_per_s"] == pytest.approx(500.0)  # (now - 60, now]: 60 s of 500 tok
+    assert row["j_per_token"] == pytest.approx(690 / 500)
+    json.dumps(row)
+
+
+def finding(cause: str, gpu: str = "GPU-a", worker: str = "w1") -> Finding:
+    verdict = "unresponsive" if cause == "worker_unresponsive" else "underused"
+    return Finding(worker, gpu, verdict, cause, {}, "do something", NOW)
+
+
+def test_dedupe_does_not_alert_twice() -> None:
+    new, alerted = dedupe([finding("mtp_off")], {}, NOW, realert_after_s=1800)
+    assert [f.cause for f in new] == ["mtp_off"]
+    again, alerted2 = dedupe([finding("mtp_off")], alerted, NOW + 30, realert_after_s=1800)
+    assert again == []
+    assert alerted2 == {"w1|GPU-a|mtp_off": NOW}
+
+
+def test_dedupe_realerts_after_quiet_period() -> None:
+    _, alerted = dedupe([finding("starved")], {}, NOW, realert_after_s=1800)
+    quiet, alerted = dedupe([finding("starved")], alerted, NOW + 1799, realert_after_s=1800)
+    assert quiet == []
+    loud, alerted = dedupe([finding("starved")], alerted, NOW + 1800, realert_after_s=1800)
+    assert [f.cause for f in loud] == ["starved"]
+    assert alerted["w1|GPU-a|starved"] == NOW + 1800
+
+
+def test_dedupe_alerts_on_cause_change_and_back() -> None:
+    _, alerted = dedupe([finding("client_limited")], {}, NOW, realert_after_s=1800)
+    new, alerted = dedupe([finding("engine_capped")], alerted, NOW + 30, realert_after_s=1800)
+    assert [f.cause for f in new] == ["engine_capped"]
+    assert set(alerted) == {"w1|GPU-a|engine_capped"}
+    back, _ = dedupe([finding("client_limited")], alerted, NOW + 60, realert_after_s=1800)
+    assert [f.cause for f in back] == ["client_limited"]
+
+
+def test_dedupe_keeps_other_gpus_and_workers_apart() -> None:
+    batch = [finding("mtp_off", "GPU-a"), finding("mtp_off", "GPU-b"), finding("mtp_off", "GPU-a")]
+    new, alerted = dedupe(batch, {"w2|-|worker_unresponsive": NOW - 10}, NOW, 1800)
+    assert [f.gpu_uuid for f in new] == ["GPU-a", "GPU-b"]
+    assert set(alerted) == {"w1|GPU-a|mtp_off", "w1|GPU-b|mtp_off", "w2|-|worker_unresponsive"}
+
+
+def test_every_cause_has_a_suggestion() -> None:
+    from workers.power_watch import _SUGGESTIONS
+
+    assert set(_SUGGESTIONS) == set(CAUSES)

@@ -1,0 +1,98 @@
+"""The Celery app of every genfleet process (workers, beat, Flower): `celery -A workers.app …`.
+
+Configuration is read from the environment (GENFLEET_*) when Celery first needs it, not at
+import. The engine is started by a worker-level bootstep: before the worker consumes, after
+its pool exists; stopped when the worker shuts down. (Consumer steps would restart the engine
+on every broker reconnect, so this must be a worker step.)
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from celery import Celery, bootsteps
+from celery.worker.control import inspect_command
+
+from common.celery_config import POWER_WATCH_TASK, REAPER_TASK, celery_config
+from common.settings import Settings
+
+log = logging.getLogger("genfleet.worker")
+
+app = Celery("genfleet", include=["workers.tasks"])
+
+
+def _defaults() -> dict[str, Any]:
+    settings = Settings()
+    config = celery_config(settings)
+    config["beat_schedule"] = {
+        "power-watch": {
+            "task": POWER_WATCH_TASK,
+            "schedule": settings.power_watch_interval_s,
+            # A beat tick that could not run in time is stale: never let them pile up.
+            "options": {"expires": settings.power_watch_interval_s * 0.8, "queue": "control"},
+        },
+        "reap-leases": {
+            "task": REAPER_TASK,
+            "schedule": settings.reaper_interval_s,
+            "options": {"expires": settings.reaper_interval_s * 0.8, "queue": "control"},
+        },
+    }
+    config["task_routes"][POWER_WATCH_TASK] = {"queue": "control"}
+    config["task_routes"][REAPER_TASK] = {"queue": "control"}
+    return config
+
+
+app.add_defaults(_defaults)
+
+
+class EngineStep(bootsteps.StartStopStep):
+    """Starts the worker's engine before it consumes; stops it (and its group) at shutdown."""
+
+    requires = ("celery.worker.components:Pool",)
+
+    def __init__(self, parent: Any, **kwargs: Any) -> None:
+        super().__init__(parent, **kwargs)
+        self.runtime: Any = None
+
+    def start(self, parent: Any) -> None:
+        from workers.runtime import WorkerRuntime
+
+        settings = Settings()
+        if settings.role == "control":
+            return  # beat and power-watch only: no engine, no GPU
+        hostname = parent.hostname
+
+        def exhausted(message: str) -> None:
+            log.error("%s: %s", hostname, message)
+            try:
+                parent.app.control.cancel_consumer(settings.queue, destination=[hostname])
+            except Exception:  # noqa: BLE001 - broker may be gone too; the state says why
+                log.exception("could not stop consuming from %s", settings.queue)
+
+        self.runtime = WorkerRuntime(settings, hostname, on_exhausted=exhausted)
+        try:
+            self.runtime.start()
+        except Exception:
+            self.runtime.stop()
+            raise
+
+    def stop(self, parent: Any) -> None:
+        if self.runtime is not None:
+            self.runtime.stop()
+
+    def shutdown(self, parent: Any) -> None:
+        self.stop(parent)
+
+
+app.steps["worker"].add(EngineStep)
+
+
+@inspect_command()  # type: ignore[untyped-decorator]
+def gpu_report(state: Any) -> dict[str, Any]:
+    """This worker's recent GPU and engine window, for the power-watch and `genfleet top`."""
+    from workers.runtime import _current
+
+    if _current is None:
+        return {"ok": False, "reason": "engine not started"}
+    return _current.report()

@@ -1,0 +1,224 @@
+"""Running one work order: staged input in, one write-once output object out.
+
+The order of things is what makes "nothing lost, nothing doubled" hold:
+1. the output exists → the batch is done (a duplicate delivery); skip;
+2. read the staged input and any checkpoint parts; only prompts without a result are sent;
+3. while prompts run: refresh the batch's lease, flush finished completions as a part every
+   checkpoint_interval_s, so a crash loses at most that much work;
+4. merge parts and new results in input order, `put_if_absent` the output — only then does
+   the batch count as done (Redis counters follow the store, never lead it);
+5. delete the parts.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass, field
+from typing import Any
+
+import redis
+
+from common import keys
+from common.errors import StoreError
+from common.records import (
+    CompletionRecord,
+    PromptRecord,
+    WorkOrder,
+    decode_jsonl_gz,
+    encode_jsonl_gz,
+)
+from common.store import Store
+from workers.feeder import Feeder
+
+log = logging.getLogger("genfleet.batch")
+
+
+class BatchInputMissing(StoreError):
+    """The staged input object is gone: retrying cannot help."""
+
+
+@dataclass
+class BatchSummary:
+    """What a finished batch reports (the task result Flower shows). No secrets, no text."""
+
+    run: str
+    batch: str
+    worker: str
+    prompts: int = 0
+    completions: int = 0
+    errors: int = 0
+    resumed: int = 0  # prompts taken from checkpoint parts
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    duration_s: float = 0.0
+    tokens_per_s: float = 0.0
+    skipped: bool = False  # the output already existed
+    duplicate: bool = False  # another copy wrote the output first
+    gpus: str | None = None
+    accept_length: float | None = None
+    finish_reasons: dict[str, int] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class _Collector:
+    """Results arriving from the loop thread, and the part of them not yet checkpointed."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.results: dict[int, CompletionRecord] = {}
+        self.unflushed: list[CompletionRecord] = []
+
+    def add(self, index: int, record: CompletionRecord) -> None:
+        with self.lock:
+            self.results[index] = record
+            self.unflushed.append(record)
+
+    def take_unflushed(self) -> list[CompletionRecord]:
+        with self.lock:
+            rows, self.unflushed = self.unflushed, []
+        return rows
+
+
+def load_parts(store: Store, run: str, batch: str) -> tuple[dict[tuple[str, int], Any], int]:
+    """Checkpointed completions of an earlier try, by (id, sample), and the next part number."""
+    done: dict[tuple[str, int], Any] = {}
+    count = 0
+    for key in store.list(keys.parts_prefix(run, batch)):
+        data = store.get(key)
+        count += 1
+        if data is None:
+            continue
+        for row in decode_jsonl_gz(data):
+            done[(row["id"], row.get("sample", 0))] = row
+    return done, count
+
+
+def write_part(store: Store, run: str, batch: str, part: int, rows: list[CompletionRecord]) -> int:
+    """Write a checkpoint part at the first free part number from `part`; returns the next."""
+    data = encode_jsonl_gz(row.to_json() for row in rows)
+    while not store.put_if_absent(keys.part_key(run, batch, part), data):
+        part += 1  # a parallel copy of this batch wrote this number: take the next
+    return part + 1
+
+
+def execute(
+    order: WorkOrder,
+    *,
+    store: Store,
+    client: redis.Redis,
+    feeder: Feeder,
+    worker: str,
+    lease_ttl_s: float,
+    checkpoint_interval_s: float,
+    gpus: str | None = None,
+) -> BatchSummary:
+    started = time.monotonic()
+    summary = BatchSummary(run=order.run, batch=order.batch, worker=worker, gpus=gpus)
+    output_key = keys.output_key(order.run, order.batch)
+    if store.exists(output_key):
+        summary.skipped = True
+        _mark_done(client, order)
+        return summary
+    data = store.get(order.key)
+    if data is None:
+        raise BatchInputMissing(f"staged input {order.key} is missing from {store.url}")
+    records = [PromptRecord.from_json(row) for row in decode_jsonl_gz(data)]
+    summary.prompts = len(records)
+    previous, next_part = load_parts(store, order.run, order.batch)
+    todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
+    summary.resumed = len(records) - len(todo)
+
+    client.hsetnx(keys.counters_key(order.run), "started_at", time.time())
+    collector = _Collector()
+    lease = keys.lease_key(order.run, order.batch)
+    client.set(lease, worker, px=int(lease_ttl_s * 1000))
+    future = feeder.run_batch(
+        order.run,
+        order.batch,
+        [r for _, r in todo],
+        order.params,
+        lambda j, rec: collector.add(todo[j][0], rec),
+    )
+    last_flush = time.monotonic()
+    try:
+        while True:
+            try:
+                future.result(timeout=max(lease_ttl_s / 3, 0.1))
+                break
+            except FutureTimeout:
+                client.set(lease, worker, px=int(lease_ttl_s * 1000))
+                if time.monotonic() - last_flush >= checkpoint_interval_s:
+                    rows = collector.take_unflushed()
+                    if rows:
+                        next_part = write_part(store, order.run, order.batch, next_part, rows)
+                    last_flush = time.monotonic()
+    except BaseException:
+        rows = collector.take_unflushed()
+        if rows:  # keep what finished: the retry skips it
+            write_part(store, order.run, order.batch, next_part, rows)
+        client.delete(lease)
+        raise
+
+    rows_out: list[dict[str, Any]] = []
+    for index, record in enumerate(records):
+        done = collector.results.get(index)
+        rows_out.append(done.to_json() if done is not None else previous[record.key])
+    wrote = store.put_if_absent(output_key, encode_jsonl_gz(rows_out))
+    summary.duplicate = not wrote
+    client.delete(lease)
+    store.delete_prefix(keys.parts_prefix(order.run, order.batch))
+    _summarise(summary, rows_out, started)
+    if wrote:
+        _count(client, order, summary)
+    else:
+        _mark_done(client, order)
+    return summary
+
+
+def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float) -> None:
+    for row in rows:
+        if row.get("error"):
+            summary.errors += 1
+            continue
+        summary.completions += 1
+        usage = row.get("usage") or {}
+        summary.completion_tokens += int(usage.get("completion_tokens") or 0)
+        summary.reasoning_tokens += int(usage.get("reasoning_tokens") or 0)
+        reason = str(row.get("finish_reason"))
+        summary.finish_reasons[reason] = summary.finish_reasons.get(reason, 0) + 1
+    summary.duration_s = round(time.monotonic() - started, 3)
+    if summary.duration_s > 0:
+        summary.tokens_per_s = round(summary.completion_tokens / summary.duration_s, 1)
+
+
+def _mark_done(client: redis.Redis, order: WorkOrder) -> None:
+    pipe = client.pipeline()
+    pipe.sadd(keys.done_key(order.run), order.batch)
+    pipe.srem(keys.queued_key(order.run), order.batch)
+    pipe.hdel(keys.failed_key(order.run), order.batch)
+    pipe.execute()
+
+
+def _count(client: redis.Redis, order: WorkOrder, summary: BatchSummary) -> None:
+    """Live counters, after the output is in the store (the store is the truth)."""
+    now = time.time()
+    pipe = client.pipeline()
+    pipe.sadd(keys.done_key(order.run), order.batch)
+    pipe.srem(keys.queued_key(order.run), order.batch)
+    pipe.hdel(keys.failed_key(order.run), order.batch)
+    counters = keys.counters_key(order.run)
+    pipe.hincrby(counters, "prompts_done", summary.prompts)
+    pipe.hincrby(counters, "errors", summary.errors)
+    pipe.hincrby(counters, "completion_tokens", summary.completion_tokens)
+    pipe.hincrby(counters, "reasoning_tokens", summary.reasoning_tokens)
+    pipe.hsetnx(counters, "first_done_at", now)
+    pipe.hset(counters, "last_done_at", now)
+    throughput = keys.throughput_key(order.run)
+    pipe.zadd(throughput, {f"{now:.3f}:{order.batch}:{summary.completion_tokens}": now})
+    pipe.zremrangebyscore(throughput, "-inf", now - 3600)
+    pipe.execute()

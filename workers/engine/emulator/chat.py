@@ -1,0 +1,266 @@
+"""POST /v1/chat/completions: SGLang's OpenAI-compatible shapes, streaming and not (§3).
+
+Thinking is on unless `chat_template_kwargs.enable_thinking` (or `thinking`) is false or
+`reasoning_effort` is "none". A thinking completion spends its first 70 % (of its uncut
+length) reasoning; with `--reasoning-parser` set that part is `reasoning_content` and counts
+in `usage.reasoning_tokens`, without it the reasoning stays in `content` before `</think>`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from .engine import Engine
+from .errors import ApiError, SSE_DONE, json_response, sse, validation_error
+from .generate import meta_info
+from .model import Sequence
+from .text import EOS_TOKEN_ID, chat_prompt, prompt_seed, synth_text
+from .validate import check_sampling, opt_float, opt_int, read_json
+
+SCHEMA = "ChatCompletionRequest"
+THINK_END = "</think>\n\n"
+
+
+@dataclass(slots=True)
+class Choice:
+    """One sequence as the chat API shows it: how it splits into reasoning and content."""
+
+    index: int
+    seq: Sequence
+    reasoning_tokens: int  # 0 when not thinking
+    separate: bool  # reasoning goes to reasoning_content (a parser is set and asked for)
+    sent_reasoning: int = 0
+    sent_content: int = 0
+    finished: bool = False
+
+    def texts(self, generated: int) -> tuple[str, str]:
+        """(reasoning_content, content) after `generated` tokens; each grows by appending."""
+        seed, r_total = self.seq.seed, self.reasoning_tokens
+        r = min(generated, r_total)
+        reasoning = synth_text(seed, r)
+        content = synth_text(seed, generated - r, start=r_total)
+        if self.separate or r_total == 0:
+            return reasoning, content
+        marker = THINK_END if r == r_total else ""
+        return "", reasoning + marker + content
+
+    @property
+    def matched_stop(self) -> int | None:
+        return EOS_TOKEN_ID if self.seq.done and self.seq.finish_reason == "stop" else None
+
+
+@dataclass(slots=True)
+class ChatRequest:
+    model: str
+    stream: bool
+    include_usage: bool
+    return_meta_info: bool
+    choices: list[Choice]
+
+    @property
+    def seqs(self) -> list[Sequence]:
+        return [c.seq for c in self.choices]
+
+
+def wants_thinking(body: dict[str, Any]) -> bool:
+    kwargs = body.get("chat_template_kwargs")
+    if isinstance(kwargs, dict) and (
+        kwargs.get("enable_thinking") is False or kwargs.get("thinking") is False
+    ):
+        return False
+    return body.get("reasoning_effort") != "none"
+
+
+def parse(body: dict[str, Any], engine: Engine) -> ChatRequest:
+    """Validate a chat request and plan its sequences; raises ApiError like SGLang would."""
+    messages = body.get("messages")
+    if messages is None:
+        raise validation_error(f"1 validation error for {SCHEMA}\nmessages\n  Field required")
+    if not isinstance(messages, list):
+        raise validation_error(f"1 validation error for {SCHEMA}\nmessages\n  Input should be a valid list")
+    if not messages:
+        raise ApiError(400, "Messages cannot be empty.")
+    max_tokens = opt_int(body, "max_completion_tokens", SCHEMA) or opt_int(body, "max_tokens", SCHEMA)
+    n = opt_int(body, "n", SCHEMA) or 1
+    check_sampling(
+        temperature=opt_float(body, "temperature", SCHEMA),
+        top_p=opt_float(body, "top_p", SCHEMA),
+        top_k=opt_int(body, "top_k", SCHEMA),
+        min_p=opt_float(body, "min_p", SCHEMA),
+        max_new_tokens=max_tokens,
+    )
+    args = engine.args
+    if max_tokens is not None and args.context_length_given and max_tokens > args.context_length:
+        raise ApiError(
+            400,
+            f"max_completion_tokens is too large: {max_tokens}.This model supports at most "
+            f"{args.context_length} completion tokens.",
+        )
+    thinking = wants_thinking(body)
+    key, prompt_tokens = chat_prompt(messages, thinking)
+    max_tokens = engine.check_lengths(prompt_tokens, max_tokens)
+    separate = args.reasoning_parser is not None and body.get("separate_reasoning", True) is not False
+    base_seed = opt_int(body, "seed", SCHEMA) or 0
+    choices = []
+    for i in range(n):
+        seq = engine.plan(
+            prompt_tokens,
+            prompt_seed(key, base_seed + i),
+            max_tokens,
+            ignore_eos=body.get("ignore_eos") is True,
+            min_tokens=opt_int(body, "min_tokens", SCHEMA) or 0,
+        )
+        reasoning = engine.reasoning_tokens(seq) if thinking else 0
+        choices.append(Choice(i, seq, reasoning, separate))
+    stream_options = body.get("stream_options")
+    return ChatRequest(
+        model=str(body.get("model", "default")),
+        stream=body.get("stream") is True,
+        include_usage=isinstance(stream_options, dict)
+        and stream_options.get("include_usage") is True,
+        return_meta_info=body.get("return_meta_info") is True,
+        choices=choices,
+    )
+
+
+def usage(req: ChatRequest) -> dict[str, Any]:
+    prompt = req.choices[0].seq.prompt_tokens
+    completion = sum(c.seq.generated for c in req.choices)
+    reasoning = sum(min(c.reasoning_tokens, c.seq.generated) for c in req.choices if c.separate)
+    return {
+        "prompt_tokens": prompt,
+        "total_tokens": prompt + completion,
+        "completion_tokens": completion,
+        "prompt_tokens_details": None,
+        "reasoning_tokens": reasoning,
+    }
+
+
+def completion_body(req: ChatRequest, engine: Engine) -> dict[str, Any]:
+    choices = []
+    for c in req.choices:
+        reasoning, content = c.texts(c.seq.generated)
+        choice: dict[str, Any] = {
+            "index": c.index,
+            "message": {
+                "role": "assistant",
+                "content": content,
+                "reasoning_content": reasoning or None,
+                "tool_calls": None,
+            },
+            "logprobs": None,
+            "finish_reason": c.seq.finish_reason,
+            "matched_stop": c.matched_stop,
+        }
+        if req.return_meta_info:
+            choice["meta_info"] = meta_info(c.seq, engine, final=True)
+        choices.append(choice)
+    return {
+        "id": req.choices[0].seq.rid,
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": req.model,
+        "choices": choices,
+        "usage": usage(req),
+        "metadata": {"weight_version": "default"},
+    }
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    """POST /v1/chat/completions."""
+    engine: Engine = request.app["engine"]
+    engine.count_request()
+    try:
+        req = parse(await read_json(request, SCHEMA), engine)
+    except ApiError as exc:
+        return json_response(exc.body_a(), exc.status)
+    waker = asyncio.Event()
+    try:
+        engine.submit(req.seqs, waker, req.stream)
+    except ApiError as exc:
+        if req.stream:
+            return await _stream_error(request, exc)
+        return json_response(exc.body_a(), exc.status)
+    if not req.stream:
+        await engine.wait(req.seqs, waker)
+        return json_response(completion_body(req, engine))
+    return await _stream(request, req, engine, waker)
+
+
+async def _stream_error(request: web.Request, exc: ApiError) -> web.StreamResponse:
+    resp = _sse_response()
+    await resp.prepare(request)
+    await resp.write(sse(exc.chat_stream_chunk()) + SSE_DONE)
+    return resp
+
+
+def _sse_response() -> web.StreamResponse:
+    return web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+
+
+async def _stream(
+    request: web.Request, req: ChatRequest, engine: Engine, waker: asyncio.Event
+) -> web.StreamResponse:
+    resp = _sse_response()
+    await resp.prepare(request)
+    head = {"id": req.choices[0].seq.rid, "object": "chat.completion.chunk"}
+    head |= {"created": int(time.time()), "model": req.model}
+    try:
+        first = [
+            _chunk(head, c, {"role": "assistant", "content": "", "reasoning_content": None})
+            for c in req.choices
+        ]
+        await resp.write(b"".join(first))
+        while True:
+            out = [part for c in req.choices for part in _progress(head, c)]
+            if out:
+                await resp.write(b"".join(out))
+            if all(c.finished for c in req.choices):
+                break
+            await waker.wait()
+            waker.clear()
+        tail = sse({**head, "choices": [], "usage": usage(req)}) if req.include_usage else b""
+        await resp.write(tail + SSE_DONE)
+    finally:
+        if not all(seq.done for seq in req.seqs):
+            engine.abort(req.seqs)
+    return resp
+
+
+def _chunk(
+    head: dict[str, Any], c: Choice, delta: dict[str, Any], finish: str | None = None
+) -> bytes:
+    choice = {
+        "index": c.index,
+        "delta": delta,
+        "logprobs": None,
+        "finish_reason": finish,
+        "matched_stop": c.matched_stop if finish else None,
+    }
+    return sse({**head, "choices": [choice]})
+
+
+def _progress(head: dict[str, Any], c: Choice) -> list[bytes]:
+    """The delta chunks since the last write, and the finish chunk once the sequence is done."""
+    if c.finished:
+        return []
+    out = []
+    reasoning, content = c.texts(c.seq.generated)
+    if len(reasoning) > c.sent_reasoning:
+        out.append(_chunk(head, c, {"reasoning_content": reasoning[c.sent_reasoning :]}))
+        c.sent_reasoning = len(reasoning)
+    if len(content) > c.sent_content:
+        delta = {"reasoning_content": None, "content": content[c.sent_content :]}
+        out.append(_chunk(head, c, delta))
+        c.sent_content = len(content)
+    if c.seq.done:
+        out.append(_chunk(head, c, {"reasoning_content": None}, c.seq.finish_reason))
+        c.finished = True
+    return out

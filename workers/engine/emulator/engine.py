@@ -1,0 +1,274 @@
+"""The emulator's running engine: one task stepping the scheduler against the event-loop clock.
+
+Handlers plan sequences (length checks, completion plan), submit them and wait on one
+asyncio.Event per HTTP request; the loop sets it when a sequence advances (streams) or
+finishes. In zero-time mode (both step costs 0) nothing is stepped: a sequence is completed
+on submission and the handler never waits, so the client-overhead benchmark measures the
+HTTP path alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import uuid
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from .args import EngineArgs
+from .errors import ApiError, queue_full
+from .model import Scheduler, Sequence, TimeModel, natural_length, plan_length
+from .power import EnergyMeter, PowerModel
+
+if TYPE_CHECKING:
+    from common.settings import Settings
+
+log = logging.getLogger("workers.engine.emulator")
+TP0 = {"tp": " TP0"}
+REASONING_SHARE = 0.7  # of a thinking completion's natural length, up to and with </think>
+MAX_CATCH_UP_STEPS = 2000  # decode steps run back to back before yielding to the event loop
+DECODE_LOG_MIN_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Knobs:
+    """The GENFLEET_EMULATOR_* settings, read once at start-up."""
+
+    time_scale: float = 1.0
+    mean_completion_tokens: int = 1800
+    max_completion_tokens: int = 8192
+    load_s: float = 2.0
+    warmup_s: float = 1.0
+    step_base_ms: float = 12.0
+    step_per_request_ms: float = 0.25
+    accept_length: float = 2.6
+    power_limit_w: float = 700.0
+    idle_power_w: float = 80.0
+    fail_after_requests: int | None = None
+
+    @classmethod
+    def from_settings(cls, s: Settings) -> Knobs:
+        return cls(
+            time_scale=s.emulator_time_scale,
+            mean_completion_tokens=s.emulator_mean_completion_tokens,
+            max_completion_tokens=s.emulator_max_completion_tokens,
+            load_s=s.emulator_load_s,
+            warmup_s=s.emulator_warmup_s,
+            step_base_ms=s.emulator_step_base_ms,
+            step_per_request_ms=s.emulator_step_per_request_ms,
+            accept_length=s.emulator_accept_length,
+            power_limit_w=s.emulator_power_limit_w,
+            idle_power_w=s.emulator_idle_power_w,
+            fail_after_requests=s.emulator_fail_after_requests,
+        )
+
+    @property
+    def health_delay_s(self) -> float:
+        """SGLang's /health waits ~1 s for a 1-token generation; here 1 s / time scale, ≤ 1 s."""
+        return min(1.0, 1.0 / self.time_scale)
+
+
+class Engine:
+    """Owns the scheduler, its stepping task, the power meter and the request counters."""
+
+    def __init__(self, args: EngineArgs, knobs: Knobs):
+        self.args = args
+        self.knobs = knobs
+        self.model = TimeModel(
+            step_base_ms=knobs.step_base_ms,
+            step_per_request_ms=knobs.step_per_request_ms,
+            time_scale=knobs.time_scale,
+            accept_length=knobs.accept_length,
+            spec=args.spec,
+        )
+        self.scheduler = Scheduler(self.model, args.max_running_requests, args.max_queued_requests)
+        self.power = PowerModel(knobs.idle_power_w, knobs.power_limit_w, args.spec is not None)
+        self.clock = asyncio.get_running_loop().time
+        self.meter = EnergyMeter(self.clock(), knobs.idle_power_w)
+        self.scheduler.tallies.interval_start_s = self.clock()
+        self.received = 0
+        self._work = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._last_log_s = -math.inf
+
+    def start(self) -> None:
+        if not self.model.zero_time:
+            self._task = asyncio.create_task(self._loop(), name="emulator-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    def count_request(self) -> None:
+        """Count a chat/generate request; the N-th one kills the process when a fault is set."""
+        self.received += 1
+        limit = self.knobs.fail_after_requests
+        if limit is not None and self.received >= limit:
+            log.error(
+                "Emulated engine crash after %d requests (emulator_fail_after_requests).",
+                self.received,
+                extra=TP0,
+            )
+            logging.shutdown()
+            os._exit(1)
+
+    def check_lengths(self, prompt_tokens: int, max_tokens: int | None) -> int | None:
+        """The tokenizer's context checks (§4); returns max_tokens, clipped under auto-truncate."""
+        args = self.args
+        ctx = args.context_length
+        n = prompt_tokens + args.reserved_tokens
+        if n >= ctx and not args.allow_auto_truncate:
+            raise ApiError(
+                400,
+                f"The input ({n} tokens) is longer than the model's context length "
+                f"({ctx} tokens).",
+            )
+        if max_tokens is not None and max_tokens + n >= ctx:
+            if args.allow_auto_truncate:
+                return max(0, ctx - n - 1)
+            raise ApiError(
+                400,
+                f"Requested token count exceeds the model's maximum context length of {ctx} "
+                f"tokens. You requested a total of {max_tokens + n} tokens: {n} tokens from "
+                f"the input messages and {max_tokens} tokens for the completion. Please reduce "
+                "the number of tokens in the input messages or the completion to fit within "
+                "the limit.",
+            )
+        return max_tokens
+
+    def plan(
+        self,
+        prompt_tokens: int,
+        seed: int,
+        max_tokens: int | None,
+        *,
+        ignore_eos: bool = False,
+        min_tokens: int = 0,
+    ) -> Sequence:
+        """A sequence with its completion length fixed by the prompt's seed and the caps."""
+        caps = [
+            self.args.context_length - prompt_tokens - self.args.reserved_tokens - 1,
+            self.knobs.max_completion_tokens,
+        ]
+        if max_tokens is not None:
+            caps.append(max_tokens)
+        target, reason = plan_length(
+            seed, self.knobs.mean_completion_tokens, caps, ignore_eos, min_tokens
+        )
+        return Sequence(
+            rid=uuid.uuid4().hex,
+            prompt_tokens=prompt_tokens,
+            target_tokens=target,
+            finish_reason=reason,
+            seed=seed,
+            arrived_s=self.clock(),
+        )
+
+    def reasoning_tokens(self, seq: Sequence) -> int:
+        """Tokens of a thinking completion spent reasoning: 70 % of its uncut length."""
+        natural = natural_length(seq.seed, self.knobs.mean_completion_tokens)
+        return min(seq.target_tokens, max(1, round(REASONING_SHARE * natural)))
+
+    def submit(self, seqs: list[Sequence], waker: asyncio.Event, stream: bool) -> None:
+        """Hand sequences to the scheduler, after the scheduler-side refusals (§4)."""
+        limit = self.args.max_req_input_len
+        for seq in seqs:
+            if seq.prompt_tokens >= limit and not self.args.allow_auto_truncate:
+                raise ApiError(
+                    400,
+                    f"Input length ({seq.prompt_tokens} tokens) exceeds the maximum allowed "
+                    f"length ({limit} tokens). Use a shorter input or enable "
+                    "--allow-auto-truncate.",
+                    stage="scheduler",
+                )
+        if self.scheduler.queue_full():
+            raise queue_full()
+        now = self.clock()
+        for seq in seqs:
+            seq.arrived_s = now
+            if self.model.zero_time or seq.target_tokens == 0:
+                self.scheduler.complete_now(seq, now)
+                if self.scheduler.due_fold():
+                    self.scheduler.fold(now)
+                continue
+            seq.waker = waker
+            seq.stream = stream
+            self.scheduler.submit(seq, now)
+        self._work.set()
+        self._power_changed(now)
+
+    async def wait(self, seqs: list[Sequence], waker: asyncio.Event) -> None:
+        """Return once every sequence finished (non-streaming handlers)."""
+        while not all(seq.done for seq in seqs):
+            await waker.wait()
+            waker.clear()
+
+    def abort(self, seqs: list[Sequence]) -> None:
+        """The client went away: free the slots of its unfinished sequences."""
+        now = self.clock()
+        for seq in seqs:
+            self.scheduler.abort(seq, now)
+        self._power_changed(now)
+
+    def power_w(self) -> float:
+        return self.power.power_w(len(self.scheduler.running), self.args.max_running_requests)
+
+    def _power_changed(self, now: float) -> None:
+        self.meter.set_power(now, self.power_w())
+
+    async def _loop(self) -> None:
+        """Step the batch on a fixed timeline, catching up when the event loop ran late."""
+        s = self.scheduler
+        clock = self.clock
+        next_at = clock()
+        while True:
+            if not s.running:
+                self._work.clear()
+                await self._work.wait()
+                next_at = clock() + self.model.step_time_s(len(s.running))
+            delay = next_at - clock()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            steps = 0
+            while s.running and next_at <= clock() and steps < MAX_CATCH_UP_STEPS:
+                self._step(next_at)
+                steps += 1
+                next_at += self.model.step_time_s(len(s.running))
+            self._power_changed(clock())
+            if steps >= MAX_CATCH_UP_STEPS:
+                await asyncio.sleep(0)
+
+    def _step(self, now: float) -> None:
+        s = self.scheduler
+        for seq in s.running:
+            if seq.stream:
+                seq.waker.set()
+        for seq in s.step(now):
+            seq.waker.set()
+        if s.due_fold():
+            s.fold(now)
+            self._log_decode(now)
+
+    def _log_decode(self, now: float) -> None:
+        """SGLang's periodic "Decode batch" line, at most once a second."""
+        if now - self._last_log_s < DECODE_LOG_MIN_INTERVAL_S:
+            return
+        self._last_log_s = now
+        s = self.scheduler
+        t = s.tallies
+        tokens = sum(seq.prompt_tokens + seq.generated for seq in s.running)
+        accept = f"accept len: {t.last_spec_accept_length:.2f}, " if self.args.spec else ""
+        log.info(
+            "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, %s"
+            "cuda graph: True, gen throughput (token/s): %.2f, #queue-req: %d,",
+            len(s.running),
+            tokens,
+            tokens / self.args.max_total_num_tokens,
+            accept,
+            t.last_gen_throughput,
+            len(s.waiting),
+            extra=TP0,
+        )

@@ -1,0 +1,206 @@
+"""POST /generate, SGLang's native API: `text` or `input_ids`, single or batched (§3).
+
+Streams carry the cumulative `text`/`output_ids` in every chunk (SGLang's default, which
+bench_serving relies on); `meta_info` gains `finish_reason`, `e2e_latency` and the
+speculative fields only on a sequence's final chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+from aiohttp import web
+
+from .engine import Engine
+from .errors import SSE_DONE, ApiError, json_response, sse
+from .model import Sequence
+from .text import EOS_TOKEN_ID, count_tokens, prompt_seed, synth_ids, synth_text
+from .validate import check_sampling, opt_float, opt_int, read_json
+
+SCHEMA = "GenerateReqInput"
+DEFAULT_MAX_NEW_TOKENS = 128
+
+
+def meta_info(seq: Sequence, engine: Engine, final: bool) -> dict[str, Any]:
+    """A sequence's meta_info; the final one says why it stopped and how speculation went."""
+    meta: dict[str, Any] = {
+        "id": seq.rid,
+        "finish_reason": None,
+        "prompt_tokens": seq.prompt_tokens,
+        "weight_version": "default",
+        "num_retractions": 0,
+        "reasoning_tokens": 0,
+        "completion_tokens": seq.generated,
+        "cached_tokens": 0,
+    }
+    if not final or seq.finished_s is None:
+        return meta
+    if seq.finish_reason == "stop":
+        meta["finish_reason"] = {"type": "stop", "matched": EOS_TOKEN_ID}
+    else:
+        meta["finish_reason"] = {"type": "length", "length": seq.generated}
+    meta["e2e_latency"] = seq.finished_s - seq.arrived_s
+    spec = engine.args.spec
+    if spec is not None and seq.verify_ct > 0:
+        proposed = seq.verify_ct * (spec.num_draft_tokens - 1)
+        meta |= {
+            "spec_accept_rate": seq.correct_drafts / proposed if proposed else 0.0,
+            "spec_accept_length": seq.generated / seq.verify_ct,
+            "spec_num_correct_drafts": seq.correct_drafts,
+            "spec_num_proposed_drafts": proposed,
+            "spec_verify_ct": seq.verify_ct,
+            "spec_accepted_drafts": seq.correct_drafts,
+            "spec_proposed_drafts": proposed,
+            "spec_correct_drafts_histogram": list(seq.histogram),
+            "spec_accept_histogram": list(seq.histogram),
+        }
+    if engine.args.enable_metrics:
+        meta |= _timings(seq, engine)
+    return meta
+
+
+def _timings(seq: Sequence, engine: Engine) -> dict[str, Any]:
+    """The --enable-metrics timestamps, as wall-clock seconds."""
+    wall = time.time() - engine.clock()
+    admitted = seq.admitted_s if seq.admitted_s is not None else seq.arrived_s
+    first = seq.first_token_s if seq.first_token_s is not None else admitted
+    finished = seq.finished_s if seq.finished_s is not None else first
+    decode_s = finished - first
+    return {
+        "queue_time": admitted - seq.arrived_s,
+        "forward_entry_time": wall + admitted,
+        "prefill_finished_time": wall + first,
+        "request_received_ts": wall + seq.arrived_s,
+        "api_server_dispatch_finish_ts": wall + seq.arrived_s,
+        "response_sent_to_client_ts": wall + finished,
+        "request_finished_ts": wall + finished,
+        "decode_throughput": seq.generated / decode_s if decode_s > 0 else 0.0,
+    }
+
+
+def _prompts(body: dict[str, Any]) -> tuple[bool, list[tuple[str, int]]]:
+    """(batched?, [(seed key, prompt tokens)]) from `text` or `input_ids`."""
+    text, ids = body.get("text"), body.get("input_ids")
+    if isinstance(text, str):
+        return False, [(text, count_tokens(text))]
+    if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
+        return True, [(t, count_tokens(t)) for t in text]
+    if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
+        return False, [(repr(ids[:256]), len(ids))]
+    if isinstance(ids, list) and ids and all(isinstance(i, list) for i in ids):
+        return True, [(repr(i[:256]), len(i)) for i in ids]
+    raise ApiError(400, "Either text, input_ids or input_embeds should be provided.")
+
+
+def parse(body: dict[str, Any], engine: Engine) -> tuple[bool, list[Sequence]]:
+    batched, prompts = _prompts(body)
+    params = body.get("sampling_params") or {}
+    if isinstance(params, list):
+        params = params[0] if params else {}
+    if not isinstance(params, dict):
+        raise ApiError(400, "sampling_params must be a dict.")
+    max_new = opt_int(params, "max_new_tokens", SCHEMA)
+    check_sampling(
+        temperature=opt_float(params, "temperature", SCHEMA),
+        top_p=opt_float(params, "top_p", SCHEMA),
+        top_k=opt_int(params, "top_k", SCHEMA),
+        min_p=opt_float(params, "min_p", SCHEMA),
+        max_new_tokens=max_new,
+    )
+    max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+    seqs = []
+    for i, (key, tokens) in enumerate(prompts):
+        limit = engine.check_lengths(tokens, max_new)
+        seq = engine.plan(
+            tokens,
+            prompt_seed(key, i),
+            limit,
+            ignore_eos=params.get("ignore_eos") is True,
+            min_tokens=opt_int(params, "min_new_tokens", SCHEMA) or 0,
+        )
+        if isinstance(body.get("rid"), str) and not batched:
+            seq.rid = body["rid"]
+        seqs.append(seq)
+    return batched, seqs
+
+
+def result(seq: Sequence, engine: Engine, final: bool = True) -> dict[str, Any]:
+    return {
+        "text": synth_text(seq.seed, seq.generated),
+        "output_ids": synth_ids(seq.seed, seq.generated),
+        "meta_info": meta_info(seq, engine, final),
+    }
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    """POST /generate."""
+    engine: Engine = request.app["engine"]
+    engine.count_request()
+    try:
+        body = await read_json(request, SCHEMA)
+    except ApiError as exc:
+        return json_response(exc.body_a(), exc.status)
+    stream = body.get("stream") is True
+    waker = asyncio.Event()
+    try:
+        batched, seqs = parse(body, engine)
+        engine.submit(seqs, waker, stream)
+    except ApiError as exc:
+        if stream:
+            return await _stream_error(request, exc)
+        return json_response(exc.body_a() if exc.status == 503 else exc.body_b(), exc.status)
+    if not stream:
+        await engine.wait(seqs, waker)
+        out = [result(seq, engine) for seq in seqs]
+        return json_response(out if batched else out[0])
+    return await _stream(request, seqs, batched, engine, waker)
+
+
+def _sse_response() -> web.StreamResponse:
+    return web.StreamResponse(
+        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+    )
+
+
+async def _stream_error(request: web.Request, exc: ApiError) -> web.StreamResponse:
+    resp = _sse_response()
+    await resp.prepare(request)
+    await resp.write(sse(exc.generate_stream_chunk()) + SSE_DONE)
+    return resp
+
+
+async def _stream(
+    request: web.Request,
+    seqs: list[Sequence],
+    batched: bool,
+    engine: Engine,
+    waker: asyncio.Event,
+) -> web.StreamResponse:
+    resp = _sse_response()
+    await resp.prepare(request)
+    sent = [0] * len(seqs)
+    closed = [False] * len(seqs)
+    try:
+        while True:
+            out = []
+            for i, seq in enumerate(seqs):
+                if closed[i] or (seq.generated == sent[i] and not seq.done):
+                    continue
+                chunk = result(seq, engine, final=seq.done)
+                if batched:
+                    chunk["index"] = i
+                out.append(sse(chunk))
+                sent[i], closed[i] = seq.generated, seq.done
+            if out:
+                await resp.write(b"".join(out))
+            if all(closed):
+                break
+            await waker.wait()
+            waker.clear()
+        await resp.write(SSE_DONE)
+    finally:
+        if not all(seq.done for seq in seqs):
+            engine.abort(seqs)
+    return resp

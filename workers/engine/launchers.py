@@ -1,0 +1,119 @@
+"""Which engine a worker launches, and how: one dispatch on `settings.engine_kind`.
+
+- `sglang`: SGLang's own argv (`sglang_argv.sglang_launch`).
+- `emulator`: the very same argv, run by `python -m workers.engine.emulator`, so the
+  supervision path tested without a GPU is the one used with one.
+- `command`: any OpenAI-compatible server from `--engine-command`, with `{model}`, `{port}`
+  and `{host}` filled in, health-checked on `--engine-health-path`.
+- `external`: nothing to launch; someone else runs the engine at `--engine-url`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import string
+import sys
+
+from common.errors import ConfigError
+from common.settings import Settings
+from workers.engine.launch import EngineLaunch
+from workers.engine.preflight import checkpoint_arch
+from workers.engine.sglang_argv import LOOPBACK, NEWEST_SGLANG, sglang_launch
+
+EMULATOR_PROGRAM = [sys.executable, "-m", "workers.engine.emulator"]
+EMULATED_MODEL = "genfleet/emulated"
+COMMAND_PLACEHOLDERS = ("model", "port", "host")
+
+
+def engine_launch(settings: Settings, port: int, arch: str | None = None) -> EngineLaunch | None:
+    """What to spawn for this worker's engine on loopback `port`; None for an external engine.
+
+    `arch` is the checkpoint's `architectures[0]` (see `preflight.checkpoint_arch`); it only
+    matters to SGLang's mamba flags.
+    """
+    kind = settings.engine_kind
+    if kind == "sglang":
+        return sglang_launch(settings, port, arch=arch)
+    if kind == "emulator":
+        return emulator_launch(settings, port, arch)
+    if kind == "command":
+        return command_launch(settings, port)
+    return None
+
+
+def emulator_launch(settings: Settings, port: int, arch: str | None = None) -> EngineLaunch:
+    """SGLang's argv for the newest release, run by the emulator, with its knobs in the env.
+
+    The emulator reads its `GENFLEET_EMULATOR_*` settings from the environment, so knobs given
+    as CLI flags to the worker reach it too.
+    """
+    emulated = settings.model_copy(update={"model": settings.model or EMULATED_MODEL})
+    launch = sglang_launch(emulated, port, NEWEST_SGLANG, EMULATOR_PROGRAM, arch)
+    knobs = {
+        name: value
+        for name, value in settings.child_env().items()
+        if name.startswith("GENFLEET_EMULATOR_")
+    }
+    return dataclasses.replace(launch, kind="emulator", env={**launch.env, **knobs})
+
+
+def command_launch(settings: Settings, port: int) -> EngineLaunch:
+    """The user's `--engine-command`, split like a shell would, placeholders filled per word.
+
+    Examples:
+        "vllm serve {model} --host {host} --port {port}"
+        "transformers serve --port {port}"        # {model} is optional, {port} is not
+    """
+    template = settings.engine_command
+    if not template:
+        raise ConfigError("--engine command needs --engine-command")
+    words = shlex.split(template)
+    used = {name for word in words for name in placeholders(word)}
+    unknown = sorted(used - set(COMMAND_PLACEHOLDERS))
+    if unknown:
+        raise ConfigError(
+            f"--engine-command has unknown placeholder(s) {', '.join(unknown)}: "
+            f"only {{model}}, {{port}} and {{host}} are filled in (write {{{{ }}}} for a brace)"
+        )
+    if "port" not in used:
+        raise ConfigError(
+            "--engine-command has no {port} placeholder: the worker picks the engine's port "
+            f"and must pass it, e.g. {template!r} + ' --port {{port}}'"
+        )
+    if "model" in used and settings.model is None:
+        raise ConfigError("--engine-command uses {model} but no --model was given")
+    values = {"model": settings.model or "", "port": str(port), "host": LOOPBACK}
+    api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
+    return EngineLaunch(
+        kind="command",
+        argv=[word.format_map(values) for word in words],
+        host=LOOPBACK,
+        port=port,
+        health_path=settings.engine_health_path,
+        api_key=api_key or None,
+    )
+
+
+def placeholders(word: str) -> list[str]:
+    """The `{name}` fields in one word of a command template."""
+    try:
+        parsed = list(string.Formatter().parse(word))
+    except ValueError as exc:
+        raise ConfigError(f"--engine-command word {word!r}: {exc}") from exc
+    return [field for _, field, _, _ in parsed if field is not None]
+
+
+def print_engine_command(settings: Settings, port: int | None = None) -> str:
+    """The exact command and added environment `genfleet worker` would launch, key masked.
+
+    Reads the architecture from a local checkpoint as the worker does; `port` defaults to the
+    configured one (a worker per GPU group adds its offset).
+    """
+    if settings.engine_kind == "external":
+        return f"# external engine at {settings.engine_url}: genfleet launches nothing"
+    chosen = settings.port if port is None else port
+    launch = engine_launch(settings, chosen, checkpoint_arch(settings.model))
+    if launch is None:
+        return f"# {settings.engine_kind} engine: genfleet launches nothing"
+    return launch.describe()

@@ -1,0 +1,209 @@
+"""SGLang's command line and environment, built from settings by one pure function.
+
+Supported SGLang releases: 0.5.11 (what the seed runs used) to 0.5.23 (the newest on PyPI),
+checked flag by flag against each release's own source in `test_sglang_versions.py`.
+
+Two eras, split at **0.5.14**, the first release after the spec-v2 retirement (upstream #27964)
+and the mamba flag rename (#28151). Read from the wheels:
+
+- 0.5.11 … 0.5.13.post1: `sglang/srt/environ.py` still declares
+  `SGLANG_ENABLE_SPEC_V2 = EnvBool(True)`, and the only mamba flag is
+  `--mamba-scheduler-strategy` (`server_args.py`). Speculative decoding on a Qwen hybrid
+  (GDN) model with radix cache needs `SGLANG_ENABLE_SPEC_V2=1` and
+  `--mamba-scheduler-strategy extra_buffer`, otherwise start-up fails with "Speculative
+  decoding for … is not compatible with radix cache when using --mamba-scheduler-strategy
+  no_buffer".
+- 0.5.14 and later: `arg_groups/speculative_hook.py` only warns that `SGLANG_ENABLE_SPEC_V2`
+  "has been removed", the field is `mamba_radix_cache_strategy` (`--mamba-radix-cache-strategy`),
+  and `--mamba-scheduler-strategy` is a deprecated alias (still in 0.5.15) until it is
+  dropped altogether (0.5.23 has no such flag: an argparse error).
+
+`sglang serve` (console script `sglang = sglang.cli.main:main`) exists from 0.5.5 on; older
+releases get `python -m sglang.launch_server`, which newer ones still accept with a warning.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import sys
+from importlib import metadata
+
+from common.errors import ConfigError
+from common.settings import Settings
+from workers.engine.launch import EngineLaunch
+
+OLDEST_SGLANG = "0.5.11"
+NEWEST_SGLANG = "0.5.23"
+SUPPORTED_SGLANG = (OLDEST_SGLANG, NEWEST_SGLANG)
+
+# First release without SGLANG_ENABLE_SPEC_V2 and with --mamba-radix-cache-strategy.
+RADIX_CACHE_ERA = (0, 5, 14)
+# First release that ships the `sglang serve` console script.
+SERVE_SINCE = (0, 5, 5)
+
+LOOPBACK = "127.0.0.1"
+
+# With speculative decoding and no --max-running-requests, SGLang silently caps the running
+# batch at 48 (`speculative_hook.py::_handle_eagle_family`), which starves a saturating client.
+# The builder therefore always passes the flag; 256 keeps an H200 busy with MTP on.
+DEFAULT_MAX_RUNNING_REQUESTS = 256
+
+# Hybrid GDN (linear attention + mamba state) architectures whose MTP needs the
+# extra_buffer mamba cache (`arg_groups/overrides.py::_MAMBA_EXTRA_BUFFER_ARCHS`).
+# Qwen3.6 checkpoints load through the Qwen3.5 classes.
+QWEN_HYBRID_ARCHS = frozenset(
+    {
+        "Qwen3NextForCausalLM",
+        "Qwen3_5ForConditionalGeneration",
+        "Qwen3_5MoeForConditionalGeneration",
+        "Qwen3_5ForCausalLM",
+        "Qwen3_5MoeForCausalLM",
+    }
+)
+
+SGLANG_PROGRAM = ["sglang", "serve"]
+LEGACY_PROGRAM = [sys.executable, "-m", "sglang.launch_server"]
+
+
+def sglang_launch(
+    settings: Settings,
+    port: int,
+    version: str | None = None,
+    program: list[str] | None = None,
+    arch: str | None = None,
+) -> EngineLaunch:
+    """SGLang's argv and added environment for these settings, on 127.0.0.1:`port`.
+
+    `version` is the SGLang release the command is for; None means `settings.sglang_version`,
+    else the installed package (read from its metadata, never imported), else the newest
+    supported. `arch` is `architectures[0]` of the checkpoint's config.json, read by the caller;
+    it decides the mamba cache flag for Qwen hybrid models (None: unknown, SGLang's `auto`).
+    `program` replaces the entry point (the emulator takes the same flags).
+
+    Examples:
+        sglang_launch(Settings(model="/m/Qwen3.6-27B"), 30001, "0.5.23",
+                      arch="Qwen3_5ForConditionalGeneration")
+        # sglang serve --model-path /m/Qwen3.6-27B ... --speculative-algorithm EAGLE ...
+        #   --mamba-radix-cache-strategy extra_buffer ...
+        sglang_launch(settings, 30001, "0.5.11", arch="Qwen3_5ForConditionalGeneration")
+        # SGLANG_ENABLE_SPEC_V2=1 sglang serve ... --mamba-scheduler-strategy extra_buffer ...
+    """
+    if settings.model is None:
+        raise ConfigError("the sglang engine needs --model (a local checkpoint or a repo id)")
+    release = parse_release(resolve_sglang_version(settings, version))
+    served = settings.served_model_name or settings.model
+    if ":" in served:
+        raise ConfigError(
+            f"SGLang rejects a served model name with ':' ({served!r}): set --served-model-name"
+        )
+    max_running = settings.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+
+    argv = list(program) if program is not None else default_program(release)
+    argv += ["--model-path", settings.model, "--served-model-name", served]
+    argv += ["--tp-size", str(settings.tp_size), "--host", LOOPBACK, "--port", str(port)]
+    if settings.mem_fraction_static is not None:
+        argv += ["--mem-fraction-static", str(settings.mem_fraction_static)]
+    argv += ["--max-running-requests", str(max_running)]
+    if settings.context_length is not None:
+        argv += ["--context-length", str(settings.context_length)]
+    if settings.reasoning_parser:
+        argv += ["--reasoning-parser", settings.reasoning_parser]
+    if settings.tool_call_parser:
+        argv += ["--tool-call-parser", settings.tool_call_parser]
+    if settings.trust_remote_code:
+        argv.append("--trust-remote-code")
+    argv += speculative_args(settings)
+    argv += mamba_args(settings, release, arch)
+    if settings.attention_backend:
+        argv += ["--attention-backend", settings.attention_backend]
+    if settings.enable_metrics:
+        argv.append("--enable-metrics")
+    api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
+    if api_key:
+        argv += ["--api-key", api_key]
+    argv += ["--log-level", settings.engine_log_level]
+    argv += shlex.split(settings.engine_extra_args)
+
+    return EngineLaunch(
+        kind="sglang",
+        argv=argv,
+        env=sglang_env(settings, release, arch),
+        host=LOOPBACK,
+        port=port,
+        health_path="/health",
+        api_key=api_key,
+    )
+
+
+def speculative_args(settings: Settings) -> list[str]:
+    """MTP flags: all four knobs spelled out, so nothing depends on SGLang's auto-choice."""
+    if not settings.mtp:
+        return []
+    return [
+        "--speculative-algorithm",
+        settings.speculative_algorithm,
+        "--speculative-num-steps",
+        str(settings.speculative_num_steps),
+        "--speculative-eagle-topk",
+        str(settings.speculative_eagle_topk),
+        "--speculative-num-draft-tokens",
+        str(settings.speculative_num_draft_tokens),
+    ]
+
+
+def mamba_args(settings: Settings, release: tuple[int, ...], arch: str | None) -> list[str]:
+    """The mamba cache flag, spelled for the release.
+
+    An explicit `mamba_cache_strategy` is always passed. Otherwise only MTP on a Qwen hybrid
+    arch gets `extra_buffer` (what the cookbooks pass, and what old releases need for spec
+    decoding with radix cache); everything else is left to SGLang's `auto`.
+    """
+    strategy = settings.mamba_cache_strategy
+    if strategy is None and settings.mtp and arch in QWEN_HYBRID_ARCHS:
+        strategy = "extra_buffer"
+    if strategy is None:
+        return []
+    flag = (
+        "--mamba-radix-cache-strategy"
+        if release >= RADIX_CACHE_ERA
+        else "--mamba-scheduler-strategy"
+    )
+    return [flag, strategy]
+
+
+def sglang_env(settings: Settings, release: tuple[int, ...], arch: str | None) -> dict[str, str]:
+    """Environment the release needs: SGLANG_ENABLE_SPEC_V2=1 for Qwen hybrid MTP before 0.5.14.
+
+    Later releases removed the variable (they only warn about it), so it is not set there.
+    """
+    if settings.mtp and arch in QWEN_HYBRID_ARCHS and release < RADIX_CACHE_ERA:
+        return {"SGLANG_ENABLE_SPEC_V2": "1"}
+    return {}
+
+
+def default_program(release: tuple[int, ...]) -> list[str]:
+    """`sglang serve` where the release has it, else the module entry point."""
+    return list(SGLANG_PROGRAM if release >= SERVE_SINCE else LEGACY_PROGRAM)
+
+
+def resolve_sglang_version(settings: Settings, version: str | None = None) -> str:
+    """The release to build for: explicit, then settings, then installed, then the newest."""
+    return version or settings.sglang_version or installed_sglang_version() or NEWEST_SGLANG
+
+
+def installed_sglang_version() -> str | None:
+    """The installed sglang's version from its metadata; importing sglang needs a GPU stack."""
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def parse_release(version: str) -> tuple[int, ...]:
+    """`"0.5.13.post1"` → `(0, 5, 13)`: the release numbers, padded to three."""
+    found = re.match(r"^v?(\d+(?:\.\d+)*)", version.strip())
+    if found is None:
+        raise ConfigError(f"not an SGLang version: {version!r} (expected e.g. 0.5.23)")
+    numbers = tuple(int(part) for part in found.group(1).split("."))
+    return (numbers + (0, 0, 0))[:3]

@@ -1,0 +1,413 @@
+"""Supervising one engine process: spawn, readiness, restart within a budget, clean stop.
+
+The lifecycle is the same for SGLang, the emulator and a user's command (they differ only in
+their EngineLaunch). The engine runs in its own process group bound to 127.0.0.1, with
+`CUDA_VISIBLE_DEVICES` set to the worker's GPUs; its output goes to a log file and a ring
+buffer whose tail is quoted when it fails to start. Readiness follows SGLang: connection
+refused while loading, 503 until warm-up ends, then 200.
+
+If the engine dies while serving, requests in flight fail fast (connection errors), the
+supervisor restarts it with exponential backoff, and callers block in `wait_up()` until it is
+back. When the restart budget is spent the supervisor turns `exhausted` and calls
+`on_exhausted` so the worker stops taking work.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import logging
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import httpx
+
+from common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
+from workers.engine.launch import EngineLaunch
+
+log = logging.getLogger("genfleet.engine")
+
+State = Literal["stopped", "starting", "ready", "restarting", "exhausted"]
+
+
+def port_is_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def pick_port(host: str, preferred: int, span: int = 200) -> int:
+    """`preferred` if nothing listens there, else the next free port: no two engines collide."""
+    for port in range(preferred, min(preferred + span, 65536)):
+        if port_is_free(host, port):
+            return port
+    raise EngineStartError(f"no free port in {preferred}..{preferred + span} on {host}")
+
+
+def _die_with_parent() -> None:
+    """In the child: get SIGTERM when the worker dies, even by SIGKILL (Linux only)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class EngineSupervisor:
+    """One engine for one worker. Thread-safe; `start()` blocks until ready or failed."""
+
+    def __init__(
+        self,
+        launch: EngineLaunch,
+        *,
+        gpus: str | None = None,
+        log_path: Path | None = None,
+        startup_timeout_s: float = 3600.0,
+        stop_timeout_s: float = 30.0,
+        restart_budget: int = 5,
+        restart_backoff_s: float = 2.0,
+        on_exhausted: Callable[[str], None] | None = None,
+        on_ready: Callable[[dict[str, Any]], None] | None = None,
+    ) -> None:
+        self.launch = launch
+        self.gpus = gpus
+        self.log_path = log_path
+        self.startup_timeout_s = startup_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.restart_budget = restart_budget
+        self.restart_backoff_s = restart_backoff_s
+        self.on_exhausted = on_exhausted
+        self.on_ready = on_ready
+        self.state: State = "stopped"
+        self.restarts = 0
+        self.server_info: dict[str, Any] = {}
+        self.last_error: str | None = None
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=200)
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._lock = threading.RLock()
+        self._changed = threading.Condition(self._lock)
+        self._stopping = threading.Event()
+        self._monitor: threading.Thread | None = None
+        self._pump: threading.Thread | None = None
+        self._log_file: Any = None
+
+    # --- public ---------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return self.launch.base_url
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> dict[str, Any]:
+        """Spawn the engine and wait until it serves; returns its /server_info (or {})."""
+        with self._lock:
+            if self.state == "ready":
+                return self.server_info
+            self._stopping.clear()
+            self._set_state("starting")
+        self._spawn()
+        self._wait_ready()
+        self._monitor = threading.Thread(target=self._watch, name="engine-monitor", daemon=True)
+        self._monitor.start()
+        return self.server_info
+
+    def wait_up(self, timeout_s: float) -> None:
+        """Block until the engine is ready again; raise when it cannot be (budget, stop)."""
+        deadline = time.monotonic() + timeout_s
+        with self._changed:
+            while self.state != "ready":
+                if self.state == "exhausted":
+                    raise RestartBudgetExhausted(self.last_error or "engine restart budget spent")
+                if self._stopping.is_set():
+                    raise EngineDown("engine is stopping")
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise EngineDown(f"engine not back within {timeout_s:.0f} s ({self.state})")
+                self._changed.wait(min(remaining, 1.0))
+
+    def refresh_info(self) -> dict[str, Any]:
+        """Read /server_info again (accept length changes as the engine generates)."""
+        info = self._get_server_info()
+        if info:
+            self.server_info = info
+        return self.server_info
+
+    def stop(self) -> None:
+        """SIGTERM the engine's process group, then SIGKILL after stop_timeout_s. Idempotent."""
+        self._stopping.set()
+        with self._changed:
+            proc = self._proc
+            self._set_state("stopped")
+        if proc is not None:
+            self._terminate(proc)
+        if self._monitor and self._monitor is not threading.current_thread():
+            self._monitor.join(timeout=self.stop_timeout_s + 5)
+        if self._pump:
+            self._pump.join(timeout=5)
+        if self._log_file:
+            with contextlib.suppress(OSError):
+                self._log_file.close()
+            self._log_file = None
+
+    # --- spawning and readiness -----------------------------------------------------------
+
+    def _set_state(self, state: State) -> None:
+        with self._changed:
+            self.state = state
+            self._changed.notify_all()
+
+    def _spawn(self) -> None:
+        env = dict(os.environ)
+        env.update(self.launch.env)
+        if self.gpus is not None:
+            env["CUDA_VISIBLE_DEVICES"] = self.gpus
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        if self.log_path and self._log_file is None:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
+            self._log_file = self.log_path.open("ab", buffering=0)
+        log.info("starting engine: %s", self.launch.describe())
+        try:
+            proc = subprocess.Popen(
+                self.launch.argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group: stop() kills the whole tree
+                preexec_fn=_die_with_parent,
+            )
+        except OSError as exc:
+            raise EngineStartError(f"cannot run {self.launch.argv[0]!r}: {exc}") from exc
+        self._proc = proc
+        self._pump = threading.Thread(
+            target=self._pump_logs, args=(proc,), name="engine-log", daemon=True
+        )
+        self._pump.start()
+
+    def _pump_logs(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        for raw in proc.stdout:
+            line = raw.decode("utf-8", "replace").rstrip()
+            self.log_tail.append(line)
+            if self._log_file:
+                with contextlib.suppress(OSError, ValueError):
+                    self._log_file.write(raw)
+
+    def _wait_ready(self) -> None:
+        url = self.launch.base_url + self.launch.health_path
+        headers = self._headers()
+        deadline = time.monotonic() + self.startup_timeout_s
+        delay = 0.05
+        with httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0)) as client:
+            while True:
+                proc = self._proc
+                if self._stopping.is_set():
+                    raise EngineDown("engine start interrupted by stop")
+                if proc is None or proc.poll() is not None:
+                    code = proc.returncode if proc else None
+                    time.sleep(0.1)  # let the log pump drain the last lines
+                    raise EngineStartError(
+                        f"engine exited with code {code} before it was ready",
+                        list(self.log_tail),
+                    )
+                with contextlib.suppress(httpx.TransportError):
+                    if client.get(url, headers=headers).status_code == 200:
+                        break
+                if time.monotonic() > deadline:
+                    self._terminate(proc)
+                    raise EngineStartError(
+                        f"engine not ready after {self.startup_timeout_s:.0f} s "
+                        f"(raise --startup-timeout-s for big models)",
+                        list(self.log_tail),
+                    )
+                time.sleep(delay)
+                delay = min(delay * 1.5, 1.0)
+        self.server_info = self._get_server_info()
+        self._set_state("ready")
+        log.info(
+            "engine ready at %s (pid %s): %s",
+            self.launch.base_url,
+            self.pid,
+            _info_line(self.server_info),
+        )
+        if self.on_ready:
+            self.on_ready(self.server_info)
+
+    def _headers(self) -> dict[str, str]:
+        key = self.launch.api_key
+        return {"Authorization": f"Bearer {key}"} if key else {}
+
+    def _get_server_info(self) -> dict[str, Any]:
+        if self.launch.kind == "command":
+            return {}
+        try:
+            response = httpx.get(
+                self.launch.base_url + "/server_info", headers=self._headers(), timeout=10.0
+            )
+        except httpx.TransportError:
+            return {}
+        if response.status_code != 200:
+            return {}
+        data = response.json()
+        return data if isinstance(data, dict) else {}
+
+    # --- watching and restarting ----------------------------------------------------------
+
+    def _watch(self) -> None:
+        while not self._stopping.is_set():
+            proc = self._proc
+            if proc is None:
+                return
+            try:
+                code = proc.wait(timeout=0.5)
+            except subprocess.TimeoutExpired:
+                continue
+            if self._stopping.is_set():
+                return
+            self.last_error = f"engine exited with code {code}"
+            log.error("%s; last lines:\n%s", self.last_error, "\n".join(list(self.log_tail)[-20:]))
+            if not self._restart():
+                return
+
+    def _restart(self) -> bool:
+        while self.restarts < self.restart_budget and not self._stopping.is_set():
+            self.restarts += 1
+            self._set_state("restarting")
+            backoff = self.restart_backoff_s * (2 ** (self.restarts - 1))
+            log.warning(
+                "restarting engine (%d of %d) in %.1f s",
+                self.restarts,
+                self.restart_budget,
+                backoff,
+            )
+            if self._stopping.wait(backoff):
+                return False
+            try:
+                self._spawn()
+                self._wait_ready()
+                return True
+            except (EngineStartError, EngineDown) as exc:
+                self.last_error = str(exc).splitlines()[0]
+                log.error("engine restart failed: %s", self.last_error)
+        if self._stopping.is_set():
+            return False
+        message = (
+            f"engine restart budget spent ({self.restart_budget} restarts); last error: "
+            f"{self.last_error}; this worker stops taking work"
+        )
+        self.last_error = message
+        self._set_state("exhausted")
+        log.error(message)
+        if self.on_exhausted:
+            self.on_exhausted(message)
+        return False
+
+    def _terminate(self, proc: subprocess.Popen[bytes]) -> None:
+        if proc.poll() is not None:
+            self._reap_group(proc.pid)
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=self.stop_timeout_s)
+        except subprocess.TimeoutExpired:
+            log.warning("engine ignored SIGTERM for %.0f s: SIGKILL", self.stop_timeout_s)
+        self._reap_group(proc.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=5)
+
+    @staticmethod
+    def _reap_group(pgid: int) -> None:
+        """SIGKILL whatever is left in the engine's group (SGLang's schedulers, say)."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+
+
+def _info_line(info: dict[str, Any]) -> str:
+    if not info:
+        return "no /server_info"
+    return (
+        f"speculative_algorithm={info.get('speculative_algorithm')} "
+        f"max_running_requests={info.get('max_running_requests')} "
+        f"context_length={info.get('context_length')} version={info.get('version')}"
+    )
+
+
+class ExternalEngine:
+    """An engine someone else runs (`--engine external --engine-url`): checked, not supervised.
+
+    Same surface as EngineSupervisor so the worker treats both alike; it cannot restart what
+    it does not own, so `wait_up` polls health until the engine answers again or time runs out.
+    """
+
+    restarts = 0
+    last_error: str | None = None
+    log_tail: collections.deque[str] = collections.deque(maxlen=1)
+    pid = None
+
+    def __init__(self, base_url: str, health_path: str = "/health", api_key: str | None = None):
+        self._base_url = base_url.rstrip("/")
+        self.health_path = health_path
+        self.api_key = api_key
+        self.state: State = "stopped"
+        self.server_info: dict[str, Any] = {}
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _healthy(self) -> bool:
+        try:
+            response = httpx.get(
+                self._base_url + self.health_path, headers=self._headers(), timeout=10.0
+            )
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    def start(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        self.state = "starting"
+        self.wait_up(timeout_s)
+        return self.refresh_info()
+
+    def wait_up(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy():
+            if time.monotonic() > deadline:
+                self.state = "restarting"
+                raise EngineDown(f"external engine at {self._base_url} does not answer")
+            time.sleep(1.0)
+        self.state = "ready"
+
+    def refresh_info(self) -> dict[str, Any]:
+        try:
+            response = httpx.get(
+                self._base_url + "/server_info", headers=self._headers(), timeout=10.0
+            )
+            if response.status_code == 200 and isinstance(response.json(), dict):
+                self.server_info = response.json()
+        except (httpx.TransportError, ValueError):
+            pass
+        return self.server_info
+
+    def stop(self) -> None:
+        self.state = "stopped"

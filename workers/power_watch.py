@@ -1,0 +1,336 @@
+"""The power-watch diagnosis: which GPUs are underused while work waits, and why.
+
+"GPU utilisation %" hides underuse (an H200 read 98 % at 527 W of 700 W on a memory-bound
+load); power against the enforced limit does not. The beat task `power_watch` gathers every
+worker's `TelemetryWindow.summary(now)`, joins the fleet's queue state and calls `diagnose`.
+Everything here is pure: samples, fleet state and `now` in, findings out.
+
+A GPU is underused when its mean power over the window is below `threshold × enforced limit`
+while work waits for it (the queue holds work orders, or its worker has requests or batches
+in flight). The cause is the first that applies, in this order:
+
+    engine_down      the engine is down or restarting, now or during the window
+    mtp_off          speculative decoding is off (speculative_algorithm is None)
+    mtp_ineffective  accept length below min_accept_length: MTP weights likely missing
+    engine_capped    the engine runs max_running_requests with requests queued inside it
+    client_limited   work orders wait in the queue but this worker feeds too little
+    starved          nothing is queued for it: the run is ending or there are too many workers
+
+MTP off is blamed whenever spec is off, even when feeding is also short: the other causes
+that apply are listed in `numbers["other_causes"]`. An accept length below the minimum is a
+finding even when power is fine (verdict "mtp_ineffective"): the checkpoint lacks its MTP
+weights and SGLang does not say so. Underused with no work waiting is "idle", not a finding.
+An expected worker with no summary, or a stale one, is `worker_unresponsive`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+CAUSES = (
+    "engine_down",
+    "mtp_off",
+    "mtp_ineffective",
+    "engine_capped",
+    "client_limited",
+    "starved",
+    "worker_unresponsive",
+)
+VERDICTS = ("ok", "idle", "underused", "mtp_ineffective", "unresponsive", "unknown")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One diagnosis worth telling someone about, with the figures behind it."""
+
+    worker: str
+    gpu_uuid: str | None
+    verdict: str
+    cause: str
+    numbers: dict[str, Any]
+    suggestion: str
+    ts: float
+    run: str | None = None
+
+    def fingerprint(self) -> str:
+        """Identity for de-duplication: the same worker, GPU and cause is the same finding."""
+        return f"{self.worker}|{self.gpu_uuid or '-'}|{self.cause}"
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Finding:
+        return cls(**dict(data))
+
+
+@dataclass(frozen=True)
+class FleetState:
+    """What the beat knows about the queue: messages waiting in the Redis work queue
+    (`queue_depth`), batches without output per run (`pending_batches`), and the workers
+    expected to answer (seen recently)."""
+
+    queue_depth: int = 0
+    pending_batches: Mapping[str, int] = field(default_factory=dict)
+    expected_workers: frozenset[str] = frozenset()
+
+    @classmethod
+    def coerce(cls, value: FleetState | Mapping[str, Any]) -> FleetState:
+        """Accept the dataclass or its JSON shape (the keys above, workers as a list)."""
+        if isinstance(value, FleetState):
+            return value
+        return cls(
+            queue_depth=int(value.get("queue_depth", 0)),
+            pending_batches=dict(value.get("pending_batches", {})),
+            expected_workers=frozenset(value.get("expected_workers", ())),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "queue_depth": self.queue_depth,
+            "pending_batches": dict(self.pending_batches),
+            "expected_workers": sorted(self.expected_workers),
+        }
+
+
+_SUGGESTIONS = {
+    "engine_down": "the engine is down or restarting: read the worker's engine log",
+    "mtp_off": "speculative decoding is off: run with MTP on (--mtp) if the model has MTP heads",
+    "mtp_ineffective": (
+        "accept length {accept_length:.2f} < {min_accept_length}: the checkpoint likely lacks its "
+        "MTP weights; check its safetensors index for MTP tensors"
+    ),
+    "engine_capped": (
+        "engine at max_running_requests={max_running_requests} with {queued} queued inside it: "
+        "raise --max-running-requests"
+    ),
+    "client_limited": (
+        "{queue_depth} work orders wait but only {inflight}/{inflight_cap} requests are in "
+        "flight: raise --max-inflight or --worker-concurrency"
+    ),
+    "starved": "nothing queued for this GPU: enqueue more work or run fewer workers",
+    "worker_unresponsive": "the worker stopped answering: check its process, broker and engine",
+}
+
+
+def _causes(
+    engine: Mapping[str, Any], down: bool, fleet: FleetState, min_accept_length: float
+) -> list[str]:
+    """Every cause of underuse that applies, in precedence order (empty: starved)."""
+    found = []
+    if down:
+        found.append("engine_down")
+    if not engine.get("speculative_algorithm"):
+        found.append("mtp_off")
+    accept = engine.get("accept_length")
+    if engine.get("speculative_algorithm") and accept is not None and accept < min_accept_length:
+        found.append("mtp_ineffective")
+    running, cap = engine.get("running"), engine.get("max_running_requests")
+    if running is not None and cap is not None and running >= cap and (engine.get("queued") or 0):
+        found.append("engine_capped")
+    if fleet.queue_depth > 0:
+        found.append("client_limited")
+    else:
+        found.append("starved")
+    return found
+
+
+def _work_waits(engine: Mapping[str, Any], fleet: FleetState) -> bool:
+    return fleet.queue_depth > 0 or any(
+        (engine.get(k) or 0) > 0 for k in ("inflight", "active_batches", "running", "queued")
+    )
+
+
+def _run_of(engine: Mapping[str, Any], fleet: FleetState) -> str | None:
+    runs = list(engine.get("runs") or [])
+    if len(runs) == 1:
+        return str(runs[0])
+    pending = [r for r, n in fleet.pending_batches.items() if n > 0]
+    return pending[0] if not runs and len(pending) == 1 else None
+
+
+def _judge_gpu(
+    worker: str,
+    summary: Mapping[str, Any],
+    gpu: Mapping[str, Any] | None,
+    fleet: FleetState,
+    now: float,
+    threshold: float,
+    min_accept_length: float,
+) -> tuple[dict[str, Any], Finding | None]:
+    engine = summary.get("engine") or {"up": False}
+    down = not engine.get("up") or bool(engine.get("restarting"))
+    down = down or bool(summary.get("engine_down_in_window"))
+    power = gpu.get("power_w") if gpu else None
+    limit = gpu.get("power_limit_w") if gpu else None
+    waits = _work_waits(engine, fleet)
+    accept = engine.get("accept_length")
+    numbers: dict[str, Any] = {
+        "power_w": power,
+        "power_limit_w": limit,
+        "share_of_limit": power / limit if power is not None and limit else None,
+        "threshold": threshold,
+        "inflight": engine.get("inflight"),
+        "inflight_cap": engine.get("inflight_cap"),
+        "running": engine.get("running"),
+        "queued": engine.get("queued"),
+        "max_running_requests": engine.get("max_running_requests"),
+        "speculative_algorithm": engine.get("speculative_algorithm"),
+        "accept_length": accept,
+        "min_accept_length": min_accept_length,
+        "queue_depth": fleet.queue_depth,
+        "tokens_per_s": summary.get("tokens_per_s"),
+    }
+    causes = _causes(engine, down, fleet, min_accept_length)
+    if down and waits:
+        verdict, cause = "underused", "engine_down"
+    elif power is None or not limit:
+        verdict, cause = "unknown", None
+    elif power < threshold * limit:
+        verdict, cause = ("underused", causes[0]) if waits else ("idle", None)
+    else:
+        verdict, cause = "ok", None
+    if cause is None and "mtp_ineffective" in causes:
+        verdict, cause = "mtp_ineffective", "mtp_ineffective"
+    if cause is not None:
+        numbers["other_causes"] = [c for c in causes if c != cause]
+    row = {
+        "worker": worker,
+        "gpu_uuid": gpu.get("gpu_uuid") if gpu else None,
+        "gpu_name": gpu.get("gpu_name") if gpu else None,
+        "power_w": power,
+        "power_limit_w": limit,
+        "tokens_per_s": summary.get("tokens_per_s"),
+        "inflight": engine.get("inflight"),
+        "inflight_cap": engine.get("inflight_cap"),
+        "accept_length": accept,
+        "j_per_token": summary.get("j_per_token"),
+        "verdict": verdict,
+        "cause": cause,
+    }
+    if cause is None:
+        return row, None
+    finding = Finding(
+        worker=worker,
+        gpu_uuid=row["gpu_uuid"],
+        verdict=verdict,
+        cause=cause,
+        numbers=numbers,
+        suggestion=_SUGGESTIONS[cause].format(**{k: v for k, v in numbers.items()}),
+        ts=now,
+        run=_run_of(engine, fleet),
+    )
+    return row, finding
+
+
+def _unresponsive(worker: str, age_s: float | None, now: float) -> tuple[dict[str, Any], Finding]:
+    row: dict[str, Any] = {
+        "worker": worker,
+        "gpu_uuid": None,
+        "gpu_name": None,
+        "power_w": None,
+        "power_limit_w": None,
+        "tokens_per_s": None,
+        "inflight": None,
+        "inflight_cap": None,
+        "accept_length": None,
+        "j_per_token": None,
+        "verdict": "unresponsive",
+        "cause": "worker_unresponsive",
+    }
+    finding = Finding(
+        worker=worker,
+        gpu_uuid=None,
+        verdict="unresponsive",
+        cause="worker_unresponsive",
+        numbers={"summary_age_s": age_s},
+        suggestion=_SUGGESTIONS["worker_unresponsive"],
+        ts=now,
+    )
+    return row, finding
+
+
+def _judge(
+    samples: Mapping[str, Mapping[str, Any]],
+    fleet_state: FleetState | Mapping[str, Any],
+    now: float,
+    threshold: float,
+    min_accept_length: float,
+    stale_after_s: float,
+) -> list[tuple[dict[str, Any], Finding | None]]:
+    fleet = FleetState.coerce(fleet_state)
+    out: list[tuple[dict[str, Any], Finding | None]] = []
+    for worker in sorted(fleet.expected_workers - set(samples)):
+        out.append(_unresponsive(worker, None, now))
+    for worker in sorted(samples):
+        summary = samples[worker]
+        age = now - float(summary.get("ts", now))
+        if age > stale_after_s:
+            out.append(_unresponsive(worker, age, now))
+            continue
+        for gpu in summary.get("gpus") or [None]:
+            out.append(_judge_gpu(worker, summary, gpu, fleet, now, threshold, min_accept_length))
+    return out
+
+
+def diagnose(
+    samples: Mapping[str, Mapping[str, Any]],
+    fleet_state: FleetState | Mapping[str, Any],
+    now: float,
+    threshold: float = 0.70,
+    min_accept_length: float = 1.2,
+    stale_after_s: float = 90.0,
+) -> list[Finding]:
+    """Findings for every GPU that is underused while work waits, every engine whose MTP does
+    not accept drafts, and every worker that stopped answering.
+
+    `samples` maps worker name → its `TelemetryWindow.summary(now)` (at least `ts`, `gpus`,
+    `engine`); `fleet_state` is a `FleetState` or its JSON. A worker without GPU rows (no
+    NVML) is judged on its engine alone. `stale_after_s` is about three beat intervals.
+    """
+    rows = _judge(samples, fleet_state, now, threshold, min_accept_length, stale_after_s)
+    return [f for _, f in rows if f is not None]
+
+
+def verdicts(
+    samples: Mapping[str, Mapping[str, Any]],
+    fleet_state: FleetState | Mapping[str, Any],
+    now: float,
+    threshold: float = 0.70,
+    min_accept_length: float = 1.2,
+    stale_after_s: float = 90.0,
+) -> list[dict[str, Any]]:
+    """One row per GPU for `genfleet top` (healthy ones included): worker, gpu_uuid, gpu_name,
+    power_w, power_limit_w, tokens_per_s, inflight, inflight_cap, accept_length, j_per_token,
+    verdict, cause. Same rules as `diagnose`."""
+    rows = _judge(samples, fleet_state, now, threshold, min_accept_length, stale_after_s)
+    return [row for row, _ in rows]
+
+
+def dedupe(
+    findings: Iterable[Finding],
+    last_alerted: Mapping[str, float],
+    now: float,
+    realert_after_s: float,
+) -> tuple[list[Finding], dict[str, float]]:
+    """The findings to alert on now, and the new fingerprint → last-alert-time map.
+
+    A finding alerted less than `realert_after_s` ago stays quiet, also when it cleared and
+    came back (flapping). A persisting finding is re-alerted once per `realert_after_s`.
+    A new cause on the same worker and GPU alerts at once and replaces the old cause, so a
+    change back alerts too. Entries older than `realert_after_s` are dropped.
+    """
+    updated = {fp: ts for fp, ts in last_alerted.items() if now - ts < realert_after_s}
+    new: list[Finding] = []
+    for finding in findings:
+        fp = finding.fingerprint()
+        if fp in updated:
+            continue
+        subject = fp.rsplit("|", 1)[0]
+        for other in [k for k in updated if k.rsplit("|", 1)[0] == subject]:
+            del updated[other]
+        updated[fp] = now
+        new.append(finding)
+    return new, updated

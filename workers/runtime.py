@@ -1,0 +1,194 @@
+"""A worker's long-lived parts: its engine, its feeder, its store and Redis connections.
+
+Built once per worker process by the engine bootstep before the worker consumes, torn down
+when it stops. Tasks reach it through `current()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis
+
+from common.errors import EngineError
+from common.redis_conn import connect
+from common.settings import Settings
+from common.store import Store, open_store
+from workers.client import EngineClient
+from workers.engine.supervisor import EngineSupervisor, ExternalEngine, pick_port
+from workers.feeder import Feeder, default_max_inflight
+
+log = logging.getLogger("genfleet.worker")
+
+_current: WorkerRuntime | None = None
+
+
+def current() -> WorkerRuntime:
+    if _current is None:
+        raise EngineError("this process has no genfleet worker runtime (engine not started)")
+    return _current
+
+
+class WorkerRuntime:
+    """Everything one worker owns. `start()` blocks until the engine serves."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        hostname: str,
+        on_exhausted: Callable[[str], None] | None = None,
+    ) -> None:
+        self.settings = settings
+        self.hostname = hostname
+        self.on_exhausted = on_exhausted
+        self.store: Store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+        self.redis: redis.Redis = connect(settings)
+        self.engine: EngineSupervisor | ExternalEngine | None = None
+        self.feeder: Feeder | None = None
+        self.findings: list[dict[str, Any]] = []
+
+    def start(self) -> None:
+        global _current
+        settings = self.settings
+        kind = settings.engine_kind
+        if kind == "emulator":
+            log.warning(
+                "ENGINE: the genfleet emulator (no model given): a dry run, outputs are synthetic"
+            )
+        api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
+        if kind == "external":
+            assert settings.engine_url is not None
+            engine: EngineSupervisor | ExternalEngine = ExternalEngine(
+                settings.engine_url, settings.engine_health_path, api_key
+            )
+            info = engine.start(timeout_s=min(settings.startup_timeout_s, 120.0))
+        else:
+            engine = self._supervisor()
+            self.engine = engine
+            info = engine.start()
+        self.engine = engine
+        cap = info.get("max_running_requests")
+        max_inflight = settings.max_inflight or default_max_inflight(
+            cap if isinstance(cap, int) else None
+        )
+        model = settings.served_model_name or info.get("served_model_name") or "default"
+        identity = {
+            "kind": kind,
+            "worker": self.hostname,
+            "gpus": settings.gpus,
+            "speculative_algorithm": info.get("speculative_algorithm"),
+            "version": info.get("version"),
+        }
+        base_url = engine.base_url
+        self.feeder = Feeder(
+            lambda: EngineClient(
+                base_url,
+                model=str(model),
+                api_key=api_key,
+                timeout_s=settings.request_timeout_s,
+                max_connections=max_inflight + 8,
+                reasoning=bool(settings.reasoning_parser),
+            ),
+            engine,
+            max_inflight,
+            retries=settings.request_retries,
+            engine_wait_s=min(settings.startup_timeout_s, 1800.0),
+            identity=identity,
+        )
+        log.info("feeding %s with up to %d requests in flight", base_url, max_inflight)
+        _current = self
+
+    def _supervisor(self) -> EngineSupervisor:
+        from workers.engine.launchers import engine_launch
+        from workers.engine.preflight import preflight
+
+        settings = self.settings
+        arch = None
+        if settings.engine_kind == "sglang":
+            report = preflight(settings)
+            arch = report.arch
+        port = pick_port(settings.engine_host, settings.port)
+        launch = engine_launch(settings, port, arch=arch)
+        assert launch is not None
+        log_dir = Path(settings.log_dir or Path(tempfile.gettempdir()) / "genfleet-logs")
+        safe_host = self.hostname.replace("@", "_").replace("/", "_")
+        return EngineSupervisor(
+            launch,
+            gpus=settings.gpus,
+            log_path=log_dir / f"engine-{safe_host}-{port}.log",
+            startup_timeout_s=settings.startup_timeout_s,
+            stop_timeout_s=settings.stop_timeout_s,
+            restart_budget=settings.restart_budget,
+            restart_backoff_s=settings.restart_backoff_s,
+            on_exhausted=self.on_exhausted,
+        )
+
+    def engine_state(self) -> dict[str, Any]:
+        """What the engine and the client are doing now (no HTTP: the supervisor's view)."""
+        engine = self.engine
+        info = engine.server_info if engine else {}
+        feeder = self.feeder
+        return {
+            "up": bool(engine and engine.state == "ready"),
+            "state": engine.state if engine else "stopped",
+            "restarts": engine.restarts if engine else 0,
+            "inflight": feeder.inflight if feeder else 0,
+            "inflight_cap": feeder.max_inflight if feeder else 0,
+            "max_running_requests": info.get("max_running_requests"),
+            "speculative_algorithm": info.get("speculative_algorithm"),
+            "accept_length": accept_length(info),
+            "tokens_total": feeder.tokens_total if feeder else 0,
+            "requests_total": feeder.requests_total if feeder else 0,
+        }
+
+    def after_batch(self, summary: Any) -> None:
+        """After a batch: re-read the engine's accept length and warn loudly if MTP is idle."""
+        engine = self.engine
+        if engine is None or engine.state != "ready":
+            return
+        info = engine.refresh_info()
+        length = accept_length(info)
+        summary.accept_length = length
+        spec = info.get("speculative_algorithm")
+        if spec and length is not None and length < self.settings.min_accept_length:
+            finding = {
+                "worker": self.hostname,
+                "cause": "mtp_ineffective",
+                "accept_length": length,
+                "suggestion": "the checkpoint's MTP weights are probably missing or not loaded "
+                "(run `genfleet preflight`); without them MTP only costs time: fix or --no-mtp",
+            }
+            if not self.findings or self.findings[-1].get("cause") != "mtp_ineffective":
+                log.error(
+                    "MTP INEFFECTIVE on %s: accept length %.2f with %s", self.hostname, length, spec
+                )
+            self.findings.append(finding)
+            del self.findings[:-50]
+
+    def stop(self) -> None:
+        global _current
+        _current = None
+        if self.feeder is not None:
+            self.feeder.close()
+        if self.engine is not None:
+            self.engine.stop()
+
+
+def default_hostname(index: int | None = None) -> str:
+    host = socket.gethostname()
+    return f"gpu{index}@{host}" if index is not None else f"genfleet@{host}"
+
+
+def accept_length(info: dict[str, Any]) -> float | None:
+    """`internal_states[0].avg_spec_accept_length` from /server_info, once it exists."""
+    states = info.get("internal_states")
+    if isinstance(states, list) and states and isinstance(states[0], dict):
+        value = states[0].get("avg_spec_accept_length")
+        if isinstance(value, int | float):
+            return float(value)
+    return None

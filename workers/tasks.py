@@ -1,0 +1,140 @@
+"""Celery tasks: thin wrappers that validate a message, call one core function, map errors.
+
+- generate_batch: a WorkOrder → workers.batch.execute. Retryable failures (engine down, store
+  or Redis unreachable) are retried with backoff; after `batch_retries` tries, or at once for
+  permanent ones (staged input missing), the batch lands in the run's failed set.
+- reap_leases (beat): re-enqueues batches whose worker vanished (lease expired, no output),
+  so a SIGKILLed worker's batch finishes elsewhere in minutes, not after the visibility timeout.
+- power_watch (beat): see workers.watch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+import redis
+from celery import Task
+
+from common import keys
+from common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK
+from common.errors import EngineError, StoreError
+from common.records import WorkOrder
+from common.settings import Settings
+from workers.app import app
+from workers.batch import BatchInputMissing, execute
+from workers.runtime import current
+
+log = logging.getLogger("genfleet.tasks")
+
+RETRYABLE = (EngineError, StoreError, redis.RedisError, ConnectionError, TimeoutError)
+
+
+class BatchFailed(Exception):
+    """A batch that exhausted its tries or cannot succeed; it is in the run's failed set."""
+
+
+def running_field(run: str, batch: str) -> str:
+    return f"{run}/{batch}"
+
+
+@app.task(name=GENERATE_TASK, bind=True)  # type: ignore[untyped-decorator]
+def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
+    work = WorkOrder.model_validate(order)
+    runtime = current()
+    settings = runtime.settings
+    client = runtime.redis
+    assert runtime.feeder is not None
+    field = running_field(work.run, work.batch)
+    client.hset(keys.running_key(), field, orjson.dumps({**order, "claimed_at": time.time()}))
+    try:
+        summary = execute(
+            work,
+            store=runtime.store,
+            client=client,
+            feeder=runtime.feeder,
+            worker=self.request.hostname or runtime.hostname,
+            lease_ttl_s=settings.lease_ttl_s,
+            checkpoint_interval_s=settings.checkpoint_interval_s,
+            gpus=settings.gpus,
+        )
+    except BatchInputMissing as exc:
+        _fail(client, work, exc)
+        raise BatchFailed(str(exc)) from exc
+    except RETRYABLE as exc:
+        attempts = _attempt(client, work)
+        if attempts > settings.batch_retries:
+            _fail(client, work, exc)
+            raise BatchFailed(f"{work.run}/{work.batch} failed {attempts} times: {exc}") from exc
+        log.warning("%s/%s try %d failed: %s", work.run, work.batch, attempts, exc)
+        _safe_hdel(client, field)
+        raise self.retry(exc=exc, countdown=min(2**attempts, 60), max_retries=None) from exc
+    _safe_hdel(client, field)
+    runtime.after_batch(summary)
+    return summary.to_json()
+
+
+def _attempt(client: redis.Redis, work: WorkOrder) -> int:
+    try:
+        return int(client.hincrby(keys.attempts_key(work.run), work.batch, 1))
+    except redis.RedisError:
+        return 1
+
+
+def _fail(client: redis.Redis, work: WorkOrder, exc: BaseException) -> None:
+    """Park the batch in the failed set with its last error; `genfleet retry` re-enqueues."""
+    try:
+        pipe = client.pipeline()
+        pipe.hset(keys.failed_key(work.run), work.batch, f"{type(exc).__name__}: {exc}"[:2000])
+        pipe.srem(keys.queued_key(work.run), work.batch)
+        pipe.hdel(keys.running_key(), running_field(work.run, work.batch))
+        pipe.execute()
+    except redis.RedisError:
+        log.exception("could not record failed batch %s/%s", work.run, work.batch)
+
+
+def _safe_hdel(client: redis.Redis, field: str) -> None:
+    try:
+        client.hdel(keys.running_key(), field)
+    except redis.RedisError:
+        log.warning("could not clear running entry %s", field)
+
+
+@app.task(name=REAPER_TASK)  # type: ignore[untyped-decorator]
+def reap_leases() -> dict[str, Any]:
+    """Re-enqueue running batches whose lease expired and whose output does not exist."""
+    from common.redis_conn import connect
+    from common.store import open_store
+
+    settings = Settings()
+    client = connect(settings)
+    store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+    now = time.time()
+    requeued: list[str] = []
+    finished: list[str] = []
+    for field, raw in client.hgetall(keys.running_key()).items():
+        entry = orjson.loads(raw)
+        run, batch = entry["run"], entry["batch"]
+        if client.exists(keys.lease_key(run, batch)):
+            continue
+        if now - float(entry.get("claimed_at", 0)) < settings.lease_ttl_s:
+            continue  # claimed but the first lease write may not have landed yet
+        if store.exists(keys.output_key(run, batch)):
+            client.hdel(keys.running_key(), field)
+            finished.append(field.decode())
+            continue
+        order = {k: v for k, v in entry.items() if k != "claimed_at"}
+        if client.hdel(keys.running_key(), field):  # only one reaper wins the re-enqueue
+            generate_batch.apply_async(kwargs={"order": order}, queue=settings.queue)
+            requeued.append(field.decode())
+            log.warning("lease of %s expired without output: re-enqueued", field.decode())
+    return {"requeued": requeued, "finished": finished, "ts": now}
+
+
+@app.task(name=POWER_WATCH_TASK)  # type: ignore[untyped-decorator]
+def power_watch() -> dict[str, Any]:
+    from workers.watch import run_power_watch
+
+    return run_power_watch(app, Settings())
