@@ -31,7 +31,8 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common import keys  # noqa: E402
-from common.manifest import BatchEntry, GenerationParams, Manifest  # noqa: E402
+from common.manifest import BatchEntry, Manifest  # noqa: E402
+from common.records import GenerationParams
 from common.settings import Settings  # noqa: E402
 from common.store import FileStore  # noqa: E402
 

@@ -147,10 +147,11 @@ def alerted_key() -> str:
     return f"{PREFIX}:alerted"
 
 
-def telemetry_key(worker: str) -> str:
-    """A worker's latest GPU and engine window (JSON), TTL a few intervals: worker health."""
-    return f"{PREFIX}:telemetry:{worker}"
+def workers_key() -> str:
+    """Hash worker → last time it answered the power-watch; a silent one is a finding."""
+    return f"{PREFIX}:workers"
 
 
-def telemetry_pattern() -> str:
-    return f"{PREFIX}:telemetry:*"
+def top_key() -> str:
+    """The last power-watch report (verdict per GPU), TTL a few intervals, for dashboards."""
+    return f"{PREFIX}:top"

@@ -26,3 +26,10 @@ def connect(settings: Settings, check: bool = True) -> redis.Redis:
                 "--redis-url / GENFLEET_REDIS_URL at yours."
             ) from exc
     return client
+
+
+def text(value: object) -> str:
+    """A Redis reply (bytes from a default client) as str."""
+    if isinstance(value, bytes):
+        return value.decode()
+    return str(value)

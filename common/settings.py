@@ -115,7 +115,8 @@ class Settings(BaseSettings):
     power_window_s: float = Field(default=60.0, gt=0)
     underuse_threshold: float = Field(default=0.70, gt=0.0, lt=1.0)
     sample_interval_s: float = Field(default=1.0, gt=0)
-    metrics_port: int | None = Field(default=None, ge=0, le=65535)
+    metrics_port: int | None = Field(default=None, ge=0, le=65535)  # None: no exporter
+    metrics_host: str = "127.0.0.1"  # 0.0.0.0 inside a container that publishes the port
     findings_maxlen: int = Field(default=10_000, ge=1)
     # The same power-watch finding (worker, GPU, cause) is alerted again only after this long.
     realert_after_s: float = Field(default=1800.0, gt=0)

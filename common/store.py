@@ -243,7 +243,8 @@ class S3Store:
             if token:
                 kwargs["ContinuationToken"] = token
             page = self._call(
-                f"list {prefix}", lambda kw=kwargs: self._client.list_objects_v2(**kw)
+                f"list {prefix}",
+                lambda kw=kwargs: self._client.list_objects_v2(**kw),  # type: ignore[misc]
             )
             for item in page.get("Contents", []):
                 yield item["Key"][strip:]

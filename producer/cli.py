@@ -92,6 +92,15 @@ def tune(ctx: typer.Context) -> None:
     _forward("tune", list(ctx.args))
 
 
+@app.command(context_settings={**PASS_THROUGH, "help_option_names": []}, add_help_option=False)
+def top(ctx: typer.Context) -> None:
+    """A live table, one row per GPU: power / limit, tok/s, in-flight, accept length, verdict.
+
+    `--once --json` prints one JSON object per GPU.
+    """
+    _forward("top", list(ctx.args))
+
+
 @app.command("settings")
 def show_settings(json_out: Json = False) -> None:
     """Every setting with its flag, environment variable and current value (secrets masked)."""

@@ -13,7 +13,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from common import keys
 from common.errors import GenfleetError
-from common.redis_conn import connect
+from common.redis_conn import connect, text
 from common.store import Store, open_store
 from producer.cli import (
     PASS_THROUGH,
@@ -28,7 +28,7 @@ from producer.cli import (
     out,
 )
 from producer.enqueue import EnqueueResult, enqueue_run, reader_options
-from producer.status import run_status
+from producer.status import read_findings, run_status
 
 Run = Annotated[str, typer.Option("--run", help="run name: letters, digits, . _ -")]
 Format = Annotated[
@@ -185,7 +185,7 @@ def retry(
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
         client = connect(settings)
-        failed = [b.decode() for b in client.hkeys(keys.failed_key(run))]
+        failed = [text(b) for b in client.hkeys(keys.failed_key(run))]
         pipe = client.pipeline()
         for batch in failed:
             pipe.hdel(keys.failed_key(run), batch)
@@ -217,7 +217,7 @@ def export(
 
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
-        result = export_run(settings, run, out_path, fmt, partial)  # type: ignore[arg-type]
+        result = export_run(settings, run, out_path, fmt, partial)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     console.print(f"exported {result}", highlight=False)
@@ -242,3 +242,29 @@ def report(
         out.print_json(orjson.dumps(data).decode())
     else:
         out.print(render_report(data))
+
+
+@app.command()
+def findings(
+    run: Annotated[str | None, typer.Option("--run", help="only this run's")] = None,
+    json_out: Json = False,
+    redis_url: RedisUrl = None,
+) -> None:
+    """Recent power-watch findings: underused GPUs with their cause, numbers and a fix."""
+    settings = build_settings(redis_url=redis_url)
+    try:
+        items = read_findings(connect(settings), run)
+    except (GenfleetError, ValueError) as exc:
+        fail(str(exc))
+    if json_out:
+        out.print_json(orjson.dumps(items).decode())
+        return
+    if not items:
+        out.print("no findings")
+    for item in items:
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(item.get("ts", 0)))
+        out.print(
+            f"{when} {item.get('worker')} {item.get('gpu_uuid') or ''} {item.get('verdict')}: "
+            f"{item.get('cause')} — {item.get('suggestion')}",
+            highlight=False,
+        )

@@ -208,7 +208,7 @@ def enqueue_run(
     only: set[str] | None = None,
 ) -> EnqueueResult:
     """Stage `source` as `run` (first time), or enqueue what the run still lacks (later)."""
-    from common.redis_conn import connect
+    from common.redis_conn import connect, text
     from producer.broker import make_client_app, send_orders
 
     keys.validate_run(run)
@@ -216,7 +216,7 @@ def enqueue_run(
     client = connect(settings)
     app = make_client_app(settings)
     queued = keys.queued_key(run)
-    outstanding = {member.decode() for member in client.smembers(queued)}
+    outstanding = {text(member) for member in client.smembers(queued)}
 
     def send(orders: list[WorkOrder]) -> int:
         client.sadd(queued, *[order.batch for order in orders])

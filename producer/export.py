@@ -224,36 +224,27 @@ def parquet_schema() -> Any:
     """
     import pyarrow as pa
 
+    text = pa.string()
     message = pa.struct(
-        [
-            ("role", pa.string()),
-            ("content", pa.string()),
-            ("name", pa.string()),
-            ("tool_call_id", pa.string()),
-            ("tool_calls", pa.string()),
-        ]
+        [(name, text) for name in ("role", "content", "name", "tool_call_id", "tool_calls")]
     )
     usage = pa.struct(
         [(name, pa.int64()) for name in ("prompt_tokens", "completion_tokens", "reasoning_tokens")]
     )
-    error = pa.struct([("type", pa.string()), ("message", pa.string())])
+    error = pa.struct([("type", text), ("message", text)])
     return pa.schema(
         [
-            ("id", pa.string()),
+            ("id", text),
             ("sample", pa.int32()),
-            ("custom_id", pa.string()),
-            ("run", pa.string()),
-            ("batch", pa.string()),
+            *[(name, text) for name in ("custom_id", "run", "batch")],
             ("messages", pa.list_(message)),
-            ("reasoning", pa.string()),
-            ("content", pa.string()),
-            ("finish_reason", pa.string()),
+            *[(name, text) for name in ("reasoning", "content", "finish_reason")],
             ("usage", usage),
-            ("model", pa.string()),
-            ("engine", pa.string()),
+            ("model", text),
+            ("engine", text),
             ("latency_s", pa.float64()),
             ("error", error),
-            ("request_id", pa.string()),
+            ("request_id", text),
         ]
     )
 

@@ -30,7 +30,7 @@ from common.store import open_store
 from producer.cli import PASS_THROUGH, Json, app, build_settings, console, fail, out
 from producer.commands import Format, watch_run
 from producer.enqueue import enqueue_run, reader_options
-from producer.status import run_status
+from producer.status import read_findings, run_status
 
 
 def default_run_name(source: str) -> str:
@@ -177,13 +177,6 @@ def _summary(settings: Settings, report: dict[str, Any], json_out: bool) -> None
 def _findings(settings: Settings, run: str) -> list[dict[str, Any]]:
     """Power-watch findings recorded while this run was going (from the Redis stream)."""
     try:
-        client = connect(settings)
-        entries = client.xrevrange(keys.findings_key(), count=200)
+        return read_findings(connect(settings), run)[:20]
     except Exception:  # noqa: BLE001 - a summary never fails on telemetry
         return []
-    findings = []
-    for _id, fields in entries:
-        data = orjson.loads(fields.get(b"finding", b"{}"))
-        if data.get("run") in (None, run):
-            findings.append(data)
-    return findings[:20]

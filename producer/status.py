@@ -9,11 +9,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import orjson
 import redis
 
 from common import keys
 from common.errors import InputError
 from common.manifest import Manifest
+from common.redis_conn import text
 from common.store import Store
 from producer.enqueue import done_batches
 
@@ -27,7 +29,7 @@ def tokens_per_s(client: redis.Redis, run: str, now: float, started_at: float | 
         window = max(min(WINDOW_S, now - started_at), 1.0)
     total = 0
     for member in client.zrangebyscore(keys.throughput_key(run), now - window, "+inf"):
-        total += int(member.decode().rsplit(":", 1)[1])
+        total += int(text(member).rsplit(":", 1)[1])
     return total / window
 
 
@@ -40,9 +42,9 @@ def run_status(
     if manifest is None:
         raise InputError(f"no run {run!r} in {store.url} (no manifest): enqueue it first")
     done = done_batches(store, run) & set(manifest.batch_ids())
-    failed = {k.decode(): v.decode() for k, v in client.hgetall(keys.failed_key(run)).items()}
+    failed = {text(k): text(v) for k, v in client.hgetall(keys.failed_key(run)).items()}
     failed = {batch: error for batch, error in failed.items() if batch not in done}
-    counters = {k.decode(): v.decode() for k, v in client.hgetall(keys.counters_key(run)).items()}
+    counters = {text(k): text(v) for k, v in client.hgetall(keys.counters_key(run)).items()}
     prompts_done = sum(entry.prompts for entry in manifest.batches if entry.batch in done)
     total = len(manifest.batches)
     started_at = float(counters["started_at"]) if "started_at" in counters else None
@@ -79,3 +81,13 @@ def run_status(
         "failed": failed,
         "store": store.url,
     }
+
+
+def read_findings(client: redis.Redis, run: str | None = None, count: int = 200) -> list[Any]:
+    """Recent power-watch findings, newest first; with `run`, those about it or fleet-wide."""
+    findings = []
+    for _id, fields in client.xrevrange(keys.findings_key(), count=count) or []:
+        data = orjson.loads((fields or {}).get(b"finding", b"{}"))
+        if run is None or data.get("run") in (None, run):
+            findings.append(data)
+    return findings

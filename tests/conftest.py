@@ -90,9 +90,7 @@ def s3_store_url(s3_server: str) -> str:
     import boto3
 
     bucket = f"genfleet-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(
-        Bucket=bucket
-    )
+    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=bucket)
     return f"s3://{bucket}/runs"
 
 

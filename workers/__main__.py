@@ -24,6 +24,7 @@ USAGE = """usage: genfleet worker [--gpus 0,1,2,3] [--tp-size N] [--model PATH] 
                        [--print-engine-command] [--hostname NAME@HOST] [any setting ...]
        genfleet control [any setting ...]
        genfleet preflight --model PATH [--no-mtp] [--json]
+       genfleet top [--once] [--json]
        genfleet tune --model PATH [--engine ...] [--concurrency 1,4,16] [--mtp on,off]
 
 Every setting is a flag (`genfleet settings` lists them with their GENFLEET_ variables)."""
@@ -196,6 +197,18 @@ def preflight(args: list[str]) -> None:
         print(f"warning: {warning}")
 
 
+def top(args: list[str]) -> None:
+    once = take_flag(args, "--once")
+    json_out = take_flag(args, "--json")
+    settings = settings_from(args)
+    from workers.top import main as top_main
+
+    try:
+        top_main(settings, once, json_out)
+    except KeyboardInterrupt:
+        pass
+
+
 def main(argv: list[str]) -> None:
     if not argv or argv[0] in {"-h", "--help", "help"}:
         print(USAGE)
@@ -204,7 +217,7 @@ def main(argv: list[str]) -> None:
     if "--help" in args or "-h" in args:
         print(USAGE)
         return
-    commands = {"worker": worker, "control": control, "preflight": preflight}
+    commands = {"worker": worker, "control": control, "preflight": preflight, "top": top}
     if command == "tune":
         from workers.tune import main as tune_main
 

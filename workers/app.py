@@ -46,7 +46,7 @@ def _defaults() -> dict[str, Any]:
 app.add_defaults(_defaults)
 
 
-class EngineStep(bootsteps.StartStopStep):
+class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
     """Starts the worker's engine before it consumes; stops it (and its group) at shutdown."""
 
     requires = ("celery.worker.components:Pool",)
@@ -91,8 +91,9 @@ app.steps["worker"].add(EngineStep)
 @inspect_command()  # type: ignore[untyped-decorator]
 def gpu_report(state: Any) -> dict[str, Any]:
     """This worker's recent GPU and engine window, for the power-watch and `genfleet top`."""
-    from workers.runtime import _current
+    from workers import runtime
 
-    if _current is None:
+    if runtime._current is None:
         return {"ok": False, "reason": "engine not started"}
-    return _current.report()
+    report: dict[str, Any] = runtime._current.report()
+    return report

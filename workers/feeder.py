@@ -29,7 +29,8 @@ T = TypeVar("T")
 
 
 class EngineHandle(Protocol):
-    state: str
+    @property
+    def state(self) -> str: ...
 
     def wait_up(self, timeout_s: float) -> None: ...
 

@@ -22,6 +22,7 @@ from common.store import Store, open_store
 from workers.client import EngineClient
 from workers.engine.supervisor import EngineSupervisor, ExternalEngine, pick_port
 from workers.feeder import Feeder, default_max_inflight
+from workers.monitor import Monitor, make_sampler
 
 log = logging.getLogger("genfleet.worker")
 
@@ -51,6 +52,7 @@ class WorkerRuntime:
         self.engine: EngineSupervisor | ExternalEngine | None = None
         self.feeder: Feeder | None = None
         self.findings: list[dict[str, Any]] = []
+        self.monitor: Monitor | None = None
 
     def start(self) -> None:
         global _current
@@ -63,10 +65,9 @@ class WorkerRuntime:
         api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
         if kind == "external":
             assert settings.engine_url is not None
-            engine: EngineSupervisor | ExternalEngine = ExternalEngine(
-                settings.engine_url, settings.engine_health_path, api_key
-            )
-            info = engine.start(timeout_s=min(settings.startup_timeout_s, 120.0))
+            external = ExternalEngine(settings.engine_url, settings.engine_health_path, api_key)
+            info = external.start(timeout_s=min(settings.startup_timeout_s, 120.0))
+            engine: EngineSupervisor | ExternalEngine = external
         else:
             engine = self._supervisor()
             self.engine = engine
@@ -101,6 +102,14 @@ class WorkerRuntime:
             identity=identity,
         )
         log.info("feeding %s with up to %d requests in flight", base_url, max_inflight)
+        self.monitor = Monitor(
+            settings,
+            self.hostname,
+            make_sampler(settings, base_url),
+            self.engine_state,
+            base_url,
+        )
+        self.monitor.start()
         _current = self
 
     def _supervisor(self) -> EngineSupervisor:
@@ -144,7 +153,16 @@ class WorkerRuntime:
             "accept_length": accept_length(info),
             "tokens_total": feeder.tokens_total if feeder else 0,
             "requests_total": feeder.requests_total if feeder else 0,
+            "server_info": info,
         }
+
+    def report(self) -> dict[str, Any]:
+        """The recent GPU + engine window (the `gpu_report` inspect command's reply)."""
+        if self.monitor is None:
+            return {"worker": self.hostname, "ok": False, "reason": "engine not started"}
+        report = self.monitor.report()
+        report["findings"] = self.findings[-5:]
+        return report
 
     def after_batch(self, summary: Any) -> None:
         """After a batch: re-read the engine's accept length and warn loudly if MTP is idle."""
@@ -173,6 +191,8 @@ class WorkerRuntime:
     def stop(self) -> None:
         global _current
         _current = None
+        if self.monitor is not None:
+            self.monitor.stop()
         if self.feeder is not None:
             self.feeder.close()
         if self.engine is not None:

@@ -49,6 +49,9 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     assert runtime.feeder is not None
     field = running_field(work.run, work.batch)
     client.hset(keys.running_key(), field, orjson.dumps({**order, "claimed_at": time.time()}))
+    monitor = runtime.monitor
+    if monitor is not None:
+        monitor.batch_started(work.run)
     try:
         summary = execute(
             work,
@@ -71,6 +74,9 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
         log.warning("%s/%s try %d failed: %s", work.run, work.batch, attempts, exc)
         _safe_hdel(client, field)
         raise self.retry(exc=exc, countdown=min(2**attempts, 60), max_retries=None) from exc
+    finally:
+        if monitor is not None:
+            monitor.batch_finished(work.run)
     _safe_hdel(client, field)
     runtime.after_batch(summary)
     return summary.to_json()
@@ -105,7 +111,7 @@ def _safe_hdel(client: redis.Redis, field: str) -> None:
 @app.task(name=REAPER_TASK)  # type: ignore[untyped-decorator]
 def reap_leases() -> dict[str, Any]:
     """Re-enqueue running batches whose lease expired and whose output does not exist."""
-    from common.redis_conn import connect
+    from common.redis_conn import connect, text
     from common.store import open_store
 
     settings = Settings()
@@ -123,13 +129,13 @@ def reap_leases() -> dict[str, Any]:
             continue  # claimed but the first lease write may not have landed yet
         if store.exists(keys.output_key(run, batch)):
             client.hdel(keys.running_key(), field)
-            finished.append(field.decode())
+            finished.append(text(field))
             continue
         order = {k: v for k, v in entry.items() if k != "claimed_at"}
         if client.hdel(keys.running_key(), field):  # only one reaper wins the re-enqueue
             generate_batch.apply_async(kwargs={"order": order}, queue=settings.queue)
-            requeued.append(field.decode())
-            log.warning("lease of %s expired without output: re-enqueued", field.decode())
+            requeued.append(text(field))
+            log.warning("lease of %s expired without output: re-enqueued", text(field))
     return {"requeued": requeued, "finished": finished, "ts": now}
 
 

@@ -63,7 +63,8 @@ class BadRecord(ValueError):
 def detect_format(path: Path) -> str:
     """The format a path most likely holds; `--format` overrides it."""
     if path.is_dir():
-        if (path / "dataset_info.json").exists() or (path / "state.json").exists():
+        saved = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk
+        if any((path / name).exists() for name in saved):
             return "hf"
         if any(path.glob("*.parquet")):
             return "parquet"

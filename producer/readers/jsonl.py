@@ -31,7 +31,7 @@ OPENAI_PARAMS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", 
 
 def _open(path: Path) -> IO[bytes]:
     if path.name.endswith(".gz"):
-        return gzip.open(path, "rb")
+        return gzip.open(path, "rb")  # type: ignore[return-value]
     return path.open("rb")
 
 

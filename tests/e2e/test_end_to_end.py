@@ -111,8 +111,8 @@ def test_bad_lines_are_rejected_and_the_rest_runs(
     store_url = (tmp_path / "store").as_uri()
     worker = start_worker(base_env(redis_url, store_url))
     runner = CliRunner()
-    from producer.cli import app
     from producer import commands, local_run  # noqa: F401
+    from producer.cli import app
 
     result = runner.invoke(
         app,
@@ -121,7 +121,9 @@ def test_bad_lines_are_rejected_and_the_rest_runs(
     assert result.exit_code == 0, result.output
     assert "rejected 5 lines" in result.output.replace("\n", " ")
     store = open_store(store_url)
-    rejects = [orjson.loads(line) for line in (store.get(keys.rejects_key("mixed")) or b"").splitlines()]
+    rejects = [
+        orjson.loads(line) for line in (store.get(keys.rejects_key("mixed")) or b"").splitlines()
+    ]
     assert [(r["line"], r["field"]) for r in rejects] == [
         (2, None),
         (3, "messages"),
@@ -142,14 +144,22 @@ def test_bad_lines_are_rejected_and_the_rest_runs(
 
 def test_file_with_no_valid_line_exits_non_zero(tmp_path: Path, redis_url: str) -> None:
     source = tmp_path / "bad.jsonl"
-    source.write_bytes(b"nope\n{\"x\": 1}\n")
-    from producer.cli import app
+    source.write_bytes(b'nope\n{"x": 1}\n')
     from producer import commands, local_run  # noqa: F401
+    from producer.cli import app
 
     result = CliRunner().invoke(
         app,
-        ["enqueue", str(source), "--run", "bad", "--redis-url", redis_url,
-         "--store", (tmp_path / "s").as_uri()],
+        [
+            "enqueue",
+            str(source),
+            "--run",
+            "bad",
+            "--redis-url",
+            redis_url,
+            "--store",
+            (tmp_path / "s").as_uri(),
+        ],
     )
     assert result.exit_code == 2
     assert "no valid prompt" in result.output

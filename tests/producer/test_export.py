@@ -14,9 +14,10 @@ import pytest
 
 from common import keys
 from common.errors import ConfigError
-from common.manifest import BatchEntry, GenerationParams, Manifest
+from common.manifest import BatchEntry, Manifest
 from common.records import (
     CompletionRecord,
+    GenerationParams,
     PromptRecord,
     Usage,
     decode_jsonl_gz,
@@ -78,7 +79,9 @@ def completion(prompt: PromptRecord, run: str, batch: str) -> dict[str, Any]:
     ).to_json()
 
 
-def finish(store: Store, manifest: Manifest, skip: set[str] = frozenset(), repeat: int = 1) -> None:
+def finish(
+    store: Store, manifest: Manifest, skip: frozenset[str] = frozenset(), repeat: int = 1
+) -> None:
     """Write every batch's output object (each line `repeat` times), except those in `skip`."""
     for entry in manifest.batches:
         if entry.batch in skip:
@@ -146,7 +149,7 @@ def test_unfinished_run_raises_unless_partial(
 ) -> None:
     inputs = prompts(10)
     manifest = stage_prompts(store, RUN, inputs, batch_size=2)
-    finish(store, manifest, skip={"batch-000001", "batch-000003"})
+    finish(store, manifest, skip=frozenset({"batch-000001", "batch-000003"}))
     out = tmp_path / "export.jsonl"
     with pytest.raises(RunIncomplete, match="2 of 5 batches") as caught:
         export_run(settings, RUN, str(out), "jsonl")

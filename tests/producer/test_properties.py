@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from common import keys
-from common.manifest import BatchEntry, GenerationParams, Manifest
-from common.records import PromptRecord, encode_jsonl_gz
+from common.manifest import BatchEntry, Manifest
+from common.records import GenerationParams, PromptRecord, encode_jsonl_gz
 from common.settings import Settings
 from common.store import open_store
 from producer.batching import expected_tokens, make_batches

@@ -12,8 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from common import keys
-from common.manifest import BatchEntry, GenerationParams, Manifest
-from common.records import encode_jsonl_gz
+from common.manifest import BatchEntry, Manifest
+from common.records import GenerationParams, encode_jsonl_gz
 from common.settings import Settings
 from common.store import open_store
 from producer.report import build_report, distribution, render_report

@@ -62,8 +62,8 @@ class PreflightReport:
     mtp_tensors: int | None = None
     warnings: list[str] = field(default_factory=list)
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), sort_keys=True)
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def preflight(settings: Settings) -> PreflightReport:

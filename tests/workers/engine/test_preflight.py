@@ -72,7 +72,7 @@ def test_qwen_index_with_mtp_tensors(tmp_path: Path) -> None:
     assert report.checked
     assert (report.arch, report.num_hidden_layers) == ("Qwen3_5ForConditionalGeneration", 4)
     assert (report.mtp_layout, report.mtp_tensors, report.warnings) == ("mtp-names", 3, [])
-    assert json.loads(report.to_json())["mtp_tensors"] == 3
+    assert report.to_json()["mtp_tensors"] == 3
 
 
 def test_qwen_index_without_mtp_tensors(tmp_path: Path) -> None:

@@ -218,8 +218,10 @@ def parse_args(argv: list[str]) -> EngineArgs:
         raise LaunchError(f"served_model_name must not contain ':': {served!r}")
     context = ns.context_length or config.get("max_position_embeddings") or DEFAULT_CONTEXT_LENGTH
     draft_path = ns.speculative_draft_model_path
-    if spec is not None and draft_path is None and architectures[0].startswith(
-        SELF_DRAFT_ARCH_PREFIXES
+    if (
+        spec is not None
+        and draft_path is None
+        and architectures[0].startswith(SELF_DRAFT_ARCH_PREFIXES)
     ):
         draft_path = ns.model_path
     return EngineArgs(

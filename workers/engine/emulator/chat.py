@@ -16,11 +16,11 @@ from typing import Any
 from aiohttp import web
 
 from .engine import Engine
-from .errors import ApiError, SSE_DONE, json_response, sse, validation_error
+from .errors import SSE_DONE, ApiError, json_response, sse
 from .generate import meta_info
 from .model import Sequence
 from .text import EOS_TOKEN_ID, chat_prompt, prompt_seed, synth_text
-from .validate import check_sampling, opt_float, opt_int, read_json
+from .validate import check_sampling, field_error, opt_float, opt_int, read_json
 
 SCHEMA = "ChatCompletionRequest"
 THINK_END = "</think>\n\n"
@@ -80,12 +80,14 @@ def parse(body: dict[str, Any], engine: Engine) -> ChatRequest:
     """Validate a chat request and plan its sequences; raises ApiError like SGLang would."""
     messages = body.get("messages")
     if messages is None:
-        raise validation_error(f"1 validation error for {SCHEMA}\nmessages\n  Field required")
+        raise field_error(SCHEMA, "messages", "present (Field required)")
     if not isinstance(messages, list):
-        raise validation_error(f"1 validation error for {SCHEMA}\nmessages\n  Input should be a valid list")
+        raise field_error(SCHEMA, "messages", "a valid list")
     if not messages:
         raise ApiError(400, "Messages cannot be empty.")
-    max_tokens = opt_int(body, "max_completion_tokens", SCHEMA) or opt_int(body, "max_tokens", SCHEMA)
+    max_tokens = opt_int(body, "max_completion_tokens", SCHEMA) or opt_int(
+        body, "max_tokens", SCHEMA
+    )
     n = opt_int(body, "n", SCHEMA) or 1
     check_sampling(
         temperature=opt_float(body, "temperature", SCHEMA),
@@ -104,7 +106,9 @@ def parse(body: dict[str, Any], engine: Engine) -> ChatRequest:
     thinking = wants_thinking(body)
     key, prompt_tokens = chat_prompt(messages, thinking)
     max_tokens = engine.check_lengths(prompt_tokens, max_tokens)
-    separate = args.reasoning_parser is not None and body.get("separate_reasoning", True) is not False
+    separate = (
+        args.reasoning_parser is not None and body.get("separate_reasoning", True) is not False
+    )
     base_seed = opt_int(body, "seed", SCHEMA) or 0
     choices = []
     for i in range(n):
@@ -210,8 +214,12 @@ async def _stream(
 ) -> web.StreamResponse:
     resp = _sse_response()
     await resp.prepare(request)
-    head = {"id": req.choices[0].seq.rid, "object": "chat.completion.chunk"}
-    head |= {"created": int(time.time()), "model": req.model}
+    head: dict[str, Any] = {
+        "id": req.choices[0].seq.rid,
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": req.model,
+    }
     try:
         first = [
             _chunk(head, c, {"role": "assistant", "content": "", "reasoning_content": None})

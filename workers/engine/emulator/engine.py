@@ -123,8 +123,7 @@ class Engine:
         if n >= ctx and not args.allow_auto_truncate:
             raise ApiError(
                 400,
-                f"The input ({n} tokens) is longer than the model's context length "
-                f"({ctx} tokens).",
+                f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens).",
             )
         if max_tokens is not None and max_tokens + n >= ctx:
             if args.allow_auto_truncate:

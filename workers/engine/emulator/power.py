@@ -39,7 +39,7 @@ class PowerModel:
             return 0.0
         occupancy = min(1.0, running / max_running)
         intensity = SPEC_INTENSITY if self.spec else 1.0
-        return min(1.0, occupancy**OCCUPANCY_EXPONENT * intensity)
+        return min(1.0, float(occupancy**OCCUPANCY_EXPONENT) * intensity)
 
     def power_w(self, running: int, max_running: int) -> float:
         peak = max(self.idle_power_w, PEAK_FRACTION * self.power_limit_w)

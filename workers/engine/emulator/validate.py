@@ -35,7 +35,9 @@ async def read_json(request: web.Request, schema: str) -> dict[str, Any]:
 
 
 def field_error(schema: str, name: str, expected: str) -> ApiError:
-    return validation_error(f"1 validation error for {schema}\n{name}\n  Input should be {expected}")
+    return validation_error(
+        f"1 validation error for {schema}\n{name}\n  Input should be {expected}"
+    )
 
 
 def opt_int(body: dict[str, Any], name: str, schema: str) -> int | None:
@@ -69,9 +71,7 @@ def check_sampling(
 ) -> None:
     """SamplingParams.verify: out-of-range values are a 400 with SGLang's wording."""
     if temperature is not None and (not math.isfinite(temperature) or temperature < 0):
-        raise ApiError(
-            400, f"temperature must be a non-negative finite number, got {temperature}."
-        )
+        raise ApiError(400, f"temperature must be a non-negative finite number, got {temperature}.")
     if top_p is not None and not 0.0 < top_p <= 1.0:
         raise ApiError(400, f"top_p must be in (0, 1], got {top_p}.", BAD_REQUEST_ERROR)
     if top_k is not None and top_k != -1 and top_k < 1:

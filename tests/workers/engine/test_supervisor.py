@@ -1,0 +1,133 @@
+"""The supervisor against real processes: a stdlib HTTP server stands in for a generic engine."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
+from tests.conftest import free_port, wait_for
+from workers.engine.launch import EngineLaunch
+from workers.engine.supervisor import EngineSupervisor, pick_port, port_is_free
+
+pytestmark = pytest.mark.integration
+
+
+def http_engine(port: int, delay_s: float = 0.0) -> EngineLaunch:
+    """An 'engine' that binds after delay_s and answers 200 on /."""
+    code = (
+        "import http.server, sys, time; time.sleep(float(sys.argv[2])); "
+        "print('binding', flush=True); "
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), "
+        "http.server.SimpleHTTPRequestHandler).serve_forever()"
+    )
+    return EngineLaunch(
+        kind="command",
+        argv=[sys.executable, "-c", code, str(port), str(delay_s)],
+        port=port,
+        health_path="/",
+    )
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_start_stop_in_own_group_with_logs(tmp_path: Path) -> None:
+    port = free_port()
+    log = tmp_path / "engine.log"
+    sup = EngineSupervisor(http_engine(port, 0.3), log_path=log, startup_timeout_s=20)
+    sup.start()
+    assert sup.state == "ready"
+    pid = sup.pid
+    assert pid is not None and os.getpgid(pid) == pid != os.getpgid(0)
+    assert not port_is_free("127.0.0.1", port)
+    wait_for(lambda: "binding" in log.read_text(), 5, "the engine's output in its log")
+    assert "binding" in "\n".join(sup.log_tail)
+    sup.stop()
+    sup.stop()  # idempotent
+    assert sup.state == "stopped"
+    assert not alive(pid)
+    assert port_is_free("127.0.0.1", port)
+
+
+def test_engine_that_exits_fails_start_with_last_log_lines() -> None:
+    launch = EngineLaunch(
+        kind="command",
+        argv=[
+            sys.executable,
+            "-c",
+            "print('loading weights'); print('CUDA out of memory'); exit(3)",
+        ],
+        port=free_port(),
+    )
+    sup = EngineSupervisor(launch, startup_timeout_s=20)
+    with pytest.raises(EngineStartError) as info:
+        sup.start()
+    assert "code 3" in str(info.value)
+    assert "CUDA out of memory" in str(info.value)
+
+
+def test_startup_timeout_kills_and_reports() -> None:
+    sup = EngineSupervisor(http_engine(free_port(), 30), startup_timeout_s=1.0, stop_timeout_s=2)
+    started = time.monotonic()
+    with pytest.raises(EngineStartError, match="not ready after 1 s"):
+        sup.start()
+    assert time.monotonic() - started < 10
+    assert sup.pid is not None and not alive(sup.pid)
+
+
+def test_crash_restarts_then_budget_exhausted() -> None:
+    port = free_port()
+    exhausted = threading.Event()
+    sup = EngineSupervisor(
+        http_engine(port),
+        startup_timeout_s=20,
+        restart_budget=1,
+        restart_backoff_s=0.1,
+        on_exhausted=lambda message: exhausted.set(),
+    )
+    sup.start()
+    first = sup.pid
+    assert first is not None
+    os.killpg(first, signal.SIGKILL)
+    wait_for(lambda: sup.pid != first and sup.state == "ready", 20, "a restarted engine")
+    assert sup.restarts == 1
+    sup.wait_up(1)
+    second = sup.pid
+    assert second is not None
+    # the budget is spent: the next crash leaves it exhausted and callers are told why
+    os.killpg(second, signal.SIGKILL)
+    assert exhausted.wait(20)
+    assert sup.state == "exhausted"
+    with pytest.raises(RestartBudgetExhausted, match="budget"):
+        sup.wait_up(1)
+    sup.stop()
+
+
+def test_wait_up_while_stopping_raises() -> None:
+    sup = EngineSupervisor(http_engine(free_port()), startup_timeout_s=20)
+    sup.start()
+    sup.stop()
+    with pytest.raises(EngineDown):
+        sup.wait_up(0.5)
+
+
+def test_pick_port_skips_taken_ports() -> None:
+    port = free_port()
+    sup = EngineSupervisor(http_engine(port), startup_timeout_s=20)
+    sup.start()
+    try:
+        assert pick_port("127.0.0.1", port) > port
+    finally:
+        sup.stop()

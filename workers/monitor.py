@@ -1,0 +1,149 @@
+"""A worker's telemetry loop: GPU power, engine state and tokens, about once a second.
+
+Samples go into a TelemetryWindow; its summary is what the `gpu_report` inspect command
+returns to the power-watch and `genfleet top`, and what the worker's Prometheus exporter
+shows. GPUs are read through NVML, or through the emulator's simulated draw when the engine
+is the emulator; without either the report says "unavailable" and why.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+
+from common.settings import Settings
+from workers.telemetry import (
+    EmulatorSampler,
+    EngineState,
+    NvmlSampler,
+    Sampler,
+    TelemetryWindow,
+    engine_state_from_metrics,
+    engine_state_from_server_info,
+)
+
+log = logging.getLogger("genfleet.monitor")
+
+
+def make_sampler(settings: Settings, base_url: str | None) -> Sampler:
+    """NVML for real engines; the emulator's simulated GPU for the emulator."""
+    if settings.engine_kind == "emulator" and base_url:
+        return EmulatorSampler(base_url)
+    gpus = [g.strip() for g in settings.gpus.split(",")] if settings.gpus else None
+    return NvmlSampler(gpus)
+
+
+class Monitor:
+    """Runs on its own daemon thread; `report()` is safe from any thread."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        worker: str,
+        sampler: Sampler,
+        engine_state: Callable[[], dict[str, Any]],
+        base_url: str | None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.settings = settings
+        self.worker = worker
+        self.sampler = sampler
+        self.window = TelemetryWindow(settings.power_window_s)
+        self._engine_state = engine_state
+        self._base_url = base_url
+        self._clock = clock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="monitor", daemon=True)
+        self._tokens_seen = 0
+        self._http = httpx.Client(timeout=2.0)
+        self.exporter: Any = None
+        self.active: dict[str, int] = {}  # run → batches running on this worker
+        self._lock = threading.Lock()
+
+    def start(self) -> None:
+        if self.settings.metrics_port is not None:
+            from workers.metrics import MetricsExporter
+
+            self.exporter = MetricsExporter(self.worker)
+            port = self.exporter.start(self.settings.metrics_port, self.settings.metrics_host)
+            log.info("Prometheus metrics on %s:%d/metrics", self.settings.metrics_host, port)
+        self._thread.start()
+
+    def batch_started(self, run: str) -> None:
+        with self._lock:
+            self.active[run] = self.active.get(run, 0) + 1
+
+    def batch_finished(self, run: str) -> None:
+        with self._lock:
+            left = self.active.get(run, 0) - 1
+            if left > 0:
+                self.active[run] = left
+            else:
+                self.active.pop(run, None)
+
+    def tick(self) -> None:
+        """One sampling round (the loop calls it; tests may too)."""
+        now = self._clock()
+        self.window.add(self.sampler.sample())
+        self.window.set_sampler_status(self.sampler.available, self.sampler.reason)
+        state = self._state()
+        self.window.add_engine(state, now)
+        tokens = int(self._engine_state().get("tokens_total") or 0)
+        if tokens > self._tokens_seen:
+            self.window.add_tokens(tokens - self._tokens_seen, now)
+        self._tokens_seen = tokens
+        if self.exporter is not None:
+            self.exporter.update(self.window.summary(now), state)
+
+    def _state(self) -> EngineState:
+        base = self._engine_state()
+        extra: dict[str, Any] = {}
+        info = base.get("server_info") or {}
+        extra.update(engine_state_from_server_info(info))
+        if self._base_url and base.get("up") and self.settings.enable_metrics:
+            with contextlib.suppress(httpx.HTTPError):
+                response = self._http.get(self._base_url + "/metrics")
+                if response.status_code == 200:
+                    extra.update(engine_state_from_metrics(response.text))
+        with self._lock:
+            runs = sorted(self.active)
+            active = sum(self.active.values())
+        extra.setdefault("max_running_requests", base.get("max_running_requests"))
+        extra.setdefault("speculative_algorithm", base.get("speculative_algorithm"))
+        return EngineState(
+            up=bool(base.get("up")),
+            restarting=base.get("state") == "restarting",
+            inflight=int(base.get("inflight") or 0),
+            inflight_cap=int(base.get("inflight_cap") or 0),
+            active_batches=active,
+            runs=runs,
+            **extra,
+        )
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.settings.sample_interval_s):
+            try:
+                self.tick()
+            except Exception:  # noqa: BLE001 - telemetry never takes the worker down
+                log.exception("telemetry sample failed")
+
+    def report(self) -> dict[str, Any]:
+        now = self._clock()
+        return {"worker": self.worker, **self.window.summary(now)}
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+        if self.exporter is not None:
+            self.exporter.stop()
+        self._http.close()
+        close = getattr(self.sampler, "close", None)
+        if close is not None:
+            close()

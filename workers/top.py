@@ -1,0 +1,99 @@
+"""`genfleet top`: one row per GPU of the fleet, live: power against its limit, tok/s, verdict.
+
+It asks every worker for its window (the `gpu_report` inspect command) and judges it with the
+same pure rules as the power-watch, so what `top` shows is what the watch alerts on.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import orjson
+from rich.console import Console
+from rich.live import Live
+from rich.table import Table
+
+from common.redis_conn import connect
+from common.settings import Settings
+from workers.power_watch import verdicts
+from workers.watch import snapshot
+
+COLUMNS = (
+    ("worker", "worker"),
+    ("gpu", "gpu_name"),
+    ("power W / limit W", None),
+    ("tok/s", "tokens_per_s"),
+    ("in-flight / cap", None),
+    ("accept", "accept_length"),
+    ("J/token", "j_per_token"),
+    ("verdict", "verdict"),
+    ("cause", "cause"),
+)
+
+
+def rows(settings: Settings) -> list[dict[str, Any]]:
+    from workers.app import app
+
+    client = connect(settings)
+    now = time.time()
+    samples, fleet = snapshot(app, settings, client, now)
+    stale_after_s = max(3 * settings.power_watch_interval_s, 10 * settings.sample_interval_s)
+    return verdicts(
+        samples,
+        fleet,
+        now,
+        settings.underuse_threshold,
+        settings.min_accept_length,
+        stale_after_s=stale_after_s,
+    )
+
+
+def _fmt(value: Any, digits: int = 1) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def table(data: list[dict[str, Any]]) -> Table:
+    grid = Table(title=f"genfleet top — {time.strftime('%H:%M:%S')}", expand=True)
+    for title, _ in COLUMNS:
+        grid.add_column(title)
+    for row in data:
+        power, limit = row.get("power_w"), row.get("power_limit_w")
+        share = f" ({100 * power / limit:.0f}%)" if power and limit else ""
+        colour = {"ok": "green", "underused": "red", "unresponsive": "red"}.get(
+            str(row.get("verdict")), "yellow"
+        )
+        grid.add_row(
+            _fmt(row.get("worker")),
+            _fmt(row.get("gpu_name")),
+            f"{_fmt(power, 0)} / {_fmt(limit, 0)}{share}",
+            _fmt(row.get("tokens_per_s")),
+            f"{_fmt(row.get('inflight'))} / {_fmt(row.get('inflight_cap'))}",
+            _fmt(row.get("accept_length"), 2),
+            _fmt(row.get("j_per_token"), 3),
+            f"[{colour}]{_fmt(row.get('verdict'))}[/]",
+            _fmt(row.get("cause")),
+        )
+    if not data:
+        grid.caption = "no GPU worker answered (are workers running on this Redis?)"
+    return grid
+
+
+def main(settings: Settings, once: bool, json_out: bool, interval_s: float = 2.0) -> None:
+    if json_out:
+        for row in rows(settings):
+            sys.stdout.write(orjson.dumps(row).decode() + "\n")
+        return
+    console = Console()
+    if once:
+        console.print(table(rows(settings)))
+        return
+    with Live(table(rows(settings)), console=console, refresh_per_second=1) as live:
+        while True:
+            time.sleep(interval_s)
+            live.update(table(rows(settings)))

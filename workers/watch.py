@@ -1,0 +1,117 @@
+"""The power-watch beat task's edges: gather every worker's window, join the queue, diagnose.
+
+The diagnosis itself is the pure `workers.power_watch.diagnose`; this module only collects its
+inputs (a `gpu_report` broadcast, queue depth and pending batches from Redis, the workers seen
+before) and sends its output to the log, a bounded Redis stream, the task result (Flower) and
+the snapshot `genfleet top` reads.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+import orjson
+import redis
+from celery import Celery
+
+from common import keys
+from common.redis_conn import connect, text
+from common.settings import Settings
+from workers.power_watch import FleetState, dedupe, diagnose, verdicts
+
+log = logging.getLogger("genfleet.power_watch")
+
+# kombu's Redis transport keeps one list per priority step: name, name\x06\x163, ...
+PRIORITY_SEP = "\x06\x16"
+PRIORITY_STEPS = (0, 3, 6, 9)
+FORGET_WORKER_S = 600.0
+
+
+def queue_depth(client: redis.Redis, queue: str) -> int:
+    names = [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
+    pipe = client.pipeline()
+    for name in names:
+        pipe.llen(name)
+    return sum(int(n) for n in pipe.execute())
+
+
+def fleet_state(client: redis.Redis, settings: Settings, now: float) -> FleetState:
+    """Queue depth, batches waiting per run, and the workers seen in the last ten minutes."""
+    pending: dict[str, int] = {}
+    for member in client.smembers(keys.runs_key()):
+        run = text(member)
+        count = int(client.scard(keys.queued_key(run)))
+        if count:
+            pending[run] = count
+    seen = {text(k): float(v) for k, v in client.hgetall(keys.workers_key()).items()}
+    expected = frozenset(w for w, ts in seen.items() if now - ts < FORGET_WORKER_S)
+    return FleetState(
+        queue_depth=queue_depth(client, settings.queue),
+        pending_batches=pending,
+        expected_workers=expected,
+    )
+
+
+def gather(app: Celery, timeout_s: float = 3.0) -> dict[str, dict[str, Any]]:
+    """Every GPU worker's `gpu_report` (workers without an engine answer ok: False)."""
+    replies = app.control.inspect(timeout=timeout_s)._request("gpu_report") or {}
+    return {
+        worker: reply
+        for worker, reply in replies.items()
+        if isinstance(reply, dict) and reply.get("ok", True) is not False
+    }
+
+
+def snapshot(
+    app: Celery, settings: Settings, client: redis.Redis, now: float
+) -> tuple[dict[str, dict[str, Any]], FleetState]:
+    samples = gather(app)
+    if samples:
+        client.hset(keys.workers_key(), mapping={w: now for w in samples})
+    return samples, fleet_state(client, settings, now)
+
+
+def run_power_watch(app: Celery, settings: Settings) -> dict[str, Any]:
+    now = time.time()
+    client = connect(settings)
+    samples, fleet = snapshot(app, settings, client, now)
+    stale_after_s = max(3 * settings.power_watch_interval_s, 10 * settings.sample_interval_s)
+    args = (samples, fleet, now, settings.underuse_threshold, settings.min_accept_length)
+    findings = diagnose(*args, stale_after_s=stale_after_s)
+    rows = verdicts(*args, stale_after_s=stale_after_s)
+    last = {text(k): float(v) for k, v in client.hgetall(keys.alerted_key()).items()}
+    new, updated = dedupe(findings, last, now, settings.realert_after_s)
+    pipe = client.pipeline()
+    pipe.delete(keys.alerted_key())
+    if updated:
+        pipe.hset(keys.alerted_key(), mapping=updated)  # type: ignore[arg-type]
+    for finding in new:
+        data = finding.to_json()
+        log.warning(
+            "UNDERUSED %s %s: %s — %s %s",
+            finding.worker,
+            finding.gpu_uuid or "",
+            finding.cause,
+            finding.suggestion,
+            orjson.dumps(finding.numbers).decode(),
+        )
+        pipe.xadd(
+            keys.findings_key(),
+            {"finding": orjson.dumps(data)},
+            maxlen=settings.findings_maxlen,
+            approximate=True,
+        )
+    report = {
+        "ts": now,
+        "workers": sorted(samples),
+        "queue_depth": fleet.queue_depth,
+        "pending_batches": fleet.pending_batches,
+        "findings": [f.to_json() for f in findings],
+        "new_findings": len(new),
+        "verdicts": rows,
+    }
+    pipe.set(keys.top_key(), orjson.dumps(report), ex=int(settings.power_watch_interval_s * 4))
+    pipe.execute()
+    return report
