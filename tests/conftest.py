@@ -26,6 +26,8 @@ import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 TEST_REDIS_URL = os.environ.get("GENFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+# The Celery app in this process (power-watch, top, inspect) talks to the test database too.
+os.environ["GENFLEET_REDIS_URL"] = TEST_REDIS_URL
 
 
 def free_port() -> int:

@@ -73,6 +73,10 @@ class Monitor:
             self.exporter = MetricsExporter(self.worker)
             port = self.exporter.start(self.settings.metrics_port, self.settings.metrics_host)
             log.info("Prometheus metrics on %s:%d/metrics", self.settings.metrics_host, port)
+        try:
+            self.tick()  # the first report already has a sample
+        except Exception:  # noqa: BLE001 - telemetry never takes the worker down
+            log.exception("telemetry sample failed")
         self._thread.start()
 
     def batch_started(self, run: str) -> None:

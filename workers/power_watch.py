@@ -160,9 +160,10 @@ def _judge_gpu(
     threshold: float,
     min_accept_length: float,
 ) -> tuple[dict[str, Any], Finding | None]:
+    sampled = bool(summary.get("engine"))  # a worker that just started has no window yet
     engine = summary.get("engine") or {"up": False}
     down = not engine.get("up") or bool(engine.get("restarting"))
-    down = down or bool(summary.get("engine_down_in_window"))
+    down = sampled and (down or bool(summary.get("engine_down_in_window")))
     power = gpu.get("power_w") if gpu else None
     limit = gpu.get("power_limit_w") if gpu else None
     waits = _work_waits(engine, fleet)

@@ -1,0 +1,114 @@
+"""The power-watch end to end: real workers with the emulator's simulated GPU, real inspect
+broadcast, the real beat-task function, findings in the Redis stream.
+
+A run fed one request at a time with MTP off is flagged underused because MTP is off; the
+same with MTP on is flagged client-limited; a saturated run with MTP on is not flagged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from common import keys
+from common.settings import Settings
+from producer.enqueue import enqueue_run, reader_options
+from tests.conftest import Worker, base_env, wait_for
+from workers.watch import run_power_watch
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+WATCH = {
+    "power_window_s": 3,
+    "sample_interval_s": 0.25,
+    "emulator_time_scale": 4,
+    "emulator_mean_completion_tokens": 400,
+    "max_tokens": 1024,
+}
+
+
+def enqueue(tmp_path: Path, settings: Settings, run: str, count: int) -> None:
+    source = tmp_path / f"{run}.jsonl"
+    source.write_bytes(
+        b"".join(orjson.dumps({"prompt": f"{run} question {i}"}) + b"\n" for i in range(count))
+    )
+    enqueue_run(settings, run, str(source), reader_options(settings))
+
+
+def watch_until(
+    settings: Settings, worker: str, predicate: Callable[[dict[str, Any]], bool]
+) -> dict[str, Any]:
+    """Run the power-watch until the worker's verdict row satisfies `predicate`."""
+    from workers.app import app
+
+    def check() -> dict[str, Any] | None:
+        report = run_power_watch(app, settings)
+        rows = [r for r in report["verdicts"] if r["worker"] == worker]
+        return report if rows and predicate(rows[0]) else None
+
+    result: dict[str, Any] = wait_for(check, 60, f"a power-watch verdict for {worker}", 0.5)
+    return result
+
+
+@pytest.mark.parametrize(
+    ("mtp", "cause"),
+    [(False, "mtp_off"), (True, "client_limited")],
+)
+def test_concurrency_one_is_underused_with_its_cause(
+    mtp: bool,
+    cause: str,
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store = (tmp_path / "store").as_uri()
+    env = base_env(redis_url, store, mtp=str(mtp).lower(), max_inflight=1, **WATCH)
+    worker = start_worker(env)
+    settings = Settings(redis_url=redis_url, store=store, batch_size=20, **WATCH)
+    enqueue(tmp_path, settings, "slow", 200)
+    worker.wait_ready()
+    report = watch_until(settings, worker.hostname, lambda row: row["verdict"] == "underused")
+    row = next(r for r in report["verdicts"] if r["worker"] == worker.hostname)
+    assert row["cause"] == cause
+    assert row["inflight_cap"] == 1
+    assert row["power_w"] < 0.70 * row["power_limit_w"]
+    finding = next(f for f in report["findings"] if f["worker"] == worker.hostname)
+    assert finding["cause"] == cause and finding["suggestion"]
+    assert finding["numbers"]["power_limit_w"] == row["power_limit_w"]
+    # the finding went to the stream once; the next beat does not alert it again
+    stream = redis_client.xrange(keys.findings_key())
+    assert len(stream) == 1
+    from workers.app import app
+
+    assert run_power_watch(app, settings)["new_findings"] == 0
+    assert len(redis_client.xrange(keys.findings_key())) == 1
+
+
+def test_saturated_run_with_mtp_is_not_flagged(
+    tmp_path: Path,
+    redis_url: str,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store = (tmp_path / "store").as_uri()
+    env = base_env(redis_url, store, max_running_requests=48, batch_size=100, **WATCH)
+    worker = start_worker(env)
+    settings = Settings(redis_url=redis_url, store=store, batch_size=100, **WATCH)
+    enqueue(tmp_path, settings, "busy", 1500)
+    worker.wait_ready()
+    report = watch_until(
+        settings,
+        worker.hostname,
+        lambda row: (
+            row["inflight"] is not None and row["inflight"] >= 48 and row["verdict"] == "ok"
+        ),
+    )
+    row = next(r for r in report["verdicts"] if r["worker"] == worker.hostname)
+    assert row["power_w"] >= 0.70 * row["power_limit_w"]
+    assert row["accept_length"] is None or row["accept_length"] > 1.5
+    assert not [f for f in report["findings"] if f["worker"] == worker.hostname]
