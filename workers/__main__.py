@@ -92,23 +92,23 @@ def worker(args: list[str]) -> None:
             print(prefix + print_engine_command(each, each.port))
         return
     if len(groups) > 1 and index_text is None:
-        run_group_workers(settings, groups)
+        run_group_workers(settings, groups, hostname)
         return
     index = int(index_text) if index_text is not None else None
     run_celery_worker(settings, index, hostname)
 
 
-def run_group_workers(settings: Settings, groups: list[str | None]) -> None:
+def run_group_workers(settings: Settings, groups: list[str | None], hostname: str | None) -> None:
     """One child worker per GPU group; signals are forwarded; exit when they all exit."""
     procs: list[subprocess.Popen[bytes]] = []
     for i, group in enumerate(groups):
         each = group_settings(settings, group, i, len(groups))
         env = {**os.environ, **each.child_env()}
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "workers", "worker", "--worker-index", str(i)], env=env
-            )
-        )
+        argv = [sys.executable, "-m", "workers", "worker", "--worker-index", str(i)]
+        if hostname:  # name@host → name0@host, name1@host, ...
+            name, _, domain = hostname.partition("@")
+            argv += ["--hostname", f"{name}{i}@{domain or socket.gethostname()}"]
+        procs.append(subprocess.Popen(argv, env=env))
 
     def forward(signum: int, _frame: object) -> None:
         for proc in procs:

@@ -82,6 +82,7 @@ class WorkerRuntime:
             "kind": kind,
             "worker": self.hostname,
             "gpus": settings.gpus,
+            "url": engine.base_url,
             "speculative_algorithm": info.get("speculative_algorithm"),
             "version": info.get("version"),
         }

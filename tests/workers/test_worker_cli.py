@@ -1,0 +1,187 @@
+"""`genfleet worker` as an operator runs it: GPU groups, an external engine, dry printing."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+
+from common.settings import Settings
+from common.store import open_store
+from producer.enqueue import enqueue_run, reader_options
+from producer.export import export_run
+from producer.status import run_status
+from tests.conftest import ROOT, Worker, base_env, free_port, wait_for
+from workers.engine.supervisor import port_is_free
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def write_source(path: Path, count: int) -> Path:
+    path.write_bytes(b"".join(orjson.dumps({"prompt": f"p{i}"}) + b"\n" for i in range(count)))
+    return path
+
+
+def finish(tmp_path: Path, redis_client: redis.Redis, settings: Settings, run: str) -> list[dict]:
+    store = open_store(settings.store)
+    wait_for(
+        lambda: run_status(store, redis_client, run)["state"] == "done", 120, f"run {run}", 0.3
+    )
+    out = tmp_path / f"{run}.jsonl"
+    export_run(settings, run, str(out), "jsonl", False)
+    return [orjson.loads(line) for line in out.read_bytes().splitlines()]
+
+
+def test_one_worker_and_engine_per_gpu_group(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis
+) -> None:
+    store = (tmp_path / "store").as_uri()
+    port = free_port()
+    env = base_env(redis_url, store, gpus="0,1,2,3", tp_size=2, port=port)
+    log = tmp_path / "workers.log"
+    proc = subprocess.Popen(
+        ["genfleet", "worker", "--hostname", "grp@test"],
+        env=env,
+        cwd=ROOT,
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: log.read_text().count(" ready.") >= 2, 60, "two group workers to be ready")
+        settings = Settings(redis_url=redis_url, store=store, batch_size=10)
+        enqueue_run(
+            settings,
+            "groups",
+            str(write_source(tmp_path / "g.jsonl", 200)),
+            reader_options(settings),
+        )
+        rows = finish(tmp_path, redis_client, settings, "groups")
+        assert len(rows) == 200
+        engines = {(r["engine"]["worker"], r["engine"]["gpus"], r["engine"]["url"]) for r in rows}
+        assert {e[:2] for e in engines} == {("grp0@test", "0,1"), ("grp1@test", "2,3")}
+        urls = {e[2] for e in engines}
+        assert urls == {f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 10}"}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=60)
+    # both engines were stopped with their workers: nothing listens on their ports
+    assert port_is_free("127.0.0.1", port) and port_is_free("127.0.0.1", port + 10)
+
+
+def test_external_engine_is_health_checked_not_supervised(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    port = free_port()
+    store = (tmp_path / "store").as_uri()
+    env = base_env(redis_url, store)
+    engine = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "workers.engine.emulator",
+            "--model-path",
+            "shared/model",
+            "--port",
+            str(port),
+            "--reasoning-parser",
+            "qwen3",
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        worker = start_worker(
+            base_env(redis_url, store, engine="external", engine_url=f"http://127.0.0.1:{port}")
+        )
+        settings = Settings(redis_url=redis_url, store=store, batch_size=25)
+        enqueue_run(
+            settings, "ext", str(write_source(tmp_path / "e.jsonl", 50)), reader_options(settings)
+        )
+        worker.wait_ready()
+        rows = finish(tmp_path, redis_client, settings, "ext")
+        assert len(rows) == 50
+        assert {r["engine"]["kind"] for r in rows} == {"external"}
+        assert {r["engine"]["url"] for r in rows} == {f"http://127.0.0.1:{port}"}
+        worker.stop()
+        assert engine.poll() is None  # not ours to stop
+    finally:
+        engine.terminate()
+        engine.wait(timeout=20)
+
+
+def test_print_engine_command_launches_nothing(tmp_path: Path) -> None:
+    port = free_port()
+    result = subprocess.run(
+        [
+            "genfleet",
+            "worker",
+            "--print-engine-command",
+            "--model",
+            str(tmp_path),
+            "--port",
+            str(port),
+            "--engine-api-key",
+            "sk-do-not-print",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=ROOT,
+    )
+    line = result.stdout.strip()
+    assert "--speculative-algorithm EAGLE --speculative-num-steps 3" in line
+    assert "--speculative-eagle-topk 1 --speculative-num-draft-tokens 4" in line
+    assert "--max-running-requests" in line and "--host 127.0.0.1" in line
+    assert "sk-do-not-print" not in line
+    assert port_is_free("127.0.0.1", port)
+    no_mtp = subprocess.run(
+        ["genfleet", "worker", "--print-engine-command", "--model", str(tmp_path), "--no-mtp"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+        cwd=ROOT,
+    ).stdout
+    assert "--speculative" not in no_mtp
+
+
+def test_preflight_command_exit_codes(tmp_path: Path) -> None:
+    model = tmp_path / "qwen"
+    model.mkdir()
+    (model / "config.json").write_text(
+        '{"architectures": ["Qwen3_5ForConditionalGeneration"], "num_hidden_layers": 2}'
+    )
+    (model / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"model.layers.0.mlp.weight": "a.safetensors"}}'
+    )
+    missing = subprocess.run(
+        ["genfleet", "preflight", "--model", str(model)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert missing.returncode == 1
+    assert "--no-mtp" in missing.stderr and str(model) in missing.stderr
+    ok = subprocess.run(
+        ["genfleet", "preflight", "--model", str(model), "--no-mtp"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+    )
+    assert ok.returncode == 0, ok.stderr
