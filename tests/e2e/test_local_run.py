@@ -1,0 +1,75 @@
+"""`genfleet run`, the main job on one machine, as a user runs it: one command, exit 0."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import orjson
+import pytest
+
+from tests.conftest import ROOT, base_env, free_port
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def genfleet(
+    args: list[str], env: dict[str, str], timeout_s: float = 240
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["genfleet", *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def processes_with_env(needle: str) -> list[int]:
+    """Pids of live processes whose environment holds `needle` (this test's store URL)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if needle.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def test_run_on_embedded_defaults_then_export(tmp_path: Path, redis_url: str) -> None:
+    store = (tmp_path / "store").as_uri()
+    env = base_env(redis_url, store, log_dir=tmp_path / "logs", power_watch_interval_s=2)
+    result = genfleet(["run", "examples/prompts.jsonl", "--batch-size", "20"], env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output
+    assert "ENGINE: the genfleet emulator" in output
+    assert "prompts: done — 100/100 prompts" in " ".join(output.split())
+    out = tmp_path / "prompts.jsonl"
+    exported = genfleet(["export", "prompts", "--out", str(out)], env)
+    assert exported.returncode == 0, exported.stderr
+    rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    source = [
+        orjson.loads(line) for line in (ROOT / "examples/prompts.jsonl").read_bytes().splitlines()
+    ]
+    assert [r["id"] for r in rows] == [s["id"] for s in source]
+    # a second run of a finished run does nothing and still says done
+    again = genfleet(["run", "examples/prompts.jsonl", "--batch-size", "20"], env)
+    assert again.returncode == 0, again.stderr
+    assert "(5 already done)" in " ".join((again.stdout + again.stderr).split())
+    # nothing left running: the workers and engines of both runs are gone
+    leftover = processes_with_env(f"GENFLEET_STORE={store}")
+    assert leftover == [], [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in leftover]
+
+
+def test_run_without_redis_says_how_to_start_one(tmp_path: Path) -> None:
+    env = base_env(f"redis://127.0.0.1:{free_port()}/0", (tmp_path / "s").as_uri())
+    result = genfleet(["run", "examples/prompts.jsonl"], env, timeout_s=60)
+    assert result.returncode == 2
+    message = " ".join(result.stderr.split())
+    assert "no Redis answers at redis://127.0.0.1" in message
+    assert "redis-server" in message
