@@ -17,20 +17,10 @@ from common.errors import InputError
 from common.manifest import Manifest
 from common.redis_conn import text
 from common.store import Store
+from common.throughput import run_tokens_per_s
 from producer.enqueue import done_batches
 
 WINDOW_S = 120.0
-
-
-def tokens_per_s(client: redis.Redis, run: str, now: float, started_at: float | None) -> float:
-    """Output tokens per second over the last two minutes (or since the run started)."""
-    window = WINDOW_S
-    if started_at:
-        window = max(min(WINDOW_S, now - started_at), 1.0)
-    total = 0
-    for member in client.zrangebyscore(keys.throughput_key(run), now - window, "+inf"):
-        total += int(text(member).rsplit(":", 1)[1])
-    return total / window
 
 
 def run_status(
@@ -56,7 +46,7 @@ def run_status(
         state = "running"
     else:
         state = "queued"
-    rate = tokens_per_s(client, run, now, started_at) if state == "running" else 0.0
+    rate = run_tokens_per_s(client, run, now, WINDOW_S, started_at) if state == "running" else 0.0
     completion_tokens = int(counters.get("completion_tokens", 0))
     eta_s: float | None = None
     if state == "done":

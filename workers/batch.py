@@ -31,6 +31,7 @@ from common.records import (
     encode_jsonl_gz,
 )
 from common.store import Store
+from common.throughput import member
 from workers.feeder import Feeder
 
 log = logging.getLogger("genfleet.batch")
@@ -219,6 +220,7 @@ def _count(client: redis.Redis, order: WorkOrder, summary: BatchSummary) -> None
     pipe.hsetnx(counters, "first_done_at", now)
     pipe.hset(counters, "last_done_at", now)
     throughput = keys.throughput_key(order.run)
-    pipe.zadd(throughput, {f"{now:.3f}:{order.batch}:{summary.completion_tokens}": now})
+    entry = member(now, order.batch, summary.worker, summary.completion_tokens)
+    pipe.zadd(throughput, {entry: now})
     pipe.zremrangebyscore(throughput, "-inf", now - 3600)
     pipe.execute()

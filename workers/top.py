@@ -17,6 +17,7 @@ from rich.table import Table
 
 from common.redis_conn import connect
 from common.settings import Settings
+from common.throughput import fleet_tokens_per_s
 from workers.power_watch import verdicts
 from workers.watch import snapshot
 
@@ -24,7 +25,8 @@ COLUMNS = (
     ("worker", "worker"),
     ("gpu", "gpu_name"),
     ("power W / limit W", None),
-    ("tok/s", "tokens_per_s"),
+    ("tok/s 1m", "tokens_per_s"),
+    ("tok/s 10m", "tokens_per_s_10m"),
     ("in-flight / cap", None),
     ("accept", "accept_length"),
     ("J/token", "j_per_token"),
@@ -33,14 +35,15 @@ COLUMNS = (
 )
 
 
-def rows(settings: Settings) -> list[dict[str, Any]]:
+def rows(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """One verdict row per GPU (with its worker's 10-minute tok/s), and fleet tok/s."""
     from workers.app import app
 
     client = connect(settings)
     now = time.time()
     samples, fleet = snapshot(app, settings, client, now)
     stale_after_s = max(3 * settings.power_watch_interval_s, 10 * settings.sample_interval_s)
-    return verdicts(
+    data = verdicts(
         samples,
         fleet,
         now,
@@ -48,6 +51,14 @@ def rows(settings: Settings) -> list[dict[str, Any]]:
         settings.min_accept_length,
         stale_after_s=stale_after_s,
     )
+    last_10m = fleet_tokens_per_s(client, now, 600.0)
+    for row in data:
+        row["tokens_per_s_10m"] = round(last_10m.get(str(row["worker"]), 0.0), 1)
+    totals = {
+        "fleet_tokens_per_s_1m": round(fleet_tokens_per_s(client, now, 60.0).get("", 0.0), 1),
+        "fleet_tokens_per_s_10m": round(last_10m.get("", 0.0), 1),
+    }
+    return data, totals
 
 
 def _fmt(value: Any, digits: int = 1) -> str:
@@ -58,7 +69,8 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
-def table(data: list[dict[str, Any]]) -> Table:
+def table(view: tuple[list[dict[str, Any]], dict[str, float]]) -> Table:
+    data, totals = view
     grid = Table(title=f"genfleet top — {time.strftime('%H:%M:%S')}", expand=True)
     for title, _ in COLUMNS:
         grid.add_column(title)
@@ -73,20 +85,25 @@ def table(data: list[dict[str, Any]]) -> Table:
             _fmt(row.get("gpu_name")),
             f"{_fmt(power, 0)} / {_fmt(limit, 0)}{share}",
             _fmt(row.get("tokens_per_s")),
+            _fmt(row.get("tokens_per_s_10m")),
             f"{_fmt(row.get('inflight'))} / {_fmt(row.get('inflight_cap'))}",
             _fmt(row.get("accept_length"), 2),
             _fmt(row.get("j_per_token"), 3),
             f"[{colour}]{_fmt(row.get('verdict'))}[/]",
             _fmt(row.get("cause")),
         )
+    grid.caption = (
+        f"fleet: {totals['fleet_tokens_per_s_1m']} tok/s (1 min), "
+        f"{totals['fleet_tokens_per_s_10m']} tok/s (10 min)"
+    )
     if not data:
-        grid.caption = "no GPU worker answered (are workers running on this Redis?)"
+        grid.caption += " — no GPU worker answered (are workers running on this Redis?)"
     return grid
 
 
 def main(settings: Settings, once: bool, json_out: bool, interval_s: float = 2.0) -> None:
     if json_out:
-        for row in rows(settings):
+        for row in rows(settings)[0]:
             sys.stdout.write(orjson.dumps(row).decode() + "\n")
         return
     console = Console()
