@@ -103,6 +103,9 @@ def run_command(
     source: Annotated[str, typer.Argument(help="dataset file or directory")],
     run: Annotated[str | None, typer.Option("--run", help="default: the file's name")] = None,
     fmt: Format = None,
+    messages_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
+    prompt_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
+    id_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
     json_out: Json = False,
 ) -> None:
     """Generate SOURCE on this machine end to end: workers, engine, enqueue, wait, summary.
@@ -134,7 +137,10 @@ def run_command(
     try:
         children.start("worker", ["worker"], env)
         children.start("control", ["control"], {**env, "GENFLEET_ROLE": "control"})
-        result = enqueue_run(settings, run, source, reader_options(settings, fmt))
+        options = reader_options(
+            settings, fmt, messages_col=messages_col, prompt_col=prompt_col, id_col=id_col
+        )
+        result = enqueue_run(settings, run, source, options)
         console.print(
             f"run [bold]{run}[/]: {result.prompts} prompts, {result.batches_total} batches "
             f"({result.batches_done} already done), {result.rejects} lines rejected",
