@@ -155,8 +155,13 @@ class Settings(BaseSettings):
 
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any]) -> Settings:
-        """Environment and defaults, overridden by the CLI flags that were given (not None)."""
-        return cls(**{k: v for k, v in overrides.items() if v is not None})
+        """Environment and defaults, overridden by a `--settings-file` (the `settings_file`
+        key, as `parse_setting_args` returns it), overridden by the CLI flags that were given
+        (not None). Raises ValueError for a settings file that is missing or malformed."""
+        given = {k: v for k, v in overrides.items() if v is not None}
+        path = given.pop(SETTINGS_FILE, None)
+        from_file = read_settings_file(path) if path else {}
+        return cls(**{**from_file, **given})
 
     @property
     def engine_kind(self) -> EngineKind:
@@ -202,6 +207,39 @@ def setting_names() -> set[str]:
     return {f"GENFLEET_{name.upper()}" for name in Settings.model_fields}
 
 
+SETTINGS_FILE = "settings_file"  # the --settings-file flag: not a setting, a source of them
+
+
+def read_settings_file(path: str | Path) -> dict[str, str]:
+    """The settings a `KEY=VALUE` file of GENFLEET_ names holds, as field name → raw value.
+
+    Written by `genfleet tune --out` and read by `--settings-file` on `worker` and `run`:
+    blank lines and `#` comments are skipped, `export ` and matching quotes around a value are
+    accepted. Raises ValueError naming the file and line of an unknown name or a bad line.
+
+        GENFLEET_MTP=true
+        GENFLEET_MAX_RUNNING_REQUESTS=256   # → {"mtp": "true", "max_running_requests": "256"}
+    """
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ValueError(f"--settings-file {path}: {exc.strerror or exc}") from exc
+    known = setting_names()
+    values: dict[str, str] = {}
+    for number, raw in enumerate(lines, start=1):
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.removeprefix("export ").partition("=")
+        key, value = key.strip(), value.split(" #", 1)[0].strip()
+        if not sep or key not in known:
+            raise ValueError(f"{path}:{number}: expected GENFLEET_NAME=VALUE, got {raw.strip()!r}")
+        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
+            value = value[1:-1]
+        values[key.removeprefix("GENFLEET_").lower()] = value
+    return values
+
+
 def env_flag(name: str) -> str | None:
     """Read one GENFLEET_ variable at call time (never at import)."""
     return os.environ.get(f"GENFLEET_{name.upper()}")
@@ -216,6 +254,7 @@ def parse_setting_args(args: list[str]) -> dict[str, Any]:
     """`--max-inflight 8 --no-mtp --store=s3://b/p` → {"max_inflight": "8", "mtp": False, ...}.
 
     Every setting is a flag of the same name (kebab-case); booleans take `--x` / `--no-x`.
+    `--settings-file PATH` is kept as the `settings_file` key for `Settings.from_overrides`.
     Raises ValueError naming the flag that is unknown or lacks a value.
     """
     overrides: dict[str, Any] = {}
@@ -232,9 +271,9 @@ def parse_setting_args(args: list[str]) -> dict[str, Any]:
                 overrides[positive] = False
                 i += 1
                 continue
-        if name not in Settings.model_fields:
+        if name not in Settings.model_fields and name != SETTINGS_FILE:
             raise ValueError(f"unknown option --{flag} (see `genfleet settings` for all)")
-        if _is_bool_field(name) and not has_value:
+        if name != SETTINGS_FILE and _is_bool_field(name) and not has_value:
             overrides[name] = True
             i += 1
             continue

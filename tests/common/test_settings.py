@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from pydantic import ValidationError
 
@@ -90,3 +92,44 @@ def test_setting_names_have_units_for_times() -> None:
     for field in Settings.model_fields:
         if "timeout" in field or "interval" in field or "ttl" in field:
             assert field.endswith("_s"), field
+
+
+def test_settings_file_sits_between_environment_and_flags(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    tuned = tmp_path / "tuned.env"
+    tuned.write_text(
+        "# written by genfleet tune\n"
+        "\n"
+        "GENFLEET_MTP=false\n"
+        "export GENFLEET_MAX_RUNNING_REQUESTS=48\n"
+        "GENFLEET_MAX_INFLIGHT='64'  # a trailing comment\n"
+        'GENFLEET_SYSTEM_PROMPT="be brief"\n'
+    )
+    monkeypatch.setenv("GENFLEET_MAX_INFLIGHT", "17")
+    monkeypatch.setenv("GENFLEET_BATCH_SIZE", "9")
+    args = ["--settings-file", str(tuned), "--max-running-requests", "96"]
+    settings = Settings.from_overrides(parse_setting_args(args))
+    assert settings.mtp is False  # from the file
+    assert settings.max_inflight == 64  # the file wins over the environment
+    assert settings.max_running_requests == 96  # a flag wins over the file
+    assert settings.batch_size == 9  # the environment still fills what the file leaves
+    assert settings.system_prompt == "be brief"
+    assert parse_setting_args([f"--settings-file={tuned}"]) == {"settings_file": str(tuned)}
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("GENFLEET_NO_SUCH=1\n", ":1: expected GENFLEET_NAME=VALUE"),
+        ("# ok\nMTP=true\n", ":2: expected GENFLEET_NAME=VALUE"),
+        ("GENFLEET_MTP\n", ":1: expected"),
+    ],
+)
+def test_settings_file_errors_name_the_line(tmp_path: Path, text: str, message: str) -> None:
+    bad = tmp_path / "bad.env"
+    bad.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        Settings.from_overrides({"settings_file": str(bad)})
+    with pytest.raises(ValueError, match="no such file|No such file"):
+        Settings.from_overrides({"settings_file": str(tmp_path / "missing.env")})

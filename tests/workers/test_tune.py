@@ -1,0 +1,234 @@
+"""`genfleet tune`: the pure helpers by table, and the emulator sweep end to end.
+
+The sweep runs the real `python -m workers tune` against the emulator started by the real
+supervisor, and checks the trade-off the emulator models on SGLang's numbers: MTP wins at
+one request in flight, and MTP with SGLang's silent speculative cap of 48 loses once the
+client keeps far more than 48 requests open.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+
+from common.settings import Settings
+from tests.conftest import ROOT
+from workers.tune import parse_args
+from workers.tuning import (
+    Point,
+    TuneConfig,
+    best,
+    markdown_table,
+    parse_concurrency,
+    parse_configs,
+    settings_file_text,
+    table_rows,
+    tokens_in_window,
+    verdict_text,
+)
+
+
+def point(config: str, c: int, tps: float, power: float | None = 350.0, **kw: object) -> Point:
+    values: dict[str, object] = {
+        "config": config,
+        "concurrency": c,
+        "duration_s": 10.0,
+        "requests": 100,
+        "errors": 0,
+        "tokens": tps * 10,
+        "tokens_per_s": tps,
+        "power_w": power,
+        "power_limit_w": 700.0,
+        "j_per_token": power / tps if power is not None and tps else None,
+        "accept_length": None,
+        "verdict": "ok",
+        **kw,
+    }
+    return Point(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("1,4,16", [1, 4, 16]),
+        (" 8 , 8,2 ", [8, 2]),
+        ("128", [128]),
+    ],
+)
+def test_parse_concurrency(text: str, expected: list[int]) -> None:
+    assert parse_concurrency(text) == expected
+
+
+@pytest.mark.parametrize("text", ["", "0", "1,-4", "x"])
+def test_parse_concurrency_refuses(text: str) -> None:
+    with pytest.raises(ValueError, match="--concurrency"):
+        parse_concurrency(text)
+
+
+@pytest.mark.parametrize(
+    ("text", "labels"),
+    [
+        ("on,off", ["on", "off"]),
+        ("on,on:48,off", ["on", "on:48", "off"]),
+        ("OFF:128, on", ["off:128", "on"]),
+        ("on,on", ["on"]),
+    ],
+)
+def test_parse_configs(text: str, labels: list[str]) -> None:
+    assert [c.label for c in parse_configs(text)] == labels
+
+
+@pytest.mark.parametrize("text", ["", "maybe", "on:0", "on:x"])
+def test_parse_configs_refuses(text: str) -> None:
+    with pytest.raises(ValueError, match="--mtp"):
+        parse_configs(text)
+
+
+def test_config_cap() -> None:
+    assert parse_configs("on:48")[0] == TuneConfig(mtp=True, max_running_requests=48)
+
+
+@pytest.mark.parametrize(
+    ("requests", "window", "expected"),
+    [
+        ([(0.0, 10.0, 100)], (0.0, 10.0), 100.0),  # wholly inside
+        ([(-5.0, 5.0, 100)], (0.0, 10.0), 50.0),  # straddles the start
+        ([(5.0, 15.0, 100)], (0.0, 10.0), 50.0),  # straddles the end
+        ([(-5.0, 15.0, 200)], (0.0, 10.0), 100.0),  # spans the window
+        ([(11.0, 12.0, 100)], (0.0, 10.0), 0.0),  # after it
+        ([(3.0, 3.0, 7)], (0.0, 10.0), 7.0),  # instant, inside
+    ],
+)
+def test_tokens_in_window(
+    requests: list[tuple[float, float, int]], window: tuple[float, float], expected: float
+) -> None:
+    assert tokens_in_window(requests, *window) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("points", "fastest", "frugal"),
+    [
+        # the fastest and the most frugal differ
+        ([point("on", 1, 100, 120), point("on", 64, 1000, 600)], ("on", 64), ("on", 64)),
+        ([point("on", 1, 100, 20), point("on", 64, 1000, 600)], ("on", 64), ("on", 1)),
+        # errors on more than 1 % of requests disqualify; no power: no energy winner
+        ([point("off", 8, 900, errors=5), point("off", 4, 500)], ("off", 4), ("off", 4)),
+        ([point("off", 8, 900, None)], ("off", 8), None),
+        # a tie goes to the lower concurrency
+        ([point("off", 16, 500), point("off", 8, 500)], ("off", 8), ("off", 8)),
+        ([], None, None),
+    ],
+)
+def test_best(
+    points: list[Point], fastest: tuple[str, int] | None, frugal: tuple[str, int] | None
+) -> None:
+    got = best(points)
+    assert [(p.config, p.concurrency) if p else None for p in got] == [fastest, frugal]
+
+
+@pytest.mark.parametrize(
+    ("kw", "text"),
+    [
+        ({}, "ok"),
+        ({"verdict": "underused", "cause": "client_limited"}, "underused: client_limited"),
+        (
+            {"verdict": "underused", "cause": "mtp_off", "other_causes": ("client_limited",)},
+            "underused: mtp_off (+client_limited)",
+        ),
+    ],
+)
+def test_verdict_text(kw: dict[str, object], text: str) -> None:
+    assert verdict_text(point("on", 1, 10, **kw)) == text
+
+
+def test_table_rows_mark_the_winners() -> None:
+    rows = table_rows([point("on", 1, 100, 70), point("off", 128, 2000, 630)])
+    assert rows == [
+        ["on", "1", "100", "70", "10", "0.7", "–", "100", "ok", ""],
+        ["off", "128", "2,000", "630", "90", "0.315", "–", "100", "ok", "★ tok/s ★ J/token"],
+    ]
+    md = markdown_table([point("on", 1, 100, None, errors=2)]).splitlines()
+    assert md[0].startswith("| MTP | C | tok/s | W | % of limit | J/token |")
+    assert md[2] == "| on | 1 | 100 | – | – | – | – | 100 (2 err) | ok |  |"
+
+
+@pytest.mark.parametrize(
+    ("engine", "chosen", "lines"),
+    [
+        (
+            "emulator",
+            point("on", 128, 3000, max_running_requests=256),
+            ["GENFLEET_MTP=true", "GENFLEET_MAX_RUNNING_REQUESTS=256", "GENFLEET_MAX_INFLIGHT=128"],
+        ),
+        ("command", point("off", 64, 700), ["GENFLEET_MTP=false", "GENFLEET_MAX_INFLIGHT=64"]),
+        (
+            "sglang",
+            point("on:48", 32, 900, max_running_requests=48),
+            ["GENFLEET_MTP=true", "GENFLEET_MAX_RUNNING_REQUESTS=48", "GENFLEET_MAX_INFLIGHT=32"],
+        ),
+    ],
+)
+def test_settings_file_round_trips(
+    tmp_path: Path, engine: str, chosen: Point, lines: list[str]
+) -> None:
+    now = datetime(2026, 1, 2, 3, 4, tzinfo=UTC)
+    text = settings_file_text(chosen, engine=engine, model="m", objective="throughput", now=now)
+    assert text.startswith("# genfleet tune, 2026-01-02 03:04 UTC: engine")
+    assert [line for line in text.splitlines() if not line.startswith("#")] == lines
+    path = tmp_path / "tuned.env"
+    path.write_text(text)
+    settings = Settings.from_overrides({"settings_file": str(path)})
+    assert settings.max_inflight == chosen.concurrency
+    assert settings.mtp is chosen.config.startswith("on")
+
+
+def test_parse_args_splits_tune_flags_from_settings() -> None:
+    options, settings = parse_args(
+        ["--mtp", "on:48,off", "--concurrency", "2,8", "--duration-s=3", "--max-tokens", "99"]
+    )
+    assert [c.label for c in options.configs] == ["on:48", "off"]
+    assert options.concurrency == [2, 8]
+    assert options.duration_s == 3.0
+    assert settings.max_tokens == 99
+    default, _ = parse_args(["--engine", "command", "--engine-command", "x --port {port}"])
+    assert [c.label for c in default.configs] == ["off"]
+    with pytest.raises(ValueError, match="external"):
+        parse_args(["--engine", "external", "--engine-url", "http://h:1"])
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_emulator_sweep_shows_the_mtp_trade_off(tmp_path: Path) -> None:
+    env = {
+        "PYTHONPATH": str(ROOT),
+        "PATH": "/usr/bin:/bin",
+        "GENFLEET_EMULATOR_TIME_SCALE": "10",
+        "GENFLEET_EMULATOR_LOAD_S": "0.2",
+        "GENFLEET_EMULATOR_WARMUP_S": "0.2",
+        "GENFLEET_EMULATOR_MEAN_COMPLETION_TOKENS": "300",
+        "GENFLEET_MAX_TOKENS": "1024",
+        "GENFLEET_LOG_DIR": str(tmp_path / "logs"),
+    }
+    results = tmp_path / "tune.json"
+    tuned = tmp_path / "tuned.env"
+    argv = [sys.executable, "-m", "workers", "tune", "--engine", "emulator"]
+    argv += ["--mtp", "on:48,off", "--concurrency", "1,256", "--duration-s", "3"]
+    argv += ["--warmup-s", "0.5", "--ramp-s", "3", "--drain-s", "20"]
+    argv += ["--json", str(results), "--out", str(tuned)]
+    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    points = {(p["config"], p["concurrency"]): p for p in json.loads(results.read_text())["points"]}
+    tps = {key: p["tokens_per_s"] for key, p in points.items()}
+    assert tps[("on:48", 1)] > 1.4 * tps[("off", 1)]  # MTP wins with one request in flight
+    assert tps[("on:48", 256)] < 0.95 * tps[("off", 256)]  # and loses, capped at 48, at 256
+    assert points[("on:48", 1)]["accept_length"] > 2.0
+    assert points[("off", 1)]["verdict"] == "underused"
+    assert points[("off", 1)]["cause"] == "mtp_off"
+    assert points[("on:48", 256)]["verdict"] == "ok"  # saturated at its cap: power is high
+    assert "GENFLEET_MTP=false" in tuned.read_text()  # off at C=256 is the fastest point
+    assert "genfleet tune" in done.stdout and "★ tok/s" in done.stdout

@@ -1,0 +1,588 @@
+"""`genfleet tune`: sweep MTP configurations × client concurrency on this node's engine.
+
+    genfleet tune --model PATH [--engine sglang|emulator|command ...] [--concurrency 1,4,16,64]
+                  [--mtp on,on:48,off] [--duration-s 30] [--warmup-s 5] [--ramp-s 5]
+                  [--drain-s 120] [--dataset FILE]
+                  [--out tuned.env] [--json results.json] [--pick throughput|energy]
+                  [any setting ...]
+
+Use it once per (model, GPU type, engine version) before a large run. For each configuration
+it starts the engine through the worker's own supervisor (same argv, same readiness), warms it
+up, then keeps exactly C requests in flight at each concurrency C, measuring `--duration-s`
+after `--ramp-s` (so the window sees a steady state, not the first burst), with
+prompts from `--dataset` (any format `enqueue` reads) or a built-in set. Per point it records
+output tok/s, mean power and its share of the enforced limit from the GPU energy counter,
+J/token, the accept length where the engine reports one, and the power-watch verdict for
+"work waits" (a fleet whose queue is never empty). It prints the table, marks the best point
+by tok/s and by J/token, and writes the chosen one as a settings file for `worker`/`run`.
+
+Configurations (`--mtp`): `on`, `off`, and `on:N`/`off:N` pinning `--max-running-requests N`.
+The default for SGLang and the emulator is `on,on:48,off`: `on:48` is what SGLang silently
+does with speculative decoding when the flag is not passed, so the table shows what passing
+it buys at high concurrency. Engines launched from `--engine-command` have no MTP switch that
+genfleet knows of: their default is `off` alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NoReturn
+
+import httpx
+import orjson
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from common.errors import EngineDown, EngineError, GenfleetError, RequestRejected
+from common.records import GenerationParams, PromptRecord
+from common.settings import Settings, parse_setting_args
+from workers.client import ChatResult, EngineClient
+from workers.engine.launchers import engine_launch
+from workers.engine.sglang_argv import DEFAULT_MAX_RUNNING_REQUESTS
+from workers.engine.supervisor import EngineSupervisor, pick_port
+from workers.monitor import make_sampler
+from workers.power_watch import FleetState, diagnose, verdicts
+from workers.telemetry import (
+    EngineState,
+    GpuSample,
+    Sampler,
+    TelemetryWindow,
+    engine_state_from_metrics,
+    engine_state_from_server_info,
+)
+from workers.tuning import (
+    HEADERS,
+    Point,
+    TuneConfig,
+    best,
+    markdown_table,
+    parse_concurrency,
+    parse_configs,
+    settings_file_text,
+    table_rows,
+    tokens_in_window,
+)
+
+log = logging.getLogger("genfleet.tune")
+console = Console(stderr=True)
+out = Console()
+
+BUILTIN_PROMPTS = (
+    "Explain how a hash map handles collisions, with a short example.",
+    "Write a haiku about a lighthouse in winter.",
+    "Summarise the causes of the French Revolution in five bullet points.",
+    "What is the derivative of x^3 * sin(x)? Show the steps.",
+    "Write a Python function that merges two sorted lists.",
+    "Describe the water cycle to a ten-year-old.",
+    "Compare TCP and UDP for a multiplayer game.",
+    "Draft a polite email asking to move a meeting to Thursday.",
+    "Prove that the square root of 2 is irrational.",
+    "List five uses of a Raspberry Pi at home and what each needs.",
+    "Translate 'The early bird catches the worm' into French and German, and explain it.",
+    "Why does ice float on water?",
+    "Give a recipe for a vegetarian lentil soup for four people.",
+    "Explain the difference between a process and a thread.",
+    "Write a short story opening set on a generation ship.",
+    "How do vaccines train the immune system?",
+    "What are the trade-offs of microservices versus a monolith?",
+    "Solve: a train leaves at 9:00 at 80 km/h; another at 10:00 at 100 km/h. When does the "
+    "second catch up?",
+    "Explain gradient descent and the role of the learning rate.",
+    "Write a SQL query returning the three best-selling products per month.",
+    "What makes a good unit test? Give an example in any language.",
+    "Describe how a bill becomes law in a parliamentary system.",
+    "Plan a three-day trip to Lisbon on a modest budget.",
+    "Explain public-key cryptography with an analogy, then precisely.",
+)
+
+
+@dataclass
+class Options:
+    """The tune flags; everything else on the command line is a setting."""
+
+    concurrency: list[int]
+    configs: list[TuneConfig]
+    duration_s: float = 30.0
+    warmup_s: float = 5.0
+    ramp_s: float = 5.0  # load before each window opens, so the window sees a steady state
+    drain_s: float = 120.0
+    dataset: str | None = None
+    out: Path | None = None
+    json_path: Path | None = None
+    pick: str = "throughput"
+
+
+@dataclass
+class Live:
+    """What the sampling thread and the drive share while one point runs."""
+
+    samples: list[GpuSample] = field(default_factory=list)
+    engine: dict[str, Any] = field(default_factory=dict)
+    finished: list[tuple[float, float, int]] = field(default_factory=list)
+    errors: int = 0
+    start_ts: float | None = None  # when the window's opening GPU reading was taken
+    end_ts: float | None = None  # when the window's closing GPU reading was taken
+    stop: threading.Event = field(default_factory=threading.Event)
+
+
+def die(message: str, code: int = 2) -> NoReturn:
+    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    sys.exit(code)
+
+
+def _take(args: list[str], flag: str) -> str | None:
+    """Remove `flag VALUE` / `flag=VALUE` from args; a bare `--mtp` (a setting) stays."""
+    for i, arg in enumerate(args):
+        if arg.startswith(flag + "="):
+            del args[i]
+            return arg.split("=", 1)[1]
+        if arg == flag and i + 1 < len(args) and not args[i + 1].startswith("--"):
+            value = args[i + 1]
+            del args[i : i + 2]
+            return value
+    return None
+
+
+def parse_args(args: list[str]) -> tuple[Options, Settings]:
+    """Split the tune flags from the settings flags; raises ValueError with the bad flag."""
+    args = list(args)
+    concurrency = _take(args, "--concurrency")
+    mtp = _take(args, "--mtp")
+    timing = ("duration-s", "warmup-s", "ramp-s", "drain-s")
+    values = {name: _take(args, f"--{name}") for name in timing}
+    dataset, out_path, json_path = (_take(args, f) for f in ("--dataset", "--out", "--json"))
+    pick = _take(args, "--pick") or "throughput"
+    if pick not in {"throughput", "energy"}:
+        raise ValueError(f"--pick takes throughput or energy, got {pick!r}")
+    settings = Settings.from_overrides(parse_setting_args(args))
+    kind = settings.engine_kind
+    if kind == "external":
+        raise ValueError("tune starts its own engine, not --engine external: use --engine command")
+    default_mtp = "on,on:48,off" if kind in {"sglang", "emulator"} else "off"
+    options = Options(
+        concurrency=parse_concurrency(concurrency or "1,4,16,64,128"),
+        configs=parse_configs(mtp or default_mtp),
+        dataset=dataset,
+        out=Path(out_path) if out_path else Path("tuned.env"),
+        json_path=Path(json_path) if json_path else None,
+        pick=pick,
+    )
+    for name, value in values.items():
+        if value is not None:
+            seconds = float(value)
+            if seconds < 0 or (name == "duration-s" and seconds <= 0):
+                raise ValueError(f"--{name} must be positive, got {value}")
+            setattr(options, name.replace("-", "_"), seconds)
+    return options, settings
+
+
+def load_prompts(dataset: str | None, settings: Settings, limit: int = 5000) -> list[PromptRecord]:
+    """Prompts from the user's dataset (rejects skipped), else the built-in set."""
+    if dataset is None:
+        return [
+            PromptRecord(f"tune-{i}", [{"role": "user", "content": text}])
+            for i, text in enumerate(BUILTIN_PROMPTS)
+        ]
+    from producer.readers import ReaderOptions, read_source
+
+    options = ReaderOptions(system_prompt=settings.system_prompt, limit=limit)
+    prompts = [item for item in read_source(dataset, options) if isinstance(item, PromptRecord)]
+    if not prompts:
+        raise GenfleetError(f"{dataset}: no usable prompt")
+    return prompts
+
+
+def completion_tokens(result: ChatResult, max_tokens: int) -> int:
+    """Output tokens of one answer: the engine's usage, else max_tokens for a `length` stop
+    (`transformers serve` sends no usage; a random model always runs to max_tokens)."""
+    if result.usage.completion_tokens:
+        return result.usage.completion_tokens
+    return max_tokens if result.finish_reason == "length" else 0
+
+
+async def drive(
+    client: EngineClient,
+    prompts: Iterator[PromptRecord],
+    params: GenerationParams,
+    concurrency: int,
+    until: float,
+    drain_s: float,
+    live: Live,
+) -> None:
+    """Keep `concurrency` requests in flight until `until` (time.time()), then let the ones
+    running finish for at most `drain_s`; finished requests land in `live.finished`."""
+
+    async def lane() -> None:
+        while time.time() < until and not live.stop.is_set():
+            record = next(prompts)
+            start = time.time()
+            try:
+                result = await client.chat(record, params)
+            except (EngineDown, EngineError, RequestRejected) as exc:
+                live.errors += 1
+                log.warning("request failed: %s", exc)
+                await asyncio.sleep(0.2)
+                continue
+            tokens = completion_tokens(result, params.max_tokens)
+            live.finished.append((start, time.time(), tokens))
+
+    lanes = [asyncio.create_task(lane()) for _ in range(concurrency)]
+    _, pending = await asyncio.wait(lanes, timeout=max(0.0, until - time.time()) + drain_s)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+
+
+class EngineReader:
+    """Engine figures for the verdict: /server_info and /metrics where the engine has them."""
+
+    def __init__(self, supervisor: EngineSupervisor, settings: Settings) -> None:
+        self.supervisor = supervisor
+        self.sglang_like = settings.engine_kind in {"sglang", "emulator"}
+        self.metrics = self.sglang_like and settings.enable_metrics
+        self._http = httpx.Client(timeout=2.0)
+
+    def read(self) -> dict[str, Any]:
+        if not self.sglang_like:
+            return {}
+        state = engine_state_from_server_info(self.supervisor.refresh_info())
+        if self.metrics:
+            with contextlib.suppress(httpx.HTTPError):
+                response = self._http.get(self.supervisor.base_url + "/metrics")
+                if response.status_code == 200:
+                    state.update(engine_state_from_metrics(response.text))
+        return state
+
+    def close(self) -> None:
+        self._http.close()
+
+
+def sample_loop(
+    sampler: Sampler, reader: EngineReader, live: Live, interval_s: float, tick: Callable[[], None]
+) -> None:
+    """The point's sampling thread: GPU readings and engine state about every interval."""
+    while not live.stop.wait(interval_s):
+        live.samples.extend(sampler.sample())
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            live.engine = reader.read() or live.engine
+        tick()
+
+
+def judge(
+    config: TuneConfig,
+    concurrency: int,
+    cap: int | None,
+    live: Live,
+    window: tuple[float, float],
+    settings: Settings,
+) -> Point:
+    """Turn one point's readings into a Point: energy-counter power, tokens, verdict."""
+    t0, t1 = window
+    duration = t1 - t0
+    tokens = tokens_in_window(live.finished, t0, t1)
+    telemetry = TelemetryWindow(duration)
+    telemetry.add(s for s in live.samples if t0 <= s.ts <= t1)
+    engine = {"max_running_requests": cap, **live.engine}
+    state = EngineState(up=True, inflight=concurrency, inflight_cap=concurrency, **engine)
+    telemetry.add_engine(state, t1)
+    telemetry.add_tokens(round(tokens), t1)
+    summary = telemetry.summary(t1)
+    gpus = summary["gpus"]
+    power = summary["power_w"]
+    limit = sum(g["power_limit_w"] for g in gpus) if gpus else None
+    tokens_per_s = tokens / duration if duration > 0 else 0.0
+    fleet = FleetState(queue_depth=1)  # tune keeps work waiting by construction
+    args = ({"tune": summary}, fleet, t1, settings.underuse_threshold, settings.min_accept_length)
+    rows = verdicts(*args)
+    findings = diagnose(*args)
+    other = tuple(findings[0].numbers.get("other_causes", ())) if findings else ()
+    return Point(
+        config=config.label,
+        concurrency=concurrency,
+        duration_s=round(duration, 3),
+        requests=sum(1 for _, end, _ in live.finished if t0 < end <= t1),
+        errors=live.errors,
+        tokens=round(tokens, 1),
+        tokens_per_s=tokens_per_s,
+        power_w=power,
+        power_limit_w=limit,
+        j_per_token=power / tokens_per_s if power and tokens_per_s > 0 else None,
+        accept_length=state.accept_length,
+        verdict=rows[0]["verdict"] if rows else "unknown",
+        cause=rows[0]["cause"] if rows else None,
+        other_causes=other,
+        max_running_requests=cap,
+    )
+
+
+def start_engine(settings: Settings, config: TuneConfig) -> tuple[EngineSupervisor, Settings]:
+    """The engine of one configuration, started through the worker's supervisor."""
+    update: dict[str, Any] = {"mtp": config.mtp}
+    if config.max_running_requests is not None:
+        update["max_running_requests"] = config.max_running_requests
+    each = settings.model_copy(update=update)
+    arch = None
+    if each.engine_kind == "sglang":
+        from workers.engine.preflight import preflight
+
+        arch = preflight(each).arch
+    port = pick_port(each.engine_host, each.port)
+    launch = engine_launch(each, port, arch=arch)
+    assert launch is not None  # external engines are refused in parse_args
+    log_dir = Path(each.log_dir or Path(tempfile.gettempdir()) / "genfleet-logs")
+    label = config.label.replace(":", "-")
+    supervisor = EngineSupervisor(
+        launch,
+        gpus=each.gpus,
+        log_path=log_dir / f"tune-{label}-{port}.log",
+        startup_timeout_s=each.startup_timeout_s,
+        stop_timeout_s=each.stop_timeout_s,
+        restart_budget=0,
+    )
+    supervisor.start()
+    return supervisor, each
+
+
+def effective_cap(settings: Settings) -> int | None:
+    """The running-batch cap the engine runs with, where genfleet sets one."""
+    if settings.engine_kind not in {"sglang", "emulator"}:
+        return None
+    return settings.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+
+
+def run_config(
+    config: TuneConfig,
+    options: Options,
+    settings: Settings,
+    prompts: Iterator[PromptRecord],
+    bar: Bar,
+) -> list[Point]:
+    """Start one configuration's engine, warm it up, measure every concurrency, stop it."""
+    bar.show(f"MTP {config.label}: starting the engine")
+    supervisor, each = start_engine(settings, config)
+    info = supervisor.server_info
+    cap = effective_cap(each)
+    model = str(each.served_model_name or info.get("served_model_name") or each.model or "default")
+    params = GenerationParams(
+        max_tokens=each.max_tokens,
+        temperature=each.temperature,
+        top_p=each.top_p,
+        thinking=each.thinking,
+    )
+    sampler = make_sampler(each, supervisor.base_url)
+    if not sampler.available:
+        console.print(f"[yellow]no GPU readings:[/] {sampler.reason}", highlight=False)
+    reader = EngineReader(supervisor, each)
+    points: list[Point] = []
+    try:
+        for concurrency in [0, *options.concurrency]:
+            warmup = concurrency == 0
+            lanes = min(8, max(options.concurrency)) if warmup else concurrency
+            seconds = options.warmup_s if warmup else options.duration_s
+            if seconds <= 0:
+                continue
+            what = f"MTP {config.label} " + ("warming up" if warmup else f"C={concurrency}")
+            client = EngineClient(
+                supervisor.base_url,
+                model=model,
+                api_key=supervisor.launch.api_key,
+                timeout_s=each.request_timeout_s,
+                max_connections=lanes + 8,
+                reasoning=bool(each.reasoning_parser),
+            )
+            ramp_s = 0.0 if warmup else options.ramp_s
+            load = Load(client, prompts, params, lanes, seconds, ramp_s, options.drain_s)
+            live, window = measure(load, sampler, reader, bar, what)
+            if not warmup:
+                points.append(judge(config, concurrency, cap, live, window, each))
+            bar.step_done(seconds + ramp_s)
+    finally:
+        reader.close()
+        close = getattr(sampler, "close", None)
+        if close is not None:
+            close()
+        supervisor.stop()
+    return points
+
+
+@dataclass
+class Load:
+    """One point's load: who to ask, what, how many at once, for how long."""
+
+    client: EngineClient
+    prompts: Iterator[PromptRecord]
+    params: GenerationParams
+    concurrency: int
+    seconds: float
+    ramp_s: float
+    drain_s: float
+
+
+def measure(
+    load: Load, sampler: Sampler, reader: EngineReader, bar: Bar, what: str
+) -> tuple[Live, tuple[float, float]]:
+    """Run one load with GPU and engine sampling around it; returns readings and window."""
+    live = Live()
+    ramp_s = load.ramp_s
+    t0 = time.time() + ramp_s
+    until = t0 + load.seconds
+
+    def tick() -> None:
+        done = sum(n for _, end, n in live.finished if end >= t0)
+        rate = done / max(time.time() - t0, 1e-9)
+        bar.show(f"{what}: {rate:,.0f} tok/s", min(time.time(), until) - t0 + ramp_s)
+
+    interval_s = min(1.0, load.seconds / 10)
+    sampling = threading.Thread(
+        target=sample_loop, args=(sampler, reader, live, interval_s, tick), daemon=True
+    )
+    opening = threading.Thread(target=_sample_at, args=(sampler, live, t0, "start_ts"))
+    closing = threading.Thread(target=_sample_at, args=(sampler, live, until, "end_ts"))
+
+    async def go() -> None:
+        try:
+            await drive(
+                load.client, load.prompts, load.params, load.concurrency, until, load.drain_s, live
+            )
+        finally:
+            await load.client.aclose()
+
+    sampling.start()
+    opening.start()
+    closing.start()
+    try:
+        asyncio.run(go())
+        opening.join()
+        closing.join()
+    finally:
+        live.stop.set()
+        sampling.join(timeout=5)
+    return live, (live.start_ts or t0, live.end_ts or until)
+
+
+def _sample_at(sampler: Sampler, live: Live, when: float, edge: str) -> None:
+    """One GPU reading right at an edge of the window, so the energy delta spans all of it;
+    its timestamp is that edge (`edge` is "start_ts" or "end_ts")."""
+    delay = when - time.time()
+    if delay > 0:
+        time.sleep(delay)
+    reading = sampler.sample()
+    live.samples.extend(reading)
+    setattr(live, edge, reading[0].ts if reading else None)
+
+
+class Bar:
+    """The progress bar: measured seconds done over the sweep's planned seconds."""
+
+    def __init__(self, progress: Progress, total_s: float) -> None:
+        self.progress = progress
+        self.task = progress.add_task("tune", total=total_s)
+        self.done_s = 0.0
+
+    def show(self, description: str, into_step_s: float = 0.0) -> None:
+        self.progress.update(
+            self.task, description=description, completed=self.done_s + into_step_s
+        )
+
+    def step_done(self, seconds: float) -> None:
+        self.done_s += seconds
+        self.progress.update(self.task, completed=self.done_s)
+
+
+def show(points: list[Point]) -> None:
+    """Print the table; a pipe or a log file gets it 160 columns wide, not rich's 80."""
+    table = Table(title="genfleet tune", header_style="bold")
+    for header in HEADERS:
+        table.add_column(header, justify="right" if header not in {"MTP", "verdict"} else "left")
+    for row in table_rows(points):
+        table.add_row(*row)
+    (out if out.is_terminal else Console(width=160)).print(table)
+
+
+def main(args: list[str]) -> None:
+    """`python -m workers tune …` (and `genfleet tune …`)."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        options, settings = parse_args(args)
+        prompts = load_prompts(options.dataset, settings)
+    except (ValueError, GenfleetError) as exc:
+        die(str(exc).replace("\n", " "))
+    kind = settings.engine_kind
+    console.print(
+        f"tune: engine {kind} {settings.model or ''}; MTP "
+        f"{', '.join(c.label for c in options.configs)}; C={options.concurrency}; "
+        f"{options.duration_s:g} s per point after {options.warmup_s:g} s warm-up; "
+        f"{len(prompts)} prompts",
+        highlight=False,
+    )
+    if kind == "emulator":
+        console.print("[bold yellow]ENGINE: the genfleet emulator[/]: synthetic figures")
+    total = len(options.configs) * (
+        options.warmup_s + options.duration_s * len(options.concurrency)
+    )
+    points: list[Point] = []
+    cycle = itertools.cycle(prompts)
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        TextColumn("{task.percentage:>3.0f}%"),
+        TimeElapsedColumn(),
+        console=console,
+    )
+    try:
+        with progress:
+            bar = Bar(progress, total)
+            for config in options.configs:
+                points += run_config(config, options, settings, cycle, bar)
+    except GenfleetError as exc:
+        die(f"{exc}".splitlines()[0])
+    except KeyboardInterrupt:
+        console.print("interrupted")
+        sys.exit(130)
+    show(points)
+    report(points, options, settings)
+
+
+def report(points: list[Point], options: Options, settings: Settings) -> None:
+    """Write the chosen point as a settings file and, if asked, every point as JSON."""
+    fastest, frugal = best(points)
+    chosen = frugal if options.pick == "energy" else fastest
+    if options.json_path is not None:
+        data = {
+            "engine": settings.engine_kind,
+            "model": settings.model,
+            "engine_command": settings.engine_command,
+            "duration_s": options.duration_s,
+            "warmup_s": options.warmup_s,
+            "points": [p.to_json() for p in points],
+            "best_tokens_per_s": fastest.to_json() if fastest else None,
+            "best_j_per_token": frugal.to_json() if frugal else None,
+            "markdown": markdown_table(points),
+        }
+        options.json_path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+    if chosen is None:
+        die("no point produced tokens without errors: nothing to write", 1)
+    assert options.out is not None
+    options.out.write_text(
+        settings_file_text(
+            chosen, engine=settings.engine_kind, model=settings.model, objective=options.pick
+        )
+    )
+    console.print(
+        f"best by tok/s: MTP {fastest.config if fastest else '-'} C="
+        f"{fastest.concurrency if fastest else '-'}; best by J/token: MTP "
+        f"{frugal.config if frugal else '-'} C={frugal.concurrency if frugal else '-'}; "
+        f"wrote {options.out} (use: genfleet worker --settings-file {options.out})",
+        highlight=False,
+    )

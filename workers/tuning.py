@@ -1,0 +1,225 @@
+"""The arithmetic of `genfleet tune`, kept pure: configurations, token accounting, the best
+point, the table and the settings file it writes.
+
+`workers.tune` drives the engine and reads the GPU; everything it then decides goes through
+here, so the decisions are tested with tables and no engine.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+# SGLang's running-batch cap under speculative decoding when --max-running-requests is not
+# passed (`speculative_hook.py::_handle_eagle_family`); `on:48` reproduces it on purpose.
+SPEC_DEFAULT_CAP = 48
+
+
+@dataclass(frozen=True)
+class TuneConfig:
+    """One engine start of the sweep: MTP on or off, and the engine's running-batch cap.
+
+    `max_running_requests` None means "what the worker would pass": the settings' value, else
+    the argv builder's default (256).
+
+        parse_configs("on,on:48,off")  # MTP default cap, MTP capped at 48, no MTP
+    """
+
+    mtp: bool
+    max_running_requests: int | None = None
+
+    @property
+    def label(self) -> str:
+        name = "on" if self.mtp else "off"
+        cap = self.max_running_requests
+        return name if cap is None else f"{name}:{cap}"
+
+
+@dataclass(frozen=True)
+class Point:
+    """What one (configuration, concurrency) point measured over its window.
+
+    Power and energy come from the GPU energy counter over the window; `tokens` are the output
+    tokens generated inside the window (see `tokens_in_window`).
+    """
+
+    config: str
+    concurrency: int
+    duration_s: float
+    requests: int
+    errors: int
+    tokens: float
+    tokens_per_s: float
+    power_w: float | None
+    power_limit_w: float | None
+    j_per_token: float | None
+    accept_length: float | None
+    verdict: str
+    cause: str | None = None
+    other_causes: tuple[str, ...] = ()
+    max_running_requests: int | None = None
+
+    @property
+    def share_of_limit(self) -> float | None:
+        if self.power_w is None or not self.power_limit_w:
+            return None
+        return self.power_w / self.power_limit_w
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "share_of_limit": self.share_of_limit}
+
+
+def parse_concurrency(text: str) -> list[int]:
+    """`"1,4,16"` → [1, 4, 16]: positive, duplicates dropped, in the order given."""
+    out: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        if not part:
+            continue
+        if not part.isdigit() or int(part) < 1:
+            raise ValueError(f"--concurrency takes positive integers, got {part!r}")
+        if int(part) not in out:
+            out.append(int(part))
+    if not out:
+        raise ValueError("--concurrency needs at least one value")
+    return out
+
+
+def parse_configs(text: str) -> list[TuneConfig]:
+    """`"on,on:48,off"` → configurations; `on:N`/`off:N` also pin max_running_requests."""
+    out: list[TuneConfig] = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        if not part:
+            continue
+        name, _, cap = part.partition(":")
+        if name not in {"on", "off"} or (cap and not cap.isdigit()) or cap == "0":
+            raise ValueError(f"--mtp takes on, off, on:N or off:N, got {part!r}")
+        config = TuneConfig(name == "on", int(cap) if cap else None)
+        if config not in out:
+            out.append(config)
+    if not out:
+        raise ValueError("--mtp needs at least one of on, off, on:N, off:N")
+    return out
+
+
+def tokens_in_window(requests: Iterable[tuple[float, float, int]], t0: float, t1: float) -> float:
+    """Output tokens generated in [t0, t1], from (start, end, tokens) of finished requests.
+
+    A request's tokens are spread evenly over its life and counted pro rata to its overlap
+    with the window, so requests that straddle either edge count for the part inside: over a
+    steady load this gives the engine's true rate without reading its counters.
+    """
+    total = 0.0
+    for start, end, tokens in requests:
+        if end <= start:
+            total += tokens if t0 <= end <= t1 else 0
+            continue
+        overlap = min(end, t1) - max(start, t0)
+        if overlap > 0:
+            total += tokens * overlap / (end - start)
+    return total
+
+
+def best(points: Sequence[Point]) -> tuple[Point | None, Point | None]:
+    """The point with the most tokens/s, and the one with the fewest joules per token.
+
+    Points with no tokens, or with errors on more than 1 % of their requests, never win;
+    energy needs a power reading. Ties go to the lower concurrency (fewer requests in flight
+    for the same result).
+    """
+    usable = [p for p in points if p.tokens_per_s > 0 and 100 * p.errors <= p.requests]
+    fastest = max(usable, key=lambda p: (p.tokens_per_s, -p.concurrency), default=None)
+    measured = [p for p in usable if p.j_per_token is not None]
+    frugal = min(measured, key=lambda p: (p.j_per_token, p.concurrency), default=None)
+    return fastest, frugal
+
+
+def verdict_text(point: Point) -> str:
+    """`underused: mtp_off (+client_limited)`: the power-watch verdict, cause and the rest."""
+    if point.cause is None:
+        return point.verdict
+    rest = f" (+{', '.join(point.other_causes)})" if point.other_causes else ""
+    return f"{point.verdict}: {point.cause}{rest}"
+
+
+HEADERS = (
+    "MTP",
+    "C",
+    "tok/s",
+    "W",
+    "% of limit",
+    "J/token",
+    "accept",
+    "requests",
+    "verdict",
+    "best",
+)
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def table_rows(points: Sequence[Point]) -> list[list[str]]:
+    """The table as text cells, one row per point, `best` marking tok/s and J/token winners."""
+    fastest, frugal = best(points)
+    rows = []
+    for p in points:
+        marks = [m for m, w in (("tok/s", fastest), ("J/token", frugal)) if w is p]
+        share = p.share_of_limit
+        requests = f"{p.requests}" + (f" ({p.errors} err)" if p.errors else "")
+        rows.append(
+            [
+                p.config,
+                str(p.concurrency),
+                _num(p.tokens_per_s, ",.0f"),
+                _num(p.power_w, ".0f"),
+                _num(None if share is None else 100 * share, ".0f"),
+                _num(p.j_per_token, ".3g"),
+                _num(p.accept_length, ".2f"),
+                requests,
+                verdict_text(p),
+                " ".join(f"★ {m}" for m in marks),
+            ]
+        )
+    return rows
+
+
+def markdown_table(points: Sequence[Point]) -> str:
+    """The same table in Markdown, for bench/RESULTS.md and issue notes."""
+    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(points)]
+    return "\n".join(lines)
+
+
+def settings_file_text(
+    point: Point,
+    *,
+    engine: str,
+    model: str | None,
+    objective: str,
+    now: datetime | None = None,
+) -> str:
+    """The chosen point as a `--settings-file` for `genfleet worker` and `genfleet run`.
+
+    MTP and the in-flight limit always; the running-batch cap only for engines that take it
+    (SGLang and the emulator), where it is what the point ran with.
+    """
+    stamp = (now or datetime.now(UTC)).strftime("%Y-%m-%d %H:%M UTC")
+    mtp = point.config.split(":", 1)[0] == "on"
+    lines = [
+        f"# genfleet tune, {stamp}: engine {engine}, model {model or '-'}",
+        f"# best by {objective}: MTP {point.config} at concurrency {point.concurrency}: "
+        f"{point.tokens_per_s:,.0f} tok/s, "
+        + (f"{point.j_per_token:.3g} J/token" if point.j_per_token is not None else "no power")
+        + f", verdict {verdict_text(point)}",
+        "# use: genfleet worker --settings-file THIS  (flags on the command line still win)",
+        f"GENFLEET_MTP={'true' if mtp else 'false'}",
+    ]
+    if engine in {"sglang", "emulator"} and point.max_running_requests is not None:
+        lines.append(f"GENFLEET_MAX_RUNNING_REQUESTS={point.max_running_requests}")
+    lines.append(f"GENFLEET_MAX_INFLIGHT={point.concurrency}")
+    return "\n".join(lines) + "\n"
