@@ -127,6 +127,7 @@ class Monitor:
             inflight_cap=int(base.get("inflight_cap") or 0),
             active_batches=active,
             runs=runs,
+            spec_reported=bool(info),
             **extra,
         )
 

@@ -122,7 +122,9 @@ def _causes(
     found = []
     if down:
         found.append("engine_down")
-    if not engine.get("speculative_algorithm"):
+    # An engine without /server_info (a generic command) cannot say whether MTP is on:
+    # blaming MTP there would send the operator after the wrong knob.
+    if engine.get("spec_reported", True) and not engine.get("speculative_algorithm"):
         found.append("mtp_off")
     accept = engine.get("accept_length")
     if engine.get("speculative_algorithm") and accept is not None and accept < min_accept_length:

@@ -286,6 +286,7 @@ class EngineState:
     engine_tokens_per_s: float | None = None
     active_batches: int = 0
     runs: list[str] = field(default_factory=list)
+    spec_reported: bool = True  # False: the engine has no /server_info to say if MTP is on
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

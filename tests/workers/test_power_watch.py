@@ -117,6 +117,14 @@ CASES: list[tuple[str, float, float, dict[str, Any], int, tuple[str, str | None]
         ("underused", "engine_down"),
     ),
     (
+        "a command engine that cannot report MTP is not blamed for it",
+        134,
+        700,
+        {"speculative_algorithm": None, "accept_length": None, "spec_reported": False},
+        5,
+        ("underused", "client_limited"),
+    ),
+    (
         "MTP off beats client-limited",
         134,
         700,
