@@ -120,7 +120,12 @@ CASES: list[tuple[str, float, float, dict[str, Any], int, tuple[str, str | None]
         "a command engine that cannot report MTP is not blamed for it",
         134,
         700,
-        {"speculative_algorithm": None, "accept_length": None, "spec_reported": False},
+        {
+            "speculative_algorithm": None,
+            "accept_length": None,
+            "spec_reported": False,
+            **FEW_INFLIGHT,
+        },
         5,
         ("underused", "client_limited"),
     ),
