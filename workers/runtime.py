@@ -56,6 +56,8 @@ class WorkerRuntime:
 
     def start(self) -> None:
         global _current
+        # httpx logs every request at INFO: once a second per worker from the telemetry loop.
+        logging.getLogger("httpx").setLevel(logging.WARNING)
         settings = self.settings
         kind = settings.engine_kind
         if kind == "emulator":

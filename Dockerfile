@@ -1,0 +1,52 @@
+# syntax=docker/dockerfile:1
+#
+# Two images from one file:
+#   --target worker  GPU worker: genfleet on a pinned SGLang image (compose service `worker`)
+#   --target slim    producer, beat, Flower, the bucket job and the dry-run worker (default)
+#
+# SGLANG_IMAGE_TAG pins the engine. v0.5.19-cu129 is the last CUDA 12 tag; newer tags are
+# built for CUDA 13 and need a driver that supports it (R580 or newer).
+
+ARG SGLANG_IMAGE_TAG=v0.5.19-cu129
+ARG PYTHON_IMAGE=python:3.11-slim
+
+FROM lmsysorg/sglang:${SGLANG_IMAGE_TAG} AS worker
+# SGLang, torch and CUDA come with the base image; pip keeps what already satisfies
+# genfleet's requirements. The worker stays root: the image's kernel and JIT caches live
+# under /root and SGLang needs memlock and IPC settings that compose grants to the container.
+ENV PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_BREAK_SYSTEM_PACKAGES=1
+WORKDIR /opt/genfleet
+COPY pyproject.toml README.md ./
+COPY common ./common
+COPY producer ./producer
+COPY workers ./workers
+RUN python3 -m pip install ".[worker,formats]" \
+ && python3 -c "import workers.app, producer.cli" \
+ && genfleet --help >/dev/null
+ENTRYPOINT ["genfleet"]
+CMD ["worker"]
+
+FROM ${PYTHON_IMAGE} AS slim
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+WORKDIR /opt/genfleet
+COPY pyproject.toml README.md ./
+COPY common ./common
+COPY producer ./producer
+COPY workers ./workers
+# worker: the emulator's HTTP server and NVML for the dry-run worker and beat;
+# formats: Parquet in and out; flower: the dashboard.
+RUN python3 -m pip install ".[worker,formats,flower]" \
+ && genfleet --help >/dev/null \
+ && useradd --create-home --uid 1000 --user-group genfleet \
+ && mkdir -p /data \
+ && chown genfleet:genfleet /data
+USER genfleet
+WORKDIR /data
+ENTRYPOINT ["genfleet"]
+CMD ["--help"]

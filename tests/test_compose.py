@@ -1,0 +1,403 @@
+"""compose.yaml checked against the code: commands, settings, GPUs, health, profiles, secrets.
+
+No Docker engine runs here, so these tests read the file the way Compose does (YAML anchors
+merged, `${VAR}` interpolated from an environment) and hold every service to what genfleet
+actually provides: registered CLI commands, an importable Celery app, real settings.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+COMPOSE = ROOT / "compose.yaml"
+ENV_EXAMPLE = ROOT / ".env.example"
+DOCKERFILE = ROOT / "Dockerfile"
+GENFLEET_VAR = re.compile(r"\bGENFLEET_[A-Z0-9_]+\b")
+SECRET_NAME = re.compile(r"PASSWORD|SECRET|TOKEN|ACCESS_KEY|BASIC_AUTH")
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def load_compose() -> dict[str, Any]:
+    """The compose file as Compose sees it before interpolation (YAML anchors merged)."""
+    data: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return data
+
+
+def interpolate(text: str, env: Mapping[str, str]) -> str:
+    """Compose's `${VAR}`, `${VAR:-default}` (nested), `${VAR:?error}`, `$VAR` and `$$`."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif text.startswith("${", i):
+            depth, end = 0, i + 1
+            for end in range(i + 1, len(text)):  # the brace that closes this one
+                depth += {"{": 1, "}": -1}.get(text[end], 0)
+                if not depth:
+                    break
+            out.append(_substitute(text[i + 2 : end], env))
+            i = end + 1
+        elif text[i] == "$" and (match := _NAME.match(text, i + 1)):
+            out.append(env.get(match.group(), ""))
+            i = match.end()
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def _substitute(body: str, env: Mapping[str, str]) -> str:
+    match = _NAME.match(body)
+    assert match, f"bad variable reference ${{{body}}}"
+    name, rest = match.group(), body[match.end() :]
+    value = env.get(name)
+    unset_or_empty = not value
+    for op in (":-", ":?", ":+", "-", "?", "+"):
+        if rest.startswith(op):
+            arg = rest[len(op) :]
+            missing = unset_or_empty if op.startswith(":") else value is None
+            if op.endswith("-"):
+                return interpolate(arg, env) if missing else str(value)
+            if op.endswith("?"):
+                if missing:
+                    raise KeyError(f"{name}: {arg}")
+                return str(value)
+            return "" if missing else interpolate(arg, env)
+    assert not rest, f"unsupported variable reference ${{{body}}}"
+    return value or ""
+
+
+def service_environment(service: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """A service's container environment: a key without a value comes from `env` or is unset."""
+    result: dict[str, str] = {}
+    for key, value in (service.get("environment") or {}).items():
+        if value is None:
+            if key in env:
+                result[key] = env[key]
+            continue
+        result[key] = interpolate(str(value), env)
+    return result
+
+
+def argv(service: Mapping[str, Any]) -> list[str]:
+    """entrypoint + command, each in list or string form."""
+    parts: list[str] = []
+    for field in ("entrypoint", "command"):
+        value = service.get(field) or []
+        parts += shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+    return parts
+
+
+def active_services(compose: Mapping[str, Any], profiles: set[str]) -> dict[str, Any]:
+    """What `docker compose up` starts with these profiles: no profile, or a matching one."""
+    return {
+        name: svc
+        for name, svc in compose["services"].items()
+        if not svc.get("profiles") or profiles & set(svc["profiles"])
+    }
+
+
+def env_example() -> dict[str, str]:
+    pairs = {}
+    for line in ENV_EXAMPLE.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            pairs[key.strip()] = value.strip()
+    return pairs
+
+
+def ours(service: Mapping[str, Any]) -> bool:
+    return str(service.get("image", "")).startswith("genfleet")
+
+
+def genfleet_commands() -> set[str]:
+    from producer import commands, local_run  # noqa: F401 - registers the commands
+    from producer.cli import app
+
+    return {c.name or c.callback.__name__ for c in app.registered_commands if c.callback}
+
+
+def seconds(duration: str) -> float:
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+def devices(service: Mapping[str, Any]) -> list[dict[str, Any]]:
+    deploy = service.get("deploy") or {}
+    found: list[dict[str, Any]] = (
+        deploy.get("resources", {}).get("reservations", {}).get("devices", [])
+    )
+    return found
+
+
+def check_celery(args: list[str]) -> None:
+    """`celery -A module.path SUBCOMMAND …`: the app imports and the subcommand exists."""
+    from celery import Celery
+    from celery.bin.celery import celery as celery_cli
+
+    assert args[:1] == ["-A"], args
+    module, _, attr = args[1].partition(":")
+    app = getattr(importlib.import_module(module), attr or "app")
+    assert isinstance(app, Celery), args[1]
+    assert args[2] in celery_cli.commands, f"celery has no {args[2]!r} command"
+    if args[2] == "flower":
+        from flower.options import options
+
+        for option in args[3:]:
+            name = option.removeprefix("--").partition("=")[0].replace("-", "_")
+            assert name in options._options, f"flower has no option {option}"
+
+
+def check_argv(parts: list[str]) -> None:
+    from common.settings import parse_setting_args
+
+    program, args = parts[0], parts[1:]
+    if program == "genfleet":
+        words = [a for a in args if not a.startswith("-")]
+        if words:
+            assert words[0] in genfleet_commands(), f"genfleet has no {words[0]!r} command"
+            if words[0] in {"worker", "control"}:
+                parse_setting_args(args[args.index(words[0]) + 1 :])
+        else:
+            assert args == ["--help"], args
+    elif program == "celery":
+        check_celery(args)
+    elif program in {"python3", "python"}:
+        assert args[0] == "-c", args
+        compile(args[1], "<compose>", "exec")
+    else:
+        raise AssertionError(f"{program!r} is neither genfleet, celery nor python")
+
+
+def test_compose_file_follows_the_compose_specification() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec"]
+        + [str(COMPOSE)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_command_names_a_real_cli_or_celery_app() -> None:
+    services = {n: s for n, s in load_compose()["services"].items() if ours(s)}
+    assert {"bucket-init", "worker", "worker-dry", "beat", "flower", "producer"} <= set(services)
+    for name, service in services.items():
+        parts = argv(service)
+        assert parts, f"{name} has no command"
+        check_argv(parts)
+        health = (service.get("healthcheck") or {}).get("test")
+        if health:
+            if health[0] == "CMD-SHELL":
+                check_argv(shlex.split(interpolate(health[1], {"HOSTNAME": "host"})))
+            else:
+                assert health[0] == "CMD", health
+                check_argv(health[1:])
+
+
+def test_every_genfleet_variable_is_a_setting() -> None:
+    from common.settings import setting_names
+
+    for path in (COMPOSE, ENV_EXAMPLE):
+        unknown = set(GENFLEET_VAR.findall(path.read_text())) - setting_names()
+        assert not unknown, f"{path.name} names variables genfleet ignores: {sorted(unknown)}"
+
+
+def test_gpu_reservations_are_well_formed() -> None:
+    services = load_compose()["services"]
+    assert devices(services["worker"]), "the GPU worker reserves no GPU"
+    for name, service in services.items():
+        for device in devices(service):
+            assert device.get("driver") == "nvidia", name
+            assert "gpu" in device.get("capabilities", []), name
+            assert ("count" in device) != ("device_ids" in device), f"{name}: count XOR device_ids"
+
+
+def test_every_long_running_service_has_a_healthcheck() -> None:
+    for name, service in load_compose()["services"].items():
+        one_shot = service.get("restart") == "no" or service.get("profiles") == ["tools"]
+        if not one_shot:
+            assert (service.get("healthcheck") or {}).get("test"), f"{name} has no healthcheck"
+
+
+def test_redis_has_a_password_append_only_file_and_no_eviction() -> None:
+    redis = load_compose()["services"]["redis"]
+    command = " ".join(argv(redis))
+    assert '--requirepass "$$REDIS_PASSWORD"' in command
+    assert "--appendonly yes" in command
+    assert "--maxmemory-policy noeviction" in command
+    assert redis["environment"]["REDIS_PASSWORD"].startswith("${REDIS_PASSWORD")
+    assert "REDIS_PASSWORD" in " ".join(redis["healthcheck"]["test"])
+    assert any(v.endswith(":/data") for v in redis["volumes"])
+
+
+def test_dry_run_profile_runs_the_whole_stack_without_a_gpu() -> None:
+    active = active_services(load_compose(), {"dry-run"})
+    assert {"redis", "s3", "bucket-init", "beat", "flower", "worker-dry"} <= set(active)
+    assert "worker" not in active
+    for name, service in active.items():
+        assert not devices(service), f"{name} reserves a device under --profile dry-run"
+    dry = active["worker-dry"]
+    assert argv(dry) == ["genfleet", "worker"]
+    assert dry["environment"]["GENFLEET_ENGINE"] == "emulator"
+
+
+def test_default_profiles_run_the_gpu_worker() -> None:
+    profiles = set(env_example()["COMPOSE_PROFILES"].split(","))
+    active = active_services(load_compose(), profiles)
+    assert "worker" in active and "worker-dry" not in active and "producer" not in active
+    worker = active["worker"]
+    assert argv(worker) == ["genfleet", "worker"]
+    assert worker["environment"]["GENFLEET_ENGINE"] == "sglang"
+    assert {"GENFLEET_GPUS", "GENFLEET_TP_SIZE", "GENFLEET_MODEL"} <= set(worker["environment"])
+
+
+def test_exactly_one_beat_in_every_profile() -> None:
+    compose = load_compose()
+    for profiles in ({"gpu"}, {"dry-run"}, {"gpu", "tools"}):
+        beats = [
+            name
+            for name, svc in active_services(compose, profiles).items()
+            if argv(svc)[:2] == ["genfleet", "control"]
+            or "--beat" in argv(svc)
+            or argv(svc)[2:4] == ["workers.app", "beat"]
+        ]
+        assert beats == ["beat"], (profiles, beats)
+    assert compose["services"]["beat"].get("deploy", {}).get("replicas", 1) == 1
+
+
+def test_flower_asks_for_basic_auth_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flower.command import apply_env_options
+    from flower.options import options
+
+    flower = load_compose()["services"]["flower"]
+    assert argv(flower)[:4] == ["celery", "-A", "workers.app", "flower"]
+    assert flower["environment"]["FLOWER_BASIC_AUTH"].startswith("${FLOWER_BASIC_AUTH:?")
+    assert any(v.endswith(":/data") for v in flower["volumes"])
+    assert "--persistent=True" in argv(flower) and "--db=/data/flower.db" in argv(flower)
+    assert any(str(p).endswith(":5555:5555") for p in flower["ports"])
+    # Flower itself turns FLOWER_BASIC_AUTH into its --basic-auth option.
+    before = options.basic_auth
+    monkeypatch.setattr(os, "environ", {"FLOWER_BASIC_AUTH": "ops:pw"})
+    try:
+        apply_env_options()
+        assert options.basic_auth == ["ops:pw"]
+    finally:
+        options.basic_auth = before
+
+
+def test_no_secret_is_written_in_the_compose_file() -> None:
+    text = COMPOSE.read_text()
+    for service in load_compose()["services"].values():
+        for key, value in (service.get("environment") or {}).items():
+            if SECRET_NAME.search(key) and value is not None:
+                assert re.fullmatch(r"\$\{[^}]+\}", str(value)), f"{key} is not a ${{VAR}}"
+    for password in re.findall(r"://[^/\s:@]*:([^@\s/]+)@", text):
+        assert password.startswith("${"), f"a literal password in a URL: {password}"
+    example = env_example()
+    for key, value in example.items():
+        if SECRET_NAME.search(key):
+            assert "change-me" in value, f".env.example must hold a placeholder for {key}"
+            assert value not in text
+    assert ".env" in (ROOT / ".gitignore").read_text().split()
+    assert ".env" in (ROOT / ".dockerignore").read_text().split()
+
+
+def test_workers_outlast_the_soft_shutdown_window() -> None:
+    from common.celery_config import celery_config
+    from common.settings import Settings
+
+    settings = Settings()
+    needed_s = celery_config(settings)["worker_soft_shutdown_timeout"] + settings.stop_timeout_s
+    services = load_compose()["services"]
+    for name in ("worker", "worker-dry"):
+        assert seconds(services[name]["stop_grace_period"]) > needed_s, name
+        # Cold shutdown (SIGQUIT, or SIGTERM remapped to it) cancels running tasks, which
+        # Celery's threads pool cannot do: it raises and the worker hangs. Keep SIGTERM warm.
+        assert services[name].get("stop_signal", "SIGTERM") == "SIGTERM", name
+        assert "REMAP_SIGTERM" not in services[name]["environment"], name
+
+
+def test_every_genfleet_process_shares_broker_and_visibility_timeout() -> None:
+    services = [s for s in load_compose()["services"].values() if ours(s)]
+    for key in ("GENFLEET_REDIS_URL", "GENFLEET_VISIBILITY_TIMEOUT_S", "GENFLEET_STORE"):
+        values = {s["environment"][key] for s in services}
+        assert len(values) == 1, (key, values)
+
+
+def test_startup_order_waits_for_health_and_the_bucket() -> None:
+    services = load_compose()["services"]
+    for name, service in services.items():
+        for dependency, spec in (service.get("depends_on") or {}).items():
+            assert spec["condition"] in {
+                "service_healthy",
+                "service_completed_successfully",
+            }, (name, dependency)
+            wanted = "service_completed_successfully" if dependency == "bucket-init" else None
+            assert spec["condition"] == (wanted or "service_healthy"), (name, dependency)
+    assert services["bucket-init"]["depends_on"] == {"s3": {"condition": "service_healthy"}}
+    for name in ("worker", "worker-dry", "beat", "producer"):
+        assert {"redis", "bucket-init"} <= set(services[name]["depends_on"]), name
+    assert "redis" in services["flower"]["depends_on"]
+
+
+def test_gpu_worker_gets_models_cache_shared_memory_and_ulimits() -> None:
+    worker = load_compose()["services"]["worker"]
+    targets = {interpolate(v, {"HOME": "/home/u"}).split(":")[1] for v in worker["volumes"]}
+    assert {"/models", "/root/.cache/huggingface"} <= targets
+    assert worker.get("ipc") == "host" or worker.get("shm_size")
+    assert worker["ulimits"] == {"memlock": -1, "stack": 67108864}
+    assert worker["build"]["target"] == "worker"
+
+
+def test_producer_is_a_tool_run_on_demand() -> None:
+    producer = load_compose()["services"]["producer"]
+    assert producer["profiles"] == ["tools"]
+    assert producer["entrypoint"] == ["genfleet"]
+    assert {"enqueue", "status", "export"} <= genfleet_commands()
+
+
+def test_dockerfile_builds_the_targets_compose_asks_for() -> None:
+    text = DOCKERFILE.read_text()
+    stages = {target: image for image, target in re.findall(r"^FROM (\S+) AS (\S+)$", text, re.M)}
+    assert stages["worker"] == "lmsysorg/sglang:${SGLANG_IMAGE_TAG}"
+    assert stages["slim"] == "${PYTHON_IMAGE}"
+    assert "ARG PYTHON_IMAGE=python:3.11-slim" in text
+    tag = re.search(r"^ARG SGLANG_IMAGE_TAG=(\S+)$", text, re.M)
+    assert tag and tag.group(1) == "v0.5.19-cu129"
+    compose = load_compose()["services"]
+    assert compose["worker"]["build"]["args"]["SGLANG_IMAGE_TAG"].endswith(f":-{tag.group(1)}}}")
+    for name, service in compose.items():
+        if "build" in service:
+            assert service["build"]["target"] in stages, name
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = set(project["optional-dependencies"])
+    for group in re.findall(r'pip install "\.\[([a-z,]+)\]"', text):
+        assert set(group.split(",")) <= extras, group
+    assert re.search(r"^USER (?!root)\S+$", text, re.M), "the slim image runs as root"
+
+
+def test_readme_test_command_validates_the_compose_file() -> None:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    command = lines[lines.index("<!-- test-command -->") + 2]
+    assert command.startswith(
+        "check-jsonschema --builtin-schema vendor.compose-spec compose.yaml && "
+    )
