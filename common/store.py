@@ -8,6 +8,7 @@ directory it is a hard link of a complete temporary file, which fails when the n
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -19,6 +20,7 @@ from urllib.parse import unquote, urlparse
 from common.errors import ConfigError, StoreError, StoreUnavailable
 
 T = TypeVar("T")
+log = logging.getLogger("genfleet.store")
 
 
 class Store(Protocol):
@@ -175,6 +177,7 @@ class S3Store:
                 error = exc
             if attempt == self._attempts:
                 raise StoreUnavailable(f"S3 {what} failed after {attempt} tries: {error}")
+            log.warning("S3 %s failed (%s); retry %d in %.1f s", what, error, attempt, delay)
             self._sleep(delay)
             delay = min(delay * 2, 10.0)
         raise AssertionError("unreachable")

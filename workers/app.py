@@ -9,6 +9,7 @@ on every broker reconnect, so this must be a worker step.)
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from celery import Celery, bootsteps
@@ -79,10 +80,31 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
     def stop(self, parent: Any) -> None:
         if self.runtime is not None:
+            _wait_for_running_tasks()
             self.runtime.stop()
+            self.runtime = None
 
     def shutdown(self, parent: Any) -> None:
         self.stop(parent)
+
+
+def _wait_for_running_tasks(poll_s: float = 0.2) -> None:
+    """Block until no task runs in this worker; called on warm shutdown, before the engine stops.
+
+    Celery stops worker steps in reverse start order, so this step (which needs the pool) is
+    stopped before the pool, whose own stop waits for running tasks. Stopping the engine
+    first would break every batch still running under a warm shutdown (SIGTERM, `docker
+    stop`). The consumer no longer takes messages by now; a cold shutdown (SIGQUIT) ends the
+    wait, and the engine stops with the worker.
+    """
+    from celery.worker import state
+
+    if state.active_requests:
+        log.info(
+            "waiting for %d running tasks before stopping the engine", len(state.active_requests)
+        )
+    while state.active_requests and state.should_terminate is None:
+        time.sleep(poll_s)
 
 
 app.steps["worker"].add(EngineStep)

@@ -7,7 +7,7 @@ The order of things is what makes "nothing lost, nothing doubled" hold:
    checkpoint_interval_s, so a crash loses at most that much work;
 4. merge parts and new results in input order, `put_if_absent` the output — only then does
    the batch count as done (Redis counters follow the store, never lead it);
-5. delete the parts.
+5. delete the parts, best effort: once the output exists they are garbage.
 """
 
 from __future__ import annotations
@@ -107,6 +107,28 @@ def write_part(store: Store, run: str, batch: str, part: int, rows: list[Complet
     return part + 1
 
 
+def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first leaf of an exception group: the failure that stopped the batch."""
+    error: BaseException = group
+    while isinstance(error, BaseExceptionGroup) and error.exceptions:
+        error = error.exceptions[0]
+    return error
+
+
+def _save_finished(store: Store, order: WorkOrder, part: int, rows: list[CompletionRecord]) -> None:
+    """On a failed try, checkpoint what finished so the retry skips it; best effort.
+
+    When the store itself is what failed, this fails too: the prompts are then simply done
+    again, and the original error (not this one) decides between retry and failed set.
+    """
+    if not rows:
+        return
+    try:
+        write_part(store, order.run, order.batch, part, rows)
+    except StoreError as exc:
+        log.warning("could not checkpoint %s/%s: %s", order.run, order.batch, exc)
+
+
 def execute(
     order: WorkOrder,
     *,
@@ -158,11 +180,19 @@ def execute(
                     if rows:
                         next_part = write_part(store, order.run, order.batch, next_part, rows)
                     last_flush = time.monotonic()
-    except BaseException:
-        rows = collector.take_unflushed()
-        if rows:  # keep what finished: the retry skips it
-            write_part(store, order.run, order.batch, next_part, rows)
-        client.delete(lease)
+    except BaseException as exc:
+        # Stop this try's requests: the retry sends the unfinished prompts again, and requests
+        # left running would do that work twice and hold in-flight slots of other batches.
+        future.cancel()
+        _save_finished(store, order, next_part, collector.take_unflushed())
+        try:
+            client.delete(lease)
+        except redis.RedisError:
+            log.warning("could not drop the lease of %s/%s", order.run, order.batch)
+        if isinstance(exc, BaseExceptionGroup):
+            # The feeder's TaskGroup wraps the first hard failure (EngineDown, ...) in an
+            # ExceptionGroup; unwrapped, the task maps it to a retry or the failed set.
+            raise first_error(exc) from exc
         raise
 
     rows_out: list[dict[str, Any]] = []
@@ -171,13 +201,19 @@ def execute(
         rows_out.append(done.to_json() if done is not None else previous[record.key])
     wrote = store.put_if_absent(output_key, encode_jsonl_gz(rows_out))
     summary.duplicate = not wrote
-    client.delete(lease)
-    store.delete_prefix(keys.parts_prefix(order.run, order.batch))
     _summarise(summary, rows_out, started)
     if wrote:
         _count(client, order, summary)
     else:
         _mark_done(client, order)
+    client.delete(lease)
+    # Last, and best effort: once the output exists the parts are garbage. Failing here used
+    # to fail the try after the output was written, and the retry (which finds the output
+    # and skips) never counted the batch's tokens and errors.
+    try:
+        store.delete_prefix(keys.parts_prefix(order.run, order.batch))
+    except StoreError as exc:
+        log.warning("could not delete the parts of %s/%s: %s", order.run, order.batch, exc)
     return summary
 
 

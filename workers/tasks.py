@@ -2,7 +2,8 @@
 
 - generate_batch: a WorkOrder → workers.batch.execute. Retryable failures (engine down, store
   or Redis unreachable) are retried with backoff; after `batch_retries` tries, or at once for
-  permanent ones (staged input missing), the batch lands in the run's failed set.
+  permanent ones (staged input missing, anything unforeseen), the batch lands in the run's
+  failed set.
 - reap_leases (beat): re-enqueues batches whose worker vanished (lease expired, no output),
   so a SIGKILLed worker's batch finishes elsewhere in minutes, not after the visibility timeout.
 - power_watch (beat): see workers.watch.
@@ -74,6 +75,13 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
         log.warning("%s/%s try %d failed: %s", work.run, work.batch, attempts, exc)
         _safe_hdel(client, field)
         raise self.retry(exc=exc, countdown=min(2**attempts, 60), max_retries=None) from exc
+    except Exception as exc:
+        # Unforeseen means permanent until someone looks: park it in the failed set, where
+        # status shows it and `genfleet retry` re-runs it, rather than leave a running entry
+        # whose lease is gone, which the reaper would re-enqueue forever.
+        log.exception("%s/%s failed unexpectedly", work.run, work.batch)
+        _fail(client, work, exc)
+        raise BatchFailed(f"{work.run}/{work.batch}: {type(exc).__name__}: {exc}") from exc
     finally:
         if monitor is not None:
             monitor.batch_finished(work.run)

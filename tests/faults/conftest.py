@@ -1,0 +1,65 @@
+"""Fixtures for the fault suite: services of each test's own, closed at teardown.
+
+See tests/faults/services.py for what each one is and how it fails.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import free_port
+from tests.faults.services import FakeEngine, FlakyProxy, FlakyS3, RedisServer
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    if shutil.which("redis-server") is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed")
+        pytest.skip("redis-server is not installed")
+    directory = tmp_path / "redis"
+    directory.mkdir()
+    server = RedisServer(directory, free_port(), uuid.uuid4().hex)
+    server.start()
+    yield server
+    server.kill()
+
+
+@pytest.fixture
+def flaky_s3(s3_server: str) -> Iterator[FlakyS3]:
+    """A fresh moto server (own port, so cutting it cannot disturb other tests) and a proxy.
+
+    It asks for `s3_server` only for the dummy AWS credentials that fixture puts in the
+    environment, which the workers inherit.
+    """
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    direct = f"http://127.0.0.1:{port}"
+    bucket = f"flaky-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=direct, region_name="us-east-1").create_bucket(Bucket=bucket)
+    proxy = FlakyProxy(("127.0.0.1", port))
+    yield FlakyS3(direct, proxy, bucket)
+    proxy.close()
+    server.stop()
+
+
+@pytest.fixture
+def fake_engine() -> Iterator[FakeEngine]:
+    server = FakeEngine()
+    thread = threading.Thread(target=server.serve_forever, name="fake-engine", daemon=True)
+    thread.start()
+    yield server
+    server.shutdown()
+    server.server_close()
+    thread.join(timeout=5)

@@ -1,0 +1,248 @@
+"""Services a fault test breaks on purpose, each owned by the test that uses it.
+
+- RedisServer: a `redis-server` of the test's own (AOF on, password set) that can be shut
+  down and started again on the same port and directory.
+- FlakyS3: a bucket on a moto S3 server reached through FlakyProxy, a TCP proxy whose link
+  the test can cut and restore; moto loses its state when it restarts, so the outage is made
+  at the proxy instead.
+- FakeEngine: a small OpenAI-compatible server that answers 500 to marked prompts while
+  `poison` is on, for batches whose every request fails.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import socket
+import struct
+import subprocess
+import threading
+import uuid
+from pathlib import Path
+from typing import Any
+
+import orjson
+import redis
+
+from tests.conftest import wait_for
+
+POISON = "POISON"
+
+
+class RedisServer:
+    """A private redis-server with AOF on; `restart()` keeps its port, password and data dir."""
+
+    def __init__(self, directory: Path, port: int, password: str) -> None:
+        self.directory = directory
+        self.port = port
+        self.password = password
+        self.url = f"redis://:{password}@127.0.0.1:{port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def client(self) -> redis.Redis:
+        return redis.Redis.from_url(self.url, socket_connect_timeout=2)
+
+    def start(self) -> None:
+        argv = [
+            "redis-server",
+            "--port", str(self.port),
+            "--bind", "127.0.0.1",
+            "--requirepass", self.password,
+            "--appendonly", "yes",
+            "--appendfsync", "always",
+            "--save", "",
+            "--dir", str(self.directory),
+            "--logfile", str(self.directory / "redis.log"),
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+        def answers() -> bool:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"redis-server exited {self.proc.returncode}")
+            with contextlib.suppress(redis.RedisError), self.client() as client:
+                return bool(client.ping())
+            return False
+
+        wait_for(answers, 20, f"redis-server on port {self.port}")
+
+    def shutdown(self) -> None:
+        """SHUTDOWN (which fsyncs the AOF), then wait for the process to exit."""
+        with contextlib.suppress(redis.ConnectionError), self.client() as client:
+            client.shutdown()
+        assert self.proc is not None
+        self.proc.wait(timeout=20)
+
+    def restart(self) -> None:
+        self.shutdown()
+        self.start()
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+
+class FlakyProxy:
+    """A TCP proxy to `upstream`; `cut()` resets every connection and refuses new ones.
+
+    While cut, a connection is accepted and reset at once (SO_LINGER 0), so a client sees a
+    connection error, as with an S3 endpoint that is down or a load balancer that drops it.
+    """
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.refused = 0
+        self._up = threading.Event()
+        self._up.set()
+        self._closed = threading.Event()
+        self._lock = threading.Lock()
+        self._sockets: set[socket.socket] = set()
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(128)
+        self._listener.settimeout(0.2)
+        self.port = int(self._listener.getsockname()[1])
+        self._thread = threading.Thread(target=self._accept, name="flaky-proxy", daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def cut(self) -> None:
+        self._up.clear()
+        with self._lock:
+            sockets, self._sockets = list(self._sockets), set()
+        for sock in sockets:
+            _reset(sock)
+
+    def restore(self) -> None:
+        self._up.set()
+
+    def close(self) -> None:
+        self._closed.set()
+        self.cut()
+        self._thread.join(timeout=5)
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            if not self._up.is_set():
+                self.refused += 1
+                _reset(conn)
+                continue
+            try:
+                upstream = socket.create_connection(self.upstream, timeout=5)
+            except OSError:
+                _reset(conn)
+                continue
+            with self._lock:
+                self._sockets.update((conn, upstream))
+            for src, dst in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            src.settimeout(None)
+            while data := src.recv(65536):
+                dst.sendall(data)
+        for sock in (src, dst):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        with self._lock:
+            self._sockets.discard(src)
+
+
+def _reset(sock: socket.socket) -> None:
+    """Drop a connection now, whoever is blocked on it.
+
+    `shutdown` first: a bare `close` does not wake a pump thread blocked in `recv` on the
+    same socket, and the connection would then stay open, silent, until the client's read
+    timeout. Linger 0 makes the close a reset rather than a clean end of stream.
+    """
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(OSError):
+        sock.close()
+
+
+class FlakyS3:
+    """A bucket on a moto server of this test, reached through a proxy that can be cut."""
+
+    def __init__(self, direct_url: str, proxy: FlakyProxy, bucket: str) -> None:
+        self.direct_url = direct_url  # for the test's own checks, never cut
+        self.proxy = proxy
+        self.bucket = bucket
+        self.store_url = f"s3://{bucket}/runs"
+
+    @property
+    def endpoint_url(self) -> str:
+        return self.proxy.url
+
+
+class FakeEngine(http.server.ThreadingHTTPServer):
+    """An OpenAI-compatible engine that answers 500 to every marked prompt while `poison`."""
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _FakeEngineHandler)
+        self.poison = True
+        self.failed_requests = 0
+        self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+
+class _FakeEngineHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: FakeEngine
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
+        pass
+
+    def _reply(self, status: int, body: dict[str, Any]) -> None:
+        data = orjson.dumps(body)
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        if self.path == "/health":
+            self._reply(200, {})
+        elif self.path == "/server_info":
+            self._reply(200, {"max_running_requests": 16, "version": "fake"})
+        else:
+            self._reply(404, {"error": {"message": "not found", "type": "NotFound"}})
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        body = orjson.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        text = " ".join(str(m.get("content")) for m in body.get("messages", []))
+        if self.server.poison and POISON in text:
+            self.server.failed_requests += 1
+            self._reply(500, {"error": {"message": "internal error", "type": "InternalError"}})
+            return
+        self._reply(
+            200,
+            {
+                "id": uuid.uuid4().hex,
+                "model": body.get("model"),
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": f"echo: {text[:40]}"},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": len(text) // 4, "completion_tokens": 4},
+            },
+        )

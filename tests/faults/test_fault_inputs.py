@@ -1,0 +1,178 @@
+"""Bad work: a poison batch, prompts the engine refuses, a pickled message on the queue.
+
+Each test runs a real worker process and ends with `assert_exactly_once`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+from celery import Celery
+from typer.testing import CliRunner
+
+from common import keys
+from common.celery_config import GENERATE_TASK
+from tests.conftest import Worker, base_env, wait_for
+from tests.faults.helpers import (
+    assert_exactly_once,
+    fault_settings,
+    log_count,
+    open_run_store,
+    stage,
+    wait_run_done,
+    write_prompts,
+)
+from tests.faults.services import POISON, FakeEngine
+
+pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
+
+
+def cli(*args: str) -> Any:
+    from producer import commands, local_run  # noqa: F401 - registers the commands
+    from producer.cli import app
+
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_poison_batch_lands_in_the_failed_set_and_retry_completes_it(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+    fake_engine: FakeEngine,
+) -> None:
+    store_url = (tmp_path / "store").as_uri()
+    # batch-000001 (prompts 25..49) is poison: the engine answers 500 to every one of them.
+    poison = {i: f"{POISON} {i}" for i in range(25, 50)}
+    ids = write_prompts(tmp_path / "prompts.jsonl", 100, poison)
+    env = base_env(
+        redis_url,
+        store_url,
+        engine="external",
+        engine_url=fake_engine.url,
+        request_retries=2,
+        batch_retries=2,
+        log_dir=tmp_path,
+    )
+    worker = start_worker(env)
+    settings = fault_settings(redis_url, store_url)
+    worker.wait_ready()
+    started = time.monotonic()
+    stage(settings, "poison", tmp_path / "prompts.jsonl")
+    store = open_run_store(settings)
+    flags = ["--redis-url", redis_url, "--store", store_url]
+
+    def failed_report() -> dict[str, Any] | None:
+        report: dict[str, Any] = orjson.loads(cli("status", "poison", "--json", *flags).output)
+        return report if report["batches_failed"] and report["batches_done"] == 3 else None
+
+    report = wait_for(failed_report, 120, "the poison batch to land in the failed set", 0.5)
+    to_failed_s = time.monotonic() - started
+    assert report["state"] == "failed"
+    assert list(report["failed"]) == ["batch-000001"]
+    assert "EngineDown" in report["failed"]["batch-000001"]
+    tries = int(redis_client.hget(keys.attempts_key("poison"), "batch-000001") or 0)
+    assert tries == 3  # batch_retries=2: the first try and two retries
+    assert fake_engine.failed_requests >= 3 * 3  # each try: one request and its two retries
+    assert worker.proc.poll() is None
+
+    fake_engine.poison = False  # the fix
+    retried = cli("retry", "poison", *flags)
+    assert "1 failed batches cleared; enqueued 1" in retried.output.replace("\n", " ")
+    wait_run_done(settings, redis_client, "poison", 60, store)
+    result, _rows = assert_exactly_once(settings, "poison", ids, redis_client, store)
+    assert result.errors == 0
+    assert not redis_client.hgetall(keys.failed_key("poison"))
+    print(
+        f"\n[fault poison] failed set after {to_failed_s:.1f} s and {tries} tries "
+        f"({fake_engine.failed_requests} requests answered 500); retry completed it; "
+        f"{result.records} records exported"
+    )
+
+
+def test_prompts_longer_than_the_context_become_error_records(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store_url = (tmp_path / "store").as_uri()
+    too_long = "many words " * 2000  # about 5,500 tokens for the emulator's counter
+    marked = {i: too_long for i in range(3, 150, 10)}
+    ids = write_prompts(tmp_path / "prompts.jsonl", 150, marked)
+    worker = start_worker(base_env(redis_url, store_url, context_length=4096, log_dir=tmp_path))
+    settings = fault_settings(redis_url, store_url)
+    stage(settings, "toolong", tmp_path / "prompts.jsonl")
+    worker.wait_ready()
+    wait_run_done(settings, redis_client, "toolong", 90)
+
+    result, rows = assert_exactly_once(settings, "toolong", ids, redis_client)
+    errors = {row["id"]: row["error"] for row in rows if row["error"]}
+    assert set(errors) == {ids[i] for i in marked}
+    for error in errors.values():
+        assert error["type"] == "BadRequestError", error
+        assert "context length" in error["message"], error
+    assert result.errors == len(marked)
+    assert int(redis_client.hget(keys.counters_key("toolong"), "errors") or 0) == len(marked)
+    print(
+        f"\n[fault too-long] {len(marked)} prompts refused as error records, "
+        f"{result.records - result.errors} completions"
+    )
+
+
+class _RunsCodeWhenUnpickled:
+    """Unpickling this opens (creates) `path`: proof of execution if the file appears."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (str(self.path), "w"))
+
+
+def test_pickled_message_is_refused_and_the_worker_keeps_working(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store_url = (tmp_path / "store").as_uri()
+    worker = start_worker(base_env(redis_url, store_url, log_dir=tmp_path))
+    worker.wait_ready()
+    proof = tmp_path / "executed-by-unpickling"
+    attacker = Celery("attacker", broker=redis_url)
+    attacker.conf.update(task_serializer="pickle", accept_content=["pickle", "json"])
+    attacker.send_task(
+        GENERATE_TASK,
+        kwargs={"order": _RunsCodeWhenUnpickled(proof)},
+        queue="gpu",
+        serializer="pickle",
+    )
+    attacker.close()
+    wait_for(
+        lambda: log_count(worker, "Refusing to deserialize untrusted content") > 0,
+        30,
+        "the worker to refuse the pickled message",
+        0.2,
+    )
+    assert "application/x-python-serialize" in worker.log.read_text(errors="replace")
+    assert not proof.exists(), "the pickled payload was executed"
+    assert worker.proc.poll() is None
+    assert redis_client.llen("gpu") == 0  # rejected, not left to be delivered again
+    assert not redis_client.hlen("unacked")
+
+    ids = write_prompts(tmp_path / "prompts.jsonl", 60)
+    settings = fault_settings(redis_url, store_url)
+    stage(settings, "afterpickle", tmp_path / "prompts.jsonl")
+    wait_run_done(settings, redis_client, "afterpickle", 60)
+    result, _rows = assert_exactly_once(settings, "afterpickle", ids, redis_client)
+    assert worker.proc.poll() is None
+    print(f"\n[fault pickle] refused and logged; the next run exported {result.records} records")

@@ -1,0 +1,174 @@
+"""Processes dying mid-batch: a whole worker (SIGKILL), or only its engine (SIGKILL).
+
+The emulator runs slower here than in the other integration tests so that a batch lasts a
+few seconds and the kill lands while it runs. Each test ends with `assert_exactly_once`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from common import keys
+from tests.conftest import Worker, base_env, free_port, wait_for
+from tests.faults.helpers import (
+    assert_exactly_once,
+    engine_pid,
+    fault_settings,
+    leases_of,
+    log_count,
+    open_run_store,
+    outputs,
+    pid_alive,
+    stage,
+    wait_run_done,
+    write_prompts,
+)
+
+pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
+
+# A 25-prompt batch lasts one to three seconds at this speed (heavy-tailed completion lengths
+# up to 1024 tokens), and checkpoints every second, so a kill lands mid-batch after a part.
+SLOW = {"emulator_time_scale": 4, "checkpoint_interval_s": 1}
+
+
+def finished_by(worker: Worker, batches: set[str]) -> dict[str, int]:
+    """Which of `batches` `worker` finished, each with the prompts it took from checkpoint parts
+    (read from the task results in its log)."""
+    found: dict[str, int] = {}
+    for line in worker.log.read_text(errors="replace").splitlines():
+        match = re.search(r"\] succeeded .*'batch': '(batch-\d+)'.*'resumed': (\d+)", line)
+        if match and match.group(1) in batches:
+            found[match.group(1)] = int(match.group(2))
+    return found
+
+
+def test_sigkilled_worker_batch_finishes_on_another_worker(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store_url = (tmp_path / "store").as_uri()
+    env = base_env(
+        redis_url, store_url, lease_ttl_s=3, reaper_interval_s=2, log_dir=tmp_path, **SLOW
+    )
+    control = start_worker(env, role="control")
+    # Own engine ports: two workers starting at once could both find the same port free.
+    doomed = start_worker({**env, "GENFLEET_PORT": str(free_port())}, name="doomed")
+    survivor = start_worker({**env, "GENFLEET_PORT": str(free_port())}, name="survivor")
+    ids = write_prompts(tmp_path / "prompts.jsonl", 250)
+    settings = fault_settings(redis_url, store_url)
+    for worker in (control, doomed, survivor):
+        worker.wait_ready()
+    store = open_run_store(settings)
+    stage(settings, "killworker", tmp_path / "prompts.jsonl")
+
+    def checkpointed_and_running() -> set[str]:
+        running = leases_of(redis_client, "killworker", doomed.hostname)
+        running -= outputs(store, "killworker")
+        return {b for b in running if any(store.list(keys.parts_prefix("killworker", b)))}
+
+    held = wait_for(
+        checkpointed_and_running,
+        60,
+        "the doomed worker to checkpoint a batch it is running",
+        0.05,
+    )
+    engine = engine_pid(doomed)
+    assert engine is not None
+    doomed.kill(signal.SIGKILL)
+    killed_at = time.monotonic()
+    doomed.proc.wait(timeout=10)
+    lost = held - outputs(store, "killworker")
+    assert lost, "the batch finished before the kill: nothing was interrupted"
+
+    # PR_SET_PDEATHSIG: the engine gets SIGTERM when its worker dies, even by SIGKILL.
+    wait_for(lambda: not pid_alive(engine), 20, f"the dead worker's engine (pid {engine}) to exit")
+    engine_gone_s = time.monotonic() - killed_at
+
+    wait_for(
+        lambda: lost <= outputs(store, "killworker"),
+        180,
+        f"the interrupted batches {sorted(lost)} to finish on the surviving worker",
+        0.2,
+    )
+    recovery_s = time.monotonic() - killed_at
+    assert recovery_s < 180
+    wait_run_done(settings, redis_client, "killworker", 120, store)
+    result, rows = assert_exactly_once(settings, "killworker", ids, redis_client, store)
+    assert result.errors == 0
+    finished = finished_by(survivor, lost)
+    assert set(finished) == lost
+    resumed = sum(finished.values())
+    assert resumed > 0, "the retry redid prompts that were checkpointed"
+    # Resumed prompts keep the record the dead worker checkpointed; the rest are the survivor's.
+    workers = {row["engine"]["worker"] for row in rows if row["batch"] in lost}
+    assert doomed.hostname in workers <= {doomed.hostname, survivor.hostname}
+    requeued = log_count(control, "expired without output: re-enqueued")
+    assert requeued >= len(lost)
+    print(
+        f"\n[fault kill-worker] SIGKILL with {sorted(lost)} running; its engine exited after "
+        f"{engine_gone_s:.1f} s; the batch finished on the other worker {recovery_s:.1f} s after "
+        f"the kill (lease 3 s, reaper 2 s; {requeued} re-enqueued by the reaper; "
+        f"{resumed} prompts resumed from checkpoint parts)"
+    )
+
+
+def test_sigkilled_engine_is_restarted_and_the_batch_completes(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store_url = (tmp_path / "store").as_uri()
+    worker = start_worker(
+        base_env(redis_url, store_url, log_dir=tmp_path, port=free_port(), **SLOW)
+    )
+    ids = write_prompts(tmp_path / "prompts.jsonl", 150)
+    settings = fault_settings(redis_url, store_url)
+    worker.wait_ready()
+    store = open_run_store(settings)
+    stage(settings, "killengine", tmp_path / "prompts.jsonl")
+
+    held = wait_for(
+        lambda: (
+            leases_of(redis_client, "killengine", worker.hostname) - outputs(store, "killengine")
+        ),
+        60,
+        "the worker to be running a batch",
+        0.05,
+    )
+    first = engine_pid(worker)
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    killed_at = time.monotonic()
+    assert held - outputs(store, "killengine"), "the batch finished before the kill"
+
+    second = wait_for(
+        lambda: (pid := engine_pid(worker)) not in (None, first) and pid,
+        60,
+        "the supervisor to start a new engine",
+        0.1,
+    )
+    wait_for(lambda: log_count(worker, "engine ready at") >= 2, 60, "the new engine to be ready")
+    restart_s = time.monotonic() - killed_at
+    wait_run_done(settings, redis_client, "killengine", 120, store)
+    done_s = time.monotonic() - killed_at
+    result, _rows = assert_exactly_once(settings, "killengine", ids, redis_client, store)
+    assert result.errors == 0
+    assert worker.proc.poll() is None and pid_alive(second)
+    assert log_count(worker, "restarting engine (1 of") == 1
+    retried = len(re.findall(r"; retry \d+$", worker.log.read_text(errors="replace"), re.M))
+    print(
+        f"\n[fault kill-engine] engine SIGKILLed with {sorted(held)} running; a new engine was "
+        f"ready {restart_s:.1f} s later; {retried} requests retried; run done {done_s:.1f} s "
+        f"after the kill; {result.records} records"
+    )

@@ -1,0 +1,145 @@
+"""How one try of a batch fails: the error the task sees, what is kept, what is counted.
+
+`execute` runs against a real Redis and a file store, with a stand-in feeder that finishes
+some prompts and then fails the way the real one does (its TaskGroup raises an
+ExceptionGroup).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from concurrent.futures import Future
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from common import keys
+from common.errors import EngineDown, StoreUnavailable
+from common.records import (
+    CompletionRecord,
+    GenerationParams,
+    PromptRecord,
+    WorkOrder,
+    decode_jsonl_gz,
+    encode_jsonl_gz,
+)
+from common.store import FileStore
+from workers.batch import execute
+
+pytestmark = pytest.mark.integration
+
+PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
+
+
+class StubFeeder:
+    """Finishes the first `finish` prompts of a batch, then fails with `error` (or succeeds)."""
+
+    def __init__(self, finish: int, error: BaseException | None) -> None:
+        self.finish = finish
+        self.error = error
+        self.future: Future[None] = Future()
+
+    def run_batch(
+        self,
+        run: str,
+        batch: str,
+        records: Iterable[PromptRecord],
+        params: GenerationParams,
+        on_record: Callable[[int, CompletionRecord], None],
+    ) -> Future[None]:
+        for index, record in enumerate(list(records)[: self.finish]):
+            on_record(index, completion(run, batch, record))
+        if self.error is None:
+            self.future.set_result(None)
+        else:
+            self.future.set_exception(self.error)
+        return self.future
+
+
+def completion(run: str, batch: str, record: PromptRecord) -> CompletionRecord:
+    return CompletionRecord(
+        id=record.id,
+        run=run,
+        batch=batch,
+        messages=record.messages,
+        reasoning=None,
+        content="ok",
+        finish_reason="stop",
+    )
+
+
+def staged(store: FileStore, count: int) -> WorkOrder:
+    records = [
+        PromptRecord(id=f"p{i}", messages=[{"role": "user", "content": f"q{i}"}])
+        for i in range(count)
+    ]
+    key = keys.input_key("r", "batch-000000")
+    store.put(key, encode_jsonl_gz(r.to_json() for r in records))
+    return WorkOrder(run="r", batch="batch-000000", key=key, params=PARAMS, prompts=count)
+
+
+def run(order: WorkOrder, store: Any, client: redis.Redis, feeder: StubFeeder) -> Any:
+    return execute(
+        order,
+        store=store,
+        client=client,
+        feeder=feeder,  # type: ignore[arg-type]
+        worker="w@test",
+        lease_ttl_s=5,
+        checkpoint_interval_s=60,
+    )
+
+
+def test_a_failed_try_raises_the_error_inside_the_group_and_keeps_what_finished(
+    tmp_path: Path, redis_client: redis.Redis
+) -> None:
+    store = FileStore(tmp_path)
+    order = staged(store, 4)
+    group = ExceptionGroup("unhandled errors in a TaskGroup", [EngineDown("engine down")])
+    feeder = StubFeeder(finish=2, error=group)
+
+    with pytest.raises(EngineDown, match="engine down"):
+        run(order, store, redis_client, feeder)
+
+    parts = list(store.list(keys.parts_prefix("r", "batch-000000")))
+    assert len(parts) == 1
+    kept = [row["id"] for row in decode_jsonl_gz(store.get(parts[0]) or b"")]
+    assert kept == ["p0", "p1"]
+    assert not redis_client.exists(keys.lease_key("r", "batch-000000"))
+    assert not store.exists(keys.output_key("r", "batch-000000"))
+
+
+def test_the_retry_skips_checkpointed_prompts(tmp_path: Path, redis_client: redis.Redis) -> None:
+    store = FileStore(tmp_path)
+    order = staged(store, 4)
+    with pytest.raises(EngineDown):
+        run(order, store, redis_client, StubFeeder(2, ExceptionGroup("g", [EngineDown("x")])))
+
+    summary = run(order, store, redis_client, StubFeeder(finish=2, error=None))
+
+    assert (summary.resumed, summary.completions) == (2, 4)
+    rows = list(decode_jsonl_gz(store.get(keys.output_key("r", "batch-000000")) or b""))
+    assert [row["id"] for row in rows] == ["p0", "p1", "p2", "p3"]
+
+
+class PartsStuck(FileStore):
+    """A store where deleting checkpoint parts fails (S3 gone right after the output put)."""
+
+    def delete_prefix(self, prefix: str) -> int:
+        raise StoreUnavailable("S3 delete failed after 6 tries")
+
+
+def test_a_batch_is_counted_even_when_its_parts_cannot_be_deleted(
+    tmp_path: Path, redis_client: redis.Redis
+) -> None:
+    store = PartsStuck(tmp_path)
+    order = staged(store, 3)
+
+    summary = run(order, store, redis_client, StubFeeder(finish=3, error=None))
+
+    assert summary.completions == 3 and not summary.duplicate
+    assert store.exists(keys.output_key("r", "batch-000000"))
+    assert redis_client.sismember(keys.done_key("r"), "batch-000000")
+    assert int(redis_client.hget(keys.counters_key("r"), "prompts_done") or 0) == 3
