@@ -20,7 +20,12 @@ from common.redis_conn import connect
 from common.settings import Settings
 from common.store import Store, open_store
 from workers.client import EngineClient
-from workers.engine.supervisor import EngineSupervisor, ExternalEngine, pick_port
+from workers.engine.supervisor import (
+    EngineSupervisor,
+    ExternalEngine,
+    pick_port,
+    release_port,
+)
 from workers.feeder import Feeder, default_max_inflight
 from workers.monitor import Monitor, make_sampler
 
@@ -200,6 +205,8 @@ class WorkerRuntime:
             self.feeder.close()
         if self.engine is not None:
             self.engine.stop()
+            if isinstance(self.engine, EngineSupervisor):
+                release_port(self.engine.launch.port)
 
 
 def default_hostname(index: int | None = None) -> str:

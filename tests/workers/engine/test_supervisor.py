@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 from common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
 from tests.conftest import free_port, wait_for
 from workers.engine.launch import EngineLaunch
-from workers.engine.supervisor import EngineSupervisor, pick_port, port_is_free
+from workers.engine.supervisor import EngineSupervisor, pick_port, port_is_free, release_port
 
 pytestmark = pytest.mark.integration
 
@@ -121,6 +122,31 @@ def test_wait_up_while_stopping_raises() -> None:
     sup.stop()
     with pytest.raises(EngineDown):
         sup.wait_up(0.5)
+
+
+def test_pick_port_reserves_until_released() -> None:
+    port = free_port()
+    first = pick_port("127.0.0.1", port)
+    assert first == port
+    # nothing listens yet, but the port is reserved: a second pick moves on
+    assert pick_port("127.0.0.1", port) == port + 1
+    release_port(port + 1)
+    release_port(port)
+    assert pick_port("127.0.0.1", port) == port
+    release_port(port)
+    # another process holding the lock is respected too
+    code = (
+        "import fcntl, sys, tempfile, pathlib, time; "
+        f"h = (pathlib.Path(tempfile.gettempdir()) / 'genfleet-ports' / '{port}.lock').open('w'); "
+        "fcntl.flock(h, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(30)"
+    )
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+        assert pick_port("127.0.0.1", port) != port
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 def test_pick_port_skips_taken_ports() -> None:
