@@ -101,7 +101,6 @@ class WorkerRuntime:
                 api_key=api_key,
                 timeout_s=settings.request_timeout_s,
                 max_connections=max_inflight + 8,
-                reasoning=bool(settings.reasoning_parser),
             ),
             engine,
             max_inflight,

@@ -399,7 +399,6 @@ def run_config(
                 api_key=supervisor.launch.api_key,
                 timeout_s=each.request_timeout_s,
                 max_connections=lanes + 8,
-                reasoning=bool(each.reasoning_parser),
             )
             ramp_s = 0.0 if warmup else options.ramp_s
             load = Load(client, prompts, params, lanes, seconds, ramp_s, options.drain_s)

@@ -227,6 +227,7 @@ class Engine:
             if not s.running:
                 self._work.clear()
                 await self._work.wait()
+                s.tallies.interval_start_s = clock()  # throughput while busy, not since idle
                 next_at = clock() + self.model.step_time_s(len(s.running))
             delay = next_at - clock()
             if delay > 0:

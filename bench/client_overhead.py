@@ -1,0 +1,149 @@
+"""Completions per second one worker's client path sustains when generation costs nothing.
+
+The emulator runs in zero-time mode (`GENFLEET_EMULATOR_STEP_BASE_MS=0`,
+`..._STEP_PER_REQUEST_MS=0`: a request completes on arrival), so what is measured is the hot
+path a worker runs per prompt: the `Feeder` (one loop, one limiter, a task per prompt, a
+`CompletionRecord` per result, the batch's collector) and the `EngineClient` (request body,
+HTTP, orjson decode). Batches of `--batch-size` are run by `--concurrency` threads, each
+waiting on its batch's future, as a worker's Celery threads do. Each client gets a fresh
+emulator; both share the machine's cores with it, so the figure is a floor.
+
+    python bench/client_overhead.py                    # 60,000 requests (httpx: a fifth)
+    python bench/client_overhead.py --quick            # 15,000, under a minute
+    python bench/client_overhead.py --client aiohttp   # one client only
+
+`--client httpx` is the EngineClient given an httpx transport (the path tests can mock);
+`aiohttp` is its default. The last line is `requests_per_s: N` for the default client.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from bench._emulator import Emulator  # noqa: E402
+from common.records import CompletionRecord, GenerationParams, PromptRecord  # noqa: E402
+from workers.client import EngineClient  # noqa: E402
+from workers.feeder import Feeder  # noqa: E402
+
+ZERO_TIME = {
+    "emulator_step_base_ms": 0,
+    "emulator_step_per_request_ms": 0,
+    "emulator_load_s": 0,
+    "emulator_warmup_s": 0,
+    "emulator_mean_completion_tokens": 48,
+    "emulator_max_completion_tokens": 256,
+}
+PARAMS = GenerationParams(max_tokens=256, temperature=0.6, top_p=0.95, thinking=True)
+
+
+class AlwaysUp:
+    """The feeder's engine handle: the emulator is never restarted here."""
+
+    state = "ready"
+
+    def wait_up(self, timeout_s: float) -> None:
+        return None
+
+
+def prompts(count: int) -> list[PromptRecord]:
+    return [
+        PromptRecord(f"p{i:08d}", [{"role": "user", "content": f"Question {i}: what is {i}+{i}?"}])
+        for i in range(count)
+    ]
+
+
+def measure(
+    url: str,
+    client: str,
+    records: list[PromptRecord],
+    batch_size: int,
+    concurrency: int,
+    inflight: int,
+) -> tuple[float, int]:
+    """Seconds to run every record through a Feeder, and how many came back."""
+    transport = None
+    if client == "httpx":
+        limits = httpx.Limits(max_connections=inflight + 8, max_keepalive_connections=inflight + 8)
+        transport = httpx.AsyncHTTPTransport(limits=limits)
+    feeder = Feeder(
+        lambda: EngineClient(
+            url,
+            model="bench-model",
+            timeout_s=600,
+            max_connections=inflight + 8,
+            transport=transport,
+        ),
+        AlwaysUp(),
+        inflight,
+        identity={"kind": "emulator", "worker": "bench"},
+    )
+    lock = threading.Lock()
+    done: list[CompletionRecord] = []
+
+    def on_record(index: int, record: CompletionRecord) -> None:
+        with lock:
+            done.append(record)
+
+    def run(chunk: list[PromptRecord], name: str) -> None:
+        feeder.run_batch("bench", name, chunk, PARAMS, on_record).result()
+
+    try:
+        run(records[:500], "warmup")  # open the connection pool
+        done.clear()
+        batches = [records[i : i + batch_size] for i in range(0, len(records), batch_size)]
+        started = time.perf_counter()
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(run, batches, [f"b{i}" for i in range(len(batches))]))
+        elapsed = time.perf_counter() - started
+    finally:
+        feeder.close()
+    errors = sum(1 for r in done if r.error)
+    if errors:
+        raise RuntimeError(f"{errors} requests failed: {next(r.error for r in done if r.error)}")
+    return elapsed, len(done)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--requests", type=int, default=None)
+    parser.add_argument("--client", default="httpx,aiohttp", help="comma-separated: httpx, aiohttp")
+    parser.add_argument("--max-inflight", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=3, help="batches at once (threads)")
+    args = parser.parse_args()
+    count = args.requests or (15_000 if args.quick else 60_000)
+    records = prompts(count)
+    clients = [c.strip() for c in args.client.split(",") if c.strip()]
+    rates: dict[str, float] = {}
+    for client in clients:
+        # httpx's pool is slow at hundreds of connections: a fifth of the requests gives the
+        # same rate in a fifth of the time.
+        share = records[: max(1000, count // 5)] if client == "httpx" else records
+        engine = Emulator(ZERO_TIME, max_running_requests=4096)
+        try:
+            engine.wait_ready()
+            elapsed, got = measure(
+                engine.url, client, share, args.batch_size, args.concurrency, args.max_inflight
+            )
+        finally:
+            engine.stop()
+        rates[client] = got / elapsed
+        print(f"{client}: {got:,} completions in {elapsed:.2f} s = {rates[client]:,.0f} req/s")
+    if "httpx" in rates and "aiohttp" in rates:
+        print(f"aiohttp_vs_httpx: {rates['aiohttp'] / rates['httpx']:.2f}")
+    headline = rates.get("aiohttp", next(iter(rates.values())))
+    print(f"requests_per_s: {headline:.0f}")
+
+
+if __name__ == "__main__":
+    main()
