@@ -24,7 +24,6 @@ from workers.engine.supervisor import (
     EngineSupervisor,
     ExternalEngine,
     pick_port,
-    release_port,
 )
 from workers.feeder import Feeder, default_max_inflight
 from workers.monitor import Monitor, make_sampler
@@ -204,8 +203,6 @@ class WorkerRuntime:
             self.feeder.close()
         if self.engine is not None:
             self.engine.stop()
-            if isinstance(self.engine, EngineSupervisor):
-                release_port(self.engine.launch.port)
 
 
 def default_hostname(index: int | None = None) -> str:

@@ -193,6 +193,7 @@ class EngineSupervisor:
             with contextlib.suppress(OSError):
                 self._log_file.close()
             self._log_file = None
+        release_port(self.launch.port)
 
     # --- spawning and readiness -----------------------------------------------------------
 

@@ -143,7 +143,9 @@ def test_pick_port_reserves_until_released() -> None:
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
-        assert pick_port("127.0.0.1", port) != port
+        other = pick_port("127.0.0.1", port)
+        assert other != port
+        release_port(other)
     finally:
         holder.kill()
         holder.wait()
@@ -154,6 +156,8 @@ def test_pick_port_skips_taken_ports() -> None:
     sup = EngineSupervisor(http_engine(port), startup_timeout_s=20)
     sup.start()
     try:
-        assert pick_port("127.0.0.1", port) > port
+        other = pick_port("127.0.0.1", port)
+        assert other > port
+        release_port(other)
     finally:
         sup.stop()
