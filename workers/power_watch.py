@@ -107,8 +107,8 @@ _SUGGESTIONS = {
         "raise --max-running-requests"
     ),
     "client_limited": (
-        "{queue_depth} work orders wait but only {inflight}/{inflight_cap} requests are in "
-        "flight: raise --max-inflight or --worker-concurrency"
+        "work waits ({queue_depth} orders queued) while {inflight}/{inflight_cap} requests are "
+        "in flight: raise --max-inflight (or --worker-concurrency)"
     ),
     "starved": "nothing queued for this GPU: enqueue more work or run fewer workers",
     "worker_unresponsive": "the worker stopped answering: check its process, broker and engine",
@@ -132,7 +132,10 @@ def _causes(
     running, cap = engine.get("running"), engine.get("max_running_requests")
     if running is not None and cap is not None and running >= cap and (engine.get("queued") or 0):
         found.append("engine_capped")
-    if fleet.queue_depth > 0:
+    # Work waits for this GPU while the client holds back: orders in the queue, or its own
+    # limiter full (its batches are reserved, so the queue can look empty meanwhile).
+    inflight, limit = engine.get("inflight") or 0, engine.get("inflight_cap") or 0
+    if fleet.queue_depth > 0 or (limit and inflight >= limit):
         found.append("client_limited")
     else:
         found.append("starved")

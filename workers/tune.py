@@ -294,6 +294,8 @@ def judge(
     telemetry = TelemetryWindow(duration)
     telemetry.add(s for s in live.samples if t0 <= s.ts <= t1)
     engine = {"max_running_requests": cap, **live.engine}
+    # only SGLang (and its emulator) report whether MTP runs; don't blame it elsewhere
+    engine.setdefault("spec_reported", settings.engine_kind in {"sglang", "emulator"})
     state = EngineState(up=True, inflight=concurrency, inflight_cap=concurrency, **engine)
     telemetry.add_engine(state, t1)
     telemetry.add_tokens(round(tokens), t1)

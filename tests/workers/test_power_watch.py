@@ -106,6 +106,14 @@ CASES: list[tuple[str, float, float, dict[str, Any], int, tuple[str, str | None]
     ),
     ("idle, nothing waits", 79, 700, IDLE_ENGINE, 0, ("idle", None)),
     ("tail of a run: queue empty", 79, 700, FEW_INFLIGHT, 0, ("underused", "starved")),
+    (
+        "queue empty but the client's limiter is full: client-limited",
+        128,
+        700,
+        {"inflight": 64, "inflight_cap": 64, "running": None, "queued": None},
+        0,
+        ("underused", "client_limited"),
+    ),
     ("engine down", 79, 700, {"up": False, **IDLE_ENGINE}, 5, ("underused", "engine_down")),
     ("engine restarting", 79, 700, {"restarting": True}, 5, ("underused", "engine_down")),
     (
