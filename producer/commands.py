@@ -9,7 +9,7 @@ from typing import Annotated
 import orjson
 import redis
 import typer
-from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import BarColumn, Progress, TextColumn
 
 from common import keys
 from common.errors import GenfleetError
@@ -155,23 +155,32 @@ def watch_run(
         BarColumn(),
         TextColumn("{task.completed}/{task.total} prompts"),
         TextColumn("{task.fields[rate]} tok/s"),
-        TimeRemainingColumn(),
+        TextColumn("ETA {task.fields[eta]}"),
         console=console,
     ) as progress:
-        task = progress.add_task("run", total=None, run=run, rate=0)
+        task = progress.add_task("run", total=None, run=run, rate=0, eta="-")
         while True:
             report = run_status(objects, client, run)
             progress.update(
                 task,
                 total=report["prompts_total"],
-                completed=report["prompts_done"],
+                completed=report["prompts_generated"],
                 rate=report["tokens_per_s"],
+                eta=format_eta(report["eta_s"]),
             )
             if report["state"] in {"done", "failed"}:
                 return
             if check is not None:
                 check()
             time.sleep(1.0)
+
+
+def format_eta(eta_s: float | None) -> str:
+    if eta_s is None:
+        return "-"
+    minutes, seconds = divmod(int(eta_s), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
 @app.command()

@@ -48,12 +48,17 @@ def run_status(
         state = "queued"
     rate = run_tokens_per_s(client, run, now, WINDOW_S, started_at) if state == "running" else 0.0
     completion_tokens = int(counters.get("completion_tokens", 0))
+    # generated: prompts answered so far, running batches included (live, from the workers)
+    generated = min(
+        max(int(counters.get("prompts_generated", 0)), prompts_done), manifest.prompts_total
+    )
     eta_s: float | None = None
+    answered = int(counters.get("prompts_generated", 0))
     if state == "done":
         eta_s = 0.0
-    elif rate > 0 and prompts_done:
-        remaining = manifest.prompts_total - prompts_done
-        eta_s = round(remaining * (completion_tokens / prompts_done) / rate, 1)
+    elif rate > 0 and answered:
+        tokens_per_prompt = int(counters.get("tokens_generated", 0)) / answered
+        eta_s = round((manifest.prompts_total - generated) * tokens_per_prompt / rate, 1)
     return {
         "run": run,
         "state": state,
@@ -62,6 +67,7 @@ def run_status(
         "batches_failed": len(failed),
         "prompts_total": manifest.prompts_total,
         "prompts_done": prompts_done,
+        "prompts_generated": generated,
         "errors": int(counters.get("errors", 0)),
         "rejects": manifest.rejects,
         "completion_tokens": completion_tokens,

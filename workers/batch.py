@@ -66,18 +66,33 @@ class BatchSummary:
         return dict(self.__dict__)
 
 
+# How often a running batch reports progress (prompts and tokens so far) to Redis, so that
+# status, the progress bar and tok/s move while batches run, not only when one finishes.
+PROGRESS_INTERVAL_S = 2.0
+
+
 class _Collector:
-    """Results arriving from the loop thread, and the part of them not yet checkpointed."""
+    """Results arriving from the loop thread, the part of them not yet checkpointed, and the
+    prompts and tokens not yet reported as progress."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.results: dict[int, CompletionRecord] = {}
         self.unflushed: list[CompletionRecord] = []
+        self.unreported = [0, 0]  # prompts, completion tokens
 
     def add(self, index: int, record: CompletionRecord) -> None:
         with self.lock:
             self.results[index] = record
             self.unflushed.append(record)
+            self.unreported[0] += 1
+            self.unreported[1] += record.usage.completion_tokens
+
+    def take_progress(self) -> tuple[int, int]:
+        with self.lock:
+            prompts, tokens = self.unreported
+            self.unreported = [0, 0]
+        return prompts, tokens
 
     def take_unflushed(self) -> list[CompletionRecord]:
         with self.lock:
@@ -171,10 +186,11 @@ def execute(
     try:
         while True:
             try:
-                future.result(timeout=max(lease_ttl_s / 3, 0.1))
+                future.result(timeout=max(min(lease_ttl_s / 3, PROGRESS_INTERVAL_S), 0.1))
                 break
             except FutureTimeout:
                 client.set(lease, worker, px=int(lease_ttl_s * 1000))
+                _progress(client, order, worker, *collector.take_progress())
                 if time.monotonic() - last_flush >= checkpoint_interval_s:
                     rows = collector.take_unflushed()
                     if rows:
@@ -202,6 +218,7 @@ def execute(
     wrote = store.put_if_absent(output_key, encode_jsonl_gz(rows_out))
     summary.duplicate = not wrote
     _summarise(summary, rows_out, started)
+    _progress(client, order, worker, *collector.take_progress())
     if wrote:
         _count(client, order, summary)
     else:
@@ -255,8 +272,24 @@ def _count(client: redis.Redis, order: WorkOrder, summary: BatchSummary) -> None
     pipe.hincrby(counters, "reasoning_tokens", summary.reasoning_tokens)
     pipe.hsetnx(counters, "first_done_at", now)
     pipe.hset(counters, "last_done_at", now)
+    pipe.execute()
+
+
+def _progress(
+    client: redis.Redis, order: WorkOrder, worker: str, prompts: int, tokens: int
+) -> None:
+    """Prompts and tokens generated since the last report: live progress and tok/s.
+
+    These count what the GPUs did (a batch delivered twice counts twice); `prompts_done` and
+    `completion_tokens` count what is in the store.
+    """
+    if not prompts:
+        return
+    now = time.time()
     throughput = keys.throughput_key(order.run)
-    entry = member(now, order.batch, summary.worker, summary.completion_tokens)
-    pipe.zadd(throughput, {entry: now})
+    pipe = client.pipeline()
+    pipe.hincrby(keys.counters_key(order.run), "prompts_generated", prompts)
+    pipe.hincrby(keys.counters_key(order.run), "tokens_generated", tokens)
+    pipe.zadd(throughput, {member(now, order.batch, worker, tokens): now})
     pipe.zremrangebyscore(throughput, "-inf", now - 3600)
     pipe.execute()

@@ -164,3 +164,38 @@ def test_file_with_no_valid_line_exits_non_zero(tmp_path: Path, redis_url: str) 
     assert result.exit_code == 2
     assert "no valid prompt" in result.output
     assert "bad.jsonl:1" in result.output.replace("\n", "")
+
+
+def test_status_moves_while_a_batch_runs(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store_url = (tmp_path / "store").as_uri()
+    worker = start_worker(base_env(redis_url, store_url, emulator_time_scale=1))
+    settings = settings_for(redis_url, store_url)
+    source = tmp_path / "one-batch.jsonl"
+    write_prompts(source, 100)
+    enqueue_run(
+        settings.model_copy(update={"batch_size": 100}),
+        "live",
+        str(source),
+        reader_options(settings),
+    )
+    worker.wait_ready()
+    store = open_store(store_url)
+    live = wait_for(
+        lambda: (r := run_status(store, redis_client, "live"))["prompts_generated"] > 0 and r,
+        60,
+        "progress from the running batch",
+        0.2,
+    )
+    # the one batch is still running: nothing is in the store yet, but status moves
+    assert live["state"] == "running" and live["batches_done"] == 0
+    assert 0 < live["prompts_generated"] < 100 and live["prompts_done"] == 0
+    assert live["tokens_per_s"] > 0 and live["eta_s"] is not None and live["eta_s"] > 0
+    done = wait_for(
+        lambda: (r := run_status(store, redis_client, "live"))["state"] == "done" and r, 120, "done"
+    )
+    assert done["prompts_generated"] == done["prompts_done"] == 100
