@@ -229,7 +229,13 @@ def export(
         result = export_run(settings, run, out_path, fmt, partial)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
-    console.print(f"exported {result}", highlight=False)
+    missing = len(result.missing_batches)
+    console.print(
+        f"run {run}: exported {result.records} records ({result.errors} error records) from "
+        f"{result.batches_exported}/{result.batches_total} batches to {result.path} "
+        f"({result.format})" + (f"; {missing} batches not done yet" if missing else ""),
+        highlight=False,
+    )
 
 
 @app.command()
