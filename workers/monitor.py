@@ -18,15 +18,12 @@ from typing import Any
 import httpx
 
 from common.settings import Settings
-from workers.telemetry import (
-    EmulatorSampler,
+from workers.engine_state import (
     EngineState,
-    NvmlSampler,
-    Sampler,
-    TelemetryWindow,
     engine_state_from_metrics,
     engine_state_from_server_info,
 )
+from workers.telemetry import EmulatorSampler, NvmlSampler, Sampler, TelemetryWindow
 
 log = logging.getLogger("genfleet.monitor")
 

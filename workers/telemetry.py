@@ -1,4 +1,4 @@
-"""GPU and engine telemetry of one worker: samplers, engine-state readers and a time window.
+"""GPU telemetry of one worker: samplers and a time window of GPU and engine readings.
 
 A worker samples its own GPUs about once a second (`sample_interval_s`) through a `Sampler`:
 `NvmlSampler` on real GPUs, `EmulatorSampler` when the engine emulator simulates the draw.
@@ -15,10 +15,12 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Protocol
 
 import httpx
+
+from workers.engine_state import EngineState
 
 _INSTALL_HINT = "install nvidia-ml-py (pip install 'genfleet[worker]')"
 
@@ -262,104 +264,6 @@ class EmulatorSampler:
 
     def close(self) -> None:
         self._client.close()
-
-
-@dataclass(kw_only=True)
-class EngineState:
-    """The engine as one worker sees it: its own limiter plus what the engine reports.
-
-    `inflight`/`inflight_cap` are the client's requests in flight and its limiter size
-    (`max_inflight`); `running`/`queued` are inside the engine. Build it from the readers:
-    `EngineState(up=True, inflight=3, inflight_cap=64, **{**from_info, **from_metrics})`
-    (the metrics' per-interval accept length wins over the server_info lifetime mean).
-    """
-
-    up: bool
-    restarting: bool = False
-    inflight: int = 0
-    inflight_cap: int = 0
-    max_running_requests: int | None = None
-    running: int | None = None
-    queued: int | None = None
-    speculative_algorithm: str | None = None
-    accept_length: float | None = None
-    engine_tokens_per_s: float | None = None
-    active_batches: int = 0
-    runs: list[str] = field(default_factory=list)
-    spec_reported: bool = True  # False: the engine has no /server_info to say if MTP is on
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: Mapping[str, Any]) -> EngineState:
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-
-_METRIC_KEYS = {
-    "sglang:num_running_reqs": "running",
-    "sglang:num_queue_reqs": "queued",
-    "sglang:spec_accept_length": "accept_length",
-    "sglang:gen_throughput": "engine_tokens_per_s",
-}
-
-
-def engine_state_from_metrics(text: str) -> dict[str, Any]:
-    """EngineState fields from SGLang's Prometheus text (`/metrics`, `--enable-metrics`).
-
-    Only the keys found are returned, so the result can override server_info readings.
-    Scheduler gauges are read on tp_rank 0 and summed over DP ranks (accept length averaged);
-    an accept length of 0 means "spec off or not measured yet" and is left out.
-    """
-    from prometheus_client.parser import text_string_to_metric_families
-
-    values: dict[str, list[float]] = {}
-    try:
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                key = _METRIC_KEYS.get(s.name)
-                if (
-                    key
-                    and s.labels.get("tp_rank", "0") == "0"
-                    and s.labels.get("pp_rank", "0") == "0"
-                ):
-                    values.setdefault(key, []).append(float(s.value))
-    except ValueError:
-        return {}
-    out: dict[str, Any] = {}
-    for key in ("running", "queued"):
-        if key in values:
-            out[key] = int(sum(values[key]))
-    if "engine_tokens_per_s" in values:
-        out["engine_tokens_per_s"] = sum(values["engine_tokens_per_s"])
-    accepts = [v for v in values.get("accept_length", []) if v > 0]
-    if accepts:
-        out["accept_length"] = sum(accepts) / len(accepts)
-    return out
-
-
-def engine_state_from_server_info(info: Mapping[str, Any]) -> dict[str, Any]:
-    """EngineState fields from SGLang's `/server_info` (read after warm-up, and now and then).
-
-    `speculative_algorithm` is always returned (None means spec is off); `max_running_requests`
-    falls back to the scheduler's effective per-DP cap × dp_size when it was not passed;
-    `accept_length` is `internal_states[0].avg_spec_accept_length`, present only once decoding
-    under spec happened.
-    """
-    out: dict[str, Any] = {"speculative_algorithm": info.get("speculative_algorithm") or None}
-    states = info.get("internal_states") or [{}]
-    first = states[0] if isinstance(states[0], Mapping) else {}
-    cap = info.get("max_running_requests")
-    if not isinstance(cap, int):
-        per_dp = first.get("effective_max_running_requests_per_dp")
-        cap = per_dp * int(info.get("dp_size") or 1) if isinstance(per_dp, int) else None
-    if cap is not None:
-        out["max_running_requests"] = cap
-    accept = first.get("avg_spec_accept_length")
-    if isinstance(accept, int | float) and accept > 0:
-        out["accept_length"] = float(accept)
-    return out
 
 
 class TelemetryWindow:

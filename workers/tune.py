@@ -51,16 +51,14 @@ from workers.client import ChatResult, EngineClient
 from workers.engine.launchers import engine_launch
 from workers.engine.sglang_argv import DEFAULT_MAX_RUNNING_REQUESTS
 from workers.engine.supervisor import EngineSupervisor, pick_port
-from workers.monitor import make_sampler
-from workers.power_watch import FleetState, diagnose, verdicts
-from workers.telemetry import (
+from workers.engine_state import (
     EngineState,
-    GpuSample,
-    Sampler,
-    TelemetryWindow,
     engine_state_from_metrics,
     engine_state_from_server_info,
 )
+from workers.monitor import make_sampler
+from workers.power_watch import FleetState, diagnose, verdicts
+from workers.telemetry import GpuSample, Sampler, TelemetryWindow
 from workers.tuning import (
     HEADERS,
     Point,

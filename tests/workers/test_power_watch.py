@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
+from workers.engine_state import EngineState
 from workers.power_watch import CAUSES, Finding, FleetState, dedupe, diagnose, verdicts
-from workers.telemetry import EngineState, GpuSample, TelemetryWindow
+from workers.telemetry import GpuSample, TelemetryWindow
 
 NOW = 1_760_000_000.0
 WINDOW_S = 60.0

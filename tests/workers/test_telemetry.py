@@ -13,15 +13,17 @@ from typing import Any
 
 import pytest
 
+from workers.engine_state import (
+    EngineState,
+    engine_state_from_metrics,
+    engine_state_from_server_info,
+)
 from workers.telemetry import (
     EmulatorSampler,
-    EngineState,
     GpuSample,
     NvmlDevice,
     NvmlSampler,
     TelemetryWindow,
-    engine_state_from_metrics,
-    engine_state_from_server_info,
     resolve_gpus,
 )
 

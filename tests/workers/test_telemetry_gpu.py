@@ -8,8 +8,9 @@ import time
 
 import pytest
 
+from workers.engine_state import EngineState
 from workers.power_watch import diagnose, verdicts
-from workers.telemetry import EngineState, NvmlSampler, TelemetryWindow
+from workers.telemetry import NvmlSampler, TelemetryWindow
 
 pytestmark = pytest.mark.gpu
 
