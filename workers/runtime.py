@@ -20,11 +20,9 @@ from common.redis_conn import connect
 from common.settings import Settings
 from common.store import Store, open_store
 from workers.client import EngineClient
-from workers.engine.supervisor import (
-    EngineSupervisor,
-    ExternalEngine,
-    pick_port,
-)
+from workers.engine.external import ExternalEngine
+from workers.engine.ports import pick_port
+from workers.engine.supervisor import EngineSupervisor
 from workers.feeder import Feeder, default_max_inflight
 from workers.monitor import Monitor, make_sampler
 

@@ -49,8 +49,9 @@ from common.records import GenerationParams, PromptRecord
 from common.settings import Settings, parse_setting_args
 from workers.client import ChatResult, EngineClient
 from workers.engine.launchers import engine_launch
+from workers.engine.ports import pick_port
 from workers.engine.sglang_argv import DEFAULT_MAX_RUNNING_REQUESTS
-from workers.engine.supervisor import EngineSupervisor, pick_port
+from workers.engine.supervisor import EngineSupervisor
 from workers.engine_state import (
     EngineState,
     engine_state_from_metrics,

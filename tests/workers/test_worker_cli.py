@@ -19,7 +19,7 @@ from producer.enqueue import enqueue_run, reader_options
 from producer.export import export_run
 from producer.status import run_status
 from tests.conftest import ROOT, Worker, base_env, free_port, wait_for
-from workers.engine.supervisor import port_is_free
+from workers.engine.ports import port_is_free
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -16,72 +16,25 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import fcntl
 import logging
 import os
 import signal
-import socket
 import subprocess
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import IO, Any, Literal
+from typing import Any, Literal
 
 import httpx
 
 from common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
 from workers.engine.launch import EngineLaunch
+from workers.engine.ports import release_port
 
 log = logging.getLogger("genfleet.engine")
 
 State = Literal["stopped", "starting", "ready", "restarting", "exhausted"]
-
-
-def port_is_free(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError:
-            return False
-        return True
-
-
-_RESERVED: dict[int, IO[str]] = {}
-
-
-def pick_port(host: str, preferred: int, span: int = 200) -> int:
-    """`preferred` if it is free, else the next free port, reserved for this process.
-
-    Checking that a port is free and the engine binding it are moments apart, so two workers
-    starting together could pick the same one. Each pick therefore also takes an exclusive
-    lock file for the port (released by `release_port` or when this process dies), and a
-    port another worker has locked is skipped even before its engine listens.
-    """
-    lock_dir = Path(tempfile.gettempdir()) / "genfleet-ports"
-    lock_dir.mkdir(parents=True, exist_ok=True)
-    for port in range(preferred, min(preferred + span, 65536)):
-        if port in _RESERVED:
-            continue
-        handle = (lock_dir / f"{port}.lock").open("w")
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            handle.close()
-            continue
-        if port_is_free(host, port):
-            _RESERVED[port] = handle
-            return port
-        handle.close()
-    raise EngineStartError(f"no free port in {preferred}..{preferred + span} on {host}")
-
-
-def release_port(port: int) -> None:
-    handle = _RESERVED.pop(port, None)
-    if handle is not None:
-        handle.close()
 
 
 def _die_with_parent() -> None:
@@ -377,67 +330,3 @@ def _info_line(info: dict[str, Any]) -> str:
         f"max_running_requests={info.get('max_running_requests')} "
         f"context_length={info.get('context_length')} version={info.get('version')}"
     )
-
-
-class ExternalEngine:
-    """An engine someone else runs (`--engine external --engine-url`): checked, not supervised.
-
-    Same surface as EngineSupervisor so the worker treats both alike; it cannot restart what
-    it does not own, so `wait_up` polls health until the engine answers again or time runs out.
-    """
-
-    restarts = 0
-    last_error: str | None = None
-    log_tail: collections.deque[str] = collections.deque(maxlen=1)
-    pid = None
-
-    def __init__(self, base_url: str, health_path: str = "/health", api_key: str | None = None):
-        self._base_url = base_url.rstrip("/")
-        self.health_path = health_path
-        self.api_key = api_key
-        self.state: State = "stopped"
-        self.server_info: dict[str, Any] = {}
-
-    @property
-    def base_url(self) -> str:
-        return self._base_url
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
-
-    def _healthy(self) -> bool:
-        try:
-            response = httpx.get(
-                self._base_url + self.health_path, headers=self._headers(), timeout=10.0
-            )
-        except httpx.TransportError:
-            return False
-        return response.status_code == 200
-
-    def start(self, timeout_s: float = 60.0) -> dict[str, Any]:
-        self.state = "starting"
-        self.wait_up(timeout_s)
-        return self.refresh_info()
-
-    def wait_up(self, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not self._healthy():
-            if time.monotonic() > deadline:
-                self.state = "restarting"
-                raise EngineDown(f"external engine at {self._base_url} does not answer")
-            time.sleep(1.0)
-        self.state = "ready"
-
-    def refresh_info(self) -> dict[str, Any]:
-        try:
-            response = httpx.get(
-                self._base_url + "/server_info", headers=self._headers(), timeout=10.0
-            )
-            if response.status_code == 200 and isinstance(response.json(), dict):
-                self.server_info = response.json()
-        except (httpx.TransportError, ValueError):
-            pass
-        return self.server_info
-
-    def stop(self) -> None:
-        self.state = "stopped"

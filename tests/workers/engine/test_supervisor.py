@@ -15,7 +15,8 @@ import pytest
 from common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
 from tests.conftest import free_port, wait_for
 from workers.engine.launch import EngineLaunch
-from workers.engine.supervisor import EngineSupervisor, pick_port, port_is_free, release_port
+from workers.engine.ports import pick_port, port_is_free, release_port
+from workers.engine.supervisor import EngineSupervisor
 
 pytestmark = pytest.mark.integration
 

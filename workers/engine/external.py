@@ -1,0 +1,76 @@
+"""An engine someone else runs (`--engine external --engine-url`): health-checked, not owned."""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import httpx
+
+from common.errors import EngineDown
+from workers.engine.supervisor import State
+
+
+class ExternalEngine:
+    """An engine someone else runs (`--engine external --engine-url`): checked, not supervised.
+
+    Same surface as EngineSupervisor so the worker treats both alike; it cannot restart what
+    it does not own, so `wait_up` polls health until the engine answers again or time runs out.
+    """
+
+    restarts = 0
+    last_error: str | None = None
+    log_tail: collections.deque[str] = collections.deque(maxlen=1)
+    pid = None
+
+    def __init__(self, base_url: str, health_path: str = "/health", api_key: str | None = None):
+        self._base_url = base_url.rstrip("/")
+        self.health_path = health_path
+        self.api_key = api_key
+        self.state: State = "stopped"
+        self.server_info: dict[str, Any] = {}
+
+    @property
+    def base_url(self) -> str:
+        return self._base_url
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _healthy(self) -> bool:
+        try:
+            response = httpx.get(
+                self._base_url + self.health_path, headers=self._headers(), timeout=10.0
+            )
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    def start(self, timeout_s: float = 60.0) -> dict[str, Any]:
+        self.state = "starting"
+        self.wait_up(timeout_s)
+        return self.refresh_info()
+
+    def wait_up(self, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy():
+            if time.monotonic() > deadline:
+                self.state = "restarting"
+                raise EngineDown(f"external engine at {self._base_url} does not answer")
+            time.sleep(1.0)
+        self.state = "ready"
+
+    def refresh_info(self) -> dict[str, Any]:
+        try:
+            response = httpx.get(
+                self._base_url + "/server_info", headers=self._headers(), timeout=10.0
+            )
+            if response.status_code == 200 and isinstance(response.json(), dict):
+                self.server_info = response.json()
+        except (httpx.TransportError, ValueError):
+            pass
+        return self.server_info
+
+    def stop(self) -> None:
+        self.state = "stopped"
