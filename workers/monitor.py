@@ -23,6 +23,7 @@ from workers.engine_state import (
     engine_state_from_metrics,
     engine_state_from_server_info,
 )
+from workers.power_watch import Finding, FleetState, diagnose
 from workers.telemetry import EmulatorSampler, NvmlSampler, Sampler, TelemetryWindow
 
 log = logging.getLogger("genfleet.monitor")
@@ -47,6 +48,7 @@ class Monitor:
         engine_state: Callable[[], dict[str, Any]],
         base_url: str | None,
         clock: Callable[[], float] = time.time,
+        fleet: Callable[[float], FleetState] | None = None,
     ) -> None:
         self.settings = settings
         self.worker = worker
@@ -60,6 +62,9 @@ class Monitor:
         self._tokens_seen = 0
         self._http = httpx.Client(timeout=2.0)
         self.exporter: Any = None
+        self._fleet = fleet
+        self._diagnosed_at = 0.0
+        self._last_findings: list[Finding] = []
         self.active: dict[str, int] = {}  # run → batches running on this worker
         self._lock = threading.Lock()
 
@@ -100,7 +105,28 @@ class Monitor:
             self.window.add_tokens(tokens - self._tokens_seen, now)
         self._tokens_seen = tokens
         if self.exporter is not None:
-            self.exporter.update(self.window.summary(now), state)
+            summary = self.window.summary(now)
+            self.exporter.update(summary, state, self._findings(summary, now))
+
+    def _findings(self, summary: dict[str, Any], now: float) -> list[Finding]:
+        """This worker's own diagnosis for its Prometheus `genfleet_underused` gauge.
+
+        The beat's power-watch judges the whole fleet every interval; the exporter needs the
+        verdict between beats, and the rules are the same pure function, so the worker applies
+        them to its own window (queue state from Redis, at most every few seconds).
+        """
+        if self._fleet is None:
+            return []
+        if now - self._diagnosed_at >= min(5.0, self.settings.power_watch_interval_s):
+            self._diagnosed_at = now
+            self._last_findings = diagnose(
+                {self.worker: {"worker": self.worker, **summary}},
+                self._fleet(now),
+                now,
+                self.settings.underuse_threshold,
+                self.settings.min_accept_length,
+            )
+        return self._last_findings
 
     def _state(self) -> EngineState:
         base = self._engine_state()

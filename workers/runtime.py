@@ -25,6 +25,7 @@ from workers.engine.ports import pick_port
 from workers.engine.supervisor import EngineSupervisor
 from workers.feeder import Feeder, default_max_inflight
 from workers.monitor import Monitor, make_sampler
+from workers.watch import fleet_state
 
 log = logging.getLogger("genfleet.worker")
 
@@ -112,6 +113,7 @@ class WorkerRuntime:
             make_sampler(settings, base_url),
             self.engine_state,
             base_url,
+            fleet=lambda now: fleet_state(self.redis, settings, now),
         )
         self.monitor.start()
         _current = self
