@@ -129,6 +129,8 @@ def run_command(
         )
     else:
         console.print(f"ENGINE: {kind} {settings.model or settings.engine_url or ''}")
+    if kind == "sglang":
+        _preflight(settings)
     log_dir = Path(settings.log_dir or tempfile.mkdtemp(prefix="genfleet-run-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, **settings.child_env(), "GENFLEET_LOG_DIR": str(log_dir)}
@@ -159,6 +161,21 @@ def run_command(
     children.stop()
     _summary(settings, report, json_out)
     raise typer.Exit(0 if report["state"] == "done" else 1)
+
+
+def _preflight(settings: Settings) -> None:
+    """Check the checkpoint before starting anything (the GPU side runs the check)."""
+    check = subprocess.run(
+        [sys.executable, "-m", "workers", "preflight"],
+        env={**os.environ, **settings.child_env()},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if check.returncode != 0:
+        fail(check.stderr.strip().removeprefix("error: ") or "preflight failed")
+    for line in check.stdout.splitlines():
+        console.print(f"preflight: {line}", highlight=False)
 
 
 def _summary(settings: Settings, report: dict[str, Any], json_out: bool) -> None:

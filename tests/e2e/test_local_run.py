@@ -73,3 +73,21 @@ def test_run_without_redis_says_how_to_start_one(tmp_path: Path) -> None:
     message = " ".join(result.stderr.split())
     assert "no Redis answers at redis://127.0.0.1" in message
     assert "redis-server" in message
+
+
+def test_run_checks_the_checkpoint_before_starting_anything(tmp_path: Path, redis_url: str) -> None:
+    model = tmp_path / "qwen"
+    model.mkdir()
+    (model / "config.json").write_text(
+        '{"architectures": ["Qwen3NextForCausalLM"], "num_hidden_layers": 4}'
+    )
+    (model / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"model.layers.0.mlp.weight": "a.safetensors"}}'
+    )
+    store = (tmp_path / "store").as_uri()
+    env = base_env(redis_url, store)
+    result = genfleet(["run", "examples/prompts.jsonl", "--model", str(model)], env, 60)
+    message = " ".join(result.stderr.split())
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert str(model) in message and "--no-mtp" in message
+    assert not (tmp_path / "store").exists()  # nothing was staged or started
