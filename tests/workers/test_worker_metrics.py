@@ -70,7 +70,7 @@ def test_underused_gauge_carries_the_cause(
     source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(100)))
     enqueue_run(settings, "slow", str(source), reader_options(settings))
     worker.wait_ready()
-    gauge = f'genfleet_underused{{cause="mtp_off",gpu_uuid="EMU-'
+    gauge = 'genfleet_underused{cause="mtp_off",gpu_uuid="EMU-'
 
     def flagged() -> bool:
         try:
