@@ -25,41 +25,30 @@ genfleet knows of: their default is `off` alone.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import itertools
 import logging
 import sys
 import tempfile
-import threading
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-import httpx
 import orjson
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from common.errors import EngineDown, EngineError, GenfleetError, RequestRejected
+from common.errors import GenfleetError
 from common.records import GenerationParams, PromptRecord
 from common.settings import Settings, parse_setting_args
-from workers.client import ChatResult, EngineClient
+from workers.client import EngineClient
 from workers.engine.launchers import engine_launch
 from workers.engine.ports import pick_port
 from workers.engine.sglang_argv import DEFAULT_MAX_RUNNING_REQUESTS
 from workers.engine.supervisor import EngineSupervisor
-from workers.engine_state import (
-    EngineState,
-    engine_state_from_metrics,
-    engine_state_from_server_info,
-)
 from workers.monitor import make_sampler
-from workers.power_watch import FleetState, diagnose, verdicts
-from workers.telemetry import GpuSample, Sampler, TelemetryWindow
+from workers.sweep import EngineReader, Load, judge, measure
 from workers.tuning import (
     HEADERS,
     Point,
@@ -70,7 +59,6 @@ from workers.tuning import (
     parse_configs,
     settings_file_text,
     table_rows,
-    tokens_in_window,
 )
 
 log = logging.getLogger("genfleet.tune")
@@ -120,19 +108,6 @@ class Options:
     out: Path | None = None
     json_path: Path | None = None
     pick: str = "throughput"
-
-
-@dataclass
-class Live:
-    """What the sampling thread and the drive share while one point runs."""
-
-    samples: list[GpuSample] = field(default_factory=list)
-    engine: dict[str, Any] = field(default_factory=dict)
-    finished: list[tuple[float, float, int]] = field(default_factory=list)
-    errors: int = 0
-    start_ts: float | None = None  # when the window's opening GPU reading was taken
-    end_ts: float | None = None  # when the window's closing GPU reading was taken
-    stop: threading.Event = field(default_factory=threading.Event)
 
 
 def die(message: str, code: int = 2) -> NoReturn:
@@ -200,131 +175,6 @@ def load_prompts(dataset: str | None, settings: Settings, limit: int = 5000) -> 
     if not prompts:
         raise GenfleetError(f"{dataset}: no usable prompt")
     return prompts
-
-
-def completion_tokens(result: ChatResult, max_tokens: int) -> int:
-    """Output tokens of one answer: the engine's usage, else max_tokens for a `length` stop
-    (`transformers serve` sends no usage; a random model always runs to max_tokens)."""
-    if result.usage.completion_tokens:
-        return result.usage.completion_tokens
-    return max_tokens if result.finish_reason == "length" else 0
-
-
-async def drive(
-    client: EngineClient,
-    prompts: Iterator[PromptRecord],
-    params: GenerationParams,
-    concurrency: int,
-    until: float,
-    drain_s: float,
-    live: Live,
-) -> None:
-    """Keep `concurrency` requests in flight until `until` (time.time()), then let the ones
-    running finish for at most `drain_s`; finished requests land in `live.finished`."""
-
-    async def lane() -> None:
-        while time.time() < until and not live.stop.is_set():
-            record = next(prompts)
-            start = time.time()
-            try:
-                result = await client.chat(record, params)
-            except (EngineDown, EngineError, RequestRejected) as exc:
-                live.errors += 1
-                log.warning("request failed: %s", exc)
-                await asyncio.sleep(0.2)
-                continue
-            tokens = completion_tokens(result, params.max_tokens)
-            live.finished.append((start, time.time(), tokens))
-
-    lanes = [asyncio.create_task(lane()) for _ in range(concurrency)]
-    _, pending = await asyncio.wait(lanes, timeout=max(0.0, until - time.time()) + drain_s)
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
-
-
-class EngineReader:
-    """Engine figures for the verdict: /server_info and /metrics where the engine has them."""
-
-    def __init__(self, supervisor: EngineSupervisor, settings: Settings) -> None:
-        self.supervisor = supervisor
-        self.sglang_like = settings.engine_kind in {"sglang", "emulator"}
-        self.metrics = self.sglang_like and settings.enable_metrics
-        self._http = httpx.Client(timeout=2.0)
-
-    def read(self) -> dict[str, Any]:
-        if not self.sglang_like:
-            return {}
-        state = engine_state_from_server_info(self.supervisor.refresh_info())
-        if self.metrics:
-            with contextlib.suppress(httpx.HTTPError):
-                response = self._http.get(self.supervisor.base_url + "/metrics")
-                if response.status_code == 200:
-                    state.update(engine_state_from_metrics(response.text))
-        return state
-
-    def close(self) -> None:
-        self._http.close()
-
-
-def sample_loop(
-    sampler: Sampler, reader: EngineReader, live: Live, interval_s: float, tick: Callable[[], None]
-) -> None:
-    """The point's sampling thread: GPU readings and engine state about every interval."""
-    while not live.stop.wait(interval_s):
-        live.samples.extend(sampler.sample())
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            live.engine = reader.read() or live.engine
-        tick()
-
-
-def judge(
-    config: TuneConfig,
-    concurrency: int,
-    cap: int | None,
-    live: Live,
-    window: tuple[float, float],
-    settings: Settings,
-) -> Point:
-    """Turn one point's readings into a Point: energy-counter power, tokens, verdict."""
-    t0, t1 = window
-    duration = t1 - t0
-    tokens = tokens_in_window(live.finished, t0, t1)
-    telemetry = TelemetryWindow(duration)
-    telemetry.add(s for s in live.samples if t0 <= s.ts <= t1)
-    engine = {"max_running_requests": cap, **live.engine}
-    # only SGLang (and its emulator) report whether MTP runs; don't blame it elsewhere
-    engine.setdefault("spec_reported", settings.engine_kind in {"sglang", "emulator"})
-    state = EngineState(up=True, inflight=concurrency, inflight_cap=concurrency, **engine)
-    telemetry.add_engine(state, t1)
-    telemetry.add_tokens(round(tokens), t1)
-    summary = telemetry.summary(t1)
-    gpus = summary["gpus"]
-    power = summary["power_w"]
-    limit = sum(g["power_limit_w"] for g in gpus) if gpus else None
-    tokens_per_s = tokens / duration if duration > 0 else 0.0
-    fleet = FleetState(queue_depth=1)  # tune keeps work waiting by construction
-    args = ({"tune": summary}, fleet, t1, settings.underuse_threshold, settings.min_accept_length)
-    rows = verdicts(*args)
-    findings = diagnose(*args)
-    other = tuple(findings[0].numbers.get("other_causes", ())) if findings else ()
-    return Point(
-        config=config.label,
-        concurrency=concurrency,
-        duration_s=round(duration, 3),
-        requests=sum(1 for _, end, _ in live.finished if t0 < end <= t1),
-        errors=live.errors,
-        tokens=round(tokens, 1),
-        tokens_per_s=tokens_per_s,
-        power_w=power,
-        power_limit_w=limit,
-        j_per_token=power / tokens_per_s if power and tokens_per_s > 0 else None,
-        accept_length=state.accept_length,
-        verdict=rows[0]["verdict"] if rows else "unknown",
-        cause=rows[0]["cause"] if rows else None,
-        other_causes=other,
-        max_running_requests=cap,
-    )
 
 
 def start_engine(settings: Settings, config: TuneConfig) -> tuple[EngineSupervisor, Settings]:
@@ -403,7 +253,7 @@ def run_config(
             )
             ramp_s = 0.0 if warmup else options.ramp_s
             load = Load(client, prompts, params, lanes, seconds, ramp_s, options.drain_s)
-            live, window = measure(load, sampler, reader, bar, what)
+            live, window = measure(load, sampler, reader, bar.show, what)
             if not warmup:
                 points.append(judge(config, concurrency, cap, live, window, each))
             bar.step_done(seconds + ramp_s)
@@ -414,72 +264,6 @@ def run_config(
             close()
         supervisor.stop()
     return points
-
-
-@dataclass
-class Load:
-    """One point's load: who to ask, what, how many at once, for how long."""
-
-    client: EngineClient
-    prompts: Iterator[PromptRecord]
-    params: GenerationParams
-    concurrency: int
-    seconds: float
-    ramp_s: float
-    drain_s: float
-
-
-def measure(
-    load: Load, sampler: Sampler, reader: EngineReader, bar: Bar, what: str
-) -> tuple[Live, tuple[float, float]]:
-    """Run one load with GPU and engine sampling around it; returns readings and window."""
-    live = Live()
-    ramp_s = load.ramp_s
-    t0 = time.time() + ramp_s
-    until = t0 + load.seconds
-
-    def tick() -> None:
-        done = sum(n for _, end, n in live.finished if end >= t0)
-        rate = done / max(time.time() - t0, 1e-9)
-        bar.show(f"{what}: {rate:,.0f} tok/s", min(time.time(), until) - t0 + ramp_s)
-
-    interval_s = min(1.0, load.seconds / 10)
-    sampling = threading.Thread(
-        target=sample_loop, args=(sampler, reader, live, interval_s, tick), daemon=True
-    )
-    opening = threading.Thread(target=_sample_at, args=(sampler, live, t0, "start_ts"))
-    closing = threading.Thread(target=_sample_at, args=(sampler, live, until, "end_ts"))
-
-    async def go() -> None:
-        try:
-            await drive(
-                load.client, load.prompts, load.params, load.concurrency, until, load.drain_s, live
-            )
-        finally:
-            await load.client.aclose()
-
-    sampling.start()
-    opening.start()
-    closing.start()
-    try:
-        asyncio.run(go())
-        opening.join()
-        closing.join()
-    finally:
-        live.stop.set()
-        sampling.join(timeout=5)
-    return live, (live.start_ts or t0, live.end_ts or until)
-
-
-def _sample_at(sampler: Sampler, live: Live, when: float, edge: str) -> None:
-    """One GPU reading right at an edge of the window, so the energy delta spans all of it;
-    its timestamp is that edge (`edge` is "start_ts" or "end_ts")."""
-    delay = when - time.time()
-    if delay > 0:
-        time.sleep(delay)
-    reading = sampler.sample()
-    live.samples.extend(reading)
-    setattr(live, edge, reading[0].ts if reading else None)
 
 
 class Bar:
