@@ -24,6 +24,7 @@ import typer
 
 from common import keys
 from common.errors import GenfleetError
+from common.manifest import Manifest
 from common.redis_conn import connect
 from common.settings import Settings
 from common.store import open_store
@@ -133,6 +134,11 @@ def run_command(
         _preflight(settings)
     log_dir = Path(settings.log_dir or tempfile.mkdtemp(prefix="genfleet-run-"))
     log_dir.mkdir(parents=True, exist_ok=True)
+    finished = _finished(settings, run)
+    if finished is not None:  # nothing to generate: no workers, no engine
+        console.print(f"run [bold]{run}[/] is already done in {settings.store}", highlight=False)
+        _summary(settings, finished, json_out)
+        raise typer.Exit(0)
     env = {**os.environ, **settings.child_env(), "GENFLEET_LOG_DIR": str(log_dir)}
     children = Children(log_dir)
     console.print(f"store {settings.store}; logs in {log_dir}", highlight=False)
@@ -163,6 +169,15 @@ def run_command(
     raise typer.Exit(0 if report["state"] == "done" else 1)
 
 
+def _finished(settings: Settings, run: str) -> dict[str, Any] | None:
+    """The run's status if it was staged before and every batch has its output, else None."""
+    store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+    if Manifest.load(store, run) is None:
+        return None
+    report = run_status(store, connect(settings), run)
+    return report if report["state"] == "done" else None
+
+
 def _preflight(settings: Settings) -> None:
     """Check the checkpoint before starting anything (the GPU side runs the check)."""
     check = subprocess.run(
@@ -186,8 +201,13 @@ def _summary(settings: Settings, report: dict[str, Any], json_out: bool) -> None
     out.print(
         f"run {report['run']}: {report['state']} — {report['prompts_done']}/"
         f"{report['prompts_total']} prompts ({report['errors']} error records), "
-        f"{report['completion_tokens']} completion tokens, "
-        f"{report['batches_failed']} failed batches",
+        f"{report['completion_tokens']} completion tokens"
+        + (
+            f" in {report['duration_s']:.0f} s ({report['mean_tokens_per_s']:,.0f} tok/s)"
+            if report.get("duration_s")
+            else ""
+        )
+        + f", {report['batches_failed']} failed batches",
         highlight=False,
     )
     if report["state"] != "done":

@@ -59,6 +59,10 @@ def run_status(
     elif rate > 0 and answered:
         tokens_per_prompt = int(counters.get("tokens_generated", 0)) / answered
         eta_s = round((manifest.prompts_total - generated) * tokens_per_prompt / rate, 1)
+    duration_s = None
+    if started_at and "last_done_at" in counters:
+        end = float(counters["last_done_at"]) if state in {"done", "failed"} else now
+        duration_s = round(max(end - started_at, 0.0), 1)
     return {
         "run": run,
         "state": state,
@@ -73,6 +77,8 @@ def run_status(
         "completion_tokens": completion_tokens,
         "reasoning_tokens": int(counters.get("reasoning_tokens", 0)),
         "tokens_per_s": round(rate, 1),
+        "duration_s": duration_s,
+        "mean_tokens_per_s": round(completion_tokens / duration_s, 1) if duration_s else None,
         "eta_s": eta_s,
         "failed": failed,
         "store": store.url,

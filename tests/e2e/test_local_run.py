@@ -60,7 +60,7 @@ def test_run_on_embedded_defaults_then_export(tmp_path: Path, redis_url: str) ->
     # a second run of a finished run does nothing and still says done
     again = genfleet(["run", "examples/prompts.jsonl", "--batch-size", "20"], env)
     assert again.returncode == 0, again.stderr
-    assert "(5 already done)" in " ".join((again.stdout + again.stderr).split())
+    assert "run prompts is already done" in " ".join((again.stdout + again.stderr).split())
     # nothing left running: the workers and engines of both runs are gone
     leftover = processes_with_env(f"GENFLEET_STORE={store}")
     assert leftover == [], [Path(f"/proc/{pid}/cmdline").read_bytes() for pid in leftover]
