@@ -107,6 +107,9 @@ class Settings(BaseSettings):
     request_retries: int = Field(default=5, ge=0)
     batch_retries: int = Field(default=3, ge=0)
     checkpoint_interval_s: float = Field(default=60.0, gt=0)
+    # On SIGTERM a worker stops taking work and lets running batches finish for this long;
+    # then it checkpoints them and hands them back to the queue, and stops its engine.
+    shutdown_grace_s: float = Field(default=30.0, ge=0)
     lease_ttl_s: float = Field(default=60.0, gt=0)
     reaper_interval_s: float = Field(default=30.0, gt=0)
 

@@ -79,17 +79,29 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
             raise
 
     def stop(self, parent: Any) -> None:
-        if self.runtime is not None:
-            _wait_for_running_tasks()
-            self.runtime.stop()
-            self.runtime = None
+        runtime = self.runtime
+        if runtime is None:
+            return
+        if not _wait_for_running_tasks(runtime.settings.shutdown_grace_s) and runtime.feeder:
+            cancelled = runtime.feeder.cancel_all()
+            log.warning(
+                "shutdown grace of %.0f s is over: %d running batches checkpointed and handed "
+                "back to the queue",
+                runtime.settings.shutdown_grace_s,
+                cancelled,
+            )
+            _wait_for_running_tasks(15.0)
+        runtime.stop()
+        self.runtime = None
 
     def shutdown(self, parent: Any) -> None:
         self.stop(parent)
 
 
-def _wait_for_running_tasks(poll_s: float = 0.2) -> None:
-    """Block until no task runs in this worker; called on warm shutdown, before the engine stops.
+def _wait_for_running_tasks(timeout_s: float, poll_s: float = 0.2) -> bool:
+    """Wait until no task runs in this worker (True) or `timeout_s` passes (False).
+
+    Called on warm shutdown, before the engine stops.
 
     Celery stops worker steps in reverse start order, so this step (which needs the pool) is
     stopped before the pool, whose own stop waits for running tasks. Stopping the engine
@@ -103,8 +115,12 @@ def _wait_for_running_tasks(poll_s: float = 0.2) -> None:
         log.info(
             "waiting for %d running tasks before stopping the engine", len(state.active_requests)
         )
+    deadline = time.monotonic() + timeout_s
     while state.active_requests and state.should_terminate is None:
+        if time.monotonic() > deadline:
+            return False
         time.sleep(poll_s)
+    return not state.active_requests
 
 
 app.steps["worker"].add(EngineStep)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,10 @@ log = logging.getLogger("genfleet.batch")
 
 class BatchInputMissing(StoreError):
     """The staged input object is gone: retrying cannot help."""
+
+
+class BatchInterrupted(Exception):
+    """The worker is shutting down and cancelled the batch; what finished is checkpointed."""
 
 
 @dataclass
@@ -130,6 +135,20 @@ def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     return error
 
 
+def _why(exc: BaseException, order: WorkOrder, finished: int, todo: int) -> BaseException:
+    """The error a failed try reports: what the task can map to requeue, retry or failure."""
+    if isinstance(exc, CancelledError):
+        return BatchInterrupted(
+            f"{order.run}/{order.batch} interrupted by shutdown after {finished} of {todo} "
+            "prompts (checkpointed)"
+        )
+    if isinstance(exc, BaseExceptionGroup):
+        # The feeder's TaskGroup wraps the first hard failure (EngineDown, ...) in an
+        # ExceptionGroup; unwrapped, the task maps it to a retry or the failed set.
+        return first_error(exc)
+    return exc
+
+
 def _save_finished(store: Store, order: WorkOrder, part: int, rows: list[CompletionRecord]) -> None:
     """On a failed try, checkpoint what finished so the retry skips it; best effort.
 
@@ -205,11 +224,10 @@ def execute(
             client.delete(lease)
         except redis.RedisError:
             log.warning("could not drop the lease of %s/%s", order.run, order.batch)
-        if isinstance(exc, BaseExceptionGroup):
-            # The feeder's TaskGroup wraps the first hard failure (EngineDown, ...) in an
-            # ExceptionGroup; unwrapped, the task maps it to a retry or the failed set.
-            raise first_error(exc) from exc
-        raise
+        error = _why(exc, order, len(collector.results), len(todo))
+        if error is exc:
+            raise
+        raise error from exc
 
     rows_out: list[dict[str, Any]] = []
     for index, record in enumerate(records):

@@ -63,6 +63,8 @@ class Feeder:
         self.tokens_total = 0
         self.requests_total = 0
         self._engine = engine
+        self._batches: set[Future[None]] = set()
+        self._batches_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="feeder", daemon=True)
         self._thread.start()
@@ -91,7 +93,22 @@ class Feeder:
         on_record: Callable[[int, CompletionRecord], None],
     ) -> Future[None]:
         """Start every prompt of a batch; `on_record(index, record)` fires as each finishes."""
-        return self.submit(self._batch(run, batch, list(records), params, on_record))
+        future = self.submit(self._batch(run, batch, list(records), params, on_record))
+        with self._batches_lock:
+            self._batches.add(future)
+        future.add_done_callback(self._forget)
+        return future
+
+    def _forget(self, future: Future[None]) -> None:
+        with self._batches_lock:
+            self._batches.discard(future)
+
+    def cancel_all(self) -> int:
+        """Cancel every running batch (a shutdown that cannot wait): their requests stop, and
+        each batch's thread checkpoints what finished and hands the batch back."""
+        with self._batches_lock:
+            running = list(self._batches)
+        return sum(1 for future in running if future.cancel())
 
     async def _batch(
         self,

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 import redis
 from celery import Task
+from celery.exceptions import Reject
 
 from common import keys
 from common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK
@@ -25,7 +26,7 @@ from common.errors import EngineError, StoreError
 from common.records import WorkOrder
 from common.settings import Settings
 from workers.app import app
-from workers.batch import BatchInputMissing, execute
+from workers.batch import BatchInputMissing, BatchInterrupted, execute
 from workers.runtime import current
 
 log = logging.getLogger("genfleet.tasks")
@@ -67,6 +68,12 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     except BatchInputMissing as exc:
         _fail(client, work, exc)
         raise BatchFailed(str(exc)) from exc
+    except BatchInterrupted as exc:
+        # Shutting down: put the message back for another worker (or this one, restarted);
+        # the retry skips the prompts the checkpoint holds. Not a try, not a failure.
+        log.warning("%s", exc)
+        _safe_hdel(client, field)
+        raise Reject(str(exc), requeue=True) from exc
     except RETRYABLE as exc:
         attempts = _attempt(client, work)
         if attempts > settings.batch_retries:
