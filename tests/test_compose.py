@@ -328,10 +328,13 @@ def test_workers_outlast_the_soft_shutdown_window() -> None:
     settings = Settings()
     # running batches get shutdown_grace_s, then 15 s to checkpoint and hand back; then the
     # engine stops (stop_timeout_s); Celery's own soft-shutdown window bounds the rest
-    needed_s = max(
-        celery_config(settings)["worker_soft_shutdown_timeout"],
-        settings.shutdown_grace_s + 15,
-    ) + settings.stop_timeout_s
+    needed_s = (
+        max(
+            celery_config(settings)["worker_soft_shutdown_timeout"],
+            settings.shutdown_grace_s + 15,
+        )
+        + settings.stop_timeout_s
+    )
     services = load_compose()["services"]
     for name in ("worker", "worker-dry"):
         assert seconds(services[name]["stop_grace_period"]) > needed_s, name
