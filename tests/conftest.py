@@ -111,6 +111,8 @@ def base_env(redis_url: str, store: str, **extra: Any) -> dict[str, str]:
             "GENFLEET_MAX_TOKENS": "1024",
             "GENFLEET_STARTUP_TIMEOUT_S": "60",
             "GENFLEET_RESTART_BACKOFF_S": "0.2",
+            # a test's workers stop within seconds, handing unfinished batches back
+            "GENFLEET_SHUTDOWN_GRACE_S": "1",
             "PYTHONPATH": str(ROOT),
         }
     )
