@@ -85,6 +85,18 @@ def batch_from_output_key(key: str) -> str:
 
 # --- Redis keys ------------------------------------------------------------------------------
 
+# The broker's own keys (kombu's Redis transport): one list per priority step of a queue, and
+# the hash of delivered but unacknowledged messages.
+PRIORITY_SEP = "\x06\x16"
+PRIORITY_STEPS = (0, 3, 6, 9)
+UNACKED = "unacked"
+
+
+def broker_queue_keys(queue: str) -> list[str]:
+    """The Redis lists holding `queue`'s waiting messages, one per priority step."""
+    return [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
+
+
 PREFIX = "genfleet"
 
 

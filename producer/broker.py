@@ -6,14 +6,19 @@ JSON, so a producer-only install needs neither SGLang nor NVML.
 
 from __future__ import annotations
 
+import base64
 import uuid
 from collections.abc import Iterable
 from typing import Any
 
+import orjson
+import redis
 from celery import Celery
 
+from common import keys
 from common.celery_config import GENERATE_TASK, celery_config
 from common.records import WorkOrder
+from common.redis_conn import text
 from common.settings import Settings
 
 
@@ -38,3 +43,47 @@ def send_orders(app: Celery, settings: Settings, orders: Iterable[WorkOrder]) ->
             )
             sent += 1
     return sent
+
+
+def _order_of(message: bytes | str) -> tuple[str, str] | None:
+    """(run, batch) of a raw kombu message on Redis if it is a genfleet work order."""
+    try:
+        data = orjson.loads(message)
+        if data.get("headers", {}).get("task") != GENERATE_TASK:
+            return None
+        body = data["body"]
+        if data.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        order = orjson.loads(body)[1]["order"]
+        return str(order["run"]), str(order["batch"])
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+def orders_in_broker(client: redis.Redis, queue: str, run: str) -> set[str]:
+    """Batches of `run` that really have a work order in Redis: waiting in the queue,
+    delivered but not acknowledged, or running on a worker.
+
+    `--resume` and `retry` use this instead of the run's `queued` set, which a purged queue
+    or a lost message would leave claiming orders that no longer exist.
+    """
+    found: set[str] = set()
+    for name in keys.broker_queue_keys(queue):
+        for raw in client.lrange(name, 0, -1):
+            hit = _order_of(raw)
+            if hit and hit[0] == run:
+                found.add(hit[1])
+    for raw in client.hvals(keys.UNACKED):
+        try:
+            message = orjson.loads(raw)[0]
+        except (ValueError, IndexError, TypeError):
+            continue
+        hit = _order_of(orjson.dumps(message))
+        if hit and hit[0] == run:
+            found.add(hit[1])
+    prefix = f"{run}/"
+    for field in client.hkeys(keys.running_key()):
+        name = text(field)
+        if name.startswith(prefix):
+            found.add(name[len(prefix) :])
+    return found

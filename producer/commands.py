@@ -90,7 +90,7 @@ def enqueue(
         settings, fmt, messages_col=messages_col, prompt_col=prompt_col, id_col=id_col
     )
     try:
-        result = enqueue_run(settings, run, None if resume else source, options)
+        result = enqueue_run(settings, run, None if resume else source, options, verify=resume)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     _print_enqueue(result, json_out)
@@ -201,7 +201,7 @@ def retry(
             pipe.hdel(keys.attempts_key(run), batch)
             pipe.srem(keys.queued_key(run), batch)
         pipe.execute()
-        result = enqueue_run(settings, run, None, reader_options(settings))
+        result = enqueue_run(settings, run, None, reader_options(settings), verify=True)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     console.print(

@@ -206,17 +206,28 @@ def enqueue_run(
     source: str | None,
     options: ReaderOptions,
     only: set[str] | None = None,
+    verify: bool = False,
 ) -> EnqueueResult:
-    """Stage `source` as `run` (first time), or enqueue what the run still lacks (later)."""
+    """Stage `source` as `run` (first time), or enqueue what the run still lacks (later).
+
+    With `verify` (`--resume`, `retry`), the orders believed outstanding are checked against
+    what the broker really holds, so an order lost from Redis is sent again.
+    """
     from common.redis_conn import connect, text
-    from producer.broker import make_client_app, send_orders
+    from producer.broker import make_client_app, orders_in_broker, send_orders
 
     keys.validate_run(run)
     store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
     client = connect(settings)
     app = make_client_app(settings)
     queued = keys.queued_key(run)
-    outstanding = {text(member) for member in client.smembers(queued)}
+    if verify:
+        outstanding = orders_in_broker(client, settings.queue, run)
+        client.delete(queued)
+        if outstanding:
+            client.sadd(queued, *outstanding)
+    else:
+        outstanding = {text(member) for member in client.smembers(queued)}
 
     def send(orders: list[WorkOrder]) -> int:
         client.sadd(queued, *[order.batch for order in orders])

@@ -23,16 +23,12 @@ from workers.power_watch import FleetState, dedupe, diagnose, verdicts
 
 log = logging.getLogger("genfleet.power_watch")
 
-# kombu's Redis transport keeps one list per priority step: name, name\x06\x163, ...
-PRIORITY_SEP = "\x06\x16"
-PRIORITY_STEPS = (0, 3, 6, 9)
 FORGET_WORKER_S = 600.0
 
 
 def queue_depth(client: redis.Redis, queue: str) -> int:
-    names = [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
     pipe = client.pipeline()
-    for name in names:
+    for name in keys.broker_queue_keys(queue):
         pipe.llen(name)
     return sum(int(n) for n in pipe.execute())
 
