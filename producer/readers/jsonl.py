@@ -46,14 +46,63 @@ def read_jsonl(path: Path, options: ReaderOptions) -> Iterator[Located]:
         yield from _read_file(file, options)
 
 
+def _lines(handle: IO[bytes], limit: int) -> Iterator[tuple[int, bytes | None]]:
+    """(line number, bytes) per line, never holding more than `limit` bytes of one line: an
+    oversized line comes as None (its rest is read and dropped in chunks)."""
+    lineno = 0
+    while True:
+        raw = handle.readline(limit + 1)
+        if not raw:
+            return
+        lineno += 1
+        if len(raw) > limit and not raw.endswith(b"\n"):
+            while True:  # skip to the end of this line
+                rest = handle.readline(1 << 20)
+                if not rest or rest.endswith(b"\n"):
+                    break
+            yield lineno, None
+            continue
+        yield lineno, raw
+
+
+def _is_json_array(path: Path) -> bool:
+    """A `.json` file holding one JSON array of records (not JSON lines)."""
+    if not path.name.lower().endswith(".json"):
+        return False
+    with _open(path) as handle:
+        head = handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    return head.startswith(b"[")
+
+
+def _read_array(path: Path, options: ReaderOptions) -> Iterator[Located]:
+    """Records of a JSON array file; the element number (from 1) stands for the line."""
+    name = str(path)
+    stem = path.name.split(".", 1)[0]
+    try:
+        items = orjson.loads(path.read_bytes().removeprefix(b"\xef\xbb\xbf"))
+    except orjson.JSONDecodeError as exc:
+        yield Reject(name, None, None, f"not JSON: {exc}")
+        return
+    for number, data in enumerate(items, start=1):
+        try:
+            yield (number, parse_line(data, default_id=f"{stem}:{number}", fmt=options.format))
+        except BadRecord as exc:
+            yield Reject(name, number, exc.field, f"element {number}: {exc}")
+
+
 def _read_file(path: Path, options: ReaderOptions) -> Iterator[Located]:
+    if _is_json_array(path):
+        yield from _read_array(path, options)
+        return
     name = str(path)
     stem = path.name.split(".", 1)[0]
     with _open(path) as handle:
-        for lineno, raw in enumerate(handle, start=1):
-            if len(raw) > options.max_line_bytes:
+        for lineno, raw in _lines(handle, options.max_line_bytes):
+            if raw is None:
                 yield Reject(name, lineno, None, f"line over {options.max_line_bytes} bytes")
                 continue
+            if lineno == 1:
+                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
             if not raw.strip():
                 continue
             try:

@@ -350,3 +350,30 @@ def test_unknown_source(tmp_path: Path) -> None:
     (tmp_path / "data.csv").write_text("a,b\n")
     with pytest.raises(InputError, match="--format"):
         list(read_source(tmp_path / "data.csv"))
+
+
+def test_byte_order_mark_and_crlf_are_fine(tmp_path: Path) -> None:
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"id": "a", "prompt": "x"}\r\n{"id": "b", "prompt": "y"}\r\n')
+    records, rejects = split(read_source(path))
+    assert [r.id for r in records] == ["a", "b"] and rejects == []
+
+
+def test_json_array_file(tmp_path: Path) -> None:
+    path = tmp_path / "data.json"
+    path.write_bytes(
+        orjson.dumps([{"id": "a", "prompt": "x"}, {"id": "b"}, {"messages": user("z")}])
+    )
+    records, rejects = split(read_source(path))
+    assert [r.id for r in records] == ["a", "data:3"]
+    assert [(r.line, r.field) for r in rejects] == [(2, "messages")]
+    assert "element 2" in rejects[0].reason
+
+
+def test_oversized_line_is_skipped_without_losing_the_next(tmp_path: Path) -> None:
+    path = tmp_path / "big.jsonl"
+    big = orjson.dumps({"id": "big", "prompt": "w " * 50_000})
+    path.write_bytes(big + b"\n" + orjson.dumps({"id": "next", "prompt": "ok"}) + b"\n")
+    records, rejects = split(read_source(path, ReaderOptions(max_line_bytes=1000)))
+    assert [r.id for r in records] == ["next"]
+    assert [(r.line, r.reason) for r in rejects] == [(1, "line over 1000 bytes")]
