@@ -112,3 +112,25 @@ def test_saturated_run_with_mtp_is_not_flagged(
     assert row["power_w"] >= 0.70 * row["power_limit_w"]
     assert row["accept_length"] is None or row["accept_length"] > 1.5
     assert not [f for f in report["findings"] if f["worker"] == worker.hostname]
+
+
+def test_a_worker_that_stops_answering_is_a_finding(
+    tmp_path: Path,
+    redis_url: str,
+    start_worker: Callable[..., Worker],
+) -> None:
+    from workers.app import app
+
+    store = (tmp_path / "store").as_uri()
+    worker = start_worker(base_env(redis_url, store, **WATCH))
+    worker.wait_ready()
+    settings = Settings(redis_url=redis_url, store=store, **WATCH)
+    seen = wait_for(
+        lambda: worker.hostname in run_power_watch(app, settings)["workers"], 30, "a first reply"
+    )
+    assert seen
+    worker.kill()
+    worker.proc.wait(timeout=10)
+    report = run_power_watch(app, settings)
+    finding = next(f for f in report["findings"] if f["worker"] == worker.hostname)
+    assert (finding["verdict"], finding["cause"]) == ("unresponsive", "worker_unresponsive")
