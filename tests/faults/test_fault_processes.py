@@ -105,8 +105,13 @@ def test_sigkilled_worker_batch_finishes_on_another_worker(
     wait_run_done(settings, redis_client, "killworker", 120, store)
     result, rows = assert_exactly_once(settings, "killworker", ids, redis_client, store)
     assert result.errors == 0
-    finished = finished_by(survivor, lost)
-    assert set(finished) == lost
+    # the task's "succeeded" log line comes just after its output object: wait for it
+    finished = wait_for(
+        lambda: f if set(f := finished_by(survivor, lost)) == lost else None,
+        20,
+        f"the survivor's log to show {sorted(lost)} finished",
+        0.2,
+    )
     resumed = sum(finished.values())
     assert resumed > 0, "the retry redid prompts that were checkpointed"
     # Resumed prompts keep the record the dead worker checkpointed; the rest are the survivor's.

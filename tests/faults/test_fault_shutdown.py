@@ -5,6 +5,7 @@ exits; the next worker resumes it from the checkpoint. Nothing lost, nothing dou
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -71,5 +72,11 @@ def test_sigterm_checkpoints_and_hands_the_batch_back(
     second = start_worker(base_env(redis_url, store_url, emulator_time_scale=50), name="second")
     second.wait_ready()
     wait_run_done(settings, redis_client, "stop", 120, objects)
-    assert "'resumed': 0" not in second.log.read_text()
+    resumed = wait_for(
+        lambda: re.search(r"succeeded .*'resumed': (\d+)", second.log.read_text()),
+        20,
+        "the second worker's task result in its log",
+        0.2,
+    )
+    assert int(resumed.group(1)) > 0  # it took the checkpointed prompts, not redid them
     assert_exactly_once(settings, "stop", ids, redis_client, objects)
