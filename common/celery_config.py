@@ -36,10 +36,13 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "worker_prefetch_multiplier": 1,
         "worker_cancel_long_running_tasks_on_connection_loss": True,
         "worker_enable_soft_shutdown_on_idle": True,
-        "worker_soft_shutdown_timeout": 60.0,
+        # A cold shutdown (SIGQUIT, a second Ctrl-C) also gives running batches the grace
+        # period, then the pool cancels them: they checkpoint and go back to the queue.
+        "worker_soft_shutdown_timeout": settings.shutdown_grace_s,
         # Threads: several batches share one asyncio loop and one in-flight limiter; the main
         # thread stays free for heartbeats and control commands (a solo worker looks dead).
-        "worker_pool": "threads",
+        # genfleet's subclass can also stop running batches on a cold shutdown.
+        "worker_pool": "workers.pool:TaskPool",
         "worker_concurrency": settings.worker_concurrency,
         "task_default_queue": settings.queue,
         "task_routes": {GENERATE_TASK: {"queue": settings.queue}},

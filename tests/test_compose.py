@@ -338,8 +338,8 @@ def test_workers_outlast_the_soft_shutdown_window() -> None:
     services = load_compose()["services"]
     for name in ("worker", "worker-dry"):
         assert seconds(services[name]["stop_grace_period"]) > needed_s, name
-        # Cold shutdown (SIGQUIT, or SIGTERM remapped to it) cancels running tasks, which
-        # Celery's threads pool cannot do: it raises and the worker hangs. Keep SIGTERM warm.
+        # SIGTERM is the warm stop: running batches get their grace, then are checkpointed
+        # and handed back, and the engine stops last (tests/faults/test_fault_shutdown.py).
         assert services[name].get("stop_signal", "SIGTERM") == "SIGTERM", name
         assert "REMAP_SIGTERM" not in services[name]["environment"], name
 

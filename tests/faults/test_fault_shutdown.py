@@ -80,3 +80,44 @@ def test_sigterm_checkpoints_and_hands_the_batch_back(
     )
     assert int(resumed.group(1)) > 0  # it took the checkpointed prompts, not redid them
     assert_exactly_once(settings, "stop", ids, redis_client, objects)
+
+
+def test_cold_shutdown_does_not_hang_and_loses_nothing(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    """SIGQUIT (a second Ctrl-C): Celery asks the pool to terminate running tasks, which a
+    threads pool cannot do; genfleet's pool cancels the batches instead, so the worker exits."""
+    store_url = (tmp_path / "store").as_uri()
+    slow = {
+        "emulator_time_scale": 1,
+        "emulator_mean_completion_tokens": 300,
+        "checkpoint_interval_s": 1,
+        "worker_concurrency": 1,
+    }
+    settings = fault_settings(redis_url, store_url, batch_size=60)
+    ids = write_prompts(tmp_path / "p.jsonl", 60)
+    first = start_worker(base_env(redis_url, store_url, **slow), name="cold")
+    stage(settings, "cold", tmp_path / "p.jsonl")
+    first.wait_ready()
+    objects = open_run_store(settings)
+    wait_for(
+        lambda: run_status(objects, redis_client, "cold")["prompts_generated"] >= 5,
+        60,
+        "a few prompts of the batch",
+        0.2,
+    )
+    signalled = time.monotonic()
+    os.kill(first.proc.pid, signal.SIGQUIT)
+    first.proc.wait(timeout=90)
+    stopped_s = time.monotonic() - signalled
+    print(f"worker stopped {stopped_s:.1f} s after SIGQUIT")
+    assert "does not implement kill_job" not in first.log.read_text()
+    assert not objects.exists(keys.output_key("cold", "batch-000000"))
+
+    second = start_worker(base_env(redis_url, store_url, emulator_time_scale=50), name="warm")
+    second.wait_ready()
+    wait_run_done(settings, redis_client, "cold", 120, objects)
+    assert_exactly_once(settings, "cold", ids, redis_client, objects)
