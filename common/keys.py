@@ -140,10 +140,6 @@ def lease_key(run: str, batch: str) -> str:
     return f"{PREFIX}:lease:{run}:{batch}"
 
 
-def leases_pattern() -> str:
-    return f"{PREFIX}:lease:*"
-
-
 def running_key() -> str:
     """Hash `run/batch` → enqueue/claim info, scanned by the reaper for batches to re-enqueue."""
     return f"{PREFIX}:running"
@@ -162,8 +158,3 @@ def alerted_key() -> str:
 def workers_key() -> str:
     """Hash worker → last time it answered the power-watch; a silent one is a finding."""
     return f"{PREFIX}:workers"
-
-
-def top_key() -> str:
-    """The last power-watch report (verdict per GPU), TTL a few intervals, for dashboards."""
-    return f"{PREFIX}:top"

@@ -7,7 +7,6 @@ the environment at import time. Units live in the names (`timeout_s`, `power_w`)
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -241,11 +240,6 @@ def read_settings_file(path: str | Path) -> dict[str, str]:
             value = value[1:-1]
         values[key.removeprefix("GENFLEET_").lower()] = value
     return values
-
-
-def env_flag(name: str) -> str | None:
-    """Read one GENFLEET_ variable at call time (never at import)."""
-    return os.environ.get(f"GENFLEET_{name.upper()}")
 
 
 def _is_bool_field(name: str) -> bool:

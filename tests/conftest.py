@@ -160,7 +160,7 @@ class Worker:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine's group is its own; see below
+            os.killpg(self.proc.pid, signal.SIGKILL)  # whatever is left of the worker's group
 
 
 @pytest.fixture

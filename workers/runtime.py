@@ -7,7 +7,6 @@ when it stops. Tasks reach it through `current()`.
 from __future__ import annotations
 
 import logging
-import socket
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -203,11 +202,6 @@ class WorkerRuntime:
             self.feeder.close()
         if self.engine is not None:
             self.engine.stop()
-
-
-def default_hostname(index: int | None = None) -> str:
-    host = socket.gethostname()
-    return f"gpu{index}@{host}" if index is not None else f"genfleet@{host}"
 
 
 def accept_length(info: dict[str, Any]) -> float | None:

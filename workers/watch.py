@@ -2,8 +2,7 @@
 
 The diagnosis itself is the pure `workers.power_watch.diagnose`; this module only collects its
 inputs (a `gpu_report` broadcast, queue depth and pending batches from Redis, the workers seen
-before) and sends its output to the log, a bounded Redis stream, the task result (Flower) and
-the snapshot `genfleet top` reads.
+before) and sends its output to the log, a bounded Redis stream and the task result (Flower).
 """
 
 from __future__ import annotations
@@ -108,6 +107,5 @@ def run_power_watch(app: Celery, settings: Settings) -> dict[str, Any]:
         "new_findings": len(new),
         "verdicts": rows,
     }
-    pipe.set(keys.top_key(), orjson.dumps(report), ex=int(settings.power_watch_interval_s * 4))
     pipe.execute()
     return report

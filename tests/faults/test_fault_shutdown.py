@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from common import keys
+from common.settings import Settings
 from producer.status import run_status
 from tests.conftest import Worker, base_env, wait_for
 from tests.faults.helpers import (
@@ -30,48 +31,83 @@ from workers.watch import queue_depth
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
 
+# One batch of 60 prompts on an engine at real-time pace: it runs for about ten seconds.
+SLOW = {
+    "emulator_time_scale": 1,
+    "emulator_mean_completion_tokens": 300,
+    "checkpoint_interval_s": 1,
+    "worker_concurrency": 1,
+}
+
+
+def stop_mid_batch(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+    run: str,
+    sig: signal.Signals,
+    grace_s: float,
+) -> tuple[Settings, list[str], Worker, float]:
+    """Start a slow worker on a one-batch run, send `sig` once a few prompts are done, wait
+    for it to exit; returns the settings, the input ids, the worker and seconds to exit."""
+    store_url = (tmp_path / "store").as_uri()
+    settings = fault_settings(redis_url, store_url, batch_size=60)
+    ids = write_prompts(tmp_path / f"{run}.jsonl", 60)
+    env = base_env(redis_url, store_url, shutdown_grace_s=grace_s, **SLOW)
+    worker = start_worker(env, name=run)
+    stage(settings, run, tmp_path / f"{run}.jsonl")
+    worker.wait_ready()
+    objects = open_run_store(settings)
+    wait_for(
+        lambda: run_status(objects, redis_client, run)["prompts_generated"] >= 5,
+        60,
+        "a few prompts of the batch",
+        0.2,
+    )
+    signalled = time.monotonic()
+    os.kill(worker.proc.pid, sig)
+    worker.proc.wait(timeout=90)
+    stopped_s = time.monotonic() - signalled
+    print(f"worker stopped {stopped_s:.1f} s after {sig.name} (grace {grace_s} s)")
+    return settings, ids, worker, stopped_s
+
+
+def finish_elsewhere(
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+    settings: Settings,
+    run: str,
+    ids: list[str],
+) -> Worker:
+    """A second, fast worker completes the run; every prompt must be there exactly once."""
+    second = start_worker(base_env(redis_url, settings.store, emulator_time_scale=50))
+    second.wait_ready()
+    objects = open_run_store(settings)
+    wait_run_done(settings, redis_client, run, 120, objects)
+    assert_exactly_once(settings, run, ids, redis_client, objects)
+    return second
+
+
 def test_sigterm_checkpoints_and_hands_the_batch_back(
     tmp_path: Path,
     redis_url: str,
     redis_client: redis.Redis,
     start_worker: Callable[..., Worker],
 ) -> None:
-    store_url = (tmp_path / "store").as_uri()
-    slow = {
-        "emulator_time_scale": 1,
-        "emulator_mean_completion_tokens": 300,
-        "checkpoint_interval_s": 1,
-        "shutdown_grace_s": 2,
-        "worker_concurrency": 1,
-    }
-    settings = fault_settings(redis_url, store_url, batch_size=60)
-    ids = write_prompts(tmp_path / "p.jsonl", 60)
-    first = start_worker(base_env(redis_url, store_url, **slow), name="first")
-    stage(settings, "stop", tmp_path / "p.jsonl")
-    first.wait_ready()
-    objects = open_run_store(settings)
-    wait_for(
-        lambda: run_status(objects, redis_client, "stop")["prompts_generated"] >= 5,
-        60,
-        "a few prompts of the batch",
-        0.2,
+    settings, ids, first, stopped_s = stop_mid_batch(
+        tmp_path, redis_url, redis_client, start_worker, "stop", signal.SIGTERM, 2
     )
-    signalled = time.monotonic()
-    os.kill(first.proc.pid, signal.SIGTERM)
-    first.proc.wait(timeout=60)
-    stopped_s = time.monotonic() - signalled
-    print(f"worker stopped {stopped_s:.1f} s after SIGTERM (grace 2 s)")
     assert stopped_s < 30
-    log = first.log.read_text()
-    assert "checkpointed and handed back" in log
+    assert "checkpointed and handed back" in first.log.read_text()
     # the batch is back in the queue, its finished prompts in checkpoint parts, no output yet
+    objects = open_run_store(settings)
     assert queue_depth(redis_client, settings.queue) == 1
     assert list(objects.list(keys.parts_prefix("stop", "batch-000000")))
     assert not objects.exists(keys.output_key("stop", "batch-000000"))
 
-    second = start_worker(base_env(redis_url, store_url, emulator_time_scale=50), name="second")
-    second.wait_ready()
-    wait_run_done(settings, redis_client, "stop", 120, objects)
+    second = finish_elsewhere(redis_url, redis_client, start_worker, settings, "stop", ids)
     resumed = wait_for(
         lambda: re.search(r"succeeded .*'resumed': (\d+)", second.log.read_text()),
         20,
@@ -79,7 +115,6 @@ def test_sigterm_checkpoints_and_hands_the_batch_back(
         0.2,
     )
     assert int(resumed.group(1)) > 0  # it took the checkpointed prompts, not redid them
-    assert_exactly_once(settings, "stop", ids, redis_client, objects)
 
 
 def test_cold_shutdown_does_not_hang_and_loses_nothing(
@@ -90,34 +125,11 @@ def test_cold_shutdown_does_not_hang_and_loses_nothing(
 ) -> None:
     """SIGQUIT (a second Ctrl-C): Celery asks the pool to terminate running tasks, which a
     threads pool cannot do; genfleet's pool cancels the batches instead, so the worker exits."""
-    store_url = (tmp_path / "store").as_uri()
-    slow = {
-        "emulator_time_scale": 1,
-        "emulator_mean_completion_tokens": 300,
-        "checkpoint_interval_s": 1,
-        "worker_concurrency": 1,
-    }
-    settings = fault_settings(redis_url, store_url, batch_size=60)
-    ids = write_prompts(tmp_path / "p.jsonl", 60)
-    first = start_worker(base_env(redis_url, store_url, **slow), name="cold")
-    stage(settings, "cold", tmp_path / "p.jsonl")
-    first.wait_ready()
-    objects = open_run_store(settings)
-    wait_for(
-        lambda: run_status(objects, redis_client, "cold")["prompts_generated"] >= 5,
-        60,
-        "a few prompts of the batch",
-        0.2,
+    settings, ids, first, stopped_s = stop_mid_batch(
+        tmp_path, redis_url, redis_client, start_worker, "cold", signal.SIGQUIT, 1
     )
-    signalled = time.monotonic()
-    os.kill(first.proc.pid, signal.SIGQUIT)
-    first.proc.wait(timeout=90)
-    stopped_s = time.monotonic() - signalled
-    print(f"worker stopped {stopped_s:.1f} s after SIGQUIT")
+    assert stopped_s < 30
     assert "does not implement kill_job" not in first.log.read_text()
-    assert not objects.exists(keys.output_key("cold", "batch-000000"))
-
-    second = start_worker(base_env(redis_url, store_url, emulator_time_scale=50), name="warm")
-    second.wait_ready()
-    wait_run_done(settings, redis_client, "cold", 120, objects)
-    assert_exactly_once(settings, "cold", ids, redis_client, objects)
+    assert "checkpointed and handed back" in first.log.read_text()
+    assert not open_run_store(settings).exists(keys.output_key("cold", "batch-000000"))
+    finish_elsewhere(redis_url, redis_client, start_worker, settings, "cold", ids)
