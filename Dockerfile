@@ -24,7 +24,7 @@ COPY common ./common
 COPY producer ./producer
 COPY workers ./workers
 RUN python3 -m pip install ".[worker,formats]" \
- && python3 -c "import workers.app, producer.cli" \
+ && python3 -c "import genfleet.workers.app, genfleet.producer.cli" \
  && genfleet --help >/dev/null
 ENTRYPOINT ["genfleet"]
 CMD ["worker"]

@@ -36,7 +36,7 @@ def emulator_env(knobs: Mapping[str, str | float | int]) -> dict[str, str]:
 
 
 class Emulator:
-    """`python -m workers.engine.emulator` on a free port; `stop()` ends it and its group."""
+    """The emulator (`-m genfleet.workers.engine.emulator`) on a free port; `stop()` ends it."""
 
     def __init__(
         self,
@@ -53,7 +53,7 @@ class Emulator:
             else [
                 sys.executable,
                 "-m",
-                "workers.engine.emulator",
+                "genfleet.workers.engine.emulator",
                 "--model-path",
                 "bench-model",
                 "--port",

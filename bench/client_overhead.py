@@ -30,9 +30,9 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._emulator import Emulator  # noqa: E402
-from common.records import CompletionRecord, GenerationParams, PromptRecord  # noqa: E402
-from workers.client import EngineClient  # noqa: E402
-from workers.feeder import Feeder  # noqa: E402
+from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord  # noqa: E402
+from genfleet.workers.client import EngineClient  # noqa: E402
+from genfleet.workers.feeder import Feeder  # noqa: E402
 
 ZERO_TIME = {
     "emulator_step_base_ms": 0,

@@ -30,11 +30,11 @@ import orjson
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common import keys  # noqa: E402
-from common.manifest import BatchEntry, Manifest  # noqa: E402
-from common.records import GenerationParams
-from common.settings import Settings  # noqa: E402
-from common.store import FileStore  # noqa: E402
+from genfleet.common import keys  # noqa: E402
+from genfleet.common.manifest import BatchEntry, Manifest  # noqa: E402
+from genfleet.common.records import GenerationParams
+from genfleet.common.settings import Settings  # noqa: E402
+from genfleet.common.store import FileStore  # noqa: E402
 
 BATCH_SIZE = 256
 WORDS = "the of a model answer token reason step because therefore we check value sum".split()
@@ -108,7 +108,7 @@ def export_child(store: Path, run: str, out: Path, fmt: str) -> dict[str, float]
 
 
 def child(store: str, run: str, out: str, fmt: str) -> None:
-    from producer.export import export_run
+    from genfleet.producer.export import export_run
 
     settings = Settings(store=Path(store).as_uri())
     start = time.perf_counter()

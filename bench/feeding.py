@@ -6,7 +6,7 @@ the other in this one process, each against a fresh emulator started with identi
 
 (a) direct: keeps exactly the engine's cap (64) in flight, like `sglang.bench_serving
     --max-concurrency 64`: aiohttp + asyncio straight at the emulator;
-(b) genfleet: `enqueue_run` → Redis → a real `python -m workers worker` process (its engine
+(b) genfleet: `enqueue_run` → Redis → a real `python -m genfleet.workers worker` process (its engine
     started by its own supervisor from the same knobs) → one output object per batch;
 (c) batch-sync: send a batch of `--batch-size` prompts, wait for all of it, send the next.
 
@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench._emulator import Emulator, Sampler, emulator_env, forget_run, free_port  # noqa: E402
-from common.records import GenerationParams, PromptRecord  # noqa: E402
-from workers.client import request_body  # noqa: E402
+from genfleet.common.records import GenerationParams, PromptRecord  # noqa: E402
+from genfleet.workers.client import request_body  # noqa: E402
 
 CAP = 64
 MODEL = "genfleet/emulated"
@@ -113,7 +113,7 @@ def write_prompts(path: Path, count: int) -> list[PromptRecord]:
 def engine_command(env: dict[str, str]) -> list[str]:
     """The worker's engine argv, without --port, exactly as its supervisor would build it."""
     out = subprocess.run(
-        [sys.executable, "-m", "workers", "worker", "--print-engine-command"],
+        [sys.executable, "-m", "genfleet.workers", "worker", "--print-engine-command"],
         env=env,
         cwd=ROOT,
         check=True,
@@ -192,14 +192,14 @@ def run_genfleet(
     """(b): a real worker process and a real enqueue; ends at the last output object."""
     from pydantic import SecretStr
 
-    from common.settings import Settings
-    from producer.enqueue import enqueue_run, reader_options
+    from genfleet.common.settings import Settings
+    from genfleet.producer.enqueue import enqueue_run, reader_options
 
     port = free_port()
     env = {**env, "GENFLEET_PORT": str(port)}
     log = tmp / "worker.log"
     worker = subprocess.Popen(
-        [sys.executable, "-m", "workers", "worker", "--hostname", "bench@feeding"],
+        [sys.executable, "-m", "genfleet.workers", "worker", "--hostname", "bench@feeding"],
         env=env,
         cwd=ROOT,
         stdout=log.open("wb"),

@@ -53,7 +53,7 @@ REDIS_CLI="$CARRY/redis/usr/bin/redis-cli -p $REDIS_PORT"
 for _ in $(seq 50); do $REDIS_CLI ping >/dev/null 2>&1 && break; sleep 0.1; done
 $REDIS_CLI flushall
 
-genfleet() { python3 -c 'import sys; from producer.cli import main; sys.argv[0] = "genfleet"; main()' "$@"; }
+genfleet() { python3 -c 'import sys; from genfleet.producer.cli import main; sys.argv[0] = "genfleet"; main()' "$@"; }
 
 export GENFLEET_REDIS_URL=redis://127.0.0.1:$REDIS_PORT/0
 export GENFLEET_STORE=file://$WORK/store
@@ -85,9 +85,9 @@ with open(sys.argv[1], "w") as f:
 PY
 
 say "workers"
-python3 -m workers worker --hostname gpu0@h200 >"$WORK/logs/worker.txt" 2>&1 &
+python3 -m genfleet.workers worker --hostname gpu0@h200 >"$WORK/logs/worker.txt" 2>&1 &
 PIDS+=($!)
-python3 -m workers control --hostname control@h200 >"$WORK/logs/control.txt" 2>&1 &
+python3 -m genfleet.workers control --hostname control@h200 >"$WORK/logs/control.txt" 2>&1 &
 PIDS+=($!)
 genfleet enqueue "$WORK/prompts.jsonl" --run h200 || exit 1
 STARTED=$(date +%s)
@@ -95,7 +95,7 @@ STARTED=$(date +%s)
 for _ in $(seq 48); do
   sleep 5
   STATE=$(genfleet status h200 --json 2>/dev/null | python3 -c 'import json,sys; print(json.load(sys.stdin).get("state"))' 2>/dev/null)
-  python3 -m workers top --once --json 2>/dev/null | tr -d '\n' >>"$OUT/h200_top.jsonl" && echo >>"$OUT/h200_top.jsonl"
+  python3 -m genfleet.workers top --once --json 2>/dev/null | tr -d '\n' >>"$OUT/h200_top.jsonl" && echo >>"$OUT/h200_top.jsonl"
   echo "state=$STATE after $(( $(date +%s) - STARTED )) s"
   [ "$STATE" = done ] && break
   if ! kill -0 "${PIDS[0]}" 2>/dev/null; then echo "worker died"; tail -n 60 "$WORK/logs/worker.txt"; break; fi
@@ -116,7 +116,7 @@ for pid in "${PIDS[@]}"; do wait "$pid" 2>/dev/null; done
 PIDS=()
 
 say "tune"
-python3 -m workers tune --mtp off --concurrency "$TUNE_CONCURRENCY" --duration-s "$TUNE_DURATION_S" \
+python3 -m genfleet.workers tune --mtp off --concurrency "$TUNE_CONCURRENCY" --duration-s "$TUNE_DURATION_S" \
   --warmup-s 5 --drain-s 30 --dataset "$WORK/prompts.jsonl" \
   --out "$OUT/h200_tuned.env" --json "$OUT/h200_tune.json"
 say "done"

@@ -63,8 +63,8 @@ def child(source: str, store: str, redis_url: str, name: str, profile: str | Non
     """Runs in the child process: one timed `enqueue_run`, then its figures as JSON."""
     from pydantic import SecretStr
 
-    from common.settings import Settings
-    from producer.enqueue import enqueue_run, reader_options
+    from genfleet.common.settings import Settings
+    from genfleet.producer.enqueue import enqueue_run, reader_options
 
     settings = Settings(redis_url=SecretStr(redis_url), store=store, queue=name)
     options = reader_options(settings)

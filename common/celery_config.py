@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from common.settings import Settings
+from genfleet.common.settings import Settings
 
 GENERATE_TASK = "genfleet.generate_batch"
 POWER_WATCH_TASK = "genfleet.power_watch"
@@ -42,7 +42,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Threads: several batches share one asyncio loop and one in-flight limiter; the main
         # thread stays free for heartbeats and control commands (a solo worker looks dead).
         # genfleet's subclass can also stop running batches on a cold shutdown.
-        "worker_pool": "workers.pool:TaskPool",
+        "worker_pool": "genfleet.workers.pool:TaskPool",
         "worker_concurrency": settings.worker_concurrency,
         "task_default_queue": settings.queue,
         "task_routes": {GENERATE_TASK: {"queue": settings.queue}},

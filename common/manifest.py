@@ -11,9 +11,9 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict
 
-from common.keys import manifest_key
-from common.records import GenerationParams
-from common.store import Store
+from genfleet.common.keys import manifest_key
+from genfleet.common.records import GenerationParams
+from genfleet.common.store import Store
 
 MANIFEST_VERSION = 1
 

@@ -16,7 +16,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict, field_validator
 
-from common.keys import validate_batch, validate_run
+from genfleet.common.keys import validate_batch, validate_run
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 

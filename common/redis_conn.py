@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import redis
 
-from common.errors import BrokerUnavailable
-from common.settings import Settings, redact_url
+from genfleet.common.errors import BrokerUnavailable
+from genfleet.common.settings import Settings, redact_url
 
 
 def connect(settings: Settings, check: bool = True) -> redis.Redis:

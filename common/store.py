@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol, TypeVar
 from urllib.parse import unquote, urlparse
 
-from common.errors import ConfigError, StoreError, StoreUnavailable
+from genfleet.common.errors import ConfigError, StoreError, StoreUnavailable
 
 T = TypeVar("T")
 log = logging.getLogger("genfleet.store")

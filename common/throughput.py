@@ -11,8 +11,8 @@ from collections import defaultdict
 
 import redis
 
-from common import keys
-from common.redis_conn import text
+from genfleet.common import keys
+from genfleet.common.redis_conn import text
 
 
 def member(ts: float, batch: str, worker: str, tokens: int) -> str:

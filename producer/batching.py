@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 
-from common.records import PromptRecord
+from genfleet.common.records import PromptRecord
 
 
 def expected_tokens(record: PromptRecord, max_tokens: int) -> int:

@@ -15,11 +15,11 @@ import orjson
 import redis
 from celery import Celery
 
-from common import keys
-from common.celery_config import GENERATE_TASK, celery_config
-from common.records import WorkOrder
-from common.redis_conn import text
-from common.settings import Settings
+from genfleet.common import keys
+from genfleet.common.celery_config import GENERATE_TASK, celery_config
+from genfleet.common.records import WorkOrder
+from genfleet.common.redis_conn import text
+from genfleet.common.settings import Settings
 
 
 def make_client_app(settings: Settings) -> Celery:

@@ -1,22 +1,22 @@
 """`genfleet`: the command line. Every setting is also a flag of the same name.
 
 Producer commands (enqueue, status, export, report, retry, run) run here; GPU-side commands
-(worker, control, preflight, tune) run in `python -m workers`, so a producer-only install never
-imports the worker stack.
+(worker, control, preflight, tune) run in `python -m genfleet.workers`, so a producer-only install
+never imports the worker stack.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Annotated, Any, NoReturn
+from typing import NoReturn
 
 import orjson
 import typer
-from rich.console import Console
 
-from common.errors import GenfleetError
-from common.settings import Settings, parse_setting_args
+from genfleet.common.errors import GenfleetError
+from genfleet.producer import commands, local_run
+from genfleet.producer.console import PASS_THROUGH, Json, build_settings, console, out
 
 app = typer.Typer(
     name="genfleet",
@@ -25,42 +25,11 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-console = Console(stderr=True)
-out = Console()
-
-PASS_THROUGH: dict[str, Any] = {
-    "allow_extra_args": True,
-    "ignore_unknown_options": True,
-}
-
-RedisUrl = Annotated[str | None, typer.Option("--redis-url", help="GENFLEET_REDIS_URL")]
-StoreUrl = Annotated[
-    str | None, typer.Option("--store", help="s3://bucket/prefix or file:///path (GENFLEET_STORE)")
-]
-S3Endpoint = Annotated[
-    str | None, typer.Option("--s3-endpoint-url", help="GENFLEET_S3_ENDPOINT_URL (MinIO, ...)")
-]
-Json = Annotated[bool, typer.Option("--json", help="one JSON object on stdout")]
-
-
-def fail(message: str, code: int = 2) -> NoReturn:
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
-    raise typer.Exit(code)
-
-
-def build_settings(extra: list[str] | None = None, **flags: Any) -> Settings:
-    """Environment + defaults, overridden by the flags given (declared ones and `extra`)."""
-    try:
-        overrides = parse_setting_args(list(extra or []))
-        overrides.update({k: v for k, v in flags.items() if v is not None})
-        return Settings.from_overrides(overrides)
-    except ValueError as exc:
-        fail(str(exc).replace("\n", " "))
 
 
 def _forward(command: str, args: list[str]) -> NoReturn:
-    """Hand a GPU-side command to `python -m workers` (same flags, same environment)."""
-    argv = [sys.executable, "-m", "workers", command, *args]
+    """Hand a GPU-side command to `python -m genfleet.workers` (same flags, same environment)."""
+    argv = [sys.executable, "-m", "genfleet.workers", command, *args]
     os.execv(sys.executable, argv)
 
 
@@ -114,10 +83,18 @@ def show_settings(json_out: Json = False) -> None:
         out.print(f"{flag:36} GENFLEET_{name.upper():40} {value!r}", highlight=False)
 
 
+# Every command is registered here, explicitly: importing a module registers nothing.
+app.command(context_settings=PASS_THROUGH)(commands.enqueue)
+app.command()(commands.status)
+app.command()(commands.retry)
+app.command()(commands.export)
+app.command()(commands.report)
+app.command()(commands.findings)
+app.command("run", context_settings=PASS_THROUGH)(local_run.run_command)
+
+
 def main() -> None:
     """Console-script entry point: clear errors, no tracebacks for expected failures."""
-    from producer import commands, local_run  # noqa: F401 - registers the commands
-
     try:
         app()
     except GenfleetError as exc:

@@ -11,24 +11,22 @@ import redis
 import typer
 from rich.progress import BarColumn, Progress, TextColumn
 
-from common import keys
-from common.errors import GenfleetError
-from common.redis_conn import connect, text
-from common.store import Store, open_store
-from producer.cli import (
-    PASS_THROUGH,
+from genfleet.common import keys
+from genfleet.common.errors import GenfleetError
+from genfleet.common.redis_conn import connect, text
+from genfleet.common.store import Store, open_store
+from genfleet.producer.console import (
     Json,
     RedisUrl,
     S3Endpoint,
     StoreUrl,
-    app,
     build_settings,
     console,
     fail,
     out,
 )
-from producer.enqueue import EnqueueResult, enqueue_run, reader_options
-from producer.status import read_findings, run_status
+from genfleet.producer.enqueue import EnqueueResult, enqueue_run, reader_options
+from genfleet.producer.status import read_findings, run_status
 
 Run = Annotated[str, typer.Option("--run", help="run name: letters, digits, . _ -")]
 Format = Annotated[
@@ -36,7 +34,6 @@ Format = Annotated[
 ]
 
 
-@app.command(context_settings=PASS_THROUGH)
 def enqueue(
     ctx: typer.Context,
     source: Annotated[str | None, typer.Argument(help="dataset file or directory")] = None,
@@ -113,7 +110,6 @@ def _print_enqueue(result: EnqueueResult, json_out: bool) -> None:
         console.print(f"  … all {result.rejects} rejects are in {result.run}/rejects.jsonl")
 
 
-@app.command()
 def status(
     run: Annotated[str, typer.Argument()],
     json_out: Json = False,
@@ -183,7 +179,6 @@ def format_eta(eta_s: float | None) -> str:
     return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
-@app.command()
 def retry(
     run: Annotated[str, typer.Argument()],
     redis_url: RedisUrl = None,
@@ -211,7 +206,6 @@ def retry(
     )
 
 
-@app.command()
 def export(
     run: Annotated[str, typer.Argument()],
     out_path: Annotated[str, typer.Option("--out", help="local path or s3://bucket/key")],
@@ -222,7 +216,7 @@ def export(
     s3_endpoint_url: S3Endpoint = None,
 ) -> None:
     """Write RUN's completions to one file, deduplicated, in input order."""
-    from producer.export import export_run
+    from genfleet.producer.export import export_run
 
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
@@ -238,7 +232,6 @@ def export(
     )
 
 
-@app.command()
 def report(
     run: Annotated[str, typer.Argument()],
     json_out: Json = False,
@@ -246,7 +239,7 @@ def report(
     s3_endpoint_url: S3Endpoint = None,
 ) -> None:
     """Quality of RUN's outputs: token distributions, finish reasons, short answers, flags."""
-    from producer.report import build_report, render_report
+    from genfleet.producer.report import build_report, render_report
 
     settings = build_settings(store=store, s3_endpoint_url=s3_endpoint_url)
     try:
@@ -259,7 +252,6 @@ def report(
         out.print(render_report(data))
 
 
-@app.command()
 def findings(
     run: Annotated[str | None, typer.Option("--run", help="only this run's")] = None,
     json_out: Json = False,

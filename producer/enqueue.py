@@ -18,14 +18,14 @@ from typing import Any
 
 import orjson
 
-from common import keys
-from common.errors import InputError
-from common.manifest import BatchEntry, Manifest
-from common.records import GenerationParams, PromptRecord, WorkOrder, encode_jsonl_gz
-from common.settings import Settings
-from common.store import Store, open_store
-from producer.batching import expected_tokens, make_batches
-from producer.readers import ReaderOptions, Reject, read_source
+from genfleet.common import keys
+from genfleet.common.errors import InputError
+from genfleet.common.manifest import BatchEntry, Manifest
+from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, encode_jsonl_gz
+from genfleet.common.settings import Settings
+from genfleet.common.store import Store, open_store
+from genfleet.producer.batching import expected_tokens, make_batches
+from genfleet.producer.readers import ReaderOptions, Reject, read_source
 
 Sender = Callable[[list[WorkOrder]], int]
 
@@ -213,8 +213,8 @@ def enqueue_run(
     With `verify` (`--resume`, `retry`), the orders believed outstanding are checked against
     what the broker really holds, so an order lost from Redis is sent again.
     """
-    from common.redis_conn import connect, text
-    from producer.broker import make_client_app, orders_in_broker, send_orders
+    from genfleet.common.redis_conn import connect, text
+    from genfleet.producer.broker import make_client_app, orders_in_broker, send_orders
 
     keys.validate_run(run)
     store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)

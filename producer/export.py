@@ -28,11 +28,11 @@ from urllib.parse import unquote, urlparse
 
 import orjson
 
-from common import keys
-from common.errors import ConfigError, GenfleetError, StoreError
-from common.manifest import Manifest
-from common.settings import Settings
-from common.store import Store, open_store
+from genfleet.common import keys
+from genfleet.common.errors import ConfigError, GenfleetError, StoreError
+from genfleet.common.manifest import Manifest
+from genfleet.common.settings import Settings
+from genfleet.common.store import Store, open_store
 
 ExportFormat = Literal["jsonl", "parquet", "openai"]
 FORMATS: tuple[str, ...] = ("jsonl", "parquet", "openai")

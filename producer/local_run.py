@@ -22,16 +22,16 @@ from typing import Annotated, Any
 import orjson
 import typer
 
-from common import keys
-from common.errors import GenfleetError
-from common.manifest import Manifest
-from common.redis_conn import connect
-from common.settings import Settings
-from common.store import open_store
-from producer.cli import PASS_THROUGH, Json, app, build_settings, console, fail, out
-from producer.commands import Format, watch_run
-from producer.enqueue import enqueue_run, reader_options
-from producer.status import read_findings, run_status
+from genfleet.common import keys
+from genfleet.common.errors import GenfleetError
+from genfleet.common.manifest import Manifest
+from genfleet.common.redis_conn import connect
+from genfleet.common.settings import Settings
+from genfleet.common.store import open_store
+from genfleet.producer.commands import Format, watch_run
+from genfleet.producer.console import Json, build_settings, console, fail, out
+from genfleet.producer.enqueue import enqueue_run, reader_options
+from genfleet.producer.status import read_findings, run_status
 
 
 def default_run_name(source: str) -> str:
@@ -51,7 +51,7 @@ class Children:
     def start(self, name: str, args: list[str], env: dict[str, str]) -> None:
         log = (self.log_dir / f"{name}.log").open("ab")
         self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "workers", *args],
+            [sys.executable, "-m", "genfleet.workers", *args],
             env=env,
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -98,7 +98,6 @@ def _wait(children: Children, settings: Settings, run: str) -> dict[str, Any]:
     return run_status(store, client, run)
 
 
-@app.command("run", context_settings=PASS_THROUGH)
 def run_command(
     ctx: typer.Context,
     source: Annotated[str, typer.Argument(help="dataset file or directory")],
@@ -181,7 +180,7 @@ def _finished(settings: Settings, run: str) -> dict[str, Any] | None:
 def _preflight(settings: Settings) -> None:
     """Check the checkpoint before starting anything (the GPU side runs the check)."""
     check = subprocess.run(
-        [sys.executable, "-m", "workers", "preflight"],
+        [sys.executable, "-m", "genfleet.workers", "preflight"],
         env={**os.environ, **settings.child_env()},
         capture_output=True,
         text=True,

@@ -18,8 +18,8 @@ import math
 from collections import Counter
 from typing import Any
 
-from common.settings import Settings
-from producer.export import scan_run
+from genfleet.common.settings import Settings
+from genfleet.producer.export import scan_run
 
 SHORT_CHARS = 32  # an answer under this many characters says nothing a trainer can use
 THRESHOLD = 0.10  # a run whose share of a bad kind of answer exceeds this is flagged

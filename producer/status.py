@@ -12,13 +12,13 @@ from typing import Any
 import orjson
 import redis
 
-from common import keys
-from common.errors import InputError
-from common.manifest import Manifest
-from common.redis_conn import text
-from common.store import Store
-from common.throughput import run_tokens_per_s
-from producer.enqueue import done_batches
+from genfleet.common import keys
+from genfleet.common.errors import InputError
+from genfleet.common.manifest import Manifest
+from genfleet.common.redis_conn import text
+from genfleet.common.store import Store
+from genfleet.common.throughput import run_tokens_per_s
+from genfleet.producer.enqueue import done_batches
 
 WINDOW_S = 120.0
 

@@ -3,7 +3,7 @@
 Redis: the server on 127.0.0.1:6379 (GENFLEET_TEST_REDIS_URL overrides), one database
 dedicated to tests and flushed per test. Without Redis, tests that need it are skipped on a
 laptop and fail in CI (CI=true). S3: moto's ThreadedMotoServer on a free loopback port.
-Workers: `python -m workers worker` processes with the emulator, started through the same
+Workers: `python -m genfleet.workers worker` processes with the emulator, started through the same
 supervisor code path as SGLang, and stopped (with their engines) after the test.
 """
 
@@ -121,13 +121,13 @@ def base_env(redis_url: str, store: str, **extra: Any) -> dict[str, str]:
 
 
 class Worker:
-    """A real `python -m workers worker` process (with its emulator engine)."""
+    """A real `python -m genfleet.workers worker` process (with its emulator engine)."""
 
     def __init__(self, env: dict[str, str], log: Path, hostname: str, args: list[str]) -> None:
         self.hostname = hostname
         self.log = log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "workers", *args, "--hostname", hostname],
+            [sys.executable, "-m", "genfleet.workers", *args, "--hostname", hostname],
             env=env,
             cwd=ROOT,
             stdout=log.open("ab"),

@@ -126,8 +126,7 @@ def ours(service: Mapping[str, Any]) -> bool:
 
 
 def genfleet_commands() -> set[str]:
-    from producer import commands, local_run  # noqa: F401 - registers the commands
-    from producer.cli import app
+    from genfleet.producer.cli import app
 
     return {c.name or c.callback.__name__ for c in app.registered_commands if c.callback}
 
@@ -166,7 +165,7 @@ def check_celery(args: list[str]) -> None:
 
 
 def check_argv(parts: list[str]) -> None:
-    from common.settings import parse_setting_args
+    from genfleet.common.settings import parse_setting_args
 
     program, args = parts[0], parts[1:]
     if program == "genfleet":
@@ -214,7 +213,7 @@ def test_every_command_names_a_real_cli_or_celery_app() -> None:
 
 
 def test_every_genfleet_variable_is_a_setting() -> None:
-    from common.settings import setting_names
+    from genfleet.common.settings import setting_names
 
     for path in (COMPOSE, ENV_EXAMPLE):
         unknown = set(GENFLEET_VAR.findall(path.read_text())) - setting_names()
@@ -278,7 +277,7 @@ def test_exactly_one_beat_in_every_profile() -> None:
             for name, svc in active_services(compose, profiles).items()
             if argv(svc)[:2] == ["genfleet", "control"]
             or "--beat" in argv(svc)
-            or argv(svc)[2:4] == ["workers.app", "beat"]
+            or argv(svc)[2:4] == ["genfleet.workers.app", "beat"]
         ]
         assert beats == ["beat"], (profiles, beats)
     assert compose["services"]["beat"].get("deploy", {}).get("replicas", 1) == 1
@@ -289,7 +288,7 @@ def test_flower_asks_for_basic_auth_from_the_environment(monkeypatch: pytest.Mon
     from flower.options import options
 
     flower = load_compose()["services"]["flower"]
-    assert argv(flower)[:4] == ["celery", "-A", "workers.app", "flower"]
+    assert argv(flower)[:4] == ["celery", "-A", "genfleet.workers.app", "flower"]
     assert flower["environment"]["FLOWER_BASIC_AUTH"].startswith("${FLOWER_BASIC_AUTH:?")
     assert any(v.endswith(":/data") for v in flower["volumes"])
     assert "--persistent=True" in argv(flower) and "--db=/data/flower.db" in argv(flower)
@@ -322,8 +321,8 @@ def test_no_secret_is_written_in_the_compose_file() -> None:
 
 
 def test_workers_outlast_the_soft_shutdown_window() -> None:
-    from common.celery_config import celery_config
-    from common.settings import Settings
+    from genfleet.common.celery_config import celery_config
+    from genfleet.common.settings import Settings
 
     settings = Settings()
     # running batches get shutdown_grace_s, then 15 s to checkpoint and hand back; then the

@@ -1,4 +1,4 @@
-"""`python -m workers …`: the GPU side of the `genfleet` command (worker, control, preflight).
+"""`python -m genfleet.workers …`: the GPU side of `genfleet` (worker, control, preflight).
 
 `genfleet worker|control|preflight|tune` hand over to this module, so the producer never
 imports the worker stack. Every setting is a flag of the same name (`--max-inflight 8`).
@@ -17,8 +17,8 @@ from typing import NoReturn
 
 import orjson
 
-from common.errors import GenfleetError
-from common.settings import Settings, parse_setting_args
+from genfleet.common.errors import GenfleetError
+from genfleet.common.settings import Settings, parse_setting_args
 
 USAGE = """usage: genfleet worker [--gpus 0,1,2,3] [--tp-size N] [--model PATH] [--no-mtp]
                        [--print-engine-command] [--hostname NAME@HOST] [any setting ...]
@@ -84,7 +84,7 @@ def worker(args: list[str]) -> None:
     settings = settings_from(args)
     groups = gpu_groups(settings.gpus, settings.tp_size)
     if print_only:
-        from workers.engine.launchers import print_engine_command
+        from genfleet.workers.engine.kinds import print_engine_command
 
         for i, group in enumerate(groups):
             each = group_settings(settings, group, i, len(groups))
@@ -104,7 +104,7 @@ def run_group_workers(settings: Settings, groups: list[str | None], hostname: st
     for i, group in enumerate(groups):
         each = group_settings(settings, group, i, len(groups))
         env = {**os.environ, **each.child_env()}
-        argv = [sys.executable, "-m", "workers", "worker", "--worker-index", str(i)]
+        argv = [sys.executable, "-m", "genfleet.workers", "worker", "--worker-index", str(i)]
         if hostname:  # name@host → name0@host, name1@host, ...
             name, _, domain = hostname.partition("@")
             argv += ["--hostname", f"{name}{i}@{domain or socket.gethostname()}"]
@@ -125,7 +125,7 @@ def run_celery_worker(settings: Settings, index: int | None, hostname: str | Non
     os.environ.update(settings.child_env())
     host = socket.gethostname()
     name = hostname or (f"gpu{index}@{host}" if index is not None else f"gpu@{host}")
-    from workers.app import app
+    from genfleet.workers.app import app
 
     app.worker_main(
         [
@@ -150,7 +150,7 @@ def control(args: list[str]) -> None:
     settings = settings_from(args).model_copy(update={"role": "control"})
     os.environ.update(settings.child_env())
     schedule = Path(settings.log_dir or tempfile.gettempdir()) / "genfleet-beat-schedule"
-    from workers.app import app
+    from genfleet.workers.app import app
 
     app.worker_main(
         [
@@ -177,7 +177,7 @@ def preflight(args: list[str]) -> None:
     settings = settings_from(args)
     if not settings.model:
         die("preflight needs --model PATH")
-    from workers.engine.preflight import preflight as check
+    from genfleet.workers.engine.preflight import preflight as check
 
     try:
         report = check(settings)
@@ -197,7 +197,7 @@ def top(args: list[str]) -> None:
     once = take_flag(args, "--once")
     json_out = take_flag(args, "--json")
     settings = settings_from(args)
-    from workers.top import main as top_main
+    from genfleet.workers.observe.top import main as top_main
 
     try:
         top_main(settings, once, json_out)
@@ -215,7 +215,7 @@ def main(argv: list[str]) -> None:
         return
     commands = {"worker": worker, "control": control, "preflight": preflight, "top": top}
     if command == "tune":
-        from workers.tune import main as tune_main
+        from genfleet.workers.tune.command import main as tune_main
 
         tune_main(args)
         return

@@ -1,4 +1,4 @@
-"""The Celery app of every genfleet process (workers, beat, Flower): `celery -A workers.app …`.
+"""The Celery app of every genfleet process: `celery -A genfleet.workers.app …`.
 
 Configuration is read from the environment (GENFLEET_*) when Celery first needs it, not at
 import. The engine is started by a worker-level bootstep: before the worker consumes, after
@@ -15,12 +15,12 @@ from typing import Any
 from celery import Celery, bootsteps
 from celery.worker.control import inspect_command
 
-from common.celery_config import POWER_WATCH_TASK, REAPER_TASK, celery_config
-from common.settings import Settings
+from genfleet.common.celery_config import POWER_WATCH_TASK, REAPER_TASK, celery_config
+from genfleet.common.settings import Settings
 
 log = logging.getLogger("genfleet.worker")
 
-app = Celery("genfleet", include=["workers.tasks"])
+app = Celery("genfleet", include=["genfleet.workers.tasks"])
 
 
 def _defaults() -> dict[str, Any]:
@@ -57,7 +57,7 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.runtime: Any = None
 
     def start(self, parent: Any) -> None:
-        from workers.runtime import WorkerRuntime
+        from genfleet.workers.runtime import WorkerRuntime
 
         settings = Settings()
         if settings.role == "control":
@@ -129,7 +129,7 @@ app.steps["worker"].add(EngineStep)
 @inspect_command()  # type: ignore[untyped-decorator]
 def gpu_report(state: Any) -> dict[str, Any]:
     """This worker's recent GPU and engine window, for the power-watch and `genfleet top`."""
-    from workers import runtime
+    from genfleet.workers import runtime
 
     if runtime._current is None:
         return {"ok": False, "reason": "engine not started"}

@@ -22,18 +22,18 @@ from typing import Any
 
 import redis
 
-from common import keys
-from common.errors import StoreError
-from common.records import (
+from genfleet.common import keys
+from genfleet.common.errors import StoreError
+from genfleet.common.records import (
     CompletionRecord,
     PromptRecord,
     WorkOrder,
     decode_jsonl_gz,
     encode_jsonl_gz,
 )
-from common.store import Store
-from common.throughput import member
-from workers.feeder import Feeder
+from genfleet.common.store import Store
+from genfleet.common.throughput import member
+from genfleet.workers.feeder import Feeder
 
 log = logging.getLogger("genfleet.batch")
 

@@ -26,8 +26,8 @@ import httpx
 import orjson
 from yarl import URL
 
-from common.errors import EngineDown, EngineError, RequestRejected
-from common.records import GenerationParams, PromptRecord, Usage
+from genfleet.common.errors import EngineDown, EngineError, RequestRejected
+from genfleet.common.records import GenerationParams, PromptRecord, Usage
 
 
 @dataclass(slots=True)

@@ -20,9 +20,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from common.errors import EngineDown, RequestRejected
-from common.records import CompletionRecord, GenerationParams, PromptRecord
-from workers.client import ChatResult, EngineClient
+from genfleet.common.errors import EngineDown, RequestRejected
+from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
+from genfleet.workers.client import ChatResult, EngineClient
 
 log = logging.getLogger("genfleet.feeder")
 T = TypeVar("T")

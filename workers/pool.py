@@ -20,7 +20,7 @@ log = logging.getLogger("genfleet.worker")
 
 class TaskPool(ThreadTaskPool):  # type: ignore[misc]
     def terminate_job(self, pid: int, signal: Any = None) -> None:
-        from workers import runtime
+        from genfleet.workers import runtime
 
         current = runtime._current
         if current is None or current.feeder is None:

@@ -14,17 +14,17 @@ from typing import Any
 
 import redis
 
-from common.errors import EngineError
-from common.redis_conn import connect
-from common.settings import Settings
-from common.store import Store, open_store
-from workers.client import EngineClient
-from workers.engine.external import ExternalEngine
-from workers.engine.ports import pick_port
-from workers.engine.supervisor import EngineSupervisor
-from workers.feeder import Feeder, default_max_inflight
-from workers.monitor import Monitor, make_sampler
-from workers.watch import fleet_state
+from genfleet.common.errors import EngineError
+from genfleet.common.redis_conn import connect
+from genfleet.common.settings import Settings
+from genfleet.common.store import Store, open_store
+from genfleet.workers.client import EngineClient
+from genfleet.workers.engine.external import ExternalEngine
+from genfleet.workers.engine.ports import pick_port
+from genfleet.workers.engine.supervisor import EngineSupervisor
+from genfleet.workers.feeder import Feeder, default_max_inflight
+from genfleet.workers.observe.power_watch import fleet_state
+from genfleet.workers.observe.sampler import Monitor, make_sampler
 
 log = logging.getLogger("genfleet.worker")
 
@@ -118,8 +118,8 @@ class WorkerRuntime:
         _current = self
 
     def _supervisor(self) -> EngineSupervisor:
-        from workers.engine.launchers import engine_launch
-        from workers.engine.preflight import preflight
+        from genfleet.workers.engine.kinds import engine_launch
+        from genfleet.workers.engine.preflight import preflight
 
         settings = self.settings
         arch = None

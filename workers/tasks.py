@@ -6,7 +6,7 @@
   failed set.
 - reap_leases (beat): re-enqueues batches whose worker vanished (lease expired, no output),
   so a SIGKILLed worker's batch finishes elsewhere in minutes, not after the visibility timeout.
-- power_watch (beat): see workers.watch.
+- power_watch (beat): see genfleet.workers.observe.power_watch.
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import redis
 from celery import Task
 from celery.exceptions import Reject
 
-from common import keys
-from common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK
-from common.errors import EngineError, StoreError
-from common.records import WorkOrder
-from common.settings import Settings
-from workers.app import app
-from workers.batch import BatchInputMissing, BatchInterrupted, execute
-from workers.runtime import current
+from genfleet.common import keys
+from genfleet.common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK
+from genfleet.common.errors import EngineError, StoreError
+from genfleet.common.records import WorkOrder
+from genfleet.common.settings import Settings
+from genfleet.workers.app import app
+from genfleet.workers.batch import BatchInputMissing, BatchInterrupted, execute
+from genfleet.workers.runtime import current
 
 log = logging.getLogger("genfleet.tasks")
 
@@ -126,8 +126,8 @@ def _safe_hdel(client: redis.Redis, field: str) -> None:
 @app.task(name=REAPER_TASK)  # type: ignore[untyped-decorator]
 def reap_leases() -> dict[str, Any]:
     """Re-enqueue running batches whose lease expired and whose output does not exist."""
-    from common.redis_conn import connect, text
-    from common.store import open_store
+    from genfleet.common.redis_conn import connect, text
+    from genfleet.common.store import open_store
 
     settings = Settings()
     client = connect(settings)
@@ -156,6 +156,6 @@ def reap_leases() -> dict[str, Any]:
 
 @app.task(name=POWER_WATCH_TASK)  # type: ignore[untyped-decorator]
 def power_watch() -> dict[str, Any]:
-    from workers.watch import run_power_watch
+    from genfleet.workers.observe.power_watch import run_power_watch
 
     return run_power_watch(app, Settings())

@@ -14,8 +14,8 @@ from typing import IO, Any
 
 import orjson
 
-from common.records import PromptRecord
-from producer.readers import (
+from genfleet.common.records import PromptRecord
+from genfleet.producer.readers.fields import (
     BadRecord,
     Located,
     ReaderOptions,

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from common.errors import ConfigError
-from common.records import PromptRecord
-from producer.readers import (
+from genfleet.common.errors import ConfigError
+from genfleet.common.records import PromptRecord
+from genfleet.producer.readers.fields import (
     BadRecord,
     Located,
     ReaderOptions,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from common import keys
+from genfleet.common import keys
 
 
 @pytest.mark.parametrize(

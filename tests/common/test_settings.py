@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from common.settings import Settings, parse_setting_args, redact_url, setting_names
+from genfleet.common.settings import Settings, parse_setting_args, redact_url, setting_names
 
 
 def test_environment_prefix_and_same_names(monkeypatch: pytest.MonkeyPatch) -> None:

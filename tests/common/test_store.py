@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import ConfigError, StoreError
-from common.store import FileStore, Store, open_store
+from genfleet.common.errors import ConfigError, StoreError
+from genfleet.common.store import FileStore, Store, open_store
 
 
 @pytest.fixture(params=["file", "s3"])

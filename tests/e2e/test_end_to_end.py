@@ -15,12 +15,12 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from common import keys
-from common.settings import Settings
-from common.store import open_store
-from producer.enqueue import enqueue_run, reader_options
-from producer.export import export_run
-from producer.status import run_status
+from genfleet.common import keys
+from genfleet.common.settings import Settings
+from genfleet.common.store import open_store
+from genfleet.producer.enqueue import enqueue_run, reader_options
+from genfleet.producer.export import export_run
+from genfleet.producer.status import run_status
 from tests.conftest import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -111,8 +111,7 @@ def test_bad_lines_are_rejected_and_the_rest_runs(
     store_url = (tmp_path / "store").as_uri()
     worker = start_worker(base_env(redis_url, store_url))
     runner = CliRunner()
-    from producer import commands, local_run  # noqa: F401
-    from producer.cli import app
+    from genfleet.producer.cli import app
 
     result = runner.invoke(
         app,
@@ -145,8 +144,7 @@ def test_bad_lines_are_rejected_and_the_rest_runs(
 def test_file_with_no_valid_line_exits_non_zero(tmp_path: Path, redis_url: str) -> None:
     source = tmp_path / "bad.jsonl"
     source.write_bytes(b'nope\n{"x": 1}\n')
-    from producer import commands, local_run  # noqa: F401
-    from producer.cli import app
+    from genfleet.producer.cli import app
 
     result = CliRunner().invoke(
         app,

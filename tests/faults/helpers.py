@@ -18,14 +18,14 @@ import orjson
 import redis
 from pydantic import SecretStr
 
-from common import keys
-from common.manifest import Manifest
-from common.redis_conn import text
-from common.settings import Settings
-from common.store import Store, open_store
-from producer.enqueue import EnqueueResult, enqueue_run, reader_options
-from producer.export import ExportResult, export_run
-from producer.status import run_status
+from genfleet.common import keys
+from genfleet.common.manifest import Manifest
+from genfleet.common.redis_conn import text
+from genfleet.common.settings import Settings
+from genfleet.common.store import Store, open_store
+from genfleet.producer.enqueue import EnqueueResult, enqueue_run, reader_options
+from genfleet.producer.export import ExportResult, export_run
+from genfleet.producer.status import run_status
 from tests.conftest import Worker, wait_for
 
 
@@ -154,7 +154,7 @@ def engine_pid(worker: Worker) -> int | None:
     """The pid of the worker's emulator engine, or None while it has none."""
     for pid in child_pids(worker.proc.pid):
         with contextlib.suppress(OSError):
-            if b"workers.engine.emulator" in Path(f"/proc/{pid}/cmdline").read_bytes():
+            if b"genfleet.workers.engine.emulator" in Path(f"/proc/{pid}/cmdline").read_bytes():
                 if pid_alive(pid):
                     return pid
     return None

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from producer.status import run_status
+from genfleet.producer.status import run_status
 from tests.conftest import Worker, base_env, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
@@ -38,7 +38,7 @@ def test_exhausted_budget_stops_consuming_and_the_run_finishes_elsewhere(
     broken.wait_ready()
     stage(settings, "budget", tmp_path / "p.jsonl")
     wait_for(lambda: "restart budget spent" in broken.log.read_text(), 60, "the budget to run out")
-    from workers.app import app
+    from genfleet.workers.app import app
 
     def queues() -> list[str] | None:
         replies = app.control.inspect(destination=[broken.hostname], timeout=2).active_queues()

@@ -16,8 +16,8 @@ import redis
 from celery import Celery
 from typer.testing import CliRunner
 
-from common import keys
-from common.celery_config import GENERATE_TASK
+from genfleet.common import keys
+from genfleet.common.celery_config import GENERATE_TASK
 from tests.conftest import Worker, base_env, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
@@ -34,8 +34,7 @@ pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
 
 def cli(*args: str) -> Any:
-    from producer import commands, local_run  # noqa: F401 - registers the commands
-    from producer.cli import app
+    from genfleet.producer.cli import app
 
     result = CliRunner().invoke(app, list(args))
     assert result.exit_code == 0, result.output

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from common import keys
+from genfleet.common import keys
 from tests.conftest import Worker, base_env, free_port, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,

@@ -18,7 +18,7 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
-from common import keys
+from genfleet.common import keys
 from tests.conftest import Worker, base_env, free_port, wait_for
 from tests.faults.helpers import (
     assert_done_marks_backed,
@@ -54,8 +54,7 @@ def every_batch(count: int) -> list[str]:
 
 def resume(redis_url: str, store_url: str, run: str) -> dict[str, Any]:
     """`genfleet enqueue --resume RUN --json`, as a user would type it."""
-    from producer import commands, local_run  # noqa: F401 - registers the commands
-    from producer.cli import app
+    from genfleet.producer.cli import app
 
     result = CliRunner().invoke(
         app,

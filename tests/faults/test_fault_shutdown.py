@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import redis
 
-from common import keys
-from common.settings import Settings
-from producer.status import run_status
+from genfleet.common import keys
+from genfleet.common.settings import Settings
+from genfleet.producer.status import run_status
+from genfleet.workers.observe.power_watch import queue_depth
 from tests.conftest import Worker, base_env, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
@@ -26,7 +27,6 @@ from tests.faults.helpers import (
     wait_run_done,
     write_prompts,
 )
-from workers.watch import queue_depth
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

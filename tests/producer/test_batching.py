@@ -2,8 +2,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.records import PromptRecord
-from producer.batching import make_batches
+from genfleet.common.records import PromptRecord
+from genfleet.producer.batching import make_batches
 
 
 def records(n: int, max_tokens: list[int | None] | None = None) -> list[PromptRecord]:

@@ -12,10 +12,10 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from common import keys
-from common.errors import ConfigError
-from common.manifest import BatchEntry, Manifest
-from common.records import (
+from genfleet.common import keys
+from genfleet.common.errors import ConfigError
+from genfleet.common.manifest import BatchEntry, Manifest
+from genfleet.common.records import (
     CompletionRecord,
     GenerationParams,
     PromptRecord,
@@ -23,13 +23,13 @@ from common.records import (
     decode_jsonl_gz,
     encode_jsonl_gz,
 )
-from common.settings import Settings
-from common.store import Store, open_store
-from producer import export as export_module
-from producer.batching import make_batches
-from producer.enqueue import stage
-from producer.export import RunIncomplete, export_run
-from producer.readers import ReaderOptions
+from genfleet.common.settings import Settings
+from genfleet.common.store import Store, open_store
+from genfleet.producer import export as export_module
+from genfleet.producer.batching import make_batches
+from genfleet.producer.enqueue import stage
+from genfleet.producer.export import RunIncomplete, export_run
+from genfleet.producer.readers import ReaderOptions
 
 RUN = "run-1"
 

@@ -10,13 +10,13 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common import keys
-from common.manifest import BatchEntry, Manifest
-from common.records import GenerationParams, PromptRecord, encode_jsonl_gz
-from common.settings import Settings
-from common.store import open_store
-from producer.batching import expected_tokens, make_batches
-from producer.export import export_run
+from genfleet.common import keys
+from genfleet.common.manifest import BatchEntry, Manifest
+from genfleet.common.records import GenerationParams, PromptRecord, encode_jsonl_gz
+from genfleet.common.settings import Settings
+from genfleet.common.store import open_store
+from genfleet.producer.batching import expected_tokens, make_batches
+from genfleet.producer.export import export_run
 
 RUN = "prop"
 MAX_TOKENS = 100

@@ -11,9 +11,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from common.errors import InputError
-from common.records import PromptRecord
-from producer.readers import ReaderOptions, Reject, detect_format, read_source
+from genfleet.common.errors import InputError
+from genfleet.common.records import PromptRecord
+from genfleet.producer.readers import ReaderOptions, Reject, detect_format, read_source
 
 
 def lines(path: Path, rows: list[Any]) -> Path:

@@ -11,12 +11,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common import keys
-from common.manifest import BatchEntry, Manifest
-from common.records import GenerationParams, encode_jsonl_gz
-from common.settings import Settings
-from common.store import open_store
-from producer.report import build_report, distribution, render_report
+from genfleet.common import keys
+from genfleet.common.manifest import BatchEntry, Manifest
+from genfleet.common.records import GenerationParams, encode_jsonl_gz
+from genfleet.common.settings import Settings
+from genfleet.common.store import open_store
+from genfleet.producer.report import build_report, distribution, render_report
 
 RUN = "report-run"
 

@@ -9,11 +9,11 @@ import orjson
 import pytest
 import redis
 
-from common import keys
-from common.settings import Settings
-from common.store import open_store
-from producer.broker import orders_in_broker
-from producer.enqueue import enqueue_run, reader_options
+from genfleet.common import keys
+from genfleet.common.settings import Settings
+from genfleet.common.store import open_store
+from genfleet.producer.broker import orders_in_broker
+from genfleet.producer.enqueue import enqueue_run, reader_options
 
 pytestmark = pytest.mark.integration
 

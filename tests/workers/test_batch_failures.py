@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import redis
 
-from common import keys
-from common.errors import EngineDown, StoreUnavailable
-from common.records import (
+from genfleet.common import keys
+from genfleet.common.errors import EngineDown, StoreUnavailable
+from genfleet.common.records import (
     CompletionRecord,
     GenerationParams,
     PromptRecord,
@@ -25,8 +25,8 @@ from common.records import (
     decode_jsonl_gz,
     encode_jsonl_gz,
 )
-from common.store import FileStore
-from workers.batch import execute
+from genfleet.common.store import FileStore
+from genfleet.workers.batch import execute
 
 pytestmark = pytest.mark.integration
 

@@ -10,10 +10,10 @@ import orjson
 import pytest
 from aiohttp import web
 
-from common.errors import EngineDown, EngineError, RequestRejected
-from common.records import GenerationParams, PromptRecord
+from genfleet.common.errors import EngineDown, EngineError, RequestRejected
+from genfleet.common.records import GenerationParams, PromptRecord
+from genfleet.workers.client import EngineClient, request_body
 from tests.conftest import free_port
-from workers.client import EngineClient, request_body
 
 PARAMS = GenerationParams(max_tokens=64, temperature=0.6, top_p=0.95, thinking=True)
 RECORD = PromptRecord("p1", [{"role": "user", "content": "hi"}])

@@ -18,8 +18,8 @@ import httpx
 import orjson
 import pytest
 
-from common.settings import Settings
-from producer.enqueue import enqueue_run, reader_options
+from genfleet.common.settings import Settings
+from genfleet.producer.enqueue import enqueue_run, reader_options
 from tests.conftest import ROOT, Worker, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -38,7 +38,7 @@ def flower(tmp_path: Path, redis_url: str) -> Iterator[str]:
             "-m",
             "celery",
             "-A",
-            "workers.app",
+            "genfleet.workers.app",
             "flower",
             f"--port={port}",
             "--address=127.0.0.1",

@@ -8,10 +8,10 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from workers.engine_state import EngineState
-from workers.metrics import MetricsExporter
-from workers.power_watch import Finding
-from workers.telemetry import GpuSample, TelemetryWindow
+from genfleet.workers.observe.diagnosis import Finding
+from genfleet.workers.observe.engine_state import EngineState
+from genfleet.workers.observe.prometheus import MetricsExporter
+from genfleet.workers.observe.telemetry import GpuSample, TelemetryWindow
 
 NOW = 1_760_000_000.0
 UUID = "GPU-0a1b2c3d-0000-0000-0000-000000000001"

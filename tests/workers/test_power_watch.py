@@ -12,9 +12,16 @@ from typing import Any
 
 import pytest
 
-from workers.engine_state import EngineState
-from workers.power_watch import CAUSES, Finding, FleetState, dedupe, diagnose, verdicts
-from workers.telemetry import GpuSample, TelemetryWindow
+from genfleet.workers.observe.diagnosis import (
+    CAUSES,
+    Finding,
+    FleetState,
+    dedupe,
+    diagnose,
+    verdicts,
+)
+from genfleet.workers.observe.engine_state import EngineState
+from genfleet.workers.observe.telemetry import GpuSample, TelemetryWindow
 
 NOW = 1_760_000_000.0
 WINDOW_S = 60.0
@@ -368,6 +375,6 @@ def test_dedupe_keeps_other_gpus_and_workers_apart() -> None:
 
 
 def test_every_cause_has_a_suggestion() -> None:
-    from workers.power_watch import _SUGGESTIONS
+    from genfleet.workers.observe.diagnosis import _SUGGESTIONS
 
     assert set(_SUGGESTIONS) == set(CAUSES)

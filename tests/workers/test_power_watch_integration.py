@@ -15,11 +15,11 @@ import orjson
 import pytest
 import redis
 
-from common import keys
-from common.settings import Settings
-from producer.enqueue import enqueue_run, reader_options
+from genfleet.common import keys
+from genfleet.common.settings import Settings
+from genfleet.producer.enqueue import enqueue_run, reader_options
+from genfleet.workers.observe.power_watch import run_power_watch
 from tests.conftest import Worker, base_env, wait_for
-from workers.watch import run_power_watch
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -44,7 +44,7 @@ def watch_until(
     settings: Settings, worker: str, predicate: Callable[[dict[str, Any]], bool]
 ) -> dict[str, Any]:
     """Run the power-watch until the worker's verdict row satisfies `predicate`."""
-    from workers.app import app
+    from genfleet.workers.app import app
 
     def check() -> dict[str, Any] | None:
         report = run_power_watch(app, settings)
@@ -84,7 +84,7 @@ def test_concurrency_one_is_underused_with_its_cause(
     # the finding went to the stream once; the next beat does not alert it again
     stream = redis_client.xrange(keys.findings_key())
     assert len(stream) == 1
-    from workers.app import app
+    from genfleet.workers.app import app
 
     assert run_power_watch(app, settings)["new_findings"] == 0
     assert len(redis_client.xrange(keys.findings_key())) == 1
@@ -119,7 +119,7 @@ def test_a_worker_that_stops_answering_is_a_finding(
     redis_url: str,
     start_worker: Callable[..., Worker],
 ) -> None:
-    from workers.app import app
+    from genfleet.workers.app import app
 
     store = (tmp_path / "store").as_uri()
     worker = start_worker(base_env(redis_url, store, **WATCH))

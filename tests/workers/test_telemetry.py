@@ -13,12 +13,12 @@ from typing import Any
 
 import pytest
 
-from workers.engine_state import (
+from genfleet.workers.observe.engine_state import (
     EngineState,
     engine_state_from_metrics,
     engine_state_from_server_info,
 )
-from workers.telemetry import (
+from genfleet.workers.observe.telemetry import (
     EmulatorSampler,
     GpuSample,
     NvmlDevice,

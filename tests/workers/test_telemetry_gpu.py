@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from workers.engine_state import EngineState
-from workers.power_watch import diagnose, verdicts
-from workers.telemetry import NvmlSampler, TelemetryWindow
+from genfleet.workers.observe.diagnosis import diagnose, verdicts
+from genfleet.workers.observe.engine_state import EngineState
+from genfleet.workers.observe.telemetry import NvmlSampler, TelemetryWindow
 
 pytestmark = pytest.mark.gpu
 

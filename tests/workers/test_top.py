@@ -11,10 +11,10 @@ import orjson
 import pytest
 import redis
 
-from common.settings import Settings
-from common.store import open_store
-from producer.enqueue import enqueue_run, reader_options
-from producer.status import run_status
+from genfleet.common.settings import Settings
+from genfleet.common.store import open_store
+from genfleet.producer.enqueue import enqueue_run, reader_options
+from genfleet.producer.status import run_status
 from tests.conftest import ROOT, Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -1,6 +1,6 @@
 """`genfleet tune`: the pure helpers by table, and the emulator sweep end to end.
 
-The sweep runs the real `python -m workers tune` against the emulator started by the real
+The sweep runs the real `python -m genfleet.workers tune` against the emulator started by the real
 supervisor, and checks the trade-off the emulator models on SGLang's numbers: MTP wins at
 one request in flight, and MTP with SGLang's silent speculative cap of 48 loses once the
 client keeps far more than 48 requests open.
@@ -16,10 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from common.settings import Settings
-from tests.conftest import ROOT
-from workers.tune import parse_args
-from workers.tuning import (
+from genfleet.common.settings import Settings
+from genfleet.workers.tune.command import parse_args
+from genfleet.workers.tune.plan import (
     Point,
     TuneConfig,
     best,
@@ -31,6 +30,7 @@ from workers.tuning import (
     tokens_in_window,
     verdict_text,
 )
+from tests.conftest import ROOT
 
 
 def point(config: str, c: int, tps: float, power: float | None = 350.0, **kw: object) -> Point:
@@ -216,7 +216,7 @@ def test_emulator_sweep_shows_the_mtp_trade_off(tmp_path: Path) -> None:
     }
     results = tmp_path / "tune.json"
     tuned = tmp_path / "tuned.env"
-    argv = [sys.executable, "-m", "workers", "tune", "--engine", "emulator"]
+    argv = [sys.executable, "-m", "genfleet.workers", "tune", "--engine", "emulator"]
     argv += ["--mtp", "on:48,off", "--concurrency", "1,256", "--duration-s", "3"]
     argv += ["--warmup-s", "0.5", "--ramp-s", "3", "--drain-s", "20"]
     argv += ["--json", str(results), "--out", str(tuned)]

@@ -13,13 +13,13 @@ import orjson
 import pytest
 import redis
 
-from common.settings import Settings
-from common.store import open_store
-from producer.enqueue import enqueue_run, reader_options
-from producer.export import export_run
-from producer.status import run_status
+from genfleet.common.settings import Settings
+from genfleet.common.store import open_store
+from genfleet.producer.enqueue import enqueue_run, reader_options
+from genfleet.producer.export import export_run
+from genfleet.producer.status import run_status
+from genfleet.workers.engine.ports import port_is_free
 from tests.conftest import ROOT, Worker, base_env, free_port, wait_for
-from workers.engine.ports import port_is_free
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -89,7 +89,7 @@ def test_external_engine_is_health_checked_not_supervised(
         [
             sys.executable,
             "-m",
-            "workers.engine.emulator",
+            "genfleet.workers.engine.emulator",
             "--model-path",
             "shared/model",
             "--port",

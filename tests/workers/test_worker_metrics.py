@@ -9,8 +9,8 @@ import httpx
 import orjson
 import pytest
 
-from common.settings import Settings
-from producer.enqueue import enqueue_run, reader_options
+from genfleet.common.settings import Settings
+from genfleet.producer.enqueue import enqueue_run, reader_options
 from tests.conftest import Worker, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -8,8 +8,8 @@ from typing import Any
 
 import httpx
 
-from common.errors import EngineDown
-from workers.engine.supervisor import State
+from genfleet.common.errors import EngineDown
+from genfleet.workers.engine.supervisor import State
 
 
 class ExternalEngine:

@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import IO
 
-from common.errors import EngineStartError
+from genfleet.common.errors import EngineStartError
 
 
 def port_is_free(host: str, port: int) -> bool:

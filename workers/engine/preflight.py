@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common.errors import PreflightError
-from common.settings import Settings
+from genfleet.common.errors import PreflightError
+from genfleet.common.settings import Settings
 
 INDEX_FILE = "model.safetensors.index.json"
 MTP_FILE = "mtp.safetensors"

@@ -29,9 +29,9 @@ import shlex
 import sys
 from importlib import metadata
 
-from common.errors import ConfigError
-from common.settings import Settings
-from workers.engine.launch import EngineLaunch
+from genfleet.common.errors import ConfigError
+from genfleet.common.settings import Settings
+from genfleet.workers.engine.launch import EngineLaunch
 
 OLDEST_SGLANG = "0.5.11"
 NEWEST_SGLANG = "0.5.23"

@@ -28,9 +28,9 @@ from typing import Any, Literal
 
 import httpx
 
-from common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
-from workers.engine.launch import EngineLaunch
-from workers.engine.ports import release_port
+from genfleet.common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
+from genfleet.workers.engine.launch import EngineLaunch
+from genfleet.workers.engine.ports import release_port
 
 log = logging.getLogger("genfleet.engine")
 

@@ -81,7 +81,13 @@ def start_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartEm
         port = free_port()
         log_path = tmp_path_factory.mktemp("emulator") / "engine.log"
         log_file = log_path.open("wb")
-        argv = [sys.executable, "-m", "workers.engine.emulator", "--model-path", "test-model"]
+        argv = [
+            sys.executable,
+            "-m",
+            "genfleet.workers.engine.emulator",
+            "--model-path",
+            "test-model",
+        ]
         argv += ["--port", str(port), *flags]
         proc = subprocess.Popen(
             argv,

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from workers.engine.emulator import (
+from genfleet.workers.engine.emulator import (
     EnergyMeter,
     LaunchError,
     PowerModel,
@@ -18,7 +18,7 @@ from workers.engine.emulator import (
     parse_args,
     plan_length,
 )
-from workers.engine.emulator.text import count_tokens, synth_text
+from genfleet.workers.engine.emulator.sim.text import count_tokens, synth_text
 
 EAGLE = SpecConfig("EAGLE", 3, 1, 4)
 

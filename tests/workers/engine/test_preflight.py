@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from common.errors import PreflightError
-from common.settings import Settings
-from workers.engine.preflight import checkpoint_arch, preflight, safetensors_names
+from genfleet.common.errors import PreflightError
+from genfleet.common.settings import Settings
+from genfleet.workers.engine.preflight import checkpoint_arch, preflight, safetensors_names
 
 QWEN35_CONFIG = {
     "architectures": ["Qwen3_5ForConditionalGeneration"],

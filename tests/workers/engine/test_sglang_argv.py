@@ -9,11 +9,11 @@ from typing import Any
 
 import pytest
 
-from common.errors import ConfigError
-from common.settings import Settings
-from workers.engine import sglang_argv
-from workers.engine.launchers import engine_launch, print_engine_command
-from workers.engine.sglang_argv import parse_release, resolve_sglang_version, sglang_launch
+from genfleet.common.errors import ConfigError
+from genfleet.common.settings import Settings
+from genfleet.workers.engine import sglang_argv
+from genfleet.workers.engine.kinds import engine_launch, print_engine_command
+from genfleet.workers.engine.sglang_argv import parse_release, resolve_sglang_version, sglang_launch
 
 QWEN35 = "Qwen3_5ForConditionalGeneration"
 MODEL = "/models/Qwen3.6-27B"
@@ -261,7 +261,7 @@ def test_emulator_runs_the_same_argv_with_its_knobs(monkeypatch: pytest.MonkeyPa
     assert launch is not None
     sglang = sglang_launch(Settings(model="genfleet/emulated"), PORT, "0.5.23", arch=QWEN35)
     assert launch.kind == "emulator"
-    assert launch.argv[:3] == [sys.executable, "-m", "workers.engine.emulator"]
+    assert launch.argv[:3] == [sys.executable, "-m", "genfleet.workers.engine.emulator"]
     assert launch.argv[3:] == sglang.argv[2:]
     assert launch.env["GENFLEET_EMULATOR_TIME_SCALE"] == "10.0"
     assert all(name.startswith("GENFLEET_EMULATOR_") for name in launch.env)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from common.settings import Settings
-from workers.engine.sglang_argv import (
+from genfleet.common.settings import Settings
+from genfleet.workers.engine.sglang_argv import (
     NEWEST_SGLANG,
     OLDEST_SGLANG,
     QWEN_HYBRID_ARCHS,

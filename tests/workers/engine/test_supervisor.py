@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
+from genfleet.common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
+from genfleet.workers.engine.launch import EngineLaunch
+from genfleet.workers.engine.ports import pick_port, port_is_free, release_port
+from genfleet.workers.engine.supervisor import EngineSupervisor
 from tests.conftest import free_port, wait_for
-from workers.engine.launch import EngineLaunch
-from workers.engine.ports import pick_port, port_is_free, release_port
-from workers.engine.supervisor import EngineSupervisor
 
 pytestmark = pytest.mark.integration
 

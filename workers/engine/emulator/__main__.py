@@ -1,7 +1,7 @@
-"""`python -m workers.engine.emulator --model-path M --port P [any SGLang flag]`.
+"""`python -m genfleet.workers.engine.emulator --model-path M --port P [any SGLang flag]`.
 
 Started by the supervisor exactly like `sglang serve`; its knobs come from the environment
-(`GENFLEET_EMULATOR_*`, read through common.settings.Settings once, here at the edge).
+(`GENFLEET_EMULATOR_*`, read through genfleet.common.settings.Settings once, here at the edge).
 """
 
 from __future__ import annotations
@@ -11,11 +11,10 @@ import logging
 import signal
 import sys
 
-from common.settings import Settings
-
-from .args import LaunchError, parse_args
-from .engine import Knobs
-from .server import serve
+from genfleet.common.settings import Settings
+from genfleet.workers.engine.emulator.args import LaunchError, parse_args
+from genfleet.workers.engine.emulator.server import serve
+from genfleet.workers.engine.emulator.sim.engine import Knobs
 
 LOG_FORMAT = "[%(asctime)s%(tp)s] %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
@@ -57,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return asyncio.run(_run(argv))
     except LaunchError as exc:
-        logging.getLogger("workers.engine.emulator").error("%s", exc)
+        logging.getLogger("genfleet.workers.engine.emulator").error("%s", exc)
         return 1
 
 

@@ -114,7 +114,9 @@ def human_int(value: str) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     """The subset of SGLang's flags the emulator acts on, spelled as SGLang spells them."""
-    p = argparse.ArgumentParser(prog="python -m workers.engine.emulator", allow_abbrev=True)
+    p = argparse.ArgumentParser(
+        prog="python -m genfleet.workers.engine.emulator", allow_abbrev=True
+    )
     p.add_argument("--model-path", "--model", dest="model_path", required=True)
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--host", default="127.0.0.1")

@@ -17,13 +17,13 @@ from typing import Any
 
 from aiohttp import web
 
-from . import chat, generate, metrics
-from .args import EngineArgs, server_args_dict
-from .engine import TP0, Engine, Knobs
-from .errors import json_response
-from .power import gpu_readings
+from genfleet.workers.engine.emulator.args import EngineArgs, server_args_dict
+from genfleet.workers.engine.emulator.routes import chat, generate, metrics
+from genfleet.workers.engine.emulator.routes.errors import json_response
+from genfleet.workers.engine.emulator.sim.engine import TP0, Engine, Knobs
+from genfleet.workers.engine.emulator.sim.power import gpu_readings
 
-log = logging.getLogger("workers.engine.emulator")
+log = logging.getLogger("genfleet.workers.engine.emulator")
 VERSION = "0.5.23+emulator"
 OPEN_PATHS = frozenset({"/health", "/health_generate", "/metrics", "/genfleet/power"})
 FLUSH_TEXT = (

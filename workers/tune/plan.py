@@ -1,7 +1,7 @@
 """The arithmetic of `genfleet tune`, kept pure: configurations, token accounting, the best
 point, the table and the settings file it writes.
 
-`workers.tune` drives the engine and reads the GPU; everything it then decides goes through
+`tune.command` drives the engine and reads the GPU; everything it then decides goes through
 here, so the decisions are tested with tables and no engine.
 """
 

@@ -15,12 +15,23 @@ from typing import Any
 
 from aiohttp import web
 
-from .engine import Engine
-from .errors import SSE_DONE, ApiError, json_response, sse
-from .generate import meta_info
-from .model import Sequence
-from .text import EOS_TOKEN_ID, chat_prompt, prompt_seed, synth_text
-from .validate import check_sampling, field_error, opt_float, opt_int, read_json
+from genfleet.workers.engine.emulator.routes.errors import SSE_DONE, ApiError, json_response, sse
+from genfleet.workers.engine.emulator.routes.generate import meta_info
+from genfleet.workers.engine.emulator.routes.validate import (
+    check_sampling,
+    field_error,
+    opt_float,
+    opt_int,
+    read_json,
+)
+from genfleet.workers.engine.emulator.sim.engine import Engine
+from genfleet.workers.engine.emulator.sim.model import Sequence
+from genfleet.workers.engine.emulator.sim.text import (
+    EOS_TOKEN_ID,
+    chat_prompt,
+    prompt_seed,
+    synth_text,
+)
 
 SCHEMA = "ChatCompletionRequest"
 THINK_END = "</think>\n\n"

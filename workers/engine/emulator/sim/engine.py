@@ -17,15 +17,21 @@ import uuid
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .args import EngineArgs
-from .errors import ApiError, queue_full
-from .model import Scheduler, Sequence, TimeModel, natural_length, plan_length
-from .power import EnergyMeter, PowerModel
+from genfleet.workers.engine.emulator.args import EngineArgs
+from genfleet.workers.engine.emulator.routes.errors import ApiError, queue_full
+from genfleet.workers.engine.emulator.sim.model import (
+    Scheduler,
+    Sequence,
+    TimeModel,
+    natural_length,
+    plan_length,
+)
+from genfleet.workers.engine.emulator.sim.power import EnergyMeter, PowerModel
 
 if TYPE_CHECKING:
-    from common.settings import Settings
+    from genfleet.common.settings import Settings
 
-log = logging.getLogger("workers.engine.emulator")
+log = logging.getLogger("genfleet.workers.engine.emulator")
 TP0 = {"tp": " TP0"}
 REASONING_SHARE = 0.7  # of a thinking completion's natural length, up to and with </think>
 MAX_CATCH_UP_STEPS = 2000  # decode steps run back to back before yielding to the event loop

@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from .args import SpecConfig
+from genfleet.workers.engine.emulator.args import SpecConfig
 
 SPEC_BASE_FACTOR = 1.35
 SPEC_VERIFY_COST_PER_DRAFT = 0.6

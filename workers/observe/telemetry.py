@@ -3,7 +3,7 @@
 A worker samples its own GPUs about once a second (`sample_interval_s`) through a `Sampler`:
 `NvmlSampler` on real GPUs, `EmulatorSampler` when the engine emulator simulates the draw.
 Samples, engine states and generated tokens go into a `TelemetryWindow`, whose `summary(now)`
-is what the power-watch inspect command returns and what `workers.power_watch.diagnose` reads.
+is what the power-watch inspect command returns and what `observe.diagnosis.diagnose` reads.
 Mean power comes from the energy counter delta, not from averaging instantaneous readings:
 the counter integrates every millisecond, a 1 Hz reading does not.
 """
@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import httpx
 
-from workers.engine_state import EngineState
+from genfleet.workers.observe.engine_state import EngineState
 
 _INSTALL_HINT = "install nvidia-ml-py (pip install 'genfleet[worker]')"
 

@@ -14,8 +14,8 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
-from workers.engine_state import EngineState
-from workers.power_watch import CAUSES, Finding
+from genfleet.workers.observe.diagnosis import CAUSES, Finding
+from genfleet.workers.observe.engine_state import EngineState
 
 _GPU = ["worker", "gpu_uuid"]
 _UNDERUSE_CAUSES = [c for c in CAUSES if c != "worker_unresponsive"]

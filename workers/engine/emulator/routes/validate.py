@@ -12,7 +12,11 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from .errors import BAD_REQUEST_ERROR, ApiError, validation_error
+from genfleet.workers.engine.emulator.routes.errors import (
+    BAD_REQUEST_ERROR,
+    ApiError,
+    validation_error,
+)
 
 
 async def read_json(request: web.Request, schema: str) -> dict[str, Any]:

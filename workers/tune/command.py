@@ -39,17 +39,17 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from common.errors import GenfleetError
-from common.records import GenerationParams, PromptRecord
-from common.settings import Settings, parse_setting_args
-from workers.client import EngineClient
-from workers.engine.launchers import engine_launch
-from workers.engine.ports import pick_port
-from workers.engine.sglang_argv import DEFAULT_MAX_RUNNING_REQUESTS
-from workers.engine.supervisor import EngineSupervisor
-from workers.monitor import make_sampler
-from workers.sweep import EngineReader, Load, judge, measure
-from workers.tuning import (
+from genfleet.common.errors import GenfleetError
+from genfleet.common.records import GenerationParams, PromptRecord
+from genfleet.common.settings import Settings, parse_setting_args
+from genfleet.workers.client import EngineClient
+from genfleet.workers.engine.kinds import engine_launch
+from genfleet.workers.engine.ports import pick_port
+from genfleet.workers.engine.sglang_argv import DEFAULT_MAX_RUNNING_REQUESTS
+from genfleet.workers.engine.supervisor import EngineSupervisor
+from genfleet.workers.observe.sampler import make_sampler
+from genfleet.workers.tune.measure import EngineReader, Load, judge, measure
+from genfleet.workers.tune.plan import (
     HEADERS,
     Point,
     TuneConfig,
@@ -168,7 +168,7 @@ def load_prompts(dataset: str | None, settings: Settings, limit: int = 5000) -> 
             PromptRecord(f"tune-{i}", [{"role": "user", "content": text}])
             for i, text in enumerate(BUILTIN_PROMPTS)
         ]
-    from producer.readers import ReaderOptions, read_source
+    from genfleet.producer.readers import ReaderOptions, read_source
 
     options = ReaderOptions(system_prompt=settings.system_prompt, limit=limit)
     prompts = [item for item in read_source(dataset, options) if isinstance(item, PromptRecord)]
@@ -185,7 +185,7 @@ def start_engine(settings: Settings, config: TuneConfig) -> tuple[EngineSupervis
     each = settings.model_copy(update=update)
     arch = None
     if each.engine_kind == "sglang":
-        from workers.engine.preflight import preflight
+        from genfleet.workers.engine.preflight import preflight
 
         arch = preflight(each).arch
     port = pick_port(each.engine_host, each.port)
@@ -295,7 +295,7 @@ def show(points: list[Point]) -> None:
 
 
 def main(args: list[str]) -> None:
-    """`python -m workers tune …` (and `genfleet tune …`)."""
+    """`python -m genfleet.workers tune …` (and `genfleet tune …`)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         options, settings = parse_args(args)

@@ -1,6 +1,6 @@
 """The power-watch beat task's edges: gather every worker's window, join the queue, diagnose.
 
-The diagnosis itself is the pure `workers.power_watch.diagnose`; this module only collects its
+The diagnosis itself is the pure `observe.diagnosis.diagnose`; this module only collects its
 inputs (a `gpu_report` broadcast, queue depth and pending batches from Redis, the workers seen
 before) and sends its output to the log, a bounded Redis stream and the task result (Flower).
 """
@@ -15,10 +15,10 @@ import orjson
 import redis
 from celery import Celery
 
-from common import keys
-from common.redis_conn import connect, text
-from common.settings import Settings
-from workers.power_watch import FleetState, dedupe, diagnose, verdicts
+from genfleet.common import keys
+from genfleet.common.redis_conn import connect, text
+from genfleet.common.settings import Settings
+from genfleet.workers.observe.diagnosis import FleetState, dedupe, diagnose, verdicts
 
 log = logging.getLogger("genfleet.power_watch")
 

@@ -15,11 +15,11 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
-from common.redis_conn import connect
-from common.settings import Settings
-from common.throughput import fleet_tokens_per_s
-from workers.power_watch import verdicts
-from workers.watch import snapshot
+from genfleet.common.redis_conn import connect
+from genfleet.common.settings import Settings
+from genfleet.common.throughput import fleet_tokens_per_s
+from genfleet.workers.observe.diagnosis import verdicts
+from genfleet.workers.observe.power_watch import snapshot
 
 COLUMNS = (
     ("worker", "worker"),
@@ -37,7 +37,7 @@ COLUMNS = (
 
 def rows(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """One verdict row per GPU (with its worker's 10-minute tok/s), and fleet tok/s."""
-    from workers.app import app
+    from genfleet.workers.app import app
 
     client = connect(settings)
     now = time.time()

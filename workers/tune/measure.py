@@ -19,19 +19,19 @@ from typing import Any
 
 import httpx
 
-from common.errors import EngineDown, EngineError, RequestRejected
-from common.records import GenerationParams, PromptRecord
-from common.settings import Settings
-from workers.client import ChatResult, EngineClient
-from workers.engine.supervisor import EngineSupervisor
-from workers.engine_state import (
+from genfleet.common.errors import EngineDown, EngineError, RequestRejected
+from genfleet.common.records import GenerationParams, PromptRecord
+from genfleet.common.settings import Settings
+from genfleet.workers.client import ChatResult, EngineClient
+from genfleet.workers.engine.supervisor import EngineSupervisor
+from genfleet.workers.observe.diagnosis import FleetState, diagnose, verdicts
+from genfleet.workers.observe.engine_state import (
     EngineState,
     engine_state_from_metrics,
     engine_state_from_server_info,
 )
-from workers.power_watch import FleetState, diagnose, verdicts
-from workers.telemetry import GpuSample, Sampler, TelemetryWindow
-from workers.tuning import Point, TuneConfig, tokens_in_window
+from genfleet.workers.observe.telemetry import GpuSample, Sampler, TelemetryWindow
+from genfleet.workers.tune.plan import Point, TuneConfig, tokens_in_window
 
 log = logging.getLogger("genfleet.tune")
 

@@ -1,7 +1,7 @@
 """Which engine a worker launches, and how: one dispatch on `settings.engine_kind`.
 
 - `sglang`: SGLang's own argv (`sglang_argv.sglang_launch`).
-- `emulator`: the very same argv, run by `python -m workers.engine.emulator`, so the
+- `emulator`: the very same argv, run by `python -m genfleet.workers.engine.emulator`, so the
   supervision path tested without a GPU is the one used with one.
 - `command`: any OpenAI-compatible server from `--engine-command`, with `{model}`, `{port}`
   and `{host}` filled in, health-checked on `--engine-health-path`.
@@ -15,13 +15,13 @@ import shlex
 import string
 import sys
 
-from common.errors import ConfigError
-from common.settings import Settings
-from workers.engine.launch import EngineLaunch
-from workers.engine.preflight import checkpoint_arch
-from workers.engine.sglang_argv import LOOPBACK, NEWEST_SGLANG, sglang_launch
+from genfleet.common.errors import ConfigError
+from genfleet.common.settings import Settings
+from genfleet.workers.engine.launch import EngineLaunch
+from genfleet.workers.engine.preflight import checkpoint_arch
+from genfleet.workers.engine.sglang_argv import LOOPBACK, NEWEST_SGLANG, sglang_launch
 
-EMULATOR_PROGRAM = [sys.executable, "-m", "workers.engine.emulator"]
+EMULATOR_PROGRAM = [sys.executable, "-m", "genfleet.workers.engine.emulator"]
 EMULATED_MODEL = "genfleet/emulated"
 COMMAND_PLACEHOLDERS = ("model", "port", "host")
 

@@ -13,11 +13,22 @@ from typing import Any
 
 from aiohttp import web
 
-from .engine import Engine
-from .errors import SSE_DONE, ApiError, json_response, sse
-from .model import Sequence
-from .text import EOS_TOKEN_ID, count_tokens, prompt_seed, synth_ids, synth_text
-from .validate import check_sampling, opt_float, opt_int, read_json
+from genfleet.workers.engine.emulator.routes.errors import SSE_DONE, ApiError, json_response, sse
+from genfleet.workers.engine.emulator.routes.validate import (
+    check_sampling,
+    opt_float,
+    opt_int,
+    read_json,
+)
+from genfleet.workers.engine.emulator.sim.engine import Engine
+from genfleet.workers.engine.emulator.sim.model import Sequence
+from genfleet.workers.engine.emulator.sim.text import (
+    EOS_TOKEN_ID,
+    count_tokens,
+    prompt_seed,
+    synth_ids,
+    synth_text,
+)
 
 SCHEMA = "GenerateReqInput"
 DEFAULT_MAX_NEW_TOKENS = 128

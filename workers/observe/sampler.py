@@ -17,14 +17,19 @@ from typing import Any
 
 import httpx
 
-from common.settings import Settings
-from workers.engine_state import (
+from genfleet.common.settings import Settings
+from genfleet.workers.observe.diagnosis import Finding, FleetState, diagnose
+from genfleet.workers.observe.engine_state import (
     EngineState,
     engine_state_from_metrics,
     engine_state_from_server_info,
 )
-from workers.power_watch import Finding, FleetState, diagnose
-from workers.telemetry import EmulatorSampler, NvmlSampler, Sampler, TelemetryWindow
+from genfleet.workers.observe.telemetry import (
+    EmulatorSampler,
+    NvmlSampler,
+    Sampler,
+    TelemetryWindow,
+)
 
 log = logging.getLogger("genfleet.monitor")
 
@@ -70,7 +75,7 @@ class Monitor:
 
     def start(self) -> None:
         if self.settings.metrics_port is not None:
-            from workers.metrics import MetricsExporter
+            from genfleet.workers.observe.prometheus import MetricsExporter
 
             self.exporter = MetricsExporter(self.worker)
             port = self.exporter.start(self.settings.metrics_port, self.settings.metrics_host)

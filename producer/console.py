@@ -1,0 +1,43 @@
+"""What every command of the CLI shares: the consoles, the one error exit, common options and
+the settings built from flags."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, NoReturn
+
+import typer
+from rich.console import Console
+
+from genfleet.common.settings import Settings, parse_setting_args
+
+console = Console(stderr=True)
+out = Console()
+
+PASS_THROUGH: dict[str, Any] = {
+    "allow_extra_args": True,
+    "ignore_unknown_options": True,
+}
+
+RedisUrl = Annotated[str | None, typer.Option("--redis-url", help="GENFLEET_REDIS_URL")]
+StoreUrl = Annotated[
+    str | None, typer.Option("--store", help="s3://bucket/prefix or file:///path (GENFLEET_STORE)")
+]
+S3Endpoint = Annotated[
+    str | None, typer.Option("--s3-endpoint-url", help="GENFLEET_S3_ENDPOINT_URL (MinIO, ...)")
+]
+Json = Annotated[bool, typer.Option("--json", help="one JSON object on stdout")]
+
+
+def fail(message: str, code: int = 2) -> NoReturn:
+    console.print(f"[bold red]error:[/] {message}", highlight=False)
+    raise typer.Exit(code)
+
+
+def build_settings(extra: list[str] | None = None, **flags: Any) -> Settings:
+    """Environment + defaults, overridden by the flags given (declared ones and `extra`)."""
+    try:
+        overrides = parse_setting_args(list(extra or []))
+        overrides.update({k: v for k, v in flags.items() if v is not None})
+        return Settings.from_overrides(overrides)
+    except ValueError as exc:
+        fail(str(exc).replace("\n", " "))
