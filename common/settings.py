@@ -16,9 +16,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 EngineKind = Literal["sglang", "emulator", "external", "command"]
 
 
-def default_store_url() -> str:
-    """A local store under the current directory: the embedded default for one machine."""
-    return (Path.cwd() / "genfleet-store").resolve().as_uri()
+# The embedded store of one machine: one place per user, whatever the current directory, so a
+# worker and the producer started from different directories share it.
+DEFAULT_STORE = "~/.local/share/genfleet/store"
 
 
 class Settings(BaseSettings):
@@ -38,7 +38,7 @@ class Settings(BaseSettings):
 
     # --- where work and results live -------------------------------------------------------
     redis_url: SecretStr = SecretStr("redis://127.0.0.1:6379/0")
-    store: str = Field(default_factory=default_store_url)
+    store: str = DEFAULT_STORE  # made a file:// URL by the validator below
     s3_endpoint_url: str | None = None
     s3_region: str = "us-east-1"
     queue: str = "gpu"
@@ -139,11 +139,7 @@ class Settings(BaseSettings):
     @field_validator("store")
     @classmethod
     def _store_url(cls, value: str) -> str:
-        if value.startswith(("s3://", "file://")):
-            return value
-        if "://" in value:
-            raise ValueError(f"store must be s3://bucket/prefix or file:///path, got {value!r}")
-        return Path(value).expanduser().resolve().as_uri()
+        return store_url(value)
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:
@@ -192,6 +188,15 @@ class Settings(BaseSettings):
                 value = "true" if value else "false"
             env[f"GENFLEET_{name.upper()}"] = str(value)
         return env
+
+
+def store_url(value: str) -> str:
+    """`s3://…` and `file://…` as given; a directory (`~` expanded) as its file:// URL."""
+    if value.startswith(("s3://", "file://")):
+        return value
+    if "://" in value:
+        raise ValueError(f"store must be s3://bucket/prefix or file:///path, got {value!r}")
+    return Path(value).expanduser().resolve().as_uri()
 
 
 def redact_url(url: str) -> str:

@@ -1,25 +1,48 @@
-"""`genfleet`: the command line. Every setting is also a flag of the same name.
+"""`genfleet`: the command line, one root app. Every setting is also a flag of the same name.
 
-Producer commands (enqueue, status, export, report, retry, run) run here; GPU-side commands
-(worker, control, preflight, tune) run in `python -m genfleet.workers`, so a producer-only install
-never imports the worker stack.
+Producer commands (enqueue, status, export, report, retry, findings, run, settings) live in the
+producer. The GPU side's commands (worker, control, preflight, top, tune) live in
+`genfleet.workers.cli`, loaded only when one of them runs or `--help` lists them, so the
+producer's own commands never import the worker stack.
 """
 
 from __future__ import annotations
 
-import os
-import sys
-from typing import NoReturn
+from typing import Any
 
 import orjson
 import typer
+from typer.core import TyperGroup
 
 from genfleet.common.errors import GenfleetError
+from genfleet.common.flags import fail, with_settings
+from genfleet.common.settings import DEFAULT_STORE, Settings, store_url
 from genfleet.producer import commands, local_run
-from genfleet.producer.console import PASS_THROUGH, Json, build_settings, console, out
+from genfleet.producer.console import PASS_THROUGH, Json, out
+
+# The GPU side's commands, by name: `genfleet.workers.cli` defines them.
+GPU_COMMANDS = ("worker", "control", "preflight", "top", "tune")
+
+
+class RootGroup(TyperGroup):
+    """The root: the producer's commands registered below, the GPU side's loaded on use."""
+
+    # Typed Any: the click these contexts and commands come from is typer's own (vendored).
+    def list_commands(self, ctx: Any) -> list[str]:
+        return [*super().list_commands(ctx), *GPU_COMMANDS]
+
+    def get_command(self, ctx: Any, cmd_name: str) -> Any:
+        if cmd_name not in GPU_COMMANDS:
+            return super().get_command(ctx, cmd_name)
+        from genfleet.workers.cli import app as gpu_app  # light: heavy imports are in commands
+
+        group: Any = typer.main.get_command(gpu_app)
+        return group.get_command(ctx, cmd_name)
+
 
 app = typer.Typer(
     name="genfleet",
+    cls=RootGroup,
     help="Bulk LLM generation on a GPU fleet: Redis → Celery workers → SGLang (MTP on) → S3.",
     no_args_is_help=True,
     add_completion=False,
@@ -27,57 +50,20 @@ app = typer.Typer(
 )
 
 
-def _forward(command: str, args: list[str]) -> NoReturn:
-    """Hand a GPU-side command to `python -m genfleet.workers` (same flags, same environment)."""
-    argv = [sys.executable, "-m", "genfleet.workers", command, *args]
-    os.execv(sys.executable, argv)
+@with_settings()
+def show_settings(settings: Settings, json_out: Json = False) -> None:
+    """Every setting with its flag, environment variable and value (secrets masked).
 
-
-@app.command(context_settings={**PASS_THROUGH, "help_option_names": []}, add_help_option=False)
-def worker(ctx: typer.Context) -> None:
-    """Start GPU workers on this node: one Celery worker + engine per GPU group.
-
-    `genfleet worker --gpus 0,1,2,3 --tp-size 2 [--model PATH] [--no-mtp] [any setting]`;
-    `--print-engine-command` prints what would be launched, without launching.
+    The values are what a command given the same environment and flags would run with; the
+    store, unless set, is the embedded one of this user (DEFAULT_STORE), whatever the
+    current directory.
     """
-    _forward("worker", list(ctx.args))
-
-
-@app.command(context_settings={**PASS_THROUGH, "help_option_names": []}, add_help_option=False)
-def control(ctx: typer.Context) -> None:
-    """Start the one control worker: beat (power-watch, lease reaper) with no engine."""
-    _forward("control", list(ctx.args))
-
-
-@app.command(context_settings={**PASS_THROUGH, "help_option_names": []}, add_help_option=False)
-def preflight(ctx: typer.Context) -> None:
-    """Check a checkpoint before any GPU time: config, MTP weights. Exit 0 if it would start."""
-    _forward("preflight", list(ctx.args))
-
-
-@app.command(context_settings={**PASS_THROUGH, "help_option_names": []}, add_help_option=False)
-def tune(ctx: typer.Context) -> None:
-    """Sweep concurrency x MTP on an engine; print tok/s, watts, J/token; write the best."""
-    _forward("tune", list(ctx.args))
-
-
-@app.command(context_settings={**PASS_THROUGH, "help_option_names": []}, add_help_option=False)
-def top(ctx: typer.Context) -> None:
-    """A live table, one row per GPU: power / limit, tok/s, in-flight, accept length, verdict.
-
-    `--once --json` prints one JSON object per GPU.
-    """
-    _forward("top", list(ctx.args))
-
-
-@app.command("settings")
-def show_settings(json_out: Json = False) -> None:
-    """Every setting with its flag, environment variable and current value (secrets masked)."""
-    settings = build_settings()
-    data = settings.redacted()
+    data: dict[str, Any] = settings.redacted()
     if json_out:
         out.print_json(orjson.dumps(data, default=str).decode())
         return
+    default = f"{DEFAULT_STORE} = {store_url(DEFAULT_STORE)}"
+    out.print(f"store: {settings.store} (default: {default})", highlight=False)
     for name, value in data.items():
         flag = "--" + name.replace("_", "-")
         out.print(f"{flag:36} GENFLEET_{name.upper():40} {value!r}", highlight=False)
@@ -90,7 +76,8 @@ app.command()(commands.retry)
 app.command()(commands.export)
 app.command()(commands.report)
 app.command()(commands.findings)
-app.command("run", context_settings=PASS_THROUGH)(local_run.run_command)
+app.command("run")(local_run.run_command)
+app.command("settings")(show_settings)
 
 
 def main() -> None:
@@ -98,5 +85,4 @@ def main() -> None:
     try:
         app()
     except GenfleetError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False)
-        sys.exit(2)
+        fail(str(exc))

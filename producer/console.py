@@ -1,14 +1,18 @@
-"""What every command of the CLI shares: the consoles, the one error exit, common options and
-the settings built from flags."""
+"""What the producer's commands share: the consoles, common options, the settings built from
+flags and the one error exit (`genfleet.common.flags.fail`, re-exported)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, NoReturn
+from typing import Annotated, Any
 
 import typer
 from rich.console import Console
 
+from genfleet.common.flags import fail
 from genfleet.common.settings import Settings, parse_setting_args
+
+__all__ = ["PASS_THROUGH", "Json", "RedisUrl", "S3Endpoint", "StoreUrl", "build_settings"]
+__all__ += ["console", "fail", "out"]
 
 console = Console(stderr=True)
 out = Console()
@@ -26,11 +30,6 @@ S3Endpoint = Annotated[
     str | None, typer.Option("--s3-endpoint-url", help="GENFLEET_S3_ENDPOINT_URL (MinIO, ...)")
 ]
 Json = Annotated[bool, typer.Option("--json", help="one JSON object on stdout")]
-
-
-def fail(message: str, code: int = 2) -> NoReturn:
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
-    raise typer.Exit(code)
 
 
 def build_settings(extra: list[str] | None = None, **flags: Any) -> Settings:

@@ -24,12 +24,13 @@ import typer
 
 from genfleet.common import keys
 from genfleet.common.errors import GenfleetError
+from genfleet.common.flags import fail, with_settings
 from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.commands import Format, watch_run
-from genfleet.producer.console import Json, build_settings, console, fail, out
+from genfleet.producer.console import Json, console, out
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import read_findings, run_status
 
@@ -98,8 +99,9 @@ def _wait(children: Children, settings: Settings, run: str) -> dict[str, Any]:
     return run_status(store, client, run)
 
 
+@with_settings(exclude={"role"})
 def run_command(
-    ctx: typer.Context,
+    settings: Settings,
     source: Annotated[str, typer.Argument(help="dataset file or directory")],
     run: Annotated[str | None, typer.Option("--run", help="default: the file's name")] = None,
     fmt: Format = None,
@@ -112,8 +114,8 @@ def run_command(
 
     Any setting is a flag: `--model PATH` (SGLang; without it the emulator runs, said loudly),
     `--no-mtp`, `--gpus 0,1`, `--tp-size`, `--batch-size`, `--max-tokens`, `--store`, ...
+    The workers it starts get these settings in their environment.
     """
-    settings = build_settings(ctx.args)
     run = run or default_run_name(source)
     try:
         keys.validate_run(run)
@@ -138,12 +140,13 @@ def run_command(
         console.print(f"run [bold]{run}[/] is already done in {settings.store}", highlight=False)
         _summary(settings, finished, json_out)
         raise typer.Exit(0)
-    env = {**os.environ, **settings.child_env(), "GENFLEET_LOG_DIR": str(log_dir)}
+    settings = settings.model_copy(update={"log_dir": str(log_dir)})
+    env = {**os.environ, **settings.child_env()}
     children = Children(log_dir)
     console.print(f"store {settings.store}; logs in {log_dir}", highlight=False)
     try:
         children.start("worker", ["worker"], env)
-        children.start("control", ["control"], {**env, "GENFLEET_ROLE": "control"})
+        children.start("control", ["control"], env)
         options = reader_options(
             settings, fmt, messages_col=messages_col, prompt_col=prompt_col, id_col=id_col
         )

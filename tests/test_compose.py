@@ -126,9 +126,11 @@ def ours(service: Mapping[str, Any]) -> bool:
 
 
 def genfleet_commands() -> set[str]:
+    import typer
+
     from genfleet.producer.cli import app
 
-    return {c.name or c.callback.__name__ for c in app.registered_commands if c.callback}
+    return set(typer.main.get_command(app).list_commands(None))  # type: ignore[attr-defined]
 
 
 def seconds(duration: str) -> float:
@@ -165,7 +167,7 @@ def check_celery(args: list[str]) -> None:
 
 
 def check_argv(parts: list[str]) -> None:
-    from genfleet.common.settings import parse_setting_args
+    from genfleet.workers.cli import parse
 
     program, args = parts[0], parts[1:]
     if program == "genfleet":
@@ -173,7 +175,7 @@ def check_argv(parts: list[str]) -> None:
         if words:
             assert words[0] in genfleet_commands(), f"genfleet has no {words[0]!r} command"
             if words[0] in {"worker", "control"}:
-                parse_setting_args(args[args.index(words[0]) + 1 :])
+                parse(words[0], args[args.index(words[0]) + 1 :])
         else:
             assert args == ["--help"], args
     elif program == "celery":

@@ -1,6 +1,7 @@
 """The layering the design promises, checked on the source.
 
-- producer never imports workers; common imports neither, nor Celery or GPU libraries;
+- producer never imports workers, but for the root CLI loading the GPU side's commands
+  (`genfleet.workers.cli`) when one runs; common imports neither, nor Celery or GPU libraries;
 - heavy libraries stay in their seam modules;
 - no import cycle between modules, lazy (function-level) imports included;
 - no folder holds more than ten modules, no module more than 450 lines;
@@ -10,6 +11,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -44,12 +47,20 @@ def imported_names(path: Path) -> set[str]:
     return names
 
 
+# The one lazy import of workers by producer: the root CLI loads the GPU side's commands.
+GPU_COMMANDS_SEAM = ("producer/cli.py", "genfleet.workers.cli")
+
+
 def imports_of(package: str) -> dict[str, set[str]]:
     """Top-level names imported by each file of `package` (`genfleet.workers` → `workers`)."""
     found: dict[str, set[str]] = {}
     for path in sorted((ROOT / package).rglob("*.py")):
         tops = set()
         for name in imported_names(path):
+            seam_path, seam_module = GPU_COMMANDS_SEAM
+            seam = str(path.relative_to(ROOT)) == seam_path
+            if seam and (name + ".").startswith(seam_module + "."):
+                continue
             parts = name.split(".")
             tops.add(parts[1] if parts[0] == "genfleet" and len(parts) > 1 else parts[0])
         found[str(path.relative_to(ROOT))] = tops
@@ -66,6 +77,27 @@ def imports_of(package: str) -> dict[str, set[str]]:
 def test_package_does_not_import(package: str, forbidden: set[str]) -> None:
     bad = {path: names & forbidden for path, names in imports_of(package).items()}
     assert {path: names for path, names in bad.items() if names} == {}
+
+
+def test_the_cli_seam_is_lazy_and_light() -> None:
+    """`genfleet`'s producer commands load no worker module; listing the GPU side's commands
+    loads `genfleet.workers.cli` alone, without Celery, the engine or NVML."""
+    path, module = GPU_COMMANDS_SEAM
+    tree = ast.parse((ROOT / path).read_text())
+    top_level = {n.module for n in tree.body if isinstance(n, ast.ImportFrom)}
+    assert module not in top_level
+    probe = (
+        "import sys\n"
+        "import genfleet.producer.cli as cli\n"
+        "assert not [m for m in sys.modules if m.startswith('genfleet.workers')], 'eager'\n"
+        "from typer.testing import CliRunner\n"
+        "result = CliRunner().invoke(cli.app, ['--help'])\n"
+        "assert result.exit_code == 0 and 'worker' in result.output, result.output\n"
+        "heavy = {'celery', 'aiohttp', 'pynvml', 'genfleet.workers.app'} & set(sys.modules)\n"
+        "assert 'genfleet.workers.cli' in sys.modules and not heavy, heavy\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_nothing_generic_is_imported_at_the_top() -> None:

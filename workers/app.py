@@ -1,9 +1,14 @@
 """The Celery app of every genfleet process: `celery -A genfleet.workers.app …`.
 
-Configuration is read from the environment (GENFLEET_*) when Celery first needs it, not at
-import. The engine is started by a worker-level bootstep: before the worker consumes, after
-its pool exists; stopped when the worker shuts down. (Consumer steps would restart the engine
-on every broker reconnect, so this must be a worker step.)
+The process's `Settings` are handed to the app by `configure()` at its edge (`genfleet worker`,
+`control`, `top`) before Celery first needs its configuration; a process started by the
+`celery` program itself (Flower, `celery inspect`) builds them once from its environment then.
+Either way they sit in `app.conf` (`settings_of(app)`), where the engine step and the tasks
+read them. Nothing is read at import.
+
+The engine is started by a worker-level bootstep: before the worker consumes, after its pool
+exists; stopped when the worker shuts down. (Consumer steps would restart the engine on every
+broker reconnect, so this must be a worker step.)
 """
 
 from __future__ import annotations
@@ -16,16 +21,40 @@ from celery import Celery, bootsteps
 from celery.worker.control import inspect_command
 
 from genfleet.common.celery_config import POWER_WATCH_TASK, REAPER_TASK, celery_config
+from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
 
 log = logging.getLogger("genfleet.worker")
 
 app = Celery("genfleet", include=["genfleet.workers.tasks"])
 
+SETTINGS_KEY = "genfleet_settings"
+_given: list[Settings] = []  # what configure() handed over, read once when the conf loads
+
+
+def configure(settings: Settings) -> None:
+    """Make `settings` this process's configuration; call before anything touches `app.conf`.
+
+    Raises ConfigError when the configuration was already loaded: it would be ignored.
+    """
+    if app.configured:
+        raise ConfigError("the Celery app was configured before its settings were handed over")
+    _given[:] = [settings]
+
+
+def settings_of(celery_app: Celery) -> Settings:
+    """The Settings this worker process runs with (see `configure`)."""
+    settings = celery_app.conf.get(SETTINGS_KEY)
+    if not isinstance(settings, Settings):
+        raise ConfigError(f"the Celery app {celery_app.main!r} carries no genfleet settings")
+    return settings
+
 
 def _defaults() -> dict[str, Any]:
-    settings = Settings()
+    # No configure() call: a process started by the `celery` program; its edge is here.
+    settings = _given[0] if _given else Settings()
     config = celery_config(settings)
+    config[SETTINGS_KEY] = settings
     config["beat_schedule"] = {
         "power-watch": {
             "task": POWER_WATCH_TASK,
@@ -59,7 +88,7 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def start(self, parent: Any) -> None:
         from genfleet.workers.runtime import WorkerRuntime
 
-        settings = Settings()
+        settings = settings_of(parent.app)
         if settings.role == "control":
             return  # beat and power-watch only: no engine, no GPU
         hostname = parent.hostname

@@ -24,8 +24,7 @@ from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK
 from genfleet.common.errors import EngineError, StoreError
 from genfleet.common.records import WorkOrder
-from genfleet.common.settings import Settings
-from genfleet.workers.app import app
+from genfleet.workers.app import app, settings_of
 from genfleet.workers.batch import BatchInputMissing, BatchInterrupted, execute
 from genfleet.workers.runtime import current
 
@@ -129,7 +128,7 @@ def reap_leases() -> dict[str, Any]:
     from genfleet.common.redis_conn import connect, text
     from genfleet.common.store import open_store
 
-    settings = Settings()
+    settings = settings_of(app)
     client = connect(settings)
     store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
     now = time.time()
@@ -158,4 +157,4 @@ def reap_leases() -> dict[str, Any]:
 def power_watch() -> dict[str, Any]:
     from genfleet.workers.observe.power_watch import run_power_watch
 
-    return run_power_watch(app, Settings())
+    return run_power_watch(app, settings_of(app))

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from genfleet.common.settings import Settings
-from genfleet.workers.tune.command import parse_args
+from genfleet.workers.cli import parse_tune_args as parse_args
 from genfleet.workers.tune.plan import (
     Point,
     TuneConfig,

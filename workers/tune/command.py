@@ -27,21 +27,21 @@ from __future__ import annotations
 
 import itertools
 import logging
-import sys
 import tempfile
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import orjson
+import typer
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from genfleet.common.errors import GenfleetError
+from genfleet.common.flags import fail
 from genfleet.common.records import GenerationParams, PromptRecord
-from genfleet.common.settings import Settings, parse_setting_args
+from genfleet.common.settings import Settings
 from genfleet.workers.client import EngineClient
 from genfleet.workers.engine.kinds import engine_launch
 from genfleet.workers.engine.ports import pick_port
@@ -51,12 +51,11 @@ from genfleet.workers.observe.sampler import make_sampler
 from genfleet.workers.tune.measure import EngineReader, Load, judge, measure
 from genfleet.workers.tune.plan import (
     HEADERS,
+    Options,
     Point,
     TuneConfig,
     best,
     markdown_table,
-    parse_concurrency,
-    parse_configs,
     settings_file_text,
     table_rows,
 )
@@ -94,73 +93,6 @@ BUILTIN_PROMPTS = (
 )
 
 
-@dataclass
-class Options:
-    """The tune flags; everything else on the command line is a setting."""
-
-    concurrency: list[int]
-    configs: list[TuneConfig]
-    duration_s: float = 30.0
-    warmup_s: float = 5.0
-    ramp_s: float = 5.0  # load before each window opens, so the window sees a steady state
-    drain_s: float = 120.0
-    dataset: str | None = None
-    out: Path | None = None
-    json_path: Path | None = None
-    pick: str = "throughput"
-
-
-def die(message: str, code: int = 2) -> NoReturn:
-    console.print(f"[bold red]error:[/] {message}", highlight=False)
-    sys.exit(code)
-
-
-def _take(args: list[str], flag: str) -> str | None:
-    """Remove `flag VALUE` / `flag=VALUE` from args; a bare `--mtp` (a setting) stays."""
-    for i, arg in enumerate(args):
-        if arg.startswith(flag + "="):
-            del args[i]
-            return arg.split("=", 1)[1]
-        if arg == flag and i + 1 < len(args) and not args[i + 1].startswith("--"):
-            value = args[i + 1]
-            del args[i : i + 2]
-            return value
-    return None
-
-
-def parse_args(args: list[str]) -> tuple[Options, Settings]:
-    """Split the tune flags from the settings flags; raises ValueError with the bad flag."""
-    args = list(args)
-    concurrency = _take(args, "--concurrency")
-    mtp = _take(args, "--mtp")
-    timing = ("duration-s", "warmup-s", "ramp-s", "drain-s")
-    values = {name: _take(args, f"--{name}") for name in timing}
-    dataset, out_path, json_path = (_take(args, f) for f in ("--dataset", "--out", "--json"))
-    pick = _take(args, "--pick") or "throughput"
-    if pick not in {"throughput", "energy"}:
-        raise ValueError(f"--pick takes throughput or energy, got {pick!r}")
-    settings = Settings.from_overrides(parse_setting_args(args))
-    kind = settings.engine_kind
-    if kind == "external":
-        raise ValueError("tune starts its own engine, not --engine external: use --engine command")
-    default_mtp = "on,on:48,off" if kind in {"sglang", "emulator"} else "off"
-    options = Options(
-        concurrency=parse_concurrency(concurrency or "1,4,16,64,128"),
-        configs=parse_configs(mtp or default_mtp),
-        dataset=dataset,
-        out=Path(out_path) if out_path else Path("tuned.env"),
-        json_path=Path(json_path) if json_path else None,
-        pick=pick,
-    )
-    for name, value in values.items():
-        if value is not None:
-            seconds = float(value)
-            if seconds < 0 or (name == "duration-s" and seconds <= 0):
-                raise ValueError(f"--{name} must be positive, got {value}")
-            setattr(options, name.replace("-", "_"), seconds)
-    return options, settings
-
-
 def load_prompts(dataset: str | None, settings: Settings, limit: int = 5000) -> list[PromptRecord]:
     """Prompts from the user's dataset (rejects skipped), else the built-in set."""
     if dataset is None:
@@ -190,7 +122,7 @@ def start_engine(settings: Settings, config: TuneConfig) -> tuple[EngineSupervis
         arch = preflight(each).arch
     port = pick_port(each.engine_host, each.port)
     launch = engine_launch(each, port, arch=arch)
-    assert launch is not None  # external engines are refused in parse_args
+    assert launch is not None  # external engines are refused in tune_options
     log_dir = Path(each.log_dir or Path(tempfile.gettempdir()) / "genfleet-logs")
     label = config.label.replace(":", "-")
     supervisor = EngineSupervisor(
@@ -294,14 +226,13 @@ def show(points: list[Point]) -> None:
     (out if out.is_terminal else Console(width=160)).print(table)
 
 
-def main(args: list[str]) -> None:
-    """`python -m genfleet.workers tune …` (and `genfleet tune …`)."""
+def run_tune(options: Options, settings: Settings) -> None:
+    """The sweep of `genfleet tune` (see `genfleet.workers.cli.tune` for its flags)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        options, settings = parse_args(args)
         prompts = load_prompts(options.dataset, settings)
     except (ValueError, GenfleetError) as exc:
-        die(str(exc).replace("\n", " "))
+        fail(str(exc).replace("\n", " "))
     kind = settings.engine_kind
     console.print(
         f"tune: engine {kind} {settings.model or ''}; MTP "
@@ -330,10 +261,10 @@ def main(args: list[str]) -> None:
             for config in options.configs:
                 points += run_config(config, options, settings, cycle, bar)
     except GenfleetError as exc:
-        die(f"{exc}".splitlines()[0])
+        fail(f"{exc}".splitlines()[0])
     except KeyboardInterrupt:
         console.print("interrupted")
-        sys.exit(130)
+        raise typer.Exit(130) from None
     show(points)
     report(points, options, settings)
 
@@ -356,8 +287,7 @@ def report(points: list[Point], options: Options, settings: Settings) -> None:
         }
         options.json_path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
     if chosen is None:
-        die("no point produced tokens without errors: nothing to write", 1)
-    assert options.out is not None
+        fail("no point produced tokens without errors: nothing to write", 1)
     options.out.write_text(
         settings_file_text(
             chosen, engine=settings.engine_kind, model=settings.model, objective=options.pick

@@ -10,7 +10,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
+
+from genfleet.common.settings import Settings
 
 # SGLang's running-batch cap under speculative decoding when --max-running-requests is not
 # passed (`speculative_hook.py::_handle_eagle_family`); `on:48` reproduces it on purpose.
@@ -223,3 +226,63 @@ def settings_file_text(
         lines.append(f"GENFLEET_MAX_RUNNING_REQUESTS={point.max_running_requests}")
     lines.append(f"GENFLEET_MAX_INFLIGHT={point.concurrency}")
     return "\n".join(lines) + "\n"
+
+
+@dataclass
+class Options:
+    """The tune flags; everything else on the command line is a setting."""
+
+    concurrency: list[int]
+    configs: list[TuneConfig]
+    duration_s: float = 30.0
+    warmup_s: float = 5.0
+    ramp_s: float = 5.0  # load before each window opens, so the window sees a steady state
+    drain_s: float = 120.0
+    dataset: str | None = None
+    out: Path = Path("tuned.env")
+    json_path: Path | None = None
+    pick: str = "throughput"
+
+
+def tune_options(
+    settings: Settings,
+    *,
+    concurrency: str = "1,4,16,64,128",
+    mtp: str | None = None,
+    duration_s: float = 30.0,
+    warmup_s: float = 5.0,
+    ramp_s: float = 5.0,
+    drain_s: float = 120.0,
+    dataset: str | None = None,
+    out: Path = Path("tuned.env"),
+    json_path: Path | None = None,
+    pick: str = "throughput",
+) -> Options:
+    """The sweep the flags ask for; raises ValueError naming the flag that cannot be.
+
+    `--mtp` defaults to `on,on:48,off` where genfleet drives MTP (SGLang, the emulator) and to
+    `off` for an `--engine command` it knows no MTP switch of.
+    """
+    if pick not in {"throughput", "energy"}:
+        raise ValueError(f"--pick takes throughput or energy, got {pick!r}")
+    kind = settings.engine_kind
+    if kind == "external":
+        raise ValueError("tune starts its own engine, not --engine external: use --engine command")
+    if duration_s <= 0:
+        raise ValueError(f"--duration-s must be positive, got {duration_s:g}")
+    for name, seconds in (("warmup-s", warmup_s), ("ramp-s", ramp_s), ("drain-s", drain_s)):
+        if seconds < 0:
+            raise ValueError(f"--{name} must not be negative, got {seconds:g}")
+    default_mtp = "on,on:48,off" if kind in {"sglang", "emulator"} else "off"
+    return Options(
+        concurrency=parse_concurrency(concurrency),
+        configs=parse_configs(mtp or default_mtp),
+        duration_s=duration_s,
+        warmup_s=warmup_s,
+        ramp_s=ramp_s,
+        drain_s=drain_s,
+        dataset=dataset,
+        out=out,
+        json_path=json_path,
+        pick=pick,
+    )

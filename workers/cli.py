@@ -1,0 +1,255 @@
+"""The GPU side of `genfleet`: worker, control, preflight, top and tune.
+
+`genfleet` registers these commands (loading this module only when one runs or `--help` lists
+them) and `python -m genfleet.workers` runs them alone; both parse with the same options, every
+setting a flag of the same name. This module imports nothing heavy: Celery, the engine and NVML
+are imported inside the commands.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Annotated, Any
+
+import orjson
+import typer
+
+from genfleet.common.errors import GenfleetError
+from genfleet.common.flags import fail, settings_from, with_settings
+from genfleet.common.settings import Settings
+from genfleet.workers.tune.plan import Options, tune_options
+
+GPU_PANEL = "GPU node"
+
+app = typer.Typer(
+    name="genfleet",
+    help="The GPU side of genfleet: workers with their engines, the control worker, checks.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+Hostname = Annotated[
+    str | None, typer.Option("--hostname", help="Celery node name (name@host)", show_default=False)
+]
+JsonFlag = Annotated[bool, typer.Option("--json", help="one JSON object on stdout")]
+
+
+def gpu_groups(gpus: str | None, tp_size: int) -> list[str | None]:
+    """`0,1,2,3` with tp 2 → ["0,1", "2,3"]; no --gpus → one group that sees what it sees."""
+    if not gpus:
+        return [None]
+    ids = [g.strip() for g in gpus.split(",") if g.strip()]
+    if len(ids) % tp_size:
+        fail(f"--gpus has {len(ids)} GPUs, not a multiple of --tp-size {tp_size}")
+    return [",".join(ids[i : i + tp_size]) for i in range(0, len(ids), tp_size)]
+
+
+def group_settings(settings: Settings, group: str | None, index: int, count: int) -> Settings:
+    """Settings of the index-th worker: its GPUs and its own engine port."""
+    port = settings.port + index * 10 if count > 1 else settings.port
+    return settings.model_copy(update={"gpus": group, "port": port})
+
+
+@with_settings(exclude={"role"})
+def worker(
+    settings: Settings,
+    print_engine_command: Annotated[
+        bool,
+        typer.Option("--print-engine-command", help="print what would be launched, launch nothing"),
+    ] = False,
+    hostname: Hostname = None,
+    worker_index: Annotated[int | None, typer.Option(hidden=True)] = None,
+) -> None:
+    """Start GPU workers on this node: one Celery worker + engine per GPU group.
+
+    `genfleet worker --gpus 0,1,2,3 --tp-size 2 --model PATH`, plus any setting below.
+    """
+    settings = settings.model_copy(update={"role": "gpu"})
+    groups = gpu_groups(settings.gpus, settings.tp_size)
+    if print_engine_command:
+        from genfleet.workers.engine.kinds import print_engine_command as engine_command
+
+        for i, group in enumerate(groups):
+            each = group_settings(settings, group, i, len(groups))
+            prefix = f"CUDA_VISIBLE_DEVICES={group} " if group else ""
+            print(prefix + engine_command(each, each.port))
+        return
+    if len(groups) > 1 and worker_index is None:
+        run_group_workers(settings, groups, hostname)
+        return
+    host = socket.gethostname()
+    index = worker_index
+    name = hostname or (f"gpu{index}@{host}" if index is not None else f"gpu@{host}")
+    concurrency = str(settings.worker_concurrency)
+    run_celery(settings, ["--queues", settings.queue, "--concurrency", concurrency], name)
+
+
+def run_group_workers(settings: Settings, groups: list[str | None], hostname: str | None) -> None:
+    """One child worker per GPU group, its settings in its environment; signals are
+    forwarded; exit when they all exit."""
+    procs: list[subprocess.Popen[bytes]] = []
+    for i, group in enumerate(groups):
+        each = group_settings(settings, group, i, len(groups))
+        argv = [sys.executable, "-m", "genfleet.workers", "worker", "--worker-index", str(i)]
+        if hostname:  # name@host → name0@host, name1@host, ...
+            name, _, domain = hostname.partition("@")
+            argv += ["--hostname", f"{name}{i}@{domain or socket.gethostname()}"]
+        procs.append(subprocess.Popen(argv, env={**os.environ, **each.child_env()}))
+
+    def forward(signum: int, _frame: object) -> None:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    codes = [proc.wait() for proc in procs]
+    raise typer.Exit(max(codes))
+
+
+def run_celery(settings: Settings, args: list[str], hostname: str) -> None:
+    """This process's Celery worker, configured with `settings` (handed over, not re-read)."""
+    from genfleet.workers.app import app as celery_app
+    from genfleet.workers.app import configure
+
+    configure(settings)
+    flags = ["--hostname", hostname, "--loglevel", "INFO", "--task-events", "--without-mingle"]
+    celery_app.worker_main(["worker", *args, *flags])
+
+
+@with_settings(exclude={"role"})
+def control(settings: Settings, hostname: Hostname = None) -> None:
+    """Start the one control worker: beat (power-watch, lease reaper) with no engine."""
+    settings = settings.model_copy(update={"role": "control"})
+    schedule = Path(settings.log_dir or tempfile.gettempdir()) / "genfleet-beat-schedule"
+    args = ["--beat", "--schedule", str(schedule), "--queues", "control", "--concurrency", "2"]
+    run_celery(settings, args, hostname or f"control@{socket.gethostname()}")
+
+
+@with_settings()
+def preflight(settings: Settings, json_out: JsonFlag = False) -> None:
+    """Check a checkpoint before any GPU time: config, MTP weights. Exit 0 if it would start."""
+    if not settings.model:
+        fail("preflight needs --model PATH")
+    from genfleet.workers.engine.preflight import preflight as check
+
+    try:
+        report = check(settings)
+    except GenfleetError as exc:
+        if json_out:
+            print(orjson.dumps({"ok": False, "error": str(exc)}).decode())
+        fail(str(exc), 1)
+    if json_out:
+        print(orjson.dumps({"ok": True, **report.to_json()}).decode())
+        return
+    print(f"ok: {settings.model} would start ({report.arch}; MTP {report.mtp_layout or 'off'})")
+    for warning in report.warnings:
+        print(f"warning: {warning}")
+
+
+@with_settings()
+def top(
+    settings: Settings,
+    once: Annotated[bool, typer.Option("--once", help="print one table and exit")] = False,
+    json_out: JsonFlag = False,
+) -> None:
+    """A live table, one row per GPU: power / limit, tok/s, in-flight, accept length, verdict.
+
+    `--once --json` prints one JSON object per GPU.
+    """
+    from genfleet.workers.app import configure
+    from genfleet.workers.observe.top import main as top_main
+
+    configure(settings)
+    try:
+        top_main(settings, once, json_out)
+    except KeyboardInterrupt:
+        pass
+
+
+@with_settings(exclude={"mtp"})
+def tune(
+    settings: Settings,
+    concurrency: Annotated[
+        str, typer.Option(help="requests kept in flight, one window each")
+    ] = "1,4,16,64,128",
+    mtp: Annotated[
+        str | None,
+        typer.Option(
+            "--mtp",
+            help="engine configurations: on, off, on:N / off:N pin --max-running-requests N",
+            show_default="on,on:48,off; off for --engine command",
+        ),
+    ] = None,
+    duration_s: Annotated[float, typer.Option(help="measured seconds per point")] = 30.0,
+    warmup_s: Annotated[float, typer.Option(help="warm-up per configuration")] = 5.0,
+    ramp_s: Annotated[float, typer.Option(help="load before each window opens")] = 5.0,
+    drain_s: Annotated[float, typer.Option(help="wait for a point's requests to end")] = 120.0,
+    dataset: Annotated[str | None, typer.Option(help="prompts (any enqueue format)")] = None,
+    out: Annotated[Path, typer.Option("--out", help="settings file of the chosen point")] = Path(
+        "tuned.env"
+    ),
+    json_path: Annotated[
+        Path | None, typer.Option("--json", help="every point as JSON", show_default=False)
+    ] = None,
+    pick: Annotated[
+        str, typer.Option(help="what the settings file optimises: throughput or energy")
+    ] = "throughput",
+) -> None:
+    """Sweep concurrency x MTP on an engine; print tok/s, watts, J/token; write the best.
+
+    `genfleet tune --model PATH --concurrency 1,4,16 --mtp on,off`, plus any setting below.
+    """
+    from genfleet.workers.tune.command import run_tune
+
+    try:
+        options = tune_options(
+            settings,
+            concurrency=concurrency,
+            mtp=mtp,
+            duration_s=duration_s,
+            warmup_s=warmup_s,
+            ramp_s=ramp_s,
+            drain_s=drain_s,
+            dataset=dataset,
+            out=out,
+            json_path=json_path,
+            pick=pick,
+        )
+    except ValueError as exc:
+        fail(str(exc))
+    run_tune(options, settings)
+
+
+# Every GPU-side command, registered explicitly; `genfleet` lists the same ones.
+app.command(rich_help_panel=GPU_PANEL)(worker)
+app.command(rich_help_panel=GPU_PANEL)(control)
+app.command(rich_help_panel=GPU_PANEL)(preflight)
+app.command(rich_help_panel=GPU_PANEL)(top)
+app.command(rich_help_panel=GPU_PANEL)(tune)
+COMMANDS = ("worker", "control", "preflight", "top", "tune")
+
+
+def parse(command: str, args: list[str]) -> dict[str, Any]:
+    """The values a command's parser gives for `args` (nothing runs): click's errors as they
+    are, for tests and checks of command lines written elsewhere (compose files)."""
+    group: Any = typer.main.get_command(app)
+    with group.make_context("genfleet", [command]) as root:
+        found = group.get_command(root, command)
+        with found.make_context(command, list(args), parent=root) as ctx:
+            return dict(ctx.params)
+
+
+def parse_tune_args(args: list[str]) -> tuple[Options, Settings]:
+    """`genfleet tune ARGS` parsed, as the command would see them; raises ValueError."""
+    values = parse("tune", args)
+    taken: frozenset[str] = tune.settings_params  # type: ignore[attr-defined]
+    settings = settings_from({k: values.pop(k) for k in taken})
+    return tune_options(settings, **values), settings
