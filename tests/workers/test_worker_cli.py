@@ -185,3 +185,65 @@ def test_preflight_command_exit_codes(tmp_path: Path) -> None:
         cwd=ROOT,
     )
     assert ok.returncode == 0, ok.stderr
+
+
+def test_flags_reach_the_engine_step_and_tasks_without_the_environment(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis
+) -> None:
+    """Settings given only as flags are handed to the Celery app: the worker consumes the
+    flagged queue and writes to the flagged store, while its environment names others."""
+    decoy = (tmp_path / "decoy").as_uri()
+    store = (tmp_path / "store").as_uri()
+    env = base_env(redis_url, decoy, queue="not-this-queue")
+    args = ["worker", "--store", store, "--queue", "flagged"]
+    worker = Worker(env, tmp_path / "flagged.log", "flagged@test", args)
+    try:
+        settings = Settings(redis_url=redis_url, store=store, queue="flagged", batch_size=10)
+        enqueue_run(
+            settings, "flags", str(write_source(tmp_path / "f.jsonl", 30)), reader_options(settings)
+        )
+        worker.wait_ready()
+        rows = finish(tmp_path, redis_client, settings, "flags")
+        assert len(rows) == 30 and {r["engine"]["worker"] for r in rows} == {"flagged@test"}
+        assert not (tmp_path / "decoy").exists()
+    finally:
+        worker.stop()
+
+
+HANDOFF = """
+import os
+from genfleet.common.errors import ConfigError
+from genfleet.common.settings import Settings
+from genfleet.workers.app import app, configure, settings_of
+
+given = Settings(queue="handed", redis_url="redis://:pw@h:1/2", power_watch_interval_s=7)
+configure(given)
+assert settings_of(app) is given
+assert app.conf.task_default_queue == "handed" and app.conf.broker_url == "redis://:pw@h:1/2"
+assert app.conf.beat_schedule["power-watch"]["schedule"] == 7
+assert os.environ["GENFLEET_QUEUE"] == "from-env"  # its own environment is untouched
+try:
+    configure(Settings())
+except ConfigError:
+    print("refused")
+"""
+
+FROM_ENVIRONMENT = """
+from genfleet.workers.app import app, settings_of
+assert settings_of(app).queue == "from-env" and app.conf.task_default_queue == "from-env"
+print("env")
+"""
+
+
+def test_settings_are_handed_to_the_celery_app_once(tmp_path: Path) -> None:
+    """`configure` makes the Celery configuration and `settings_of`; too late is refused. A
+    process started by the `celery` program builds them from its environment instead."""
+    env = {"PYTHONPATH": str(ROOT), "PATH": os.environ["PATH"], "GENFLEET_QUEUE": "from-env"}
+    handed = subprocess.run(
+        [sys.executable, "-c", HANDOFF], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert handed.returncode == 0 and handed.stdout.strip() == "refused", handed.stderr
+    from_env = subprocess.run(
+        [sys.executable, "-c", FROM_ENVIRONMENT], env=env, capture_output=True, text=True
+    )
+    assert from_env.returncode == 0 and from_env.stdout.strip() == "env", from_env.stderr
