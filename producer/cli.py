@@ -63,10 +63,11 @@ def show_settings(settings: Settings, json_out: Json = False) -> None:
         out.print_json(orjson.dumps(data, default=str).decode())
         return
     default = f"{DEFAULT_STORE} = {store_url(DEFAULT_STORE)}"
-    out.print(f"store: {settings.store} (default: {default})", highlight=False)
+    out.print(f"store: {settings.store} (default: {default})", highlight=False, soft_wrap=True)
     for name, value in data.items():
         flag = "--" + name.replace("_", "-")
-        out.print(f"{flag:36} GENFLEET_{name.upper():40} {value!r}", highlight=False)
+        line = f"{flag:36} GENFLEET_{name.upper():40} {value!r}"
+        out.print(line, highlight=False, soft_wrap=True)
 
 
 # Every command is registered here, explicitly: importing a module registers nothing.
