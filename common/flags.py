@@ -28,7 +28,7 @@ import typer
 from pydantic import SecretStr, ValidationError
 from rich.console import Console
 
-from genfleet.common.settings import SETTINGS_FILE, Settings
+from genfleet.common.settings import SETTINGS_FILE, Settings, redact_url
 
 _stderr = Console(stderr=True)
 
@@ -153,6 +153,7 @@ def _base_type(annotation: Any) -> Any:
 
 
 def _shown_default(name: str) -> str | bool:
+    """The model's default as `--help` shows it; secrets masked, nothing read from anywhere."""
     field = Settings.model_fields[name]
     if field.default_factory is not None:
         return str(field.default_factory())  # type: ignore[call-arg]
@@ -160,7 +161,7 @@ def _shown_default(name: str) -> str | bool:
     if default is None:
         return False
     if isinstance(default, SecretStr):
-        return str(Settings(redis_url=default).redacted()[name]) if name == "redis_url" else "***"
+        return redact_url(default.get_secret_value()) if name == "redis_url" else "***"
     if isinstance(default, bool):
         return "true" if default else "false"
     return str(default)
@@ -225,10 +226,11 @@ def setting_names_for(exclude: Iterable[str] = ()) -> list[str]:
 
 
 def validation_message(exc: ValidationError) -> str:
-    """A pydantic error in the CLI's words: `--batch-size: Input should be ≥ 1 (got 0)`."""
+    """A pydantic error in the CLI's words, naming the flag and the variable it may come from:
+    `--batch-size (GENFLEET_BATCH_SIZE): Input should be greater than or equal to 1 (got 0)`."""
     parts = []
     for error in exc.errors():
-        where = ", ".join(flag(str(p)) for p in error["loc"])
+        where = ", ".join(f"{flag(str(p))} (GENFLEET_{str(p).upper()})" for p in error["loc"])
         message = str(error["msg"]).removeprefix("Value error, ")
         given = error.get("input")
         shown = "" if not where or isinstance(given, dict) else f" (got {given!r})"
@@ -252,10 +254,9 @@ def with_settings(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Decorate a command taking `settings: Settings` so it takes every setting as a flag.
 
-    The decorated command's `settings_params` names the parameters that make its Settings.
-
     The command's own parameters come first in `--help`; it must not declare a parameter of a
-    setting's name (exclude that setting instead, as `tune` does with its `--mtp` list).
+    setting's name (exclude that setting instead, as `tune` does with its `--mtp` list). The
+    decorated command's `settings_params` names the parameters that make its Settings.
     """
     skip = set(exclude)
 

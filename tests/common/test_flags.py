@@ -174,9 +174,12 @@ def test_an_unknown_flag_fails_naming_it(command: str) -> None:
     [
         (
             ["worker", "--batch-size", "0"],
-            "--batch-size: Input should be greater than or equal to 1",
+            "--batch-size (GENFLEET_BATCH_SIZE): Input should be greater than or equal to 1",
         ),
-        (["run", "x.jsonl", "--top-p", "2"], "--top-p: Input should be less than or equal to 1"),
+        (
+            ["run", "x.jsonl", "--top-p", "2"],
+            "--top-p (GENFLEET_TOP_P): Input should be less than or equal to 1",
+        ),
         (["tune", "--engine", "sglang"], "--engine sglang needs --model"),
         (["worker", "--settings-file", "/no/such.env"], "--settings-file /no/such.env"),
         (["worker", "--gpus", "0,1,2", "--tp-size", "2"], "not a multiple of --tp-size 2"),
