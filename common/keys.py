@@ -106,13 +106,8 @@ def runs_key() -> str:
 
 
 def counters_key(run: str) -> str:
-    """Hash of live counters (prompts_done, completion_tokens, ...); rebuilt from the store."""
+    """Hash of live counters (started_at, completion_tokens, errors, prompts_generated, ...)."""
     return f"{PREFIX}:run:{run}:counters"
-
-
-def done_key(run: str) -> str:
-    """Set of batches whose output object exists (a cache of the store, for fast status)."""
-    return f"{PREFIX}:run:{run}:done"
 
 
 def queued_key(run: str) -> str:

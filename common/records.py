@@ -1,6 +1,6 @@
 """Record types on the path of a prompt, and their JSON lines encoding.
 
-PromptRecord (read from a dataset) → Batch (staged in the store) → WorkOrder (the Celery
+PromptRecord (read from a dataset, staged in batches in the store) → WorkOrder (the Celery
 message, a claim check naming the staged batch) → CompletionRecord (one line per prompt in the
 batch's output object). Dataclasses with slots on the hot path; validation happens where data
 enters (readers, the task's message), not per request.
@@ -55,13 +55,6 @@ class PromptRecord:
     def key(self) -> tuple[str, int]:
         """(id, sample): the identity an export deduplicates on."""
         return (self.id, self.sample)
-
-
-@dataclass(slots=True)
-class Batch:
-    run: str
-    batch: str
-    records: list[PromptRecord]
 
 
 class GenerationParams(BaseModel):

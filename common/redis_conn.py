@@ -1,11 +1,68 @@
-"""The Redis seam: one connection helper that maps connection failures to a clear error."""
+"""The Redis seam: one connection helper that maps connection failures to a clear error, and
+the commands the worker's batch path uses, as a protocol.
+
+`RedisCommands` is what `workers.batch.execute`, the generate task and the lease reaper need
+from Redis. `redis.Redis` satisfies it; so does the in-memory fake the unit tests use, and one
+contract test (tests/common/test_redis_contract.py) runs against both, so the fake is trusted
+only as far as it behaves like the real server. A command the batch path starts using is added
+here, to the fake and to the contract test.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import redis
 
 from genfleet.common.errors import BrokerUnavailable
 from genfleet.common.settings import Settings, redact_url
+
+Value = bytes | str | int | float
+
+
+class RedisPipeline(Protocol):
+    """Commands queued by `pipeline()` and sent together by `execute()` (MULTI/EXEC)."""
+
+    def hset(self, name: str, key: str, value: Value, /) -> Any: ...
+
+    def hdel(self, name: str, /, *keys: str) -> Any: ...
+
+    def hincrby(self, name: str, key: str, amount: int = 1, /) -> Any: ...
+
+    def srem(self, name: str, /, *values: str) -> Any: ...
+
+    def zadd(self, name: str, mapping: Mapping[str, float], /) -> Any: ...
+
+    def zremrangebyscore(self, name: str, min: float | str, max: float | str, /) -> Any: ...
+
+    def execute(self) -> list[Any]: ...
+
+
+class RedisCommands(Protocol):
+    """The Redis commands of the batch path; replies are bytes, as from a default client."""
+
+    def set(self, name: str, value: Value, /, *, px: int | None = None) -> Any: ...
+
+    def delete(self, *names: str) -> Any: ...
+
+    def exists(self, *names: str) -> Any: ...
+
+    def hset(self, name: str, key: str, value: Value, /) -> Any: ...
+
+    def hsetnx(self, name: str, key: str, value: Value, /) -> Any: ...
+
+    def hdel(self, name: str, /, *keys: str) -> Any: ...
+
+    def hincrby(self, name: str, key: str, amount: int = 1, /) -> Any: ...
+
+    def hgetall(self, name: str, /) -> Any: ...
+
+    def pipeline(self) -> RedisPipeline: ...
+
+
+def _satisfies(client: redis.Redis) -> RedisCommands:
+    return client  # mypy checks here that redis.Redis is a RedisCommands
 
 
 def connect(settings: Settings, check: bool = True) -> redis.Redis:

@@ -241,8 +241,4 @@ def enqueue_run(
         manifest, result = stage(settings, store, run, source, options, send, outstanding)
     else:
         result = enqueue_missing(store, manifest, send, outstanding, only)
-    client.hset(
-        keys.counters_key(run),
-        mapping={"prompts_total": manifest.prompts_total, "batches_total": len(manifest.batches)},
-    )
     return result

@@ -31,6 +31,7 @@ from genfleet.common.records import (
     decode_jsonl_gz,
     encode_jsonl_gz,
 )
+from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.store import Store
 from genfleet.common.throughput import member
 from genfleet.workers.feeder import Feeder
@@ -167,7 +168,7 @@ def execute(
     order: WorkOrder,
     *,
     store: Store,
-    client: redis.Redis,
+    client: RedisCommands,
     feeder: Feeder,
     worker: str,
     lease_ttl_s: float,
@@ -268,38 +269,35 @@ def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float
         summary.tokens_per_s = round(summary.completion_tokens / summary.duration_s, 1)
 
 
-def _mark_done(client: redis.Redis, order: WorkOrder) -> None:
+def _mark_done(client: RedisCommands, order: WorkOrder) -> None:
+    """The batch's output exists: no work order outstanding, not failed. (Which batches are
+    done is read from the store's outputs, never from Redis.)"""
     pipe = client.pipeline()
-    pipe.sadd(keys.done_key(order.run), order.batch)
     pipe.srem(keys.queued_key(order.run), order.batch)
     pipe.hdel(keys.failed_key(order.run), order.batch)
     pipe.execute()
 
 
-def _count(client: redis.Redis, order: WorkOrder, summary: BatchSummary) -> None:
+def _count(client: RedisCommands, order: WorkOrder, summary: BatchSummary) -> None:
     """Live counters, after the output is in the store (the store is the truth)."""
-    now = time.time()
     pipe = client.pipeline()
-    pipe.sadd(keys.done_key(order.run), order.batch)
     pipe.srem(keys.queued_key(order.run), order.batch)
     pipe.hdel(keys.failed_key(order.run), order.batch)
     counters = keys.counters_key(order.run)
-    pipe.hincrby(counters, "prompts_done", summary.prompts)
     pipe.hincrby(counters, "errors", summary.errors)
     pipe.hincrby(counters, "completion_tokens", summary.completion_tokens)
     pipe.hincrby(counters, "reasoning_tokens", summary.reasoning_tokens)
-    pipe.hsetnx(counters, "first_done_at", now)
-    pipe.hset(counters, "last_done_at", now)
+    pipe.hset(counters, "last_done_at", time.time())
     pipe.execute()
 
 
 def _progress(
-    client: redis.Redis, order: WorkOrder, worker: str, prompts: int, tokens: int
+    client: RedisCommands, order: WorkOrder, worker: str, prompts: int, tokens: int
 ) -> None:
     """Prompts and tokens generated since the last report: live progress and tok/s.
 
-    These count what the GPUs did (a batch delivered twice counts twice); `prompts_done` and
-    `completion_tokens` count what is in the store.
+    These count what the GPUs did (a batch delivered twice counts twice); `completion_tokens`
+    counts what is in the store.
     """
     if not prompts:
         return

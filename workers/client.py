@@ -28,6 +28,7 @@ from yarl import URL
 
 from genfleet.common.errors import EngineDown, EngineError, RequestRejected
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
+from genfleet.workers.engine.launch import auth_headers
 
 
 @dataclass(slots=True)
@@ -196,9 +197,7 @@ class EngineClient:
         max_connections: int = 256,
         transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
-        headers = {"Content-Type": "application/json"}
-        if api_key:
-            headers["Authorization"] = f"Bearer {api_key}"
+        headers = {"Content-Type": "application/json", **auth_headers(api_key)}
         self.model = model
         self.timeout_s = timeout_s
         url = base_url.rstrip("/") + "/v1/chat/completions"

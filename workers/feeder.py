@@ -35,6 +35,12 @@ class EngineHandle(Protocol):
     def wait_up(self, timeout_s: float) -> None: ...
 
 
+def retry_backoff_s(attempt: int) -> float:
+    """Seconds before the `attempt`-th retry of a prompt whose engine went down: 0.5, 1, 2, 4,
+    8, then 10 at most (the supervisor's own restart backoff runs meanwhile)."""
+    return min(0.25 * 2.0**attempt, 10.0)
+
+
 def default_max_inflight(max_running_requests: int | None) -> int:
     """A little above the engine's cap so its queue never runs dry between completions."""
     if not max_running_requests:
@@ -54,14 +60,15 @@ class Feeder:
         retries: int = 5,
         engine_wait_s: float = 600.0,
         identity: dict[str, Any] | None = None,
+        backoff_s: Callable[[int], float] = retry_backoff_s,
     ) -> None:
         self.max_inflight = max_inflight
         self.retries = retries
         self.engine_wait_s = engine_wait_s
         self.identity = identity or {}
+        self.backoff_s = backoff_s
         self.inflight = 0
         self.tokens_total = 0
-        self.requests_total = 0
         self._engine = engine
         self._batches: set[Future[None]] = set()
         self._batches_lock = threading.Lock()
@@ -148,7 +155,7 @@ class Feeder:
                 if attempt > self.retries:
                     raise
                 log.warning("%s/%s %s: %s; retry %d", run, batch, record.id, exc, attempt)
-                await asyncio.sleep(min(0.25 * 2**attempt, 10.0))
+                await asyncio.sleep(self.backoff_s(attempt))
                 await asyncio.to_thread(self._engine.wait_up, self.engine_wait_s)
                 continue
             on_record(index, self._record(run, batch, record, result))
@@ -161,7 +168,6 @@ class Feeder:
         record: PromptRecord,
         result: ChatResult | RequestRejected,
     ) -> CompletionRecord:
-        self.requests_total += 1
         if isinstance(result, RequestRejected):
             return CompletionRecord(
                 id=record.id,

@@ -23,6 +23,7 @@ from genfleet.workers.engine.external import ExternalEngine
 from genfleet.workers.engine.ports import pick_port
 from genfleet.workers.engine.supervisor import EngineSupervisor
 from genfleet.workers.feeder import Feeder, default_max_inflight
+from genfleet.workers.observe.engine_state import EngineState, accept_length_from_server_info
 from genfleet.workers.observe.power_watch import fleet_state
 from genfleet.workers.observe.sampler import Monitor, make_sampler
 
@@ -111,6 +112,7 @@ class WorkerRuntime:
             self.hostname,
             make_sampler(settings, base_url),
             self.engine_state,
+            self.tokens_total,
             base_url,
             fleet=lambda now: fleet_state(self.redis, settings, now),
         )
@@ -142,24 +144,20 @@ class WorkerRuntime:
             on_exhausted=self.on_exhausted,
         )
 
-    def engine_state(self) -> dict[str, Any]:
+    def engine_state(self) -> EngineState:
         """What the engine and the client are doing now (no HTTP: the supervisor's view)."""
         engine = self.engine
-        info = engine.server_info if engine else {}
         feeder = self.feeder
-        return {
-            "up": bool(engine and engine.state == "ready"),
-            "state": engine.state if engine else "stopped",
-            "restarts": engine.restarts if engine else 0,
-            "inflight": feeder.inflight if feeder else 0,
-            "inflight_cap": feeder.max_inflight if feeder else 0,
-            "max_running_requests": info.get("max_running_requests"),
-            "speculative_algorithm": info.get("speculative_algorithm"),
-            "accept_length": accept_length(info),
-            "tokens_total": feeder.tokens_total if feeder else 0,
-            "requests_total": feeder.requests_total if feeder else 0,
-            "server_info": info,
-        }
+        return EngineState.observe(
+            engine.state if engine else "stopped",
+            engine.server_info if engine else {},
+            inflight=feeder.inflight if feeder else 0,
+            inflight_cap=feeder.max_inflight if feeder else 0,
+        )
+
+    def tokens_total(self) -> int:
+        """Completion tokens this worker's engine generated so far (the feeder's count)."""
+        return self.feeder.tokens_total if self.feeder else 0
 
     def report(self) -> dict[str, Any]:
         """The recent GPU + engine window (the `gpu_report` inspect command's reply)."""
@@ -175,7 +173,7 @@ class WorkerRuntime:
         if engine is None or engine.state != "ready":
             return
         info = engine.refresh_info()
-        length = accept_length(info)
+        length = accept_length_from_server_info(info)
         summary.accept_length = length
         spec = info.get("speculative_algorithm")
         if spec and length is not None and length < self.settings.min_accept_length:
@@ -202,13 +200,3 @@ class WorkerRuntime:
             self.feeder.close()
         if self.engine is not None:
             self.engine.stop()
-
-
-def accept_length(info: dict[str, Any]) -> float | None:
-    """`internal_states[0].avg_spec_accept_length` from /server_info, once it exists."""
-    states = info.get("internal_states")
-    if isinstance(states, list) and states and isinstance(states[0], dict):
-        value = states[0].get("avg_spec_accept_length")
-        if isinstance(value, int | float):
-            return float(value)
-    return None

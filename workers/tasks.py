@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -24,6 +25,8 @@ from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK
 from genfleet.common.errors import EngineError, StoreError
 from genfleet.common.records import WorkOrder
+from genfleet.common.redis_conn import RedisCommands, text
+from genfleet.common.store import Store
 from genfleet.workers.app import app, settings_of
 from genfleet.workers.batch import BatchInputMissing, BatchInterrupted, execute
 from genfleet.workers.runtime import current
@@ -96,14 +99,14 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     return summary.to_json()
 
 
-def _attempt(client: redis.Redis, work: WorkOrder) -> int:
+def _attempt(client: RedisCommands, work: WorkOrder) -> int:
     try:
         return int(client.hincrby(keys.attempts_key(work.run), work.batch, 1))
     except redis.RedisError:
         return 1
 
 
-def _fail(client: redis.Redis, work: WorkOrder, exc: BaseException) -> None:
+def _fail(client: RedisCommands, work: WorkOrder, exc: BaseException) -> None:
     """Park the batch in the failed set with its last error; `genfleet retry` re-enqueues."""
     try:
         pipe = client.pipeline()
@@ -115,7 +118,7 @@ def _fail(client: redis.Redis, work: WorkOrder, exc: BaseException) -> None:
         log.exception("could not record failed batch %s/%s", work.run, work.batch)
 
 
-def _safe_hdel(client: redis.Redis, field: str) -> None:
+def _safe_hdel(client: RedisCommands, field: str) -> None:
     try:
         client.hdel(keys.running_key(), field)
     except redis.RedisError:
@@ -125,13 +128,28 @@ def _safe_hdel(client: redis.Redis, field: str) -> None:
 @app.task(name=REAPER_TASK)  # type: ignore[untyped-decorator]
 def reap_leases() -> dict[str, Any]:
     """Re-enqueue running batches whose lease expired and whose output does not exist."""
-    from genfleet.common.redis_conn import connect, text
+    from genfleet.common.redis_conn import connect
     from genfleet.common.store import open_store
 
     settings = settings_of(app)
-    client = connect(settings)
-    store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
-    now = time.time()
+    return reap(
+        connect(settings),
+        open_store(settings.store, settings.s3_endpoint_url, settings.s3_region),
+        settings.lease_ttl_s,
+        time.time(),
+        lambda order: generate_batch.apply_async(kwargs={"order": order}, queue=settings.queue),
+    )
+
+
+def reap(
+    client: RedisCommands,
+    store: Store,
+    lease_ttl_s: float,
+    now: float,
+    requeue: Callable[[dict[str, Any]], object],
+) -> dict[str, Any]:
+    """One reaper pass over the running batches: a batch whose lease expired is finished when
+    its output exists (its entry is dropped), else `requeue`d with its work order, once."""
     requeued: list[str] = []
     finished: list[str] = []
     for field, raw in client.hgetall(keys.running_key()).items():
@@ -139,7 +157,7 @@ def reap_leases() -> dict[str, Any]:
         run, batch = entry["run"], entry["batch"]
         if client.exists(keys.lease_key(run, batch)):
             continue
-        if now - float(entry.get("claimed_at", 0)) < settings.lease_ttl_s:
+        if now - float(entry.get("claimed_at", 0)) < lease_ttl_s:
             continue  # claimed but the first lease write may not have landed yet
         if store.exists(keys.output_key(run, batch)):
             client.hdel(keys.running_key(), field)
@@ -147,7 +165,7 @@ def reap_leases() -> dict[str, Any]:
             continue
         order = {k: v for k, v in entry.items() if k != "claimed_at"}
         if client.hdel(keys.running_key(), field):  # only one reaper wins the re-enqueue
-            generate_batch.apply_async(kwargs={"order": order}, queue=settings.queue)
+            requeue(order)
             requeued.append(text(field))
             log.warning("lease of %s expired without output: re-enqueued", text(field))
     return {"requeued": requeued, "finished": finished, "ts": now}

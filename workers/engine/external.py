@@ -9,6 +9,7 @@ from typing import Any
 import httpx
 
 from genfleet.common.errors import EngineDown
+from genfleet.workers.engine.launch import auth_headers
 from genfleet.workers.engine.supervisor import State
 
 
@@ -36,7 +37,7 @@ class ExternalEngine:
         return self._base_url
 
     def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        return auth_headers(self.api_key)
 
     def _healthy(self) -> bool:
         try:

@@ -10,6 +10,11 @@ import shlex
 from dataclasses import dataclass, field
 
 
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The engine's API key as a bearer header (every call to an engine that has a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+
 @dataclass(frozen=True)
 class EngineLaunch:
     """A ready-to-spawn engine: argv, the environment it adds, and its loopback address."""

@@ -29,7 +29,7 @@ from typing import Any, Literal
 import httpx
 
 from genfleet.common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
-from genfleet.workers.engine.launch import EngineLaunch
+from genfleet.workers.engine.launch import EngineLaunch, auth_headers
 from genfleet.workers.engine.ports import release_port
 
 log = logging.getLogger("genfleet.engine")
@@ -62,7 +62,6 @@ class EngineSupervisor:
         restart_budget: int = 5,
         restart_backoff_s: float = 2.0,
         on_exhausted: Callable[[str], None] | None = None,
-        on_ready: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.launch = launch
         self.gpus = gpus
@@ -72,7 +71,6 @@ class EngineSupervisor:
         self.restart_budget = restart_budget
         self.restart_backoff_s = restart_backoff_s
         self.on_exhausted = on_exhausted
-        self.on_ready = on_ready
         self.state: State = "stopped"
         self.restarts = 0
         self.server_info: dict[str, Any] = {}
@@ -229,12 +227,9 @@ class EngineSupervisor:
             self.pid,
             _info_line(self.server_info),
         )
-        if self.on_ready:
-            self.on_ready(self.server_info)
 
     def _headers(self) -> dict[str, str]:
-        key = self.launch.api_key
-        return {"Authorization": f"Bearer {key}"} if key else {}
+        return auth_headers(self.launch.api_key)
 
     def _get_server_info(self) -> dict[str, Any]:
         if self.launch.kind == "command":

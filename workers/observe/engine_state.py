@@ -1,8 +1,10 @@
 """What a worker knows about its engine: its own limiter joined with the engine's reports.
 
-`EngineState` is one reading; the two readers turn SGLang's Prometheus text (`/metrics`) and
-`/server_info` into its fields (only those they found), so a caller combines them as
-`EngineState(up=..., inflight=..., **{**from_info, **from_metrics})`.
+`EngineState` is the one shape of "engine state": the worker runtime builds it from the
+supervisor's lifecycle and /server_info (`EngineState.observe`), the telemetry loop adds the
+engine's `/metrics`, the window and Prometheus keep it, diagnosis reads its JSON. The two
+readers turn SGLang's Prometheus text and `/server_info` into its fields (only those they
+found); `accept_length_from_server_info` is the one reader of the engine's accept length.
 """
 
 from __future__ import annotations
@@ -35,6 +37,27 @@ class EngineState:
     active_batches: int = 0
     runs: list[str] = field(default_factory=list)
     spec_reported: bool = True  # False: the engine has no /server_info to say if MTP is on
+
+    @classmethod
+    def observe(
+        cls,
+        lifecycle: str,
+        server_info: Mapping[str, Any],
+        *,
+        inflight: int = 0,
+        inflight_cap: int = 0,
+    ) -> EngineState:
+        """The state of an engine in `lifecycle` (the supervisor's `state`: stopped, starting,
+        ready, restarting, exhausted) whose last /server_info was `server_info`, with the
+        client's limiter; no HTTP, so it is cheap to read every second."""
+        return cls(
+            up=lifecycle == "ready",
+            restarting=lifecycle == "restarting",
+            inflight=inflight,
+            inflight_cap=inflight_cap,
+            spec_reported=bool(server_info),
+            **engine_state_from_server_info(server_info),
+        )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -104,7 +127,20 @@ def engine_state_from_server_info(info: Mapping[str, Any]) -> dict[str, Any]:
         cap = per_dp * int(info.get("dp_size") or 1) if isinstance(per_dp, int) else None
     if cap is not None:
         out["max_running_requests"] = cap
-    accept = first.get("avg_spec_accept_length")
-    if isinstance(accept, int | float) and accept > 0:
-        out["accept_length"] = float(accept)
+    accept = accept_length_from_server_info(info)
+    if accept is not None:
+        out["accept_length"] = accept
     return out
+
+
+def accept_length_from_server_info(info: Mapping[str, Any]) -> float | None:
+    """`internal_states[0].avg_spec_accept_length` from `/server_info`: the mean accepted
+    tokens per verify step since the engine started. None until decoding under speculative
+    decoding happened (SGLang reports 0 or nothing before), and when spec is off."""
+    states = info.get("internal_states")
+    if not isinstance(states, list) or not states or not isinstance(states[0], Mapping):
+        return None
+    accept = states[0].get("avg_spec_accept_length")
+    if isinstance(accept, int | float) and not isinstance(accept, bool) and accept > 0:
+        return float(accept)
+    return None

@@ -9,6 +9,7 @@ is the emulator; without either the report says "unavailable" and why.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -19,11 +20,7 @@ import httpx
 
 from genfleet.common.settings import Settings
 from genfleet.workers.observe.diagnosis import Finding, FleetState, diagnose
-from genfleet.workers.observe.engine_state import (
-    EngineState,
-    engine_state_from_metrics,
-    engine_state_from_server_info,
-)
+from genfleet.workers.observe.engine_state import EngineState, engine_state_from_metrics
 from genfleet.workers.observe.telemetry import (
     EmulatorSampler,
     NvmlSampler,
@@ -50,7 +47,8 @@ class Monitor:
         settings: Settings,
         worker: str,
         sampler: Sampler,
-        engine_state: Callable[[], dict[str, Any]],
+        engine_state: Callable[[], EngineState],
+        tokens_total: Callable[[], int],
         base_url: str | None,
         clock: Callable[[], float] = time.time,
         fleet: Callable[[float], FleetState] | None = None,
@@ -60,6 +58,7 @@ class Monitor:
         self.sampler = sampler
         self.window = TelemetryWindow(settings.power_window_s)
         self._engine_state = engine_state
+        self._tokens_total = tokens_total
         self._base_url = base_url
         self._clock = clock
         self._stop = threading.Event()
@@ -105,7 +104,7 @@ class Monitor:
         self.window.set_sampler_status(self.sampler.available, self.sampler.reason)
         state = self._state()
         self.window.add_engine(state, now)
-        tokens = int(self._engine_state().get("tokens_total") or 0)
+        tokens = self._tokens_total()
         if tokens > self._tokens_seen:
             self.window.add_tokens(tokens - self._tokens_seen, now)
         self._tokens_seen = tokens
@@ -134,30 +133,19 @@ class Monitor:
         return self._last_findings
 
     def _state(self) -> EngineState:
-        base = self._engine_state()
-        extra: dict[str, Any] = {}
-        info = base.get("server_info") or {}
-        extra.update(engine_state_from_server_info(info))
-        if self._base_url and base.get("up") and self.settings.enable_metrics:
+        """The runtime's view of the engine, with the engine's own `/metrics` on top (its
+        per-interval accept length wins over /server_info's lifetime mean)."""
+        state = self._engine_state()
+        metrics: dict[str, Any] = {}
+        if self._base_url and state.up and self.settings.enable_metrics:
             with contextlib.suppress(httpx.HTTPError):
                 response = self._http.get(self._base_url + "/metrics")
                 if response.status_code == 200:
-                    extra.update(engine_state_from_metrics(response.text))
+                    metrics = engine_state_from_metrics(response.text)
         with self._lock:
             runs = sorted(self.active)
             active = sum(self.active.values())
-        extra.setdefault("max_running_requests", base.get("max_running_requests"))
-        extra.setdefault("speculative_algorithm", base.get("speculative_algorithm"))
-        return EngineState(
-            up=bool(base.get("up")),
-            restarting=base.get("state") == "restarting",
-            inflight=int(base.get("inflight") or 0),
-            inflight_cap=int(base.get("inflight_cap") or 0),
-            active_batches=active,
-            runs=runs,
-            spec_reported=bool(info),
-            **extra,
-        )
+        return dataclasses.replace(state, active_batches=active, runs=runs, **metrics)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.settings.sample_interval_s):
