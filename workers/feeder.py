@@ -22,17 +22,29 @@ from typing import Any, Protocol, TypeVar
 
 from genfleet.common.errors import EngineDown, RequestRejected
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
-from genfleet.workers.client import ChatResult, EngineClient
+from genfleet.workers.client import ChatResult
 
 log = logging.getLogger("genfleet.feeder")
 T = TypeVar("T")
 
 
 class EngineHandle(Protocol):
+    """The supervisor (or an external engine) as the feeder sees it: wait for it to be up."""
+
     @property
     def state(self) -> str: ...
 
     def wait_up(self, timeout_s: float) -> None: ...
+
+
+class ChatClient(Protocol):
+    """What the feeder sends prompts through: `EngineClient`, or a fake in the unit tests."""
+
+    model: str
+
+    async def chat(self, record: PromptRecord, params: GenerationParams) -> ChatResult: ...
+
+    async def aclose(self) -> None: ...
 
 
 def retry_backoff_s(attempt: int) -> float:
@@ -53,7 +65,7 @@ class Feeder:
 
     def __init__(
         self,
-        client_factory: Callable[[], EngineClient],
+        client_factory: Callable[[], ChatClient],
         engine: EngineHandle,
         max_inflight: int,
         *,
@@ -75,10 +87,10 @@ class Feeder:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="feeder", daemon=True)
         self._thread.start()
-        self._client: EngineClient = self.call(self._make(client_factory))
+        self._client: ChatClient = self.call(self._make(client_factory))
         self._limiter: asyncio.Semaphore = self.call(self._semaphore(max_inflight))
 
-    async def _make(self, factory: Callable[[], EngineClient]) -> EngineClient:
+    async def _make(self, factory: Callable[[], ChatClient]) -> ChatClient:
         return factory()
 
     async def _semaphore(self, size: int) -> asyncio.Semaphore:
@@ -210,3 +222,5 @@ class Feeder:
             pass
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
+        if not self._thread.is_alive():
+            self._loop.close()  # else the garbage collector warns of an unclosed loop, anywhere

@@ -7,12 +7,17 @@ import pytest
 
 from genfleet.common.errors import ConfigError, StoreError
 from genfleet.common.store import FileStore, Store, open_store
+from tests.fakes.memory_store import MemoryStore
 
 
-@pytest.fixture(params=["file", "s3"])
+@pytest.fixture(params=["file", "s3", "memory"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+    """The store contract runs on the real backends (a directory, moto's S3) and on the
+    in-memory fake the unit tests use, so the fake behaves as they do."""
     if request.param == "file":
         return open_store((tmp_path / "store").as_uri())
+    if request.param == "memory":
+        return MemoryStore()
     url = request.getfixturevalue("s3_store_url")
     return open_store(url, request.getfixturevalue("s3_server"))
 
@@ -40,6 +45,19 @@ def test_put_overwrites_and_list_is_sorted(store: Store) -> None:
     ]
     assert store.delete_prefix("r/inputs/") == 3
     assert list(store.list("r/inputs/")) == []
+    assert store.delete_prefix("r/inputs/") == 0
+    assert list(store.list("other/")) == ["other/inputs/batch-000001.jsonl.gz"]
+
+
+def test_list_takes_a_partial_name_as_prefix(store: Store) -> None:
+    store.put("r/parts/batch-000001/part-00000.jsonl.gz", b"a")
+    store.put("r/parts/batch-000001/part-00001.jsonl.gz", b"b")
+    store.put("r/parts/batch-000002/part-00000.jsonl.gz", b"c")
+    assert list(store.list("r/parts/batch-000001/")) == [
+        "r/parts/batch-000001/part-00000.jsonl.gz",
+        "r/parts/batch-000001/part-00001.jsonl.gz",
+    ]
+    assert list(store.list("r/nothing/")) == []
 
 
 def test_concurrent_put_if_absent_has_one_winner(store: Store) -> None:

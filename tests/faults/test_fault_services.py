@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 from genfleet.common import keys
 from tests.conftest import Worker, base_env, free_port, wait_for
 from tests.faults.helpers import (
-    assert_done_marks_backed,
+    assert_counters_backed,
     assert_exactly_once,
     fault_settings,
     log_count,
@@ -159,14 +159,14 @@ def test_s3_outage_is_ridden_out_with_retries(
     cut_at = time.monotonic()
     done_before = len(outputs(store, "s3outage"))
     while time.monotonic() - cut_at < OUTAGE_S:  # the outage itself, checked all along
-        assert_done_marks_backed(redis_client, store, "s3outage")
+        assert_counters_backed(redis_client, store, "s3outage")
         time.sleep(0.2)
     assert flaky_s3.proxy.refused > 0, "nothing tried to reach S3 during the outage"
     assert len(outputs(store, "s3outage")) == done_before
     flaky_s3.proxy.restore()
 
     def finished() -> bool:
-        assert_done_marks_backed(redis_client, store, "s3outage")
+        assert_counters_backed(redis_client, store, "s3outage")
         return len(outputs(store, "s3outage")) == staged.batches_total
 
     wait_for(finished, 120, "the run to finish after S3 came back", 0.2)

@@ -1,0 +1,102 @@
+"""The Redis commands of the batch path (`RedisCommands`), on a real server and on the fake.
+
+Every test runs twice: against the test Redis database and against tests/fakes' MemoryRedis,
+so the unit tests that use the fake (tests/workers/test_core_*.py) rest on behaviour the real
+server has. Replies are compared as a default `redis.Redis` returns them (bytes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+
+from tests.conftest import wait_for
+from tests.fakes.memory_redis import MemoryRedis
+
+
+@pytest.fixture(params=["redis", "memory"])
+def db(request: pytest.FixtureRequest) -> Iterator[Any]:
+    if request.param == "memory":
+        yield MemoryRedis()
+    else:
+        yield request.getfixturevalue("redis_client")
+
+
+def test_set_with_px_expires(db: Any) -> None:
+    assert db.set("lease", "w@host", px=60_000)
+    assert db.exists("lease") == 1
+    assert db.get("lease") == b"w@host"
+    assert db.set("short", "w", px=100)
+    wait_for(lambda: db.exists("short") == 0, 5, "a 100 ms key to expire", 0.02)
+    assert db.exists("lease", "short", "never") == 1
+    assert db.delete("lease", "never") == 1
+    assert db.exists("lease") == 0
+
+
+def test_set_overwrites_and_drops_an_old_expiry(db: Any) -> None:
+    db.set("k", "a", px=100)
+    db.set("k", 1.5)
+    assert db.get("k") == b"1.5"
+    with pytest.raises(redis.ResponseError):
+        db.hset("k", "f", "v")  # WRONGTYPE
+
+
+def test_hashes(db: Any) -> None:
+    assert db.hset("h", "a", b"\x00bytes") == 1
+    assert db.hset("h", "a", "text") == 0
+    assert db.hsetnx("h", "a", "other") in (0, False)
+    assert db.hsetnx("h", "b", 12.5) in (1, True)
+    assert db.hincrby("h", "n", 3) == 3
+    assert db.hincrby("h", "n", 4) == 7
+    assert db.hget("h", "n") == b"7"
+    assert db.hgetall("h") == {b"a": b"text", b"b": b"12.5", b"n": b"7"}
+    with pytest.raises(redis.ResponseError):
+        db.hincrby("h", "a", 1)  # not an integer
+    assert db.hdel("h", "a", "b", "missing") == 2
+    assert db.hdel("h", "n") == 1
+    assert db.exists("h") == 0  # an emptied hash is gone
+    assert db.hgetall("h") == {}
+    assert db.hdel("nothing", "a") == 0
+
+
+def test_sets(db: Any) -> None:
+    assert db.sadd("s", "batch-000001", "batch-000002") == 2
+    assert db.sadd("s", "batch-000001") == 0
+    assert db.srem("s", "batch-000001", "batch-000009") == 1
+    assert db.smembers("s") == {b"batch-000002"}
+    assert db.srem("missing", "x") == 0
+
+
+def test_sorted_sets(db: Any) -> None:
+    assert db.zadd("z", {"a": 1.0, "b": 5.0, "c": 10.0}) == 3
+    assert db.zadd("z", {"a": 2.0}) == 0
+    assert db.zremrangebyscore("z", "-inf", 5.0) == 2
+    assert db.zrange("z", 0, -1, withscores=True) == [(b"c", 10.0)]
+
+
+def test_a_pipeline_runs_its_commands_together(db: Any) -> None:
+    db.sadd("queued", "batch-000001")
+    pipe = db.pipeline()
+    pipe.srem("queued", "batch-000001")
+    pipe.hdel("failed", "batch-000001")
+    pipe.hincrby("counters", "errors", 2)
+    pipe.hset("counters", "last_done_at", 12.5)
+    pipe.zadd("tput", {"m": 1.0})
+    pipe.zremrangebyscore("tput", "-inf", 0.5)
+    assert db.hgetall("counters") == {}  # nothing ran yet
+    assert pipe.execute() == [1, 0, 2, 1, 1, 0]
+    assert db.hgetall("counters") == {b"errors": b"2", b"last_done_at": b"12.5"}
+    assert db.smembers("queued") == set()
+
+
+def test_a_failing_command_in_a_pipeline_does_not_stop_the_others(db: Any) -> None:
+    db.set("str", "x")
+    pipe = db.pipeline()
+    pipe.hset("str", "f", "v")
+    pipe.hset("h", "f", "v")
+    with pytest.raises(redis.ResponseError):
+        pipe.execute()
+    assert db.hgetall("h") == {b"f": b"v"}

@@ -1,0 +1,103 @@
+"""The engine as the feeder sees it, in memory: a chat client and a supervisor handle.
+
+`FakeChat` answers each prompt after an optional gate opens, or raises what the test scripted
+for that prompt's attempts; it counts calls, requests in flight (and the most at once) and
+requests cancelled mid-flight. `FakeEngine` stands in for the supervisor's `wait_up`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import Counter
+
+from genfleet.common.records import GenerationParams, PromptRecord, Usage
+from genfleet.workers.client import ChatResult
+from genfleet.workers.feeder import ChatClient, EngineHandle
+
+GATE_DEADLINE_S = 30.0
+
+
+def answer(record: PromptRecord, tokens: int = 7) -> ChatResult:
+    """The completion FakeChat returns for `record`: derived from the prompt, so checkable."""
+    return ChatResult(
+        content=f"answer to {record.id}#{record.sample}",
+        reasoning=None,
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=3, completion_tokens=tokens, reasoning_tokens=0),
+        latency_s=0.001,
+        request_id=f"req-{record.id}",
+        model="fake-model",
+    )
+
+
+class FakeChat:
+    """A chat client whose answers, failures and timing the test decides."""
+
+    def __init__(
+        self,
+        *,
+        failures: dict[str, list[BaseException]] | None = None,
+        gate: threading.Event | None = None,
+        ungated: set[str] | None = None,
+        tokens: int = 7,
+    ) -> None:
+        self.model = "fake-model"
+        self.failures = {k: list(v) for k, v in (failures or {}).items()}
+        self.gate = gate
+        self.ungated = ungated or set()
+        self.tokens = tokens
+        self.calls: Counter[str] = Counter()
+        self.inflight = 0
+        self.most_inflight = 0
+        self.cancelled = 0
+        self.closed = False
+        self._lock = threading.Lock()
+
+    async def chat(self, record: PromptRecord, params: GenerationParams) -> ChatResult:
+        with self._lock:
+            self.calls[record.id] += 1
+            self.inflight += 1
+            self.most_inflight = max(self.most_inflight, self.inflight)
+            scripted = self.failures.get(record.id)
+            failure = scripted.pop(0) if scripted else None
+        try:
+            if failure is not None:
+                raise failure
+            if self.gate is not None and record.id not in self.ungated:
+                deadline = time.monotonic() + GATE_DEADLINE_S
+                while not self.gate.is_set():
+                    if time.monotonic() > deadline:
+                        raise AssertionError("the test never opened the gate")
+                    await asyncio.sleep(0.002)
+            return answer(record, self.tokens)
+        except asyncio.CancelledError:
+            with self._lock:
+                self.cancelled += 1
+            raise
+        finally:
+            with self._lock:
+                self.inflight -= 1
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class FakeEngine:
+    """A supervisor that is up; `wait_up` counts its calls and raises `down` when set."""
+
+    def __init__(self, down: BaseException | None = None) -> None:
+        self.state = "ready"
+        self.down = down
+        self.waits = 0
+
+    def wait_up(self, timeout_s: float) -> None:
+        self.waits += 1
+        if self.down is not None:
+            raise self.down
+
+
+def _protocols(chat: FakeChat, engine: FakeEngine) -> tuple[ChatClient, EngineHandle]:
+    return chat, engine  # a type checker sees here that the fakes satisfy the protocols
+

@@ -1,0 +1,287 @@
+"""`batch.execute` in process: a real Feeder driving FakeChat, a MemoryStore, a MemoryRedis.
+
+The fakes pass the same contract tests as S3, the file store and Redis
+(tests/common/test_store.py, tests/common/test_redis_contract.py). Checked here: the output
+object (order, content, written once), the checkpoint parts, the lease, the counters status
+reads, and which prompts the engine was asked again on a retry.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+
+from genfleet.common import keys
+from genfleet.common.errors import EngineDown, StoreUnavailable
+from genfleet.common.records import (
+    GenerationParams,
+    PromptRecord,
+    WorkOrder,
+    decode_jsonl_gz,
+    encode_jsonl_gz,
+)
+from genfleet.workers.batch import BatchInputMissing, BatchInterrupted, BatchSummary, execute
+from genfleet.workers.feeder import Feeder
+from tests.conftest import wait_for
+from tests.fakes.engine import FakeChat, FakeEngine
+from tests.fakes.memory_redis import MemoryRedis
+from tests.fakes.memory_store import MemoryStore
+
+PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
+RUN, BATCH = "r", "batch-000000"
+WORKER = "w@test"
+
+
+def stage(store: MemoryStore, count: int) -> WorkOrder:
+    records = [
+        PromptRecord(id=f"p{i}", messages=[{"role": "user", "content": f"q{i}"}])
+        for i in range(count)
+    ]
+    key = keys.input_key(RUN, BATCH)
+    store.put(key, encode_jsonl_gz(r.to_json() for r in records))
+    return WorkOrder(run=RUN, batch=BATCH, key=key, params=PARAMS, prompts=count)
+
+
+def output_rows(store: MemoryStore) -> list[dict[str, Any]]:
+    return list(decode_jsonl_gz(store.get(keys.output_key(RUN, BATCH)) or b""))
+
+
+def counters(db: MemoryRedis) -> dict[str, float]:
+    return {k.decode(): float(v) for k, v in db.hgetall(keys.counters_key(RUN)).items()}
+
+
+@pytest.fixture
+def db() -> MemoryRedis:
+    db = MemoryRedis()
+    db.sadd(keys.queued_key(RUN), BATCH)  # the producer's mark: a work order is outstanding
+    return db
+
+
+@pytest.fixture
+def feeders() -> Iterator[Callable[[FakeChat], Feeder]]:
+    started: list[Feeder] = []
+
+    def make(chat: FakeChat) -> Feeder:
+        feeder = Feeder(lambda: chat, FakeEngine(), 4, retries=0, backoff_s=lambda _: 0.0)
+        started.append(feeder)
+        return feeder
+
+    yield make
+    for feeder in started:
+        feeder.close()
+
+
+def run(
+    order: WorkOrder,
+    store: MemoryStore,
+    db: MemoryRedis,
+    feeder: Feeder,
+    lease_ttl_s: float = 30,
+    checkpoint_interval_s: float = 60,
+) -> BatchSummary:
+    return execute(
+        order,
+        store=store,
+        client=db,
+        feeder=feeder,
+        worker=WORKER,
+        lease_ttl_s=lease_ttl_s,
+        checkpoint_interval_s=checkpoint_interval_s,
+    )
+
+
+def test_a_batch_writes_its_output_in_input_order_and_counts_after(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    store = MemoryStore()
+    order = stage(store, 6)
+    chat = FakeChat(tokens=5)
+
+    summary = run(order, store, db, feeders(chat))
+
+    rows = output_rows(store)
+    assert [row["id"] for row in rows] == [f"p{i}" for i in range(6)]
+    assert [row["content"] for row in rows] == [f"answer to p{i}#0" for i in range(6)]
+    assert (summary.prompts, summary.completions, summary.errors, summary.resumed) == (6, 6, 0, 0)
+    assert summary.completion_tokens == 30 and summary.finish_reasons == {"stop": 6}
+    assert not summary.skipped and not summary.duplicate
+    figures = counters(db)
+    assert figures["completion_tokens"] == 30 and figures["errors"] == 0
+    assert figures["prompts_generated"] == 6 and figures["tokens_generated"] == 30
+    assert "started_at" in figures and "last_done_at" in figures
+    assert db.smembers(keys.queued_key(RUN)) == set()
+    assert db.exists(keys.lease_key(RUN, BATCH)) == 0
+    assert list(store.list(keys.parts_prefix(RUN, BATCH))) == []
+    assert db.zrange(keys.throughput_key(RUN), 0, -1)  # a tok/s sample for status
+
+
+def test_a_batch_whose_output_exists_is_skipped_without_asking_the_engine(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    store = MemoryStore()
+    order = stage(store, 3)
+    store.put_if_absent(keys.output_key(RUN, BATCH), b"written by an earlier delivery")
+    db.hset(keys.failed_key(RUN), BATCH, "EngineDown: an old failure")
+    chat = FakeChat()
+
+    summary = run(order, store, db, feeders(chat))
+
+    assert summary.skipped and summary.completions == 0
+    assert sum(chat.calls.values()) == 0
+    assert store.get(keys.output_key(RUN, BATCH)) == b"written by an earlier delivery"
+    assert db.smembers(keys.queued_key(RUN)) == set()
+    assert db.hgetall(keys.failed_key(RUN)) == {}
+    assert "completion_tokens" not in counters(db)  # counted by the delivery that wrote it
+
+
+def test_a_missing_input_is_permanent(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    store = MemoryStore()
+    order = stage(store, 3)
+    store.delete_prefix(order.key)
+
+    with pytest.raises(BatchInputMissing, match="is missing"):
+        run(order, store, db, feeders(FakeChat()))
+    assert not store.exists(keys.output_key(RUN, BATCH))
+
+
+def test_a_running_batch_checkpoints_and_holds_its_lease(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    store = MemoryStore()
+    order = stage(store, 4)
+    gate = threading.Event()
+    chat = FakeChat(gate=gate, ungated={"p0", "p1"})
+    feeder = feeders(chat)
+    outcome: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: outcome.update(
+            summary=run(order, store, db, feeder, lease_ttl_s=0.3, checkpoint_interval_s=0)
+        )
+    )
+    thread.start()
+    try:
+        part = wait_for(
+            lambda: next(iter(store.list(keys.parts_prefix(RUN, BATCH))), None),
+            10,
+            "a checkpoint part while two prompts still run",
+            0.01,
+        )
+        assert [row["id"] for row in decode_jsonl_gz(store.get(part) or b"")] == ["p0", "p1"]
+        assert db.get(keys.lease_key(RUN, BATCH)) == b"w@test"
+        assert counters(db)["prompts_generated"] == 2  # live progress before the output
+        assert not store.exists(keys.output_key(RUN, BATCH))
+    finally:
+        gate.set()
+        thread.join(timeout=10)
+
+    assert outcome["summary"].completions == 4
+    assert [row["id"] for row in output_rows(store)] == ["p0", "p1", "p2", "p3"]
+    assert list(store.list(keys.parts_prefix(RUN, BATCH))) == []
+    assert db.exists(keys.lease_key(RUN, BATCH)) == 0
+
+
+def test_a_failed_try_keeps_what_finished_and_the_retry_skips_it(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    store = MemoryStore()
+    order = stage(store, 5)
+    gate = threading.Event()  # never opened: p4 is still running when p3 fails
+    chat = FakeChat(
+        gate=gate, ungated={"p0", "p1", "p2"}, failures={"p3": [EngineDown("engine gone")]}
+    )
+
+    with pytest.raises(EngineDown, match="engine gone"):  # unwrapped from the TaskGroup
+        run(order, store, db, feeders(chat))
+
+    assert chat.cancelled == 1 and chat.inflight == 0  # p4 stopped, not left running
+    parts = list(store.list(keys.parts_prefix(RUN, BATCH)))
+    kept = sorted(row["id"] for part in parts for row in decode_jsonl_gz(store.get(part) or b""))
+    assert kept == ["p0", "p1", "p2"]
+    assert db.exists(keys.lease_key(RUN, BATCH)) == 0
+    assert not store.exists(keys.output_key(RUN, BATCH))
+    assert "completion_tokens" not in counters(db)
+
+    again = FakeChat()
+    summary = run(order, store, db, feeders(again))
+
+    assert (summary.resumed, summary.completions) == (3, 5)
+    assert dict(again.calls) == {"p3": 1, "p4": 1}
+    assert [row["id"] for row in output_rows(store)] == [f"p{i}" for i in range(5)]
+    assert counters(db)["completion_tokens"] == 35  # the whole batch, counted once
+    assert list(store.list(keys.parts_prefix(RUN, BATCH))) == []
+
+
+def test_a_cancelled_batch_is_interrupted_with_its_finished_prompts_checkpointed(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    store = MemoryStore()
+    order = stage(store, 6)
+    gate = threading.Event()
+    chat = FakeChat(gate=gate, ungated={"p0", "p1"})
+    feeder = feeders(chat)
+
+    def shut_down() -> None:
+        wait_for(lambda: chat.inflight == 4, 10, "four requests in flight", 0.01)
+        feeder.cancel_all()
+
+    stopper = threading.Thread(target=shut_down)
+    stopper.start()
+    with pytest.raises(BatchInterrupted, match="after 2 of 6 prompts"):
+        run(order, store, db, feeder)
+    stopper.join(timeout=10)
+    gate.set()
+
+    parts = list(store.list(keys.parts_prefix(RUN, BATCH)))
+    kept = sorted(row["id"] for part in parts for row in decode_jsonl_gz(store.get(part) or b""))
+    assert kept == ["p0", "p1"]
+    assert not store.exists(keys.output_key(RUN, BATCH))
+    assert db.exists(keys.lease_key(RUN, BATCH)) == 0
+
+
+class LostRace(MemoryStore):
+    """A store where another copy of the batch writes the output between check and put."""
+
+    def put_if_absent(self, key: str, data: bytes) -> bool:
+        if key == keys.output_key(RUN, BATCH):
+            super().put_if_absent(key, b"the other copy's output")
+        return super().put_if_absent(key, data)
+
+
+def test_a_duplicate_delivery_that_loses_the_race_counts_nothing(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    store = LostRace()
+    order = stage(store, 3)
+
+    summary = run(order, store, db, feeders(FakeChat()))
+
+    assert summary.duplicate and summary.completions == 3
+    assert store.get(keys.output_key(RUN, BATCH)) == b"the other copy's output"
+    figures = counters(db)
+    assert "completion_tokens" not in figures  # the winner counts the batch, not this copy
+    assert figures["prompts_generated"] == 3  # the GPU work was done all the same
+    assert db.smembers(keys.queued_key(RUN)) == set()
+
+
+class PartsStuck(MemoryStore):
+    """Deleting checkpoint parts fails (S3 gone right after the output put)."""
+
+    def delete_prefix(self, prefix: str) -> int:
+        raise StoreUnavailable("S3 delete failed after 6 tries")
+
+
+def test_a_batch_counts_even_when_its_parts_cannot_be_deleted(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    store = PartsStuck()
+    order = stage(store, 3)
+
+    summary = run(order, store, db, feeders(FakeChat()))
+
+    assert summary.completions == 3 and store.exists(keys.output_key(RUN, BATCH))
+    assert counters(db)["completion_tokens"] == 21

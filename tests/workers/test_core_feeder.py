@@ -1,0 +1,207 @@
+"""The feeder, in process: its limiter, its retries when the engine goes down, cancelling.
+
+A real `Feeder` (its asyncio loop on its own thread) drives tests/fakes' FakeChat; no engine
+process, no HTTP. What is checked is what the feeder hands back (records by index, the batch
+future's outcome) and what the fake engine saw (calls, requests in flight, cancellations).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from concurrent.futures import CancelledError, Future
+
+import pytest
+
+from genfleet.common.errors import EngineDown, RequestRejected, RestartBudgetExhausted
+from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
+from genfleet.workers.feeder import Feeder, default_max_inflight, retry_backoff_s
+from tests.conftest import wait_for
+from tests.fakes.engine import FakeChat, FakeEngine
+
+PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
+IDENTITY = {"kind": "fake", "worker": "w@test"}
+
+
+def prompts(count: int, prefix: str = "p") -> list[PromptRecord]:
+    return [
+        PromptRecord(id=f"{prefix}{i}", messages=[{"role": "user", "content": f"q{i}"}])
+        for i in range(count)
+    ]
+
+
+class Collected:
+    """`on_record` for a batch: records by index, thread-safe."""
+
+    def __init__(self) -> None:
+        self.records: dict[int, CompletionRecord] = {}
+        self._lock = threading.Lock()
+
+    def __call__(self, index: int, record: CompletionRecord) -> None:
+        with self._lock:
+            assert index not in self.records, f"prompt {index} answered twice"
+            self.records[index] = record
+
+
+@pytest.fixture
+def make_feeder() -> Iterator[Callable[..., Feeder]]:
+    started: list[Feeder] = []
+    backoffs: list[int] = []
+
+    def make(chat: FakeChat, engine: FakeEngine | None = None, **options: object) -> Feeder:
+        options.setdefault("backoff_s", lambda attempt: backoffs.append(attempt) or 0.0)
+        feeder = Feeder(lambda: chat, engine or FakeEngine(), 4, identity=IDENTITY, **options)  # type: ignore[arg-type]
+        started.append(feeder)
+        return feeder
+
+    yield make
+    for feeder in started:
+        feeder.close()
+
+
+def run(
+    feeder: Feeder, records: list[PromptRecord], batch: str = "batch-000000"
+) -> tuple[Future[None], Collected]:
+    collected = Collected()
+    return feeder.run_batch("r", batch, records, PARAMS, collected), collected
+
+
+def test_every_prompt_becomes_its_record_at_its_index(make_feeder: Callable[..., Feeder]) -> None:
+    chat = FakeChat(tokens=5)
+    feeder = make_feeder(chat)
+    records = prompts(10)
+
+    future, got = run(feeder, records)
+    future.result(timeout=10)
+
+    assert sorted(got.records) == list(range(10))
+    for index, record in got.records.items():
+        assert (record.id, record.run, record.batch) == (f"p{index}", "r", "batch-000000")
+        assert record.content == f"answer to p{index}#0" and record.error is None
+        assert record.messages == records[index].messages
+        assert record.engine == IDENTITY and record.request_id == f"req-p{index}"
+    assert feeder.tokens_total == 50
+    assert dict(chat.calls) == {f"p{i}": 1 for i in range(10)}
+
+
+def test_the_limiter_caps_requests_in_flight_across_batches(
+    make_feeder: Callable[..., Feeder],
+) -> None:
+    gate = threading.Event()
+    chat = FakeChat(gate=gate)
+    feeder = make_feeder(chat)  # max_inflight 4
+
+    first, got_first = run(feeder, prompts(6, "a"), "batch-000000")
+    second, got_second = run(feeder, prompts(6, "b"), "batch-000001")
+    wait_for(lambda: chat.inflight == 4, 10, "four requests in flight", 0.01)
+    assert feeder.inflight == 4
+    assert sum(chat.calls.values()) == 4  # the other eight wait on the limiter, not the engine
+    gate.set()
+    first.result(timeout=10)
+    second.result(timeout=10)
+
+    assert chat.most_inflight == 4
+    assert len(got_first.records) == len(got_second.records) == 6
+    assert feeder.inflight == 0
+
+
+def test_a_refused_prompt_is_an_error_record_and_the_batch_goes_on(
+    make_feeder: Callable[..., Feeder],
+) -> None:
+    refused = RequestRejected(400, "context_length_exceeded", "prompt longer than 4096 tokens")
+    chat = FakeChat(failures={"p1": [refused]})
+    feeder = make_feeder(chat)
+
+    future, got = run(feeder, prompts(3))
+    future.result(timeout=10)
+
+    error = got.records[1]
+    assert error.error == {"type": "context_length_exceeded", "message": str(refused)}
+    assert error.content is None and error.model == "fake-model"
+    assert got.records[0].error is None and got.records[2].error is None
+    assert chat.calls["p1"] == 1  # refused is final: never retried
+    assert feeder.tokens_total == 14
+
+
+def test_engine_down_waits_for_the_engine_and_retries(
+    make_feeder: Callable[..., Feeder],
+) -> None:
+    chat = FakeChat(failures={"p2": [EngineDown("connection refused")] * 2})
+    engine = FakeEngine()
+    feeder = make_feeder(chat, engine, retries=5)
+
+    future, got = run(feeder, prompts(4))
+    future.result(timeout=10)
+
+    assert chat.calls["p2"] == 3
+    assert engine.waits == 2
+    assert got.records[2].content == "answer to p2#0"
+    assert len(got.records) == 4
+
+
+def test_engine_down_past_the_retry_budget_fails_the_batch(
+    make_feeder: Callable[..., Feeder],
+) -> None:
+    chat = FakeChat(failures={"p0": [EngineDown("connection refused")] * 10})
+    engine = FakeEngine()
+    feeder = make_feeder(chat, engine, retries=2)
+
+    future, _got = run(feeder, prompts(1))
+    with pytest.raises(ExceptionGroup) as caught:
+        future.result(timeout=10)
+
+    assert caught.group_contains(EngineDown)
+    assert chat.calls["p0"] == 3  # the first try and two retries
+    assert engine.waits == 2
+    assert feeder.inflight == 0
+
+
+def test_an_engine_that_cannot_come_back_fails_the_batch(
+    make_feeder: Callable[..., Feeder],
+) -> None:
+    chat = FakeChat(failures={"p0": [EngineDown("connection refused")]})
+    feeder = make_feeder(chat, FakeEngine(down=RestartBudgetExhausted("budget spent")))
+
+    future, _got = run(feeder, prompts(2))
+    with pytest.raises(ExceptionGroup) as caught:
+        future.result(timeout=10)
+
+    assert caught.group_contains(RestartBudgetExhausted)
+    assert chat.calls["p0"] == 1
+
+
+def test_cancel_all_stops_running_batches_and_keeps_what_finished(
+    make_feeder: Callable[..., Feeder],
+) -> None:
+    gate = threading.Event()
+    chat = FakeChat(gate=gate, ungated={"p0", "p1"})
+    feeder = make_feeder(chat)
+
+    future, got = run(feeder, prompts(8))
+    wait_for(lambda: len(got.records) == 2 and chat.inflight == 4, 10, "2 done, 4 running", 0.01)
+
+    assert feeder.cancel_all() == 1
+    with pytest.raises(CancelledError):
+        future.result(timeout=10)
+    wait_for(lambda: chat.inflight == 0, 10, "the cancelled requests to stop", 0.01)
+    assert chat.cancelled == 4
+    assert sorted(got.records) == [0, 1]
+    assert feeder.inflight == 0
+    assert feeder.cancel_all() == 0  # nothing left running
+    gate.set()
+
+
+def test_close_closes_the_client(make_feeder: Callable[..., Feeder]) -> None:
+    chat = FakeChat()
+    feeder = make_feeder(chat)
+    feeder.close()
+    assert chat.closed
+
+
+@pytest.mark.parametrize(("cap", "expected"), [(None, 64), (0, 64), (48, 64), (256, 324), (1, 5)])
+def test_default_max_inflight(cap: int | None, expected: int) -> None:
+    assert default_max_inflight(cap) == expected
+
+
+def test_retry_backoff_doubles_up_to_ten_seconds() -> None:
+    assert [retry_backoff_s(a) for a in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
