@@ -100,4 +100,3 @@ class FakeEngine:
 
 def _protocols(chat: FakeChat, engine: FakeEngine) -> tuple[ChatClient, EngineHandle]:
     return chat, engine  # a type checker sees here that the fakes satisfy the protocols
-

@@ -1,0 +1,257 @@
+"""The generate task's error mapping and the lease reaper, in process, on the fakes.
+
+`generate_batch` is called as a plain function (no broker, no eager mode) with a worker
+runtime of fakes in place of the real one: a real Feeder over FakeChat, a MemoryStore, a
+MemoryRedis. Called directly, Celery's `retry` re-raises the original error, so "retried"
+shows as that error with the try counted and nothing failed; "requeued" is a `Reject` with
+requeue; "failed" is `BatchFailed` with the batch in the run's failed set.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import pytest
+from celery.exceptions import Reject
+
+from genfleet.common import keys
+from genfleet.common.errors import EngineDown
+from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, encode_jsonl_gz
+from genfleet.common.settings import Settings
+from genfleet.workers import runtime as runtime_module
+from genfleet.workers.batch import BatchSummary
+from genfleet.workers.feeder import Feeder
+from genfleet.workers.tasks import BatchFailed, generate_batch, reap, running_field
+from tests.conftest import wait_for
+from tests.fakes.engine import FakeChat, FakeEngine
+from tests.fakes.memory_redis import MemoryRedis
+from tests.fakes.memory_store import MemoryStore
+
+PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
+RUN, BATCH = "r", "batch-000000"
+FIELD = running_field(RUN, BATCH)
+
+
+@dataclass
+class FakeRuntime:
+    """What `generate_batch` takes from `runtime.current()`, made of fakes."""
+
+    feeder: Feeder
+    settings: Settings
+    store: MemoryStore = field(default_factory=MemoryStore)
+    redis: MemoryRedis = field(default_factory=MemoryRedis)
+    hostname: str = "w@test"
+    monitor: None = None
+    finished: list[BatchSummary] = field(default_factory=list)
+
+    def after_batch(self, summary: BatchSummary) -> None:
+        self.finished.append(summary)
+
+
+@pytest.fixture
+def make_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., FakeRuntime]]:
+    feeders: list[Feeder] = []
+
+    def make(chat: FakeChat, batch_retries: int = 2) -> FakeRuntime:
+        feeder = Feeder(lambda: chat, FakeEngine(), 4, retries=0, backoff_s=lambda _: 0.0)
+        feeders.append(feeder)
+        settings = Settings(batch_retries=batch_retries, lease_ttl_s=30, checkpoint_interval_s=60)
+        fake = FakeRuntime(feeder=feeder, settings=settings)
+        monkeypatch.setattr(runtime_module, "_current", fake)
+        return fake
+
+    yield make
+    for feeder in feeders:
+        feeder.close()
+
+
+def stage(runtime: FakeRuntime, count: int, data: bytes | None = None) -> dict[str, Any]:
+    records = [
+        PromptRecord(id=f"p{i}", messages=[{"role": "user", "content": f"q{i}"}])
+        for i in range(count)
+    ]
+    key = keys.input_key(RUN, BATCH)
+    runtime.store.put(key, encode_jsonl_gz(r.to_json() for r in records) if data is None else data)
+    runtime.redis.sadd(keys.queued_key(RUN), BATCH)
+    order = WorkOrder(run=RUN, batch=BATCH, key=key, params=PARAMS, prompts=count)
+    return order.model_dump(mode="json")
+
+
+def state(runtime: FakeRuntime) -> dict[str, Any]:
+    """What Redis says about the batch after the task: running, tries, failed, queued."""
+    db = runtime.redis
+    return {
+        "running": db.hget(keys.running_key(), FIELD) is not None,
+        "attempts": int(db.hget(keys.attempts_key(RUN), BATCH) or 0),
+        "failed": (db.hget(keys.failed_key(RUN), BATCH) or b"").decode().split(":")[0] or None,
+        "queued": BATCH.encode() in db.smembers(keys.queued_key(RUN)),
+    }
+
+
+def test_a_batch_that_succeeds_returns_its_summary_and_leaves_no_trace(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    runtime = make_runtime(FakeChat())
+    order = stage(runtime, 3)
+
+    result = generate_batch(order)
+
+    assert (result["run"], result["batch"], result["completions"]) == (RUN, BATCH, 3)
+    assert result["worker"] == "w@test"
+    assert [s.batch for s in runtime.finished] == [BATCH]
+    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": False}
+
+
+def test_engine_down_is_retried_until_the_budget_then_failed(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    runtime = make_runtime(FakeChat(failures={"p0": [EngineDown("engine gone")] * 3}), 2)
+    order = stage(runtime, 2)
+
+    for attempt in (1, 2):
+        with pytest.raises(EngineDown):  # `retry` called directly re-raises the error
+            generate_batch(order)
+        assert state(runtime) == {
+            "running": False,
+            "attempts": attempt,
+            "failed": None,
+            "queued": True,
+        }
+    with pytest.raises(BatchFailed, match="failed 3 times"):
+        generate_batch(order)
+    assert state(runtime) == {
+        "running": False,
+        "attempts": 3,
+        "failed": "EngineDown",
+        "queued": False,
+    }
+    assert not runtime.store.exists(keys.output_key(RUN, BATCH))
+
+
+def test_a_retry_after_the_engine_came_back_succeeds(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    runtime = make_runtime(FakeChat(failures={"p1": [EngineDown("engine gone")]}), 2)
+    order = stage(runtime, 3)
+    with pytest.raises(EngineDown):
+        generate_batch(order)
+
+    result = generate_batch(order)
+
+    assert result["completions"] == 3 and result["resumed"] >= 1  # p0 came from a part
+    assert state(runtime)["failed"] is None and not state(runtime)["running"]
+
+
+def test_a_missing_input_fails_at_once(make_runtime: Callable[..., FakeRuntime]) -> None:
+    runtime = make_runtime(FakeChat())
+    order = stage(runtime, 2)
+    runtime.store.delete_prefix(order["key"])
+
+    with pytest.raises(BatchFailed, match="missing"):
+        generate_batch(order)
+
+    assert state(runtime) == {
+        "running": False,
+        "attempts": 0,
+        "failed": "BatchInputMissing",
+        "queued": False,
+    }
+
+
+def test_an_unforeseen_error_parks_the_batch_in_the_failed_set(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    runtime = make_runtime(FakeChat())
+    order = stage(runtime, 2, data=b"not gzip at all")  # a corrupt staged input
+
+    with pytest.raises(BatchFailed, match="BadGzipFile"):
+        generate_batch(order)
+
+    assert state(runtime) == {
+        "running": False,
+        "attempts": 0,
+        "failed": "BadGzipFile",
+        "queued": False,
+    }
+
+
+def test_a_shutdown_requeues_the_batch_without_counting_a_try(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    gate = threading.Event()
+    chat = FakeChat(gate=gate, ungated={"p0"})
+    runtime = make_runtime(chat)
+    order = stage(runtime, 4)
+
+    def shut_down() -> None:
+        wait_for(lambda: chat.inflight == 3, 10, "three requests in flight", 0.01)
+        runtime.feeder.cancel_all()
+
+    stopper = threading.Thread(target=shut_down)
+    stopper.start()
+    with pytest.raises(Reject) as caught:
+        generate_batch(order)
+    stopper.join(timeout=10)
+    gate.set()
+
+    assert caught.value.requeue
+    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": True}
+    assert list(runtime.store.list(keys.parts_prefix(RUN, BATCH)))  # p0 is checkpointed
+
+
+# --- the reaper ------------------------------------------------------------------------------
+
+NOW = 1_700_000_000.0
+TTL_S = 10.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def running(db: MemoryRedis, batch: str, claimed_at: float) -> dict[str, Any]:
+    order = WorkOrder(
+        run=RUN, batch=batch, key=keys.input_key(RUN, batch), params=PARAMS, prompts=5
+    ).model_dump(mode="json")
+    db.hset(
+        keys.running_key(),
+        running_field(RUN, batch),
+        orjson.dumps({**order, "claimed_at": claimed_at}),
+    )
+    return order
+
+
+def test_the_reaper_requeues_only_batches_whose_worker_vanished() -> None:
+    clock = Clock()
+    db, store = MemoryRedis(clock), MemoryStore()
+    running(db, "batch-000001", NOW - 100)
+    db.set(keys.lease_key(RUN, "batch-000001"), "w1", px=int(TTL_S * 1000))
+    running(db, "batch-000002", NOW - 1)  # just claimed: its first lease may not be written yet
+    running(db, "batch-000003", NOW - 100)  # lease lapsed, output written: it finished
+    store.put_if_absent(keys.output_key(RUN, "batch-000003"), b"done")
+    lost = running(db, "batch-000004", NOW - 100)  # lease lapsed, no output: lost
+    db.set(keys.lease_key(RUN, "batch-000004"), "w2", px=int(TTL_S * 1000))
+    clock.now = TTL_S + 1  # w2 stopped refreshing its lease; w1 refreshes:
+    db.set(keys.lease_key(RUN, "batch-000001"), "w1", px=int(TTL_S * 1000))
+    requeued: list[dict[str, Any]] = []
+
+    report = reap(db, store, TTL_S, NOW, requeued.append)
+
+    assert requeued == [lost]
+    WorkOrder.model_validate(requeued[0])  # a valid work order, without claimed_at
+    assert report["requeued"] == [running_field(RUN, "batch-000004")]
+    assert report["finished"] == [running_field(RUN, "batch-000003")]
+    left = {k.decode() for k in db.hgetall(keys.running_key())}
+    assert left == {running_field(RUN, "batch-000001"), running_field(RUN, "batch-000002")}
+
+    again: list[dict[str, Any]] = []
+    reap(db, store, TTL_S, NOW + 1, again.append)
+    assert again == []  # requeued once, not once per pass
