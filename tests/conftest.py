@@ -120,12 +120,31 @@ def base_env(redis_url: str, store: str, **extra: Any) -> dict[str, str]:
     return env
 
 
+def answering(broker_url: str, hostnames: list[str], timeout_s: float = 0.5) -> set[str]:
+    """Which of the Celery workers `hostnames` answer a ping on `broker_url` now.
+
+    A genfleet worker answers only once it consumes, and it consumes only after its engine
+    step started the engine and the engine served (the consumer is the last worker step), so
+    an answer means ready.
+    """
+    from celery import Celery
+
+    app = Celery("genfleet-test", broker=broker_url, set_as_current=False)
+    app.conf.broker_connection_retry_on_startup = True
+    try:
+        replies = app.control.ping(destination=hostnames, timeout=timeout_s)
+    finally:
+        app.close()
+    return {name for reply in replies for name in reply} & set(hostnames)
+
+
 class Worker:
     """A real `python -m genfleet.workers worker` process (with its emulator engine)."""
 
     def __init__(self, env: dict[str, str], log: Path, hostname: str, args: list[str]) -> None:
         self.hostname = hostname
         self.log = log
+        self.broker_url = env["GENFLEET_REDIS_URL"]
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "genfleet.workers", *args, "--hostname", hostname],
             env=env,
@@ -139,7 +158,7 @@ class Worker:
         def ready() -> bool:
             if self.proc.poll() is not None:
                 raise AssertionError(f"worker exited {self.proc.returncode}:\n{self.tail()}")
-            return " ready." in self.log.read_text(errors="replace")
+            return self.hostname in answering(self.broker_url, [self.hostname])
 
         wait_for(ready, timeout_s, f"worker {self.hostname} to be ready", 0.2)
 

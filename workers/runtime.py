@@ -153,6 +153,7 @@ class WorkerRuntime:
             engine.server_info if engine else {},
             inflight=feeder.inflight if feeder else 0,
             inflight_cap=feeder.max_inflight if feeder else 0,
+            restarts=engine.restarts if engine else 0,
         )
 
     def tokens_total(self) -> int:

@@ -19,7 +19,7 @@ from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.export import export_run
 from genfleet.producer.status import run_status
 from genfleet.workers.engine.ports import port_is_free
-from tests.conftest import ROOT, Worker, base_env, free_port, wait_for
+from tests.conftest import ROOT, Worker, answering, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -55,7 +55,10 @@ def test_one_worker_and_engine_per_gpu_group(
         start_new_session=True,
     )
     try:
-        wait_for(lambda: log.read_text().count(" ready.") >= 2, 60, "two group workers to be ready")
+        group = ["grp0@test", "grp1@test"]
+        wait_for(
+            lambda: answering(redis_url, group) == set(group), 60, "two group workers to be ready"
+        )
         settings = Settings(redis_url=redis_url, store=store, batch_size=10)
         enqueue_run(
             settings,

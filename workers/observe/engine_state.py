@@ -26,6 +26,7 @@ class EngineState:
 
     up: bool
     restarting: bool = False
+    restarts: int = 0  # engine restarts since the worker started (the supervisor's budget use)
     inflight: int = 0
     inflight_cap: int = 0
     max_running_requests: int | None = None
@@ -46,6 +47,7 @@ class EngineState:
         *,
         inflight: int = 0,
         inflight_cap: int = 0,
+        restarts: int = 0,
     ) -> EngineState:
         """The state of an engine in `lifecycle` (the supervisor's `state`: stopped, starting,
         ready, restarting, exhausted) whose last /server_info was `server_info`, with the
@@ -53,6 +55,7 @@ class EngineState:
         return cls(
             up=lifecycle == "ready",
             restarting=lifecycle == "restarting",
+            restarts=restarts,
             inflight=inflight,
             inflight_cap=inflight_cap,
             spec_reported=bool(server_info),
