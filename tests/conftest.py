@@ -120,6 +120,19 @@ def base_env(redis_url: str, store: str, **extra: Any) -> dict[str, str]:
     return env
 
 
+@contextlib.contextmanager
+def control_app(broker_url: str) -> Iterator[Any]:
+    """A bare Celery app on `broker_url` for remote control (ping, inspect) of test workers."""
+    from celery import Celery
+
+    app = Celery("genfleet-test", broker=broker_url, set_as_current=False)
+    app.conf.broker_connection_retry_on_startup = True
+    try:
+        yield app
+    finally:
+        app.close()
+
+
 def answering(broker_url: str, hostnames: list[str], timeout_s: float = 0.5) -> set[str]:
     """Which of the Celery workers `hostnames` answer a ping on `broker_url` now.
 
@@ -127,15 +140,19 @@ def answering(broker_url: str, hostnames: list[str], timeout_s: float = 0.5) -> 
     step started the engine and the engine served (the consumer is the last worker step), so
     an answer means ready.
     """
-    from celery import Celery
-
-    app = Celery("genfleet-test", broker=broker_url, set_as_current=False)
-    app.conf.broker_connection_retry_on_startup = True
-    try:
+    with control_app(broker_url) as app:
         replies = app.control.ping(destination=hostnames, timeout=timeout_s)
-    finally:
-        app.close()
     return {name for reply in replies for name in reply} & set(hostnames)
+
+
+def engine_report(broker_url: str, hostname: str, timeout_s: float = 1.0) -> dict[str, Any]:
+    """The engine state worker `hostname` reports now (`EngineState` JSON from its
+    `gpu_report` inspect reply); {} when it does not answer or has no sample yet."""
+    with control_app(broker_url) as app:
+        inspect = app.control.inspect(destination=[hostname], timeout=timeout_s)
+        replies = inspect._request("gpu_report") or {}
+    engine: dict[str, Any] = (replies.get(hostname) or {}).get("engine") or {}
+    return engine
 
 
 class Worker:

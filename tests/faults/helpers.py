@@ -19,6 +19,7 @@ import redis
 from pydantic import SecretStr
 
 from genfleet.common import keys
+from genfleet.common.celery_config import REAPER_TASK
 from genfleet.common.manifest import Manifest
 from genfleet.common.records import decode_jsonl_gz
 from genfleet.common.redis_conn import text
@@ -174,6 +175,18 @@ def leases_of(client: redis.Redis, run: str, hostname: str) -> set[str]:
         if client.get(key) == hostname.encode():
             held.add(key.decode().rsplit(":", 1)[1])
     return held
+
+
+def reaped(client: redis.Redis, run: str) -> list[str]:
+    """Batches of `run` the lease reaper re-enqueued, from its task results in the result
+    backend (one entry per re-enqueue)."""
+    found: list[str] = []
+    for key in client.scan_iter(match="celery-task-meta-*", count=500):
+        meta = orjson.loads(client.get(key) or b"{}")
+        if meta.get("name") != REAPER_TASK or meta.get("status") != "SUCCESS":
+            continue
+        found += [field for field in meta["result"]["requeued"] if field.startswith(f"{run}/")]
+    return found
 
 
 def log_count(worker: Worker, text: str) -> int:
