@@ -145,13 +145,20 @@ def answering(broker_url: str, hostnames: list[str], timeout_s: float = 0.5) -> 
     return {name for reply in replies for name in reply} & set(hostnames)
 
 
-def engine_report(broker_url: str, hostname: str, timeout_s: float = 1.0) -> dict[str, Any]:
-    """The engine state worker `hostname` reports now (`EngineState` JSON from its
-    `gpu_report` inspect reply); {} when it does not answer or has no sample yet."""
+def worker_report(broker_url: str, hostname: str, timeout_s: float = 1.0) -> dict[str, Any]:
+    """Worker `hostname`'s `gpu_report` inspect reply now (its telemetry window, its engine
+    state, its recent findings); {} when it does not answer."""
     with control_app(broker_url) as app:
         inspect = app.control.inspect(destination=[hostname], timeout=timeout_s)
         replies = inspect._request("gpu_report") or {}
-    engine: dict[str, Any] = (replies.get(hostname) or {}).get("engine") or {}
+    report: dict[str, Any] = replies.get(hostname) or {}
+    return report
+
+
+def engine_report(broker_url: str, hostname: str, timeout_s: float = 1.0) -> dict[str, Any]:
+    """The engine state (`EngineState` JSON) worker `hostname` reports now; {} when it does
+    not answer or has no sample yet."""
+    engine: dict[str, Any] = worker_report(broker_url, hostname, timeout_s).get("engine") or {}
     return engine
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -15,7 +16,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import run_status
-from tests.conftest import ROOT, Worker, base_env, wait_for
+from tests.conftest import ROOT, Worker, base_env, wait_for, worker_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -73,5 +74,11 @@ def test_top_json_rows_and_mtp_ineffective(
     assert row["power_limit_w"] == 700.0
     assert row["accept_length"] is not None and float(row["accept_length"]) < 1.2
     assert (row["verdict"], row["cause"]) == ("mtp_ineffective", "mtp_ineffective")
-    # the worker itself said so loudly after its batches
-    wait_for(lambda: "MTP INEFFECTIVE" in worker.log.read_text(), 10, "the worker's alarm")
+
+    # the worker itself found it after its batches, and reports the finding
+    def alarm() -> dict[str, Any] | None:
+        findings = worker_report(redis_url, worker.hostname).get("findings") or []
+        return findings[-1] if findings else None
+
+    finding = wait_for(alarm, 10, "the worker's own finding")
+    assert finding["cause"] == "mtp_ineffective" and finding["accept_length"] < 1.2
