@@ -38,10 +38,8 @@ def encode(value: Value) -> bytes:
 
 
 def _bound(value: float | str) -> float:
-    text = value.decode() if isinstance(value, bytes) else str(value)
-    if text in {"-inf", "+inf", "inf"}:
-        return float(text)
-    return float(text)
+    """A score bound as Redis reads it: a number, "-inf" or "+inf" (no exclusive bounds)."""
+    return float(value.decode() if isinstance(value, bytes) else value)
 
 
 WRONGTYPE = "WRONGTYPE Operation against a key holding the wrong kind of value"
