@@ -164,6 +164,7 @@ def forget_run(redis_url: str, run: str, queue: str) -> None:
     for i in range(0, len(doomed), 1000):
         client.delete(*doomed[i : i + 1000])
     client.srem("genfleet:runs", run)
+    client.srem("genfleet:queues", queue)
     fields = [
         f
         for f in client.hkeys("genfleet:running")

@@ -237,7 +237,7 @@ def run_genfleet(
                 worker.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(worker.pid, signal.SIGKILL)
-        forget_run(env["GENFLEET_REDIS_URL"], run, run)
+        forget_run(env["GENFLEET_REDIS_URL"], run, f"{run}.emulator")  # its emulator queue
     files = list(outputs.glob("*.jsonl.gz"))
     end = max(f.stat().st_mtime for f in files)
     tokens = completions = 0

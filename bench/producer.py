@@ -114,7 +114,7 @@ def main() -> None:
                 cwd=ROOT,
             )
         finally:
-            forget_run(args.redis_url, name, name)
+            forget_run(args.redis_url, name, f"{name}.emulator")  # its emulator queue
     figures = json.loads(out.stdout.strip().splitlines()[-1])
     wall_s = figures["wall_s"]
     print(f"prompts: {figures['prompts']:,} ({size / 1e6:.0f} MB of JSONL)")

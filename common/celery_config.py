@@ -44,8 +44,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # genfleet's subclass can also stop running batches on a cold shutdown.
         "worker_pool": "genfleet.workers.pool:TaskPool",
         "worker_concurrency": settings.worker_concurrency,
+        # Work orders are sent to their model's queue (`{queue}.emulator`, `{queue}.<model>`,
+        # genfleet.common.identity), always named explicitly: nothing is routed here.
         "task_default_queue": settings.queue,
-        "task_routes": {GENERATE_TASK: {"queue": settings.queue}},
+        "task_routes": {},
         "task_track_started": True,
         "task_send_sent_event": True,
         "worker_send_task_events": True,

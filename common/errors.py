@@ -3,6 +3,7 @@
 GenfleetError
 ├── ConfigError            bad settings or arguments: fix and run again
 ├── InputError             a dataset cannot be read at all (every line rejected, no file)
+├── RunMismatch            a run exists with other prompts, parameters or model: never merged
 ├── StoreError             the object store failed after its own retries
 │   └── StoreUnavailable   cannot reach it now: retry later, nothing is lost
 ├── BrokerUnavailable      Redis does not answer: a hint says how to start one
@@ -27,6 +28,11 @@ class ConfigError(GenfleetError):
 
 class InputError(GenfleetError):
     pass
+
+
+class RunMismatch(GenfleetError):
+    """Enqueueing into a run that exists, with anything different: refused before touching the
+    store or the queue; the message names each difference and what to do."""
 
 
 class StoreError(GenfleetError):

@@ -50,6 +50,12 @@ def manifest_key(run: str) -> str:
     return f"{run}/manifest.json"
 
 
+def claim_key(run: str) -> str:
+    """The model, parameters and batching a run is staged with, written before its first
+    batch: an interrupted staging is resumed only with the same ones."""
+    return f"{run}/claim.json"
+
+
 def input_key(run: str, batch: str) -> str:
     """A staged batch of prompts (claim check: work orders carry this key, not prompts)."""
     return f"{run}/inputs/{batch}.jsonl.gz"
@@ -90,6 +96,7 @@ def batch_from_output_key(key: str) -> str:
 PRIORITY_SEP = "\x06\x16"
 PRIORITY_STEPS = (0, 3, 6, 9)
 UNACKED = "unacked"
+UNACKED_INDEX = "unacked_index"  # delivery time of each unacknowledged message
 
 
 def broker_queue_keys(queue: str) -> list[str]:
@@ -128,6 +135,34 @@ def attempts_key(run: str) -> str:
 def throughput_key(run: str) -> str:
     """Sorted set of `ts:tokens` samples for tok/s over a window; trimmed to one hour."""
     return f"{PREFIX}:run:{run}:throughput"
+
+
+def cancelled_key(run: str) -> str:
+    """Set by `genfleet cancel` (value: when): workers start no batch of the run and stop the
+    running ones; the next enqueue of the run clears it. No TTL."""
+    return f"{PREFIX}:run:{run}:cancelled"
+
+
+def deleted_key(run: str) -> str:
+    """Tombstone left by `genfleet delete` (value: when), so that a stray work order of the
+    deleted run (enqueued before that time) is dropped even if a run of the same name is
+    staged again. TTL: the visibility timeout, after which no such order can come back."""
+    return f"{PREFIX}:deleted:{run}"
+
+
+def run_keys_pattern(run: str) -> str:
+    """Every per-run key above (`genfleet delete` scans it)."""
+    return f"{PREFIX}:run:{run}:*"
+
+
+def leases_pattern(run: str) -> str:
+    return f"{PREFIX}:lease:{run}:*"
+
+
+def work_queues_key() -> str:
+    """Set of the per-model work queues orders were sent to (queue depth for the power-watch,
+    and where `cancel` and `delete` look for a run's waiting orders); no TTL."""
+    return f"{PREFIX}:queues"
 
 
 def lease_key(run: str, batch: str) -> str:

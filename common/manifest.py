@@ -11,11 +11,13 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict
 
+from genfleet.common.identity import RunIdentity
 from genfleet.common.keys import manifest_key
 from genfleet.common.records import GenerationParams
 from genfleet.common.store import Store
 
-MANIFEST_VERSION = 1
+# 2: the fingerprint covers the prompts alone; the model, engine and batching are recorded.
+MANIFEST_VERSION = 2
 
 
 class BatchEntry(BaseModel):
@@ -34,9 +36,14 @@ class Manifest(BaseModel):
     run: str
     source: str
     format: str
-    fingerprint: str  # hash of the staged prompts and params: same data, same run
+    fingerprint: str  # sha256 of the staged prompts (JSON lines, input order)
     created_at: float
     params: GenerationParams
+    # What the outputs come from. None only in manifests written before version 2, whose
+    # identity cannot be checked: such a run is never resumed with other settings silently.
+    model: str | None = None
+    engine: str | None = None
+    staging: dict[str, Any] = {}  # batch_size, batch_max_tokens: how batches were cut
     prompts_total: int
     rejects: int
     batches: list[BatchEntry]
@@ -51,6 +58,17 @@ class Manifest(BaseModel):
             return None
         return cls.model_validate(orjson.loads(data))
 
+    def identity(self) -> RunIdentity:
+        fingerprint = self.fingerprint if self.version >= 2 else f"v{self.version}-unchecked"
+        return RunIdentity(
+            fingerprint=fingerprint,
+            params=self.params.model_dump(),
+            staging=dict(self.staging),
+            model=self.model,
+            engine=self.engine,
+            source=self.source,
+        )
+
     def batch_ids(self) -> list[str]:
         return [entry.batch for entry in self.batches]
 
@@ -58,6 +76,8 @@ class Manifest(BaseModel):
         return {
             "run": self.run,
             "source": self.source,
+            "model": self.model,
+            "engine": self.engine,
             "prompts_total": self.prompts_total,
             "batches_total": len(self.batches),
             "rejects": self.rejects,

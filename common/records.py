@@ -71,7 +71,9 @@ class GenerationParams(BaseModel):
 class WorkOrder(BaseModel):
     """The Celery message body: which staged batch to generate. JSON, small, validated.
 
-    It carries the run's sampling parameters so a worker never reads the manifest.
+    It carries the run's sampling parameters so a worker never reads the manifest, and the
+    model (with the engine kind) it must be generated with: a worker serving another model
+    hands it back to its own queue (`genfleet.common.identity.order_queue`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -80,6 +82,8 @@ class WorkOrder(BaseModel):
     batch: str
     key: str
     params: GenerationParams
+    model: str
+    engine: str
     prompts: int = 0
     enqueued_at: float = 0.0
 

@@ -7,6 +7,7 @@ the environment at import time. Units live in the names (`timeout_s`, `power_w`)
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 from typing import Any, Literal
 
@@ -41,7 +42,7 @@ class Settings(BaseSettings):
     store: str = DEFAULT_STORE  # made a file:// URL by the validator below
     s3_endpoint_url: str | None = None
     s3_region: str = "us-east-1"
-    queue: str = "gpu"
+    queue: str = "gpu"  # work orders wait on `{queue}.emulator` or `{queue}.<model>`
     # Redis re-delivers a late-acked message still running after this long (kombu
     # QoS.restore_visible): keep it at least twice the longest batch, in every process.
     visibility_timeout_s: int = 14_400
@@ -220,30 +221,33 @@ SETTINGS_FILE = "settings_file"  # the --settings-file flag: not a setting, a so
 def read_settings_file(path: str | Path) -> dict[str, str]:
     """The settings a `KEY=VALUE` file of GENFLEET_ names holds, as field name → raw value.
 
-    Written by `genfleet tune --out` and read by `--settings-file` on `worker` and `run`:
-    blank lines and `#` comments are skipped, `export ` and matching quotes around a value are
-    accepted. Raises ValueError naming the file and line of an unknown name or a bad line.
+    Written by `genfleet tune --out` and read by `--settings-file` on `worker` and `run`, with
+    python-dotenv's parser, so it reads what `.env` files mean everywhere: `#` comments,
+    `export `, single or double quotes (a `#` inside quotes is part of the value), escapes in
+    double quotes. No `${VAR}` expansion: a value is taken as written. Raises ValueError naming
+    the file and line of an unknown name or a line that is not `NAME=VALUE`.
 
         GENFLEET_MTP=true
         GENFLEET_MAX_RUNNING_REQUESTS=256   # → {"mtp": "true", "max_running_requests": "256"}
+        GENFLEET_ENGINE_EXTRA_ARGS="--foo #bar"           # → {"engine_extra_args": "--foo #bar"}
     """
+    from dotenv.parser import parse_stream
+
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"--settings-file {path}: {exc.strerror or exc}") from exc
     known = setting_names()
     values: dict[str, str] = {}
-    for number, raw in enumerate(lines, start=1):
-        line = raw.strip()
-        if not line or line.startswith("#"):
-            continue
-        key, sep, value = line.removeprefix("export ").partition("=")
-        key, value = key.strip(), value.split(" #", 1)[0].strip()
-        if not sep or key not in known:
-            raise ValueError(f"{path}:{number}: expected GENFLEET_NAME=VALUE, got {raw.strip()!r}")
-        if len(value) >= 2 and value[0] == value[-1] and value[0] in "\"'":
-            value = value[1:-1]
-        values[key.removeprefix("GENFLEET_").lower()] = value
+    for binding in parse_stream(io.StringIO(text)):
+        if binding.key is None and not binding.error:
+            continue  # a blank line or a comment
+        if binding.error or binding.key not in known or binding.value is None:
+            line = binding.original.string.strip()
+            raise ValueError(
+                f"{path}:{binding.original.line}: expected GENFLEET_NAME=VALUE, got {line!r}"
+            )
+        values[binding.key.removeprefix("GENFLEET_").lower()] = binding.value
     return values
 
 

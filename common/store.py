@@ -8,11 +8,12 @@ directory it is a hard link of a complete temporary file, which fails when the n
 
 from __future__ import annotations
 
+import builtins
 import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 from urllib.parse import unquote, urlparse
@@ -41,6 +42,9 @@ class Store(Protocol):
         """Keys under `prefix`, in lexical order."""
 
     def delete_prefix(self, prefix: str) -> int: ...
+
+    def folders(self) -> Sequence[str]:
+        """The names of the top-level folders (one per run), without listing their objects."""
 
 
 class FileStore:
@@ -113,6 +117,9 @@ class FileStore:
             self._path(key).unlink(missing_ok=True)
             count += 1
         return count
+
+    def folders(self) -> Sequence[str]:
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir())
 
 
 class S3Store:
@@ -266,6 +273,24 @@ class S3Store:
             )
             count += 1
         return count
+
+    def folders(self) -> Sequence[str]:
+        base = f"{self.prefix}/" if self.prefix else ""
+        names: builtins.list[str] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base, "Delimiter": "/"}
+            if token:
+                kwargs["ContinuationToken"] = token
+            page = self._call(
+                "list folders",
+                lambda kw=kwargs: self._client.list_objects_v2(**kw),  # type: ignore[misc]
+            )
+            for item in page.get("CommonPrefixes", []):
+                names.append(item["Prefix"][len(base) :].rstrip("/"))
+            if not page.get("IsTruncated"):
+                return sorted(names)
+            token = page.get("NextContinuationToken")
 
 
 def open_store(url: str, endpoint_url: str | None = None, region: str = "us-east-1") -> Store:

@@ -17,6 +17,7 @@ from celery import Celery
 
 from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK, celery_config
+from genfleet.common.identity import ModelRef, work_queue
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import text
 from genfleet.common.settings import Settings
@@ -29,7 +30,7 @@ def make_client_app(settings: Settings) -> Celery:
 
 
 def send_orders(app: Celery, settings: Settings, orders: Iterable[WorkOrder]) -> int:
-    """Send work orders to the GPU queue over one connection; returns how many were sent."""
+    """Send work orders, each to its model's queue, over one connection; returns how many."""
     sent = 0
     with app.producer_or_acquire() as producer:
         for order in orders:
@@ -37,7 +38,7 @@ def send_orders(app: Celery, settings: Settings, orders: Iterable[WorkOrder]) ->
             app.send_task(
                 GENERATE_TASK,
                 kwargs={"order": body},
-                queue=settings.queue,
+                queue=work_queue(settings.queue, ModelRef(order.engine, order.model)),
                 task_id=f"{order.run}.{order.batch}.{uuid.uuid4().hex[:8]}",
                 producer=producer,
             )
@@ -87,3 +88,29 @@ def orders_in_broker(client: redis.Redis, queue: str, run: str) -> set[str]:
         if name.startswith(prefix):
             found.add(name[len(prefix) :])
     return found
+
+
+def purge_orders(client: redis.Redis, queue: str, run: str, unacked: bool = False) -> set[str]:
+    """Remove `run`'s work orders waiting in `queue` (and, with `unacked`, those delivered but
+    not acknowledged, which kombu would otherwise restore); returns their batches.
+
+    `cancel` removes waiting orders so that no batch of the run starts again; a worker still
+    holding one finds the run cancelled and parks it. `delete` also drops unacknowledged ones.
+    """
+    removed: set[str] = set()
+    for name in keys.broker_queue_keys(queue):
+        for raw in client.lrange(name, 0, -1):
+            hit = _order_of(raw)
+            if hit and hit[0] == run and client.lrem(name, 0, raw):  # type: ignore[arg-type]
+                removed.add(hit[1])
+    if unacked:
+        for tag, raw in client.hgetall(keys.UNACKED).items():
+            try:
+                message = orjson.loads(raw)[0]
+            except (ValueError, IndexError, TypeError):
+                continue
+            hit = _order_of(orjson.dumps(message))
+            if hit and hit[0] == run and client.hdel(keys.UNACKED, tag):
+                client.zrem(keys.UNACKED_INDEX, tag)
+                removed.add(hit[1])
+    return removed

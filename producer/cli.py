@@ -19,6 +19,7 @@ from genfleet.common.flags import fail, with_settings
 from genfleet.common.settings import DEFAULT_STORE, Settings, store_url
 from genfleet.producer import commands, local_run
 from genfleet.producer.console import PASS_THROUGH, Json, out
+from genfleet.producer.runs import commands as run_commands
 
 # The GPU side's commands, by name: `genfleet.workers.cli` defines them.
 GPU_COMMANDS = ("worker", "control", "preflight", "top", "tune")
@@ -79,6 +80,9 @@ app.command()(commands.report)
 app.command()(commands.findings)
 app.command("run")(local_run.run_command)
 app.command("settings")(show_settings)
+app.command()(run_commands.runs)
+app.command()(run_commands.cancel)
+app.command()(run_commands.delete)
 
 
 def main() -> None:

@@ -101,7 +101,8 @@ def _print_enqueue(result: EnqueueResult, json_out: bool) -> None:
     console.print(
         f"run [bold]{result.run}[/]: {verb} {result.prompts} prompts in {result.batches_total} "
         f"batches; enqueued {result.batches_enqueued}, already done {result.batches_done}, "
-        f"rejected {result.rejects} lines",
+        f"rejected {result.rejects} lines; model {result.model} (queue {result.queue})"
+        + ("; it was cancelled and is resumed" if result.uncancelled else ""),
         highlight=False,
     )
     for line in result.reject_samples:
@@ -164,7 +165,7 @@ def watch_run(
                 rate=report["tokens_per_s"],
                 eta=format_eta(report["eta_s"]),
             )
-            if report["state"] in {"done", "failed"}:
+            if report["state"] in {"done", "failed", "cancelled"}:
                 return
             if check is not None:
                 check()

@@ -10,6 +10,7 @@ Redis that lost everything is rebuilt from the store alone.
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import time
 from collections.abc import Callable, Iterator
@@ -19,13 +20,15 @@ from typing import Any
 import orjson
 
 from genfleet.common import keys
-from genfleet.common.errors import InputError
+from genfleet.common.errors import InputError, RunMismatch
+from genfleet.common.identity import ModelRef, model_ref, work_queue
 from genfleet.common.manifest import BatchEntry, Manifest
-from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, encode_jsonl_gz
+from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, dumps_jsonl
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, open_store
 from genfleet.producer.batching import expected_tokens, make_batches
 from genfleet.producer.readers import ReaderOptions, Reject, read_source
+from genfleet.producer.runs.identity import check_identity, claim_run, run_model, staging_params
 
 Sender = Callable[[list[WorkOrder]], int]
 
@@ -40,16 +43,24 @@ class EnqueueResult:
     rejects: int = 0
     reject_samples: list[str] = field(default_factory=list)
     staged: bool = False  # False: the run existed and only missing batches were enqueued
+    model: str | None = None
+    engine: str | None = None
+    queue: str | None = None
+    uncancelled: bool = False  # the run was cancelled; this enqueue resumed it
 
     def to_json(self) -> dict[str, Any]:
         return {
             "run": self.run,
+            "model": self.model,
+            "engine": self.engine,
+            "queue": self.queue,
             "prompts": self.prompts,
             "batches_total": self.batches_total,
             "batches_enqueued": self.batches_enqueued,
             "batches_done": self.batches_done,
             "rejects": self.rejects,
             "staged": self.staged,
+            "uncancelled": self.uncancelled,
         }
 
 
@@ -106,22 +117,26 @@ def stage(
     split = _Split(read_source(source, options))
     digest = hashlib.sha256()
     params = generation_params(settings)
-    digest.update(orjson.dumps(params.model_dump(), option=orjson.OPT_SORT_KEYS))
+    ref = model_ref(settings)
     entries: list[BatchEntry] = []
     pending: list[WorkOrder] = []
+    claim_run(store, run, params, ref, staging_params(settings))
     done = done_batches(store, run)  # a run staged before but never finished its manifest
     batches = make_batches(split, settings.batch_size, settings.batch_max_tokens, params.max_tokens)
     for index, records in enumerate(batches):
         batch = keys.batch_id(index)
         key = keys.input_key(run, batch)
-        data = encode_jsonl_gz(record.to_json() for record in records)
-        digest.update(data)
+        raw = dumps_jsonl(record.to_json() for record in records)
+        digest.update(raw)
+        data = gzip.compress(raw, compresslevel=6, mtime=0)
+        if batch in done and store.get(key) != data:
+            raise RunMismatch(_interrupted(run, batch, store.url))
         store.put(key, data)
         work = sum(expected_tokens(record, params.max_tokens) for record in records)
         entries.append(BatchEntry(batch=batch, key=key, prompts=len(records), expected_tokens=work))
         result.prompts += len(records)
         if batch not in done:
-            pending.append(_order(run, batch, key, len(records), params))
+            pending.append(_order(run, batch, key, len(records), params, ref))
         if len(pending) >= 64:
             result.batches_enqueued += _send(send, pending, outstanding)
     result.batches_enqueued += _send(send, pending, outstanding)
@@ -144,6 +159,9 @@ def stage(
         fingerprint=digest.hexdigest(),
         created_at=time.time(),
         params=params,
+        model=ref.model,
+        engine=ref.engine,
+        staging=staging_params(settings),
         prompts_total=result.prompts,
         rejects=result.rejects,
         batches=entries,
@@ -154,9 +172,25 @@ def stage(
     return manifest, result
 
 
-def _order(run: str, batch: str, key: str, prompts: int, params: GenerationParams) -> WorkOrder:
+def _interrupted(run: str, batch: str, url: str) -> str:
+    return (
+        f"run {run!r} in {url} has no manifest (an earlier staging was interrupted) but has "
+        f"outputs of other prompts ({batch} differs): use --run NEW, or `genfleet delete {run}`"
+    )
+
+
+def _order(
+    run: str, batch: str, key: str, prompts: int, params: GenerationParams, ref: ModelRef
+) -> WorkOrder:
     return WorkOrder(
-        run=run, batch=batch, key=key, params=params, prompts=prompts, enqueued_at=time.time()
+        run=run,
+        batch=batch,
+        key=key,
+        params=params,
+        model=ref.model,
+        engine=ref.engine,
+        prompts=prompts,
+        enqueued_at=time.time(),
     )
 
 
@@ -191,8 +225,10 @@ def enqueue_missing(
         batches_done=len(done),
         rejects=manifest.rejects,
     )
+    ref = run_model(manifest)
+    result.model, result.engine = ref.model, ref.engine
     pending = [
-        _order(manifest.run, entry.batch, entry.key, entry.prompts, manifest.params)
+        _order(manifest.run, entry.batch, entry.key, entry.prompts, manifest.params, ref)
         for entry in manifest.batches
         if entry.batch not in done and (only is None or entry.batch in only)
     ]
@@ -218,11 +254,17 @@ def enqueue_run(
 
     keys.validate_run(run)
     store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+    manifest = Manifest.load(store, run)
+    if manifest is not None and source is not None:
+        # before anything is touched
+        check_identity(manifest, settings, generation_params(settings), source, options)
+    ref = run_model(manifest) if manifest is not None else model_ref(settings)
+    queue = work_queue(settings.queue, ref)
     client = connect(settings)
     app = make_client_app(settings)
     queued = keys.queued_key(run)
     if verify:
-        outstanding = orders_in_broker(client, settings.queue, run)
+        outstanding = orders_in_broker(client, queue, run)
         client.delete(queued)
         if outstanding:
             client.sadd(queued, *outstanding)
@@ -231,14 +273,18 @@ def enqueue_run(
 
     def send(orders: list[WorkOrder]) -> int:
         client.sadd(queued, *[order.batch for order in orders])
+        client.sadd(keys.work_queues_key(), queue)
         return send_orders(app, settings, orders)
 
+    # Enqueueing a cancelled run resumes it: the flag goes before any order is sent.
+    uncancelled = bool(client.delete(keys.cancelled_key(run)))
     client.sadd(keys.runs_key(), run)
-    manifest = Manifest.load(store, run)
     if manifest is None:
         if source is None:
             raise InputError(f"run {run!r} has no manifest in {store.url}: give a SOURCE")
         manifest, result = stage(settings, store, run, source, options, send, outstanding)
     else:
         result = enqueue_missing(store, manifest, send, outstanding, only)
+    result.model, result.engine, result.queue = ref.model, ref.engine, queue
+    result.uncancelled = uncancelled
     return result

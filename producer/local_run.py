@@ -31,13 +31,25 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.commands import Format, watch_run
 from genfleet.producer.console import Json, console, out
-from genfleet.producer.enqueue import enqueue_run, reader_options
+from genfleet.producer.enqueue import enqueue_run, generation_params, reader_options
+from genfleet.producer.runs.identity import existing_run
 from genfleet.producer.status import read_findings, run_status
+
+COMPRESSED = (".gz", ".zst", ".bz2", ".xz")
 
 
 def default_run_name(source: str) -> str:
-    """The dataset's file name, made a valid run name: re-running resumes the same run."""
-    stem = Path(source).name.split(".", 1)[0] or "run"
+    """The dataset's file name without its extension, made a valid run name: re-running
+    resumes the same run (`prompts.v2.jsonl` → `prompts.v2`, `data.jsonl.gz` → `data`).
+
+    Two files of the same name are not the same run: enqueueing the second into the first's
+    run is refused (the fingerprints differ), never merged."""
+    path = Path(source)
+    name = path.name
+    if not path.is_dir():
+        name = name.removesuffix(next((s for s in COMPRESSED if name.endswith(s)), ""))
+        name = str(Path(name).stem) if "." in name.strip(".") else name
+    stem = name or "run"
     cleaned = "".join(c if c.isalnum() or c in "._-" else "-" for c in stem).strip(".-_")
     return keys.validate_run(cleaned[:100] or "run")
 
@@ -117,6 +129,9 @@ def run_command(
     The workers it starts get these settings in their environment.
     """
     run = run or default_run_name(source)
+    options = reader_options(
+        settings, fmt, messages_col=messages_col, prompt_col=prompt_col, id_col=id_col
+    )
     try:
         keys.validate_run(run)
         connect(settings)
@@ -133,9 +148,14 @@ def run_command(
         console.print(f"ENGINE: {kind} {settings.model or settings.engine_url or ''}")
     if kind == "sglang":
         _preflight(settings)
+    try:
+        # Before anything starts: a run of this name with other data or settings is refused.
+        existing = existing_run(settings, generation_params(settings), run, source, options)
+    except (GenfleetError, ValueError) as exc:
+        fail(str(exc))
     log_dir = Path(settings.log_dir or tempfile.mkdtemp(prefix="genfleet-run-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    finished = _finished(settings, run)
+    finished = _finished(settings, run) if existing is not None else None
     if finished is not None:  # nothing to generate: no workers, no engine
         console.print(f"run [bold]{run}[/] is already done in {settings.store}", highlight=False)
         _summary(settings, finished, json_out)
@@ -147,10 +167,8 @@ def run_command(
     try:
         children.start("worker", ["worker"], env)
         children.start("control", ["control"], env)
-        options = reader_options(
-            settings, fmt, messages_col=messages_col, prompt_col=prompt_col, id_col=id_col
-        )
-        result = enqueue_run(settings, run, source, options)
+        # An existing run (checked above) only gets orders for what it lacks.
+        result = enqueue_run(settings, run, None if existing else source, options)
         console.print(
             f"run [bold]{run}[/]: {result.prompts} prompts, {result.batches_total} batches "
             f"({result.batches_done} already done), {result.rejects} lines rejected",
@@ -212,7 +230,9 @@ def _summary(settings: Settings, report: dict[str, Any], json_out: bool) -> None
         + f", {report['batches_failed']} failed batches",
         highlight=False,
     )
-    if report["state"] != "done":
+    if report["state"] == "cancelled":
+        out.print(f"cancelled; resume with `genfleet enqueue --resume {report['run']}`")
+    elif report["state"] != "done":
         out.print(f"failed batches: {', '.join(report['failed'])}; fix, then `genfleet retry`")
     out.print(f"export: genfleet export {report['run']} --out {report['run']}.jsonl")
     # A GPU with nothing left to take at the end of a run is expected, not news.

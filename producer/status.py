@@ -40,6 +40,8 @@ def run_status(
     started_at = float(counters["started_at"]) if "started_at" in counters else None
     if len(done) == total:
         state = "done"
+    elif client.exists(keys.cancelled_key(run)):
+        state = "cancelled"
     elif failed and len(done) + len(failed) == total:
         state = "failed"
     elif done or started_at:
@@ -66,6 +68,9 @@ def run_status(
     return {
         "run": run,
         "state": state,
+        "model": manifest.model,
+        "engine": manifest.engine,
+        "created_at": manifest.created_at,
         "batches_total": total,
         "batches_done": len(done),
         "batches_failed": len(failed),

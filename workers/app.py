@@ -86,6 +86,7 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.runtime: Any = None
 
     def start(self, parent: Any) -> None:
+        from genfleet.common.identity import worker_queue
         from genfleet.workers.runtime import WorkerRuntime
 
         settings = settings_of(parent.app)
@@ -93,12 +94,14 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
             return  # beat and power-watch only: no engine, no GPU
         hostname = parent.hostname
 
+        queue = worker_queue(settings)
+
         def exhausted(message: str) -> None:
             log.error("%s: %s", hostname, message)
             try:
-                parent.app.control.cancel_consumer(settings.queue, destination=[hostname])
+                parent.app.control.cancel_consumer(queue, destination=[hostname])
             except Exception:  # noqa: BLE001 - broker may be gone too; the state says why
-                log.exception("could not stop consuming from %s", settings.queue)
+                log.exception("could not stop consuming from %s", queue)
 
         self.runtime = WorkerRuntime(settings, hostname, on_exhausted=exhausted)
         try:

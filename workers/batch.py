@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import CancelledError
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
@@ -45,6 +46,11 @@ class BatchInputMissing(StoreError):
 
 class BatchInterrupted(Exception):
     """The worker is shutting down and cancelled the batch; what finished is checkpointed."""
+
+
+class BatchCancelled(Exception):
+    """The run was cancelled (`genfleet cancel`) while the batch ran; what finished is
+    checkpointed and the batch is parked."""
 
 
 @dataclass
@@ -150,6 +156,16 @@ def _why(exc: BaseException, order: WorkOrder, finished: int, todo: int) -> Base
     return exc
 
 
+def _check_cancelled(
+    order: WorkOrder, cancelled: Callable[[], bool] | None, finished: int, todo: int
+) -> None:
+    if cancelled is not None and cancelled():
+        raise BatchCancelled(
+            f"{order.run}/{order.batch}: the run was cancelled; stopped after {finished} of "
+            f"{todo} prompts (checkpointed)"
+        )
+
+
 def _save_finished(store: Store, order: WorkOrder, part: int, rows: list[CompletionRecord]) -> None:
     """On a failed try, checkpoint what finished so the retry skips it; best effort.
 
@@ -174,7 +190,9 @@ def execute(
     lease_ttl_s: float,
     checkpoint_interval_s: float,
     gpus: str | None = None,
+    cancelled: Callable[[], bool] | None = None,
 ) -> BatchSummary:
+    """Generate `order`'s batch; `cancelled()` is polled at each lease refresh and stops it."""
     started = time.monotonic()
     summary = BatchSummary(run=order.run, batch=order.batch, worker=worker, gpus=gpus)
     output_key = keys.output_key(order.run, order.batch)
@@ -209,6 +227,7 @@ def execute(
                 future.result(timeout=max(min(lease_ttl_s / 3, PROGRESS_INTERVAL_S), 0.1))
                 break
             except FutureTimeout:
+                _check_cancelled(order, cancelled, len(collector.results), len(todo))
                 client.set(lease, worker, px=int(lease_ttl_s * 1000))
                 _progress(client, order, worker, *collector.take_progress())
                 if time.monotonic() - last_flush >= checkpoint_interval_s:

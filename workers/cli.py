@@ -22,6 +22,7 @@ import typer
 
 from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import fail, settings_from, with_settings
+from genfleet.common.identity import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.workers.tune.plan import Options, tune_options
 
@@ -88,7 +89,8 @@ def worker(
     index = worker_index
     name = hostname or (f"gpu{index}@{host}" if index is not None else f"gpu@{host}")
     concurrency = str(settings.worker_concurrency)
-    run_celery(settings, ["--queues", settings.queue, "--concurrency", concurrency], name)
+    queue = worker_queue(settings)  # its model's queue: it takes no other model's orders
+    run_celery(settings, ["--queues", queue, "--concurrency", concurrency], name)
 
 
 def run_group_workers(settings: Settings, groups: list[str | None], hostname: str | None) -> None:

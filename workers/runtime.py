@@ -15,6 +15,7 @@ from typing import Any
 import redis
 
 from genfleet.common.errors import EngineError
+from genfleet.common.identity import worker_queue
 from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, open_store
@@ -50,6 +51,7 @@ class WorkerRuntime:
         self.settings = settings
         self.hostname = hostname
         self.on_exhausted = on_exhausted
+        self.queue = worker_queue(settings)  # the one queue (model) this worker serves
         self.store: Store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
         self.redis: redis.Redis = connect(settings)
         self.engine: EngineSupervisor | ExternalEngine | None = None

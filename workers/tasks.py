@@ -3,7 +3,9 @@
 - generate_batch: a WorkOrder → workers.batch.execute. Retryable failures (engine down, store
   or Redis unreachable) are retried with backoff; after `batch_retries` tries, or at once for
   permanent ones (staged input missing, anything unforeseen), the batch lands in the run's
-  failed set.
+  failed set. An order for another model is handed back to its own queue, never generated;
+  an order of a cancelled run is parked (acknowledged, not generated; a resume sends it
+  again), and one of a deleted run is dropped.
 - reap_leases (beat): re-enqueues batches whose worker vanished (lease expired, no output),
   so a SIGKILLed worker's batch finishes elsewhere in minutes, not after the visibility timeout.
 - power_watch (beat): see genfleet.workers.observe.power_watch.
@@ -24,11 +26,13 @@ from celery.exceptions import Reject
 from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK
 from genfleet.common.errors import EngineError, StoreError
+from genfleet.common.identity import order_queue
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import RedisCommands, text
 from genfleet.common.store import Store
 from genfleet.workers.app import app, settings_of
-from genfleet.workers.batch import BatchInputMissing, BatchInterrupted, execute
+from genfleet.workers.batch import BatchCancelled, BatchInputMissing, BatchInterrupted, execute
+from genfleet.workers.lifecycle import gate, is_cancelled, park
 from genfleet.workers.runtime import current
 
 log = logging.getLogger("genfleet.tasks")
@@ -51,6 +55,11 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     settings = runtime.settings
     client = runtime.redis
     assert runtime.feeder is not None
+    turned_away = gate(client, work, runtime.queue, order_queue(settings.queue, order))
+    if turned_away is not None:
+        if turned_away.get("handed_back"):
+            generate_batch.apply_async(kwargs={"order": order}, queue=turned_away["queue"])
+        return turned_away
     field = running_field(work.run, work.batch)
     client.hset(keys.running_key(), field, orjson.dumps({**order, "claimed_at": time.time()}))
     monitor = runtime.monitor
@@ -66,7 +75,13 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
             lease_ttl_s=settings.lease_ttl_s,
             checkpoint_interval_s=settings.checkpoint_interval_s,
             gpus=settings.gpus,
+            cancelled=lambda: is_cancelled(client, work.run),
         )
+    except BatchCancelled as exc:
+        log.warning("%s", exc)
+        park(client, work)
+        _safe_hdel(client, field)
+        return {"run": work.run, "batch": work.batch, "cancelled": True}
     except BatchInputMissing as exc:
         _fail(client, work, exc)
         raise BatchFailed(str(exc)) from exc
@@ -83,7 +98,9 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
             raise BatchFailed(f"{work.run}/{work.batch} failed {attempts} times: {exc}") from exc
         log.warning("%s/%s try %d failed: %s", work.run, work.batch, attempts, exc)
         _safe_hdel(client, field)
-        raise self.retry(exc=exc, countdown=min(2**attempts, 60), max_retries=None) from exc
+        raise self.retry(
+            exc=exc, countdown=min(2**attempts, 60), max_retries=None, queue=runtime.queue
+        ) from exc
     except Exception as exc:
         # Unforeseen means permanent until someone looks: park it in the failed set, where
         # status shows it and `genfleet retry` re-runs it, rather than leave a running entry
@@ -137,7 +154,9 @@ def reap_leases() -> dict[str, Any]:
         open_store(settings.store, settings.s3_endpoint_url, settings.s3_region),
         settings.lease_ttl_s,
         time.time(),
-        lambda order: generate_batch.apply_async(kwargs={"order": order}, queue=settings.queue),
+        lambda order: generate_batch.apply_async(
+            kwargs={"order": order}, queue=order_queue(settings.queue, order)
+        ),
     )
 
 
@@ -164,6 +183,9 @@ def reap(
             finished.append(text(field))
             continue
         order = {k: v for k, v in entry.items() if k != "claimed_at"}
+        if client.exists(keys.cancelled_key(run), keys.deleted_key(run)):
+            park(client, WorkOrder.model_validate(order))  # nothing to redo: parked
+            continue
         if client.hdel(keys.running_key(), field):  # only one reaper wins the re-enqueue
             requeue(order)
             requeued.append(text(field))

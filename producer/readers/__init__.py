@@ -66,9 +66,9 @@ def read_source(source: str | Path, options: ReaderOptions | None = None) -> Ite
         if isinstance(located, Reject):
             yield located
             continue
-        line, item = located
+        file, line, item = located
         if item.id in seen:
-            yield Reject(str(path), line, "id", f"duplicate id {item.id!r}")
+            yield Reject(file, line, "id", f"duplicate id {item.id!r}")
             continue
         seen.add(item.id)
         if options.limit is not None and taken >= options.limit:

@@ -7,6 +7,7 @@ A format module (jsonl, parquet, hf_disk) yields `Located` items built with thes
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from genfleet.common.records import ROLES, PromptRecord
@@ -43,8 +44,18 @@ class ReaderOptions:
 
 
 Item = PromptRecord | Reject
-# What a format module yields: a record with the line (or row) it came from, or a reject.
-Located = tuple[int, PromptRecord] | Reject
+# What a format module yields: a record with the file and line (or row) it came from, or a
+# reject.
+Located = tuple[str, int, PromptRecord] | Reject
+
+
+def default_id_base(file: Path, source: Path) -> str:
+    """The first part of a default id `{base}:{line}`: the file's path relative to the source
+    (its name when the source is the file), so that `part.0.jsonl:12` and `part.1.jsonl:12`
+    of one folder never collide."""
+    if source.is_dir() and source in file.parents:
+        return file.relative_to(source).as_posix()
+    return file.name
 
 
 class BadRecord(ValueError):

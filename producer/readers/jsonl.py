@@ -23,6 +23,7 @@ from genfleet.producer.readers.fields import (
     check_id,
     check_messages,
     check_prompt,
+    default_id_base,
 )
 
 # Body fields of an OpenAI chat request that map onto genfleet's per-prompt parameters.
@@ -43,7 +44,7 @@ def _files(path: Path) -> list[Path]:
 
 def read_jsonl(path: Path, options: ReaderOptions) -> Iterator[Located]:
     for file in _files(path):
-        yield from _read_file(file, options)
+        yield from _read_file(file, default_id_base(file, path), options)
 
 
 def _lines(handle: IO[bytes], limit: int) -> Iterator[tuple[int, bytes | None]]:
@@ -74,10 +75,9 @@ def _is_json_array(path: Path) -> bool:
     return head.startswith(b"[")
 
 
-def _read_array(path: Path, options: ReaderOptions) -> Iterator[Located]:
+def _read_array(path: Path, base: str, options: ReaderOptions) -> Iterator[Located]:
     """Records of a JSON array file; the element number (from 1) stands for the line."""
     name = str(path)
-    stem = path.name.split(".", 1)[0]
     try:
         items = orjson.loads(path.read_bytes().removeprefix(b"\xef\xbb\xbf"))
     except orjson.JSONDecodeError as exc:
@@ -85,17 +85,18 @@ def _read_array(path: Path, options: ReaderOptions) -> Iterator[Located]:
         return
     for number, data in enumerate(items, start=1):
         try:
-            yield (number, parse_line(data, default_id=f"{stem}:{number}", fmt=options.format))
+            record = parse_line(data, default_id=f"{base}:{number}", fmt=options.format)
+            yield (name, number, record)
         except BadRecord as exc:
             yield Reject(name, number, exc.field, f"element {number}: {exc}")
 
 
-def _read_file(path: Path, options: ReaderOptions) -> Iterator[Located]:
+def _read_file(path: Path, base: str, options: ReaderOptions) -> Iterator[Located]:
+    """Every line of one file; `base` starts its default ids (see `default_id_base`)."""
     if _is_json_array(path):
-        yield from _read_array(path, options)
+        yield from _read_array(path, base, options)
         return
     name = str(path)
-    stem = path.name.split(".", 1)[0]
     with _open(path) as handle:
         for lineno, raw in _lines(handle, options.max_line_bytes):
             if raw is None:
@@ -116,11 +117,11 @@ def _read_file(path: Path, options: ReaderOptions) -> Iterator[Located]:
                 yield Reject(name, lineno, None, f"not JSON: {exc}")
                 continue
             try:
-                record = parse_line(data, default_id=f"{stem}:{lineno}", fmt=options.format)
+                record = parse_line(data, default_id=f"{base}:{lineno}", fmt=options.format)
             except BadRecord as exc:
                 yield Reject(name, lineno, exc.field, str(exc))
                 continue
-            yield (lineno, record)
+            yield (name, lineno, record)
 
 
 def parse_line(data: Any, default_id: str, fmt: str | None = None) -> PromptRecord:

@@ -3,7 +3,8 @@
 Only the named columns are read (`--messages-col`, `--prompt-col`, `--id-col`; defaults
 `messages`, `prompt`, `id`) and only one record batch of them is in memory at a time, so a
 shard of any size streams. A row is numbered by its 0-based index in its file (what
-`table.slice(row, 1)` or `df.iloc[row]` would show); rows without an id get `{stem}:{row}`.
+`table.slice(row, 1)` or `df.iloc[row]` would show); rows without an id get `{file}:{row}`,
+with the file's path relative to the source.
 
 Rejects: a column named on the command line that a file lacks rejects that file (the mapping
 the user asked for does not hold there, and guessing would mix datasets); a file with neither
@@ -31,6 +32,7 @@ from genfleet.producer.readers.fields import (
     check_id,
     check_messages,
     check_prompt,
+    default_id_base,
 )
 
 if TYPE_CHECKING:
@@ -123,7 +125,7 @@ def parse_row(row: dict[str, Any], columns: Columns, default_id: str) -> PromptR
 
 
 def rows_from_batches(
-    name: str, stem: str, batches: Iterable[pa.RecordBatch], columns: Columns, start: int = 0
+    name: str, base: str, batches: Iterable[pa.RecordBatch], columns: Columns, start: int = 0
 ) -> Iterator[Located]:
     """Records from record batches holding `columns`; rows are numbered from `start`."""
     row = start
@@ -132,7 +134,7 @@ def rows_from_batches(
         for i in range(batch.num_rows):
             data = {col: values[col][i] for col in values}
             try:
-                yield (row, parse_row(data, columns, f"{stem}:{row}"))
+                yield (name, row, parse_row(data, columns, f"{base}:{row}"))
             except BadRecord as exc:
                 yield Reject(name, row, exc.field, f"row {row}: {exc}")
             row += 1
@@ -165,9 +167,9 @@ def read_parquet(path: Path, options: ReaderOptions) -> Iterator[Located]:
             if isinstance(columns, Reject):
                 yield columns
                 continue
-            stem = file.name.split(".", 1)[0]
+            base = default_id_base(file, path)
             batches = handle.iter_batches(batch_size=ROWS_PER_BATCH, columns=columns.names())
             try:
-                yield from rows_from_batches(name, stem, batches, columns)
+                yield from rows_from_batches(name, base, batches, columns)
             except (pa.ArrowException, OSError) as exc:
                 yield Reject(name, None, None, f"Parquet file is corrupt after some rows: {exc}")

@@ -105,6 +105,8 @@ def test_settings_file_sits_between_environment_and_flags(
         "export GENFLEET_MAX_RUNNING_REQUESTS=48\n"
         "GENFLEET_MAX_INFLIGHT='64'  # a trailing comment\n"
         'GENFLEET_SYSTEM_PROMPT="be brief"\n'
+        'GENFLEET_ENGINE_EXTRA_ARGS="--foo #bar"  # the # inside quotes is the value\'s\n'
+        "GENFLEET_REASONING_PARSER='deepseek-r1' # a comment after a quoted value\n"
     )
     monkeypatch.setenv("GENFLEET_MAX_INFLIGHT", "17")
     monkeypatch.setenv("GENFLEET_BATCH_SIZE", "9")
@@ -115,6 +117,8 @@ def test_settings_file_sits_between_environment_and_flags(
     assert settings.max_running_requests == 96  # a flag wins over the file
     assert settings.batch_size == 9  # the environment still fills what the file leaves
     assert settings.system_prompt == "be brief"
+    assert settings.engine_extra_args == "--foo #bar"
+    assert settings.reasoning_parser == "deepseek-r1"
     assert parse_setting_args([f"--settings-file={tuned}"]) == {"settings_file": str(tuned)}
 
 
@@ -124,6 +128,7 @@ def test_settings_file_sits_between_environment_and_flags(
         ("GENFLEET_NO_SUCH=1\n", ":1: expected GENFLEET_NAME=VALUE"),
         ("# ok\nMTP=true\n", ":2: expected GENFLEET_NAME=VALUE"),
         ("GENFLEET_MTP\n", ":1: expected"),
+        ("GENFLEET_MTP=true\n\n# c\nGENFLEET_SYSTEM_PROMPT='unclosed\n", ":4: expected"),
     ],
 )
 def test_settings_file_errors_name_the_line(tmp_path: Path, text: str, message: str) -> None:

@@ -138,7 +138,7 @@ def test_bad_lines_are_rejected_and_the_rest_runs(
     data = store.get(keys.output_key("mixed", "batch-000000"))
     assert data is not None
     ids = [orjson.loads(line)["id"] for line in gzip.decompress(data).splitlines()]
-    assert ids == ["a", "mixed:7"]
+    assert ids == ["a", "mixed.jsonl:7"]
 
 
 def test_file_with_no_valid_line_exits_non_zero(tmp_path: Path, redis_url: str) -> None:

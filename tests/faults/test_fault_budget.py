@@ -46,7 +46,9 @@ def test_exhausted_budget_stops_consuming_and_the_run_finishes_elsewhere(
         return [q["name"] for q in replies[broken.hostname]]
 
     # the budget runs out (no restart allowed) and the worker stops consuming its queue
-    assert wait_for(lambda: (q := queues()) is not None and "gpu" not in q, 60, "consumer gone")
+    assert wait_for(
+        lambda: (q := queues()) is not None and "gpu.emulator" not in q, 60, "consumer gone"
+    )
     assert broken.proc.poll() is None  # alive and answering, just not taking work
     healthy = start_worker(base_env(redis_url, store), name="healthy")
     healthy.wait_ready()

@@ -62,7 +62,8 @@ def test_poison_batch_lands_in_the_failed_set_and_retry_completes_it(
         log_dir=tmp_path,
     )
     worker = start_worker(env)
-    settings = fault_settings(redis_url, store_url)
+    # the producer names the model the worker serves: this external engine
+    settings = fault_settings(redis_url, store_url, engine="external", engine_url=fake_engine.url)
     worker.wait_ready()
     started = time.monotonic()
     stage(settings, "poison", tmp_path / "prompts.jsonl")
@@ -152,7 +153,7 @@ def test_pickled_message_is_refused_and_the_worker_keeps_working(
     attacker.send_task(
         GENERATE_TASK,
         kwargs={"order": _RunsCodeWhenUnpickled(proof)},
-        queue="gpu",
+        queue="gpu.emulator",
         serializer="pickle",
     )
     attacker.close()
@@ -165,7 +166,7 @@ def test_pickled_message_is_refused_and_the_worker_keeps_working(
     assert "application/x-python-serialize" in worker.log.read_text(errors="replace")
     assert not proof.exists(), "the pickled payload was executed"
     assert worker.proc.poll() is None
-    assert redis_client.llen("gpu") == 0  # rejected, not left to be delivered again
+    assert redis_client.llen("gpu.emulator") == 0  # rejected, not left to be delivered again
     assert not redis_client.hlen("unacked")
 
     ids = write_prompts(tmp_path / "prompts.jsonl", 60)

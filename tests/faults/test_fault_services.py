@@ -34,7 +34,7 @@ from tests.faults.services import FlakyS3, RedisServer
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
 
-def queued_batches(client: redis.Redis, run: str, queue: str = "gpu") -> list[str]:
+def queued_batches(client: redis.Redis, run: str, queue: str = "gpu.emulator") -> list[str]:
     """The batches of `run` whose work orders wait in `queue` (kombu's Redis list)."""
     batches = []
     for raw in client.lrange(queue, 0, -1):

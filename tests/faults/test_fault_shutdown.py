@@ -15,6 +15,7 @@ import pytest
 import redis
 
 from genfleet.common import keys
+from genfleet.common.identity import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.producer.status import run_status
 from genfleet.workers.observe.power_watch import queue_depth
@@ -94,7 +95,7 @@ def finish_elsewhere(
 def assert_handed_back(client: redis.Redis, settings: Settings, run: str) -> None:
     """The batch is back in the queue, its finished prompts in checkpoint parts, no output."""
     objects = open_run_store(settings)
-    assert queue_depth(client, settings.queue) == 1
+    assert queue_depth(client, worker_queue(settings)) == 1
     assert list(objects.list(keys.parts_prefix(run, "batch-000000")))
     assert not objects.exists(keys.output_key(run, "batch-000000"))
 

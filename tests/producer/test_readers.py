@@ -45,7 +45,7 @@ def test_jsonl_chat_and_prompt_lines_with_default_ids(tmp_path: Path) -> None:
     )
     records, rejects = split(read_source(path))
     assert rejects == []
-    assert [r.id for r in records] == ["a", "data:2", "7"]
+    assert [r.id for r in records] == ["a", "data.jsonl:2", "7"]
     assert records[1].messages == user("tell me")
 
 
@@ -53,7 +53,7 @@ def test_jsonl_gz_is_read(tmp_path: Path) -> None:
     path = tmp_path / "data.jsonl.gz"
     path.write_bytes(gzip.compress(orjson.dumps({"prompt": "p"}) + b"\n"))
     records, _ = split(read_source(path))
-    assert [r.id for r in records] == ["data:1"]
+    assert [r.id for r in records] == ["data.jsonl.gz:1"]
 
 
 @pytest.mark.parametrize(
@@ -77,7 +77,7 @@ def test_jsonl_bad_line_is_one_reject_and_the_rest_proceeds(
 ) -> None:
     path = lines(tmp_path / "d.jsonl", [{"prompt": "ok"}, line, {"prompt": "also ok"}])
     records, rejects = split(read_source(path))
-    assert [r.id for r in records] == ["d:1", "d:3"]
+    assert [r.id for r in records] == ["d.jsonl:1", "d.jsonl:3"]
     assert len(rejects) == 1
     reject = rejects[0]
     assert (reject.file, reject.line) == (str(path), 2)
@@ -91,7 +91,7 @@ def test_jsonl_bad_line_is_one_reject_and_the_rest_proceeds(
 def test_jsonl_line_over_the_size_limit(tmp_path: Path) -> None:
     path = lines(tmp_path / "d.jsonl", [{"prompt": "x" * 500}, {"prompt": "short"}])
     records, rejects = split(read_source(path, ReaderOptions(max_line_bytes=100)))
-    assert [r.id for r in records] == ["d:2"]
+    assert [r.id for r in records] == ["d.jsonl:2"]
     assert rejects[0].line == 1 and "over 100 bytes" in rejects[0].reason
 
 
@@ -107,7 +107,12 @@ def test_system_prompt_samples_and_limit(tmp_path: Path) -> None:
     path = lines(tmp_path / "d.jsonl", [{"prompt": str(i)} for i in range(5)])
     options = ReaderOptions(system_prompt="be brief", samples=2, limit=2)
     records, _ = split(read_source(path, options))
-    assert [(r.id, r.sample) for r in records] == [("d:1", 0), ("d:1", 1), ("d:2", 0), ("d:2", 1)]
+    assert [(r.id, r.sample) for r in records] == [
+        ("d.jsonl:1", 0),
+        ("d.jsonl:1", 1),
+        ("d.jsonl:2", 0),
+        ("d.jsonl:2", 1),
+    ]
     assert records[0].messages[0] == {"role": "system", "content": "be brief"}
 
 
@@ -185,7 +190,7 @@ def test_parquet_messages_and_prompt_columns(tmp_path: Path) -> None:
     pq.write_table(table, tmp_path / "shard.parquet")
     records, rejects = split(read_source(tmp_path / "shard.parquet"))
     assert rejects == []
-    assert [r.id for r in records] == ["a", "shard:1", "c"]
+    assert [r.id for r in records] == ["a", "shard.parquet:1", "c"]
     assert records[1].messages == user("p2")
     assert records[2].messages == user("m3")  # null struct fields are dropped
 
@@ -215,7 +220,7 @@ def test_parquet_directory_of_shards_in_order_streams_many_row_batches(tmp_path:
     records, rejects = split(read_source(tmp_path))
     assert rejects == []
     assert len(records) == 4500
-    assert records[0].id == "part-00:0" and records[-1].id == "part-02:1499"
+    assert records[0].id == "part-00.parquet:0" and records[-1].id == "part-02.parquet:1499"
     assert [r.messages[0]["content"] for r in records[1499:1501]] == ["0-1499", "1-0"]
 
 
@@ -224,7 +229,7 @@ def test_parquet_shard_without_the_column_is_one_reject_and_others_proceed(tmp_p
     pq.write_table(pa.table({"text": ["b", "c"]}), tmp_path / "b.parquet")
     pq.write_table(pa.table({"prompt": ["d"]}), tmp_path / "c.parquet")
     records, rejects = split(read_source(tmp_path))
-    assert [r.id for r in records] == ["a:0", "c:0"]
+    assert [r.id for r in records] == ["a.parquet:0", "c.parquet:0"]
     assert len(rejects) == 1
     assert rejects[0].file == str(tmp_path / "b.parquet") and rejects[0].line is None
     assert "'messages'" in rejects[0].reason and "'prompt'" in rejects[0].reason
@@ -280,7 +285,7 @@ def test_not_a_parquet_file_is_a_reject(tmp_path: Path) -> None:
     (tmp_path / "bad.parquet").write_bytes(b"not parquet at all")
     pq.write_table(pa.table({"prompt": ["p"]}), tmp_path / "good.parquet")
     records, rejects = split(read_source(tmp_path))
-    assert [r.id for r in records] == ["good:0"]
+    assert [r.id for r in records] == ["good.parquet:0"]
     assert rejects[0].file.endswith("bad.parquet")
 
 
@@ -365,7 +370,7 @@ def test_json_array_file(tmp_path: Path) -> None:
         orjson.dumps([{"id": "a", "prompt": "x"}, {"id": "b"}, {"messages": user("z")}])
     )
     records, rejects = split(read_source(path))
-    assert [r.id for r in records] == ["a", "data:3"]
+    assert [r.id for r in records] == ["a", "data.json:3"]
     assert [(r.line, r.field) for r in rejects] == [(2, "messages")]
     assert "element 2" in rejects[0].reason
 
@@ -377,3 +382,25 @@ def test_oversized_line_is_skipped_without_losing_the_next(tmp_path: Path) -> No
     records, rejects = split(read_source(path, ReaderOptions(max_line_bytes=1000)))
     assert [r.id for r in records] == ["next"]
     assert [(r.line, r.reason) for r in rejects] == [(1, "line over 1000 bytes")]
+
+
+def test_default_ids_are_unique_across_the_files_of_a_folder(tmp_path: Path) -> None:
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for i in range(2):
+        lines(shards / f"part.{i}.jsonl", [{"prompt": f"{i}-{n}"} for n in range(3)])
+    lines(shards / "part.1.jsonl.gz", [])  # read as well, and empty
+    records, rejects = split(read_source(shards))
+    assert rejects == []
+    assert [r.id for r in records] == [
+        *(f"part.0.jsonl:{n}" for n in (1, 2, 3)),
+        *(f"part.1.jsonl:{n}" for n in (1, 2, 3)),
+    ]
+
+
+def test_a_duplicate_id_reject_names_its_file_not_the_folder(tmp_path: Path) -> None:
+    lines(tmp_path / "a.jsonl", [{"id": "x", "prompt": "1"}])
+    lines(tmp_path / "b.jsonl", [{"prompt": "2"}, {"id": "x", "prompt": "3"}])
+    records, rejects = split(read_source(tmp_path))
+    assert [r.id for r in records] == ["x", "b.jsonl:1"]
+    assert [(r.file, r.line, r.field) for r in rejects] == [(str(tmp_path / "b.jsonl"), 2, "id")]

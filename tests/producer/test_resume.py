@@ -17,6 +17,8 @@ from genfleet.producer.enqueue import enqueue_run, reader_options
 
 pytestmark = pytest.mark.integration
 
+QUEUE = "gpu.emulator"  # the emulator's queue: these runs name no model
+
 
 def stage_run(tmp_path: Path, redis_url: str) -> Settings:
     settings = Settings(redis_url=redis_url, store=(tmp_path / "store").as_uri(), batch_size=10)
@@ -32,14 +34,14 @@ def test_resume_sends_exactly_the_orders_the_broker_lost(
 ) -> None:
     settings = stage_run(tmp_path, redis_url)
     options = reader_options(settings)
-    assert orders_in_broker(redis_client, "gpu", "r") == {keys.batch_id(i) for i in range(5)}
+    assert orders_in_broker(redis_client, QUEUE, "r") == {keys.batch_id(i) for i in range(5)}
     assert enqueue_run(settings, "r", None, options, verify=True).batches_enqueued == 0
 
     # a worker took batch 0 (unacked), batch 1 is running elsewhere, batch 4 is done;
     # then the queue was purged: batches 2 and 3 have no order anywhere
-    waiting = redis_client.lrange("gpu", 0, -1)
-    redis_client.delete("gpu")
-    redis_client.hset(keys.UNACKED, "tag-1", orjson.dumps([orjson.loads(waiting[-1]), "", "gpu"]))
+    waiting = redis_client.lrange(QUEUE, 0, -1)
+    redis_client.delete(QUEUE)
+    redis_client.hset(keys.UNACKED, "tag-1", orjson.dumps([orjson.loads(waiting[-1]), "", QUEUE]))
     redis_client.hset(keys.running_key(), "r/batch-000001", b"{}")
     store = open_store(settings.store)
     store.put_if_absent(keys.output_key("r", "batch-000004"), b"done")
@@ -49,7 +51,7 @@ def test_resume_sends_exactly_the_orders_the_broker_lost(
     resumed = enqueue_run(settings, "r", None, options, verify=True)
     assert resumed.batches_enqueued == 2
     assert resumed.batches_done == 1
-    assert redis_client.llen("gpu") == 2  # the two lost orders, and only those
-    assert orders_in_broker(redis_client, "gpu", "r") == {keys.batch_id(i) for i in range(4)}
+    assert redis_client.llen(QUEUE) == 2  # the two lost orders, and only those
+    assert orders_in_broker(redis_client, QUEUE, "r") == {keys.batch_id(i) for i in range(4)}
     # and a second resume sends nothing more
     assert enqueue_run(settings, "r", None, options, verify=True).batches_enqueued == 0

@@ -77,7 +77,15 @@ def staged(store: FileStore, count: int) -> WorkOrder:
     ]
     key = keys.input_key("r", "batch-000000")
     store.put(key, encode_jsonl_gz(r.to_json() for r in records))
-    return WorkOrder(run="r", batch="batch-000000", key=key, params=PARAMS, prompts=count)
+    return WorkOrder(
+        run="r",
+        batch="batch-000000",
+        key=key,
+        params=PARAMS,
+        model="emulator",
+        engine="emulator",
+        prompts=count,
+    )
 
 
 def run(order: WorkOrder, store: Any, client: redis.Redis, feeder: StubFeeder) -> Any:

@@ -109,7 +109,13 @@ def test_external_engine_is_health_checked_not_supervised(
         worker = start_worker(
             base_env(redis_url, store, engine="external", engine_url=f"http://127.0.0.1:{port}")
         )
-        settings = Settings(redis_url=redis_url, store=store, batch_size=25)
+        settings = Settings(
+            redis_url=redis_url,
+            store=store,
+            batch_size=25,
+            engine="external",
+            engine_url=f"http://127.0.0.1:{port}",
+        )
         enqueue_run(
             settings, "ext", str(write_source(tmp_path / "e.jsonl", 50)), reader_options(settings)
         )

@@ -42,8 +42,9 @@ def fleet_state(client: redis.Redis, settings: Settings, now: float) -> FleetSta
             pending[run] = count
     seen = {text(k): float(v) for k, v in client.hgetall(keys.workers_key()).items()}
     expected = frozenset(w for w, ts in seen.items() if now - ts < FORGET_WORKER_S)
+    queues = {text(name) for name in client.smembers(keys.work_queues_key())}
     return FleetState(
-        queue_depth=queue_depth(client, settings.queue),
+        queue_depth=sum(queue_depth(client, queue) for queue in sorted(queues)),
         pending_batches=pending,
         expected_workers=expected,
     )

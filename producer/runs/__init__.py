@@ -1,0 +1,1 @@
+"""A run after staging: `genfleet runs`, `cancel` and `delete`."""

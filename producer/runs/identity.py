@@ -1,0 +1,130 @@
+"""Checking that an enqueue matches the run it names: same prompts, parameters, batching,
+model and engine, or a refusal (RunMismatch, exit 2) that names each difference and touches
+neither the store nor the queue.
+
+The prompts' fingerprint is the sha256 of the staged records as JSON lines in input order:
+`stage` hashes the bytes it writes, `fingerprint_source` the same bytes without writing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import orjson
+
+from genfleet.common import keys
+from genfleet.common.errors import RunMismatch
+from genfleet.common.identity import ModelRef, RunIdentity, model_ref
+from genfleet.common.manifest import MANIFEST_VERSION, Manifest
+from genfleet.common.records import GenerationParams
+from genfleet.common.settings import Settings
+from genfleet.common.store import Store, open_store
+from genfleet.producer.readers import ReaderOptions, Reject, read_source
+
+
+def staging_params(settings: Settings) -> dict[str, Any]:
+    """How prompts are read and cut into batches: part of a run's identity. (The prompts'
+    fingerprint covers what these do to the prompts; naming them makes a refusal say why.)"""
+    return {
+        "batch_size": settings.batch_size,
+        "batch_max_tokens": settings.batch_max_tokens,
+        "samples": settings.samples,
+        "limit": settings.limit,
+        "system_prompt": settings.system_prompt,
+    }
+
+
+def fingerprint_source(source: str, options: ReaderOptions) -> str:
+    """The fingerprint `stage` would record for `source`, with nothing written anywhere."""
+    digest = hashlib.sha256()
+    for item in read_source(source, options):
+        if not isinstance(item, Reject):
+            digest.update(orjson.dumps(item.to_json()) + b"\n")
+    return digest.hexdigest()
+
+
+def new_identity(
+    settings: Settings, params: GenerationParams, source: str, options: ReaderOptions
+) -> RunIdentity:
+    """What enqueueing `source` with `settings` would make of a run."""
+    ref = model_ref(settings)
+    return RunIdentity(
+        fingerprint=fingerprint_source(source, options),
+        params=params.model_dump(),
+        staging=staging_params(settings),
+        model=ref.model,
+        engine=ref.engine,
+        source=str(source),
+    )
+
+
+def mismatch_message(run: str, differences: list[str]) -> str:
+    lines = "\n".join(f"  {line}" for line in differences)
+    return (
+        f"run {run!r} exists with other inputs or settings:\n{lines}\n"
+        f"Nothing was staged or enqueued. Give this data its own run (--run NEW), or remove the "
+        f"old one first (`genfleet delete {run}`)."
+    )
+
+
+def check_identity(
+    manifest: Manifest,
+    settings: Settings,
+    params: GenerationParams,
+    source: str,
+    options: ReaderOptions,
+) -> None:
+    """Raise RunMismatch naming every difference between the run and what is asked now."""
+    asked = new_identity(settings, params, source, options)
+    differences = manifest.identity().differences(asked)
+    if manifest.version < MANIFEST_VERSION:
+        differences.insert(
+            0, f"the run was staged by an older genfleet (manifest v{manifest.version})"
+        )
+    if differences:
+        raise RunMismatch(mismatch_message(manifest.run, differences))
+
+
+def existing_run(
+    settings: Settings,
+    params: GenerationParams,
+    run: str,
+    source: str,
+    options: ReaderOptions,
+) -> Manifest | None:
+    """The run's manifest when it exists and is what `source` with `settings` would make of it;
+    None when there is no such run; RunMismatch when it differs. Reads the store only."""
+    store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+    manifest = Manifest.load(store, keys.validate_run(run))
+    if manifest is not None:
+        check_identity(manifest, settings, params, source, options)
+    return manifest
+
+
+def run_model(manifest: Manifest) -> ModelRef:
+    """The model a staged run's orders go to; refused for a manifest that never recorded one."""
+    if manifest.model is None or manifest.engine is None:
+        raise RunMismatch(
+            f"run {manifest.run!r} was staged by an older genfleet without a model: its orders "
+            f"cannot be routed. Stage it again as a new run (--run NEW)."
+        )
+    return ModelRef(manifest.engine, manifest.model)
+
+
+def claim_run(
+    store: Store, run: str, params: GenerationParams, ref: ModelRef, staging: dict[str, Any]
+) -> None:
+    """Bind a run to its model and parameters before its first batch is staged, so that an
+    interrupted staging is not finished with other settings (its outputs would mix both)."""
+    claim = RunIdentity("", params.model_dump(), staging, ref.model, ref.engine)
+    raw = store.get(keys.claim_key(run))
+    if raw is not None:
+        data = orjson.loads(raw)
+        before = RunIdentity("", data["params"], data["staging"], data["model"], data["engine"])
+        differences = before.differences(claim)
+        if differences:
+            raise RunMismatch(mismatch_message(run, differences))
+        return
+    body = {"params": claim.params, "staging": staging, "model": ref.model, "engine": ref.engine}
+    store.put(keys.claim_key(run), orjson.dumps(body))

@@ -1,0 +1,90 @@
+"""Orders go to engines of their model: a worker consumes only its model's queue, and one that
+receives an order for another model hands it back, never generating it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from genfleet.common import keys
+from genfleet.common.settings import Settings
+from genfleet.common.store import open_store
+from genfleet.producer.broker import orders_in_broker
+from genfleet.producer.enqueue import enqueue_run, reader_options
+from genfleet.workers.lifecycle import decide
+from tests.conftest import Worker, base_env, wait_for
+from tests.faults.helpers import assert_exactly_once, wait_run_done, write_prompts
+
+
+@pytest.mark.parametrize(
+    ("my_queue", "its_queue", "enqueued_at", "deleted_at", "cancelled", "verdict"),
+    [
+        ("gpu.emulator", "gpu.emulator", 10.0, None, False, "generate"),
+        ("gpu.emulator", "gpu.q", 10.0, None, False, "hand_back"),
+        ("gpu.emulator", "gpu.q", 10.0, 20.0, True, "hand_back"),  # its own workers decide
+        ("gpu.q", "gpu.q", 10.0, 20.0, False, "drop"),  # enqueued before the run was deleted
+        ("gpu.q", "gpu.q", 30.0, 20.0, False, "generate"),  # a new run of the same name
+        ("gpu.q", "gpu.q", 30.0, 20.0, True, "park"),
+        ("gpu.q", "gpu.q", 30.0, None, True, "park"),
+    ],
+)
+def test_decide(
+    my_queue: str,
+    its_queue: str,
+    enqueued_at: float,
+    deleted_at: float | None,
+    cancelled: bool,
+    verdict: str,
+) -> None:
+    assert decide(my_queue, its_queue, enqueued_at, deleted_at, cancelled) == verdict
+
+
+@pytest.mark.integration
+def test_an_order_for_another_model_is_handed_back_never_generated(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store_url = (tmp_path / "store").as_uri()
+    worker = start_worker(base_env(redis_url, store_url, log_dir=tmp_path))
+    # A model run on the same Redis and store: its orders wait on its model's queue.
+    model = Settings(
+        redis_url=redis_url,
+        store=store_url,
+        batch_size=10,
+        engine="external",
+        engine_url="http://127.0.0.1:9",
+        served_model_name="other-model",
+    )
+    write_prompts(tmp_path / "m.jsonl", 20, prefix="m")
+    staged = enqueue_run(model, "model-run", str(tmp_path / "m.jsonl"), reader_options(model))
+    assert staged.queue == "gpu.other-model"
+    assert redis_client.llen("gpu.other-model") == 2
+    # One of them is misdelivered onto the emulator's queue.
+    redis_client.lmove("gpu.other-model", "gpu.emulator", "RIGHT", "LEFT")
+    assert redis_client.llen("gpu.emulator") == 1
+
+    emulator = Settings(redis_url=redis_url, store=store_url, batch_size=10, max_tokens=1024)
+    ids = write_prompts(tmp_path / "e.jsonl", 30, prefix="e")
+    enqueue_run(emulator, "emu-run", str(tmp_path / "e.jsonl"), reader_options(emulator))
+    worker.wait_ready()
+    wait_run_done(emulator, redis_client, "emu-run", 90)
+    _, rows = assert_exactly_once(emulator, "emu-run", ids, redis_client)
+    assert {row["engine"]["kind"] for row in rows} == {"emulator"}
+
+    # The misdelivered order is back on its model's queue; the emulator generated nothing of
+    # the model run (no output, no checkpoint) and left nothing of it on its own queue.
+    wait_for(lambda: redis_client.llen("gpu.other-model") == 2, 30, "the order to be handed back")
+    assert redis_client.llen("gpu.emulator") == 0
+    assert orders_in_broker(redis_client, "gpu.other-model", "model-run") == {
+        keys.batch_id(0),
+        keys.batch_id(1),
+    }
+    store = open_store(store_url)
+    assert list(store.list("model-run/outputs/")) == []
+    assert list(store.list("model-run/parts/")) == []
+    assert redis_client.hget(keys.counters_key("model-run"), "started_at") is None
