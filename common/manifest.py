@@ -6,15 +6,53 @@ outputs in the store: "enqueue work orders for inputs that have no output".
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 from pydantic import BaseModel, ConfigDict
 
-from genfleet.common.identity import RunIdentity
 from genfleet.common.keys import manifest_key
 from genfleet.common.records import GenerationParams
 from genfleet.common.store import Store
+
+
+@dataclass(frozen=True, slots=True)
+class RunIdentity:
+    """Everything that decides what a run's outputs are: compared field by field when a run
+    that exists is enqueued again."""
+
+    fingerprint: str  # sha256 of the staged prompts, as JSON lines, in input order
+    params: dict[str, Any]  # generation parameters, as GenerationParams dumps them
+    staging: dict[str, Any]  # how prompts were cut into batches
+    model: str | None
+    engine: str | None
+    source: str = ""
+
+    def differences(self, new: RunIdentity) -> list[str]:
+        """One line per difference, `what: run has X, now Y`; empty when `new` is the same."""
+        found: list[str] = []
+        if self.fingerprint != new.fingerprint:
+            found.append(
+                f"prompts: the run holds {self.source or 'other data'} "
+                f"(fingerprint {self.fingerprint[:12]}), now {new.source or 'this source'} "
+                f"(fingerprint {new.fingerprint[:12]})"
+            )
+        pairs = (("engine", self.engine, new.engine), ("model", self.model, new.model))
+        for label, old, now in pairs:
+            if old != now:
+                found.append(f"{label}: the run has {_show(old)}, now {_show(now)}")
+        for group_old, group_new in ((self.params, new.params), (self.staging, new.staging)):
+            for name in sorted({*group_old, *group_new}):
+                old, now = group_old.get(name), group_new.get(name)
+                if old != now:
+                    found.append(f"{name}: the run has {_show(old)}, now {_show(now)}")
+        return found
+
+
+def _show(value: Any) -> str:
+    return "(not recorded)" if value is None else repr(value)
+
 
 # 2: the fingerprint covers the prompts alone; the model, engine and batching are recorded.
 MANIFEST_VERSION = 2

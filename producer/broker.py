@@ -16,8 +16,7 @@ import redis
 from celery import Celery
 
 from genfleet.common import keys
-from genfleet.common.celery_config import GENERATE_TASK, celery_config
-from genfleet.common.identity import ModelRef, work_queue
+from genfleet.common.celery_config import GENERATE_TASK, ModelRef, celery_config, work_queue
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import text
 from genfleet.common.settings import Settings

@@ -20,8 +20,8 @@ from typing import Any
 import orjson
 
 from genfleet.common import keys
+from genfleet.common.celery_config import ModelRef, model_ref, work_queue
 from genfleet.common.errors import InputError, RunMismatch
-from genfleet.common.identity import ModelRef, model_ref, work_queue
 from genfleet.common.manifest import BatchEntry, Manifest
 from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, dumps_jsonl
 from genfleet.common.settings import Settings

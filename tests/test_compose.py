@@ -378,7 +378,7 @@ def test_gpu_worker_gets_models_cache_shared_memory_and_ulimits() -> None:
 
 
 def test_the_producer_sends_orders_to_the_queue_its_workers_consume() -> None:
-    from genfleet.common.identity import model_ref, work_queue, worker_queue
+    from genfleet.common.celery_config import model_ref, work_queue, worker_queue
     from genfleet.common.settings import Settings, parse_setting_args
 
     services = load_compose()["services"]

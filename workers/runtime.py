@@ -14,8 +14,8 @@ from typing import Any
 
 import redis
 
+from genfleet.common.celery_config import worker_queue
 from genfleet.common.errors import EngineError
-from genfleet.common.identity import worker_queue
 from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, open_store

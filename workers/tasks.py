@@ -24,9 +24,8 @@ from celery import Task
 from celery.exceptions import Reject
 
 from genfleet.common import keys
-from genfleet.common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK
+from genfleet.common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK, order_queue
 from genfleet.common.errors import EngineError, StoreError
-from genfleet.common.identity import order_queue
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import RedisCommands, text
 from genfleet.common.store import Store

@@ -14,9 +14,9 @@ from typing import Any
 import orjson
 
 from genfleet.common import keys
+from genfleet.common.celery_config import ModelRef, model_ref
 from genfleet.common.errors import RunMismatch
-from genfleet.common.identity import ModelRef, RunIdentity, model_ref
-from genfleet.common.manifest import MANIFEST_VERSION, Manifest
+from genfleet.common.manifest import MANIFEST_VERSION, Manifest, RunIdentity
 from genfleet.common.records import GenerationParams
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, open_store

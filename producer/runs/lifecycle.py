@@ -24,7 +24,6 @@ from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import text
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store
-from genfleet.producer.broker import purge_orders
 from genfleet.producer.status import run_status
 
 
@@ -113,6 +112,8 @@ def cancel_run(store: Store, client: redis.Redis, run: str) -> CancelResult:
     """Cancel `run`: no batch of it starts again; running ones stop, checkpoint and park."""
     _require_run(store, run)
     result = CancelResult(run=run)
+    from genfleet.producer.broker import purge_orders  # Celery: only when needed
+
     result.already = not client.set(keys.cancelled_key(run), time.time(), nx=True)
     for queue in _work_queues(client):
         removed = purge_orders(client, queue, run)
@@ -158,6 +159,8 @@ def delete_run(
                 "stopped"
             )
         sleep(0.5)
+    from genfleet.producer.broker import purge_orders  # Celery: only when needed
+
     result = DeleteResult(run=run, orders_removed=cancelled.orders_removed)
     # The tombstone first: from now on a stray order of this run is dropped by workers.
     client.set(keys.deleted_key(run), time.time(), ex=settings.visibility_timeout_s)

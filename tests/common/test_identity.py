@@ -8,15 +8,15 @@ from typing import Any
 
 import pytest
 
-from genfleet.common.identity import (
+from genfleet.common.celery_config import (
     ModelRef,
-    RunIdentity,
     model_ref,
     order_queue,
     queue_slug,
     work_queue,
     worker_queue,
 )
+from genfleet.common.manifest import RunIdentity
 from genfleet.common.settings import Settings
 from genfleet.producer.local_run import default_run_name
 

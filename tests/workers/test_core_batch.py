@@ -42,7 +42,15 @@ def stage(store: MemoryStore, count: int) -> WorkOrder:
     ]
     key = keys.input_key(RUN, BATCH)
     store.put(key, encode_jsonl_gz(r.to_json() for r in records))
-    return WorkOrder(run=RUN, batch=BATCH, key=key, params=PARAMS, prompts=count)
+    return WorkOrder(
+        run=RUN,
+        batch=BATCH,
+        key=key,
+        params=PARAMS,
+        model="emulator",
+        engine="emulator",
+        prompts=count,
+    )
 
 
 def output_rows(store: MemoryStore) -> list[dict[str, Any]]:

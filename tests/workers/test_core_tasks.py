@@ -20,7 +20,13 @@ from celery.exceptions import Reject
 
 from genfleet.common import keys
 from genfleet.common.errors import EngineDown
-from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, encode_jsonl_gz
+from genfleet.common.records import (
+    GenerationParams,
+    PromptRecord,
+    WorkOrder,
+    decode_jsonl_gz,
+    encode_jsonl_gz,
+)
 from genfleet.common.settings import Settings
 from genfleet.workers import runtime as runtime_module
 from genfleet.workers.batch import BatchSummary
@@ -45,6 +51,7 @@ class FakeRuntime:
     store: MemoryStore = field(default_factory=MemoryStore)
     redis: MemoryRedis = field(default_factory=MemoryRedis)
     hostname: str = "w@test"
+    queue: str = "gpu.emulator"  # the model queue it serves
     monitor: None = None
     finished: list[BatchSummary] = field(default_factory=list)
 
@@ -77,7 +84,15 @@ def stage(runtime: FakeRuntime, count: int, data: bytes | None = None) -> dict[s
     key = keys.input_key(RUN, BATCH)
     runtime.store.put(key, encode_jsonl_gz(r.to_json() for r in records) if data is None else data)
     runtime.redis.sadd(keys.queued_key(RUN), BATCH)
-    order = WorkOrder(run=RUN, batch=BATCH, key=key, params=PARAMS, prompts=count)
+    order = WorkOrder(
+        run=RUN,
+        batch=BATCH,
+        key=key,
+        params=PARAMS,
+        model="emulator",
+        engine="emulator",
+        prompts=count,
+    )
     return order.model_dump(mode="json")
 
 
@@ -219,7 +234,13 @@ class Clock:
 
 def running(db: MemoryRedis, batch: str, claimed_at: float) -> dict[str, Any]:
     order = WorkOrder(
-        run=RUN, batch=batch, key=keys.input_key(RUN, batch), params=PARAMS, prompts=5
+        run=RUN,
+        batch=batch,
+        key=keys.input_key(RUN, batch),
+        params=PARAMS,
+        model="emulator",
+        engine="emulator",
+        prompts=5,
     ).model_dump(mode="json")
     db.hset(
         keys.running_key(),
@@ -255,3 +276,51 @@ def test_the_reaper_requeues_only_batches_whose_worker_vanished() -> None:
     again: list[dict[str, Any]] = []
     reap(db, store, TTL_S, NOW + 1, again.append)
     assert again == []  # requeued once, not once per pass
+
+
+def test_an_order_of_a_cancelled_run_is_parked_not_generated(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    chat = FakeChat()
+    runtime = make_runtime(chat)
+    order = stage(runtime, 3)
+    runtime.redis.set(keys.cancelled_key(RUN), b"1")
+
+    assert generate_batch(order)["park"] is True
+    assert sum(chat.calls.values()) == 0
+    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": False}
+    assert not runtime.store.exists(keys.output_key(RUN, BATCH))
+
+
+def test_an_order_of_a_deleted_run_is_dropped(make_runtime: Callable[..., FakeRuntime]) -> None:
+    chat = FakeChat()
+    runtime = make_runtime(chat)
+    order = {**stage(runtime, 3), "enqueued_at": 100.0}
+    runtime.redis.set(keys.deleted_key(RUN), b"200.0")  # deleted after the order was sent
+
+    assert generate_batch(order)["drop"] is True
+    assert sum(chat.calls.values()) == 0
+    assert not runtime.store.exists(keys.output_key(RUN, BATCH))
+
+
+def test_cancelling_a_running_batch_checkpoints_what_finished_and_parks_it(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    chat = FakeChat(gate=threading.Event(), ungated={"p0"})  # p0 answers, the rest wait
+    runtime = make_runtime(chat)
+    order = stage(runtime, 3)
+    done: list[dict[str, Any]] = []
+    worker = threading.Thread(target=lambda: done.append(generate_batch(order)))
+    worker.start()
+    wait_for(lambda: chat.calls["p0"] == 1 and chat.inflight == 2, 10, "p0 done, two waiting")
+    runtime.redis.set(keys.cancelled_key(RUN), b"1")
+    worker.join(timeout=15)
+
+    assert not worker.is_alive()
+    assert done[0]["cancelled"] is True
+    parts = list(runtime.store.list(keys.parts_prefix(RUN, BATCH)))
+    rows = [row for key in parts for row in decode_jsonl_gz(runtime.store.get(key) or b"")]
+    assert [row["id"] for row in rows] == ["p0"]
+    assert not runtime.store.exists(keys.output_key(RUN, BATCH))
+    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": False}
+    assert runtime.redis.exists(keys.lease_key(RUN, BATCH)) == 0
