@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal, NoReturn, Union, get_args, get_origi
 import typer
 from pydantic import SecretStr, ValidationError
 from rich.console import Console
+from rich.markup import escape
 
 from genfleet.common.settings import SETTINGS_FILE, Settings, redact_url
 
@@ -134,7 +135,8 @@ def fail(message: str, code: int = 2) -> NoReturn:
     SystemExit, not click's Exit: no `except Exception` on the way can swallow it, and it ends
     the process the same inside a command or around one.
     """
-    _stderr.print(f"[bold red]error:[/] {message}", highlight=False, soft_wrap=True)
+    # Plain text: the message may quote the user's data (`p.jsonl:269 [prompt]: …`).
+    _stderr.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
     sys.exit(code)
 
 

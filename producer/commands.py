@@ -9,6 +9,7 @@ from typing import Annotated
 import orjson
 import redis
 import typer
+from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 
 from genfleet.common import keys
@@ -24,6 +25,7 @@ from genfleet.producer.console import (
     console,
     fail,
     out,
+    print_rejects,
 )
 from genfleet.producer.enqueue import EnqueueResult, enqueue_run, reader_options
 from genfleet.producer.status import read_findings, run_status
@@ -105,8 +107,7 @@ def _print_enqueue(result: EnqueueResult, json_out: bool) -> None:
         + ("; it was cancelled and is resumed" if result.uncancelled else ""),
         highlight=False,
     )
-    for line in result.reject_samples:
-        console.print(f"  [yellow]rejected[/] {line}", highlight=False)
+    print_rejects(result.reject_samples)
     if result.rejects > len(result.reject_samples):
         console.print(f"  … all {result.rejects} rejects are in {result.run}/rejects.jsonl")
 
@@ -140,7 +141,7 @@ def status(
         highlight=False,
     )
     for batch, error in report["failed"].items():
-        out.print(f"  failed {batch}: {error}", highlight=False)
+        out.print(f"  failed {batch}: {escape(error)}", highlight=False)
 
 
 def watch_run(

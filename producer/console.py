@@ -7,12 +7,13 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from genfleet.common.flags import fail
 from genfleet.common.settings import Settings, parse_setting_args
 
 __all__ = ["PASS_THROUGH", "Json", "RedisUrl", "S3Endpoint", "StoreUrl", "build_settings"]
-__all__ += ["console", "fail", "out"]
+__all__ += ["console", "fail", "out", "print_rejects"]
 
 console = Console(stderr=True)
 out = Console()
@@ -30,6 +31,13 @@ S3Endpoint = Annotated[
     str | None, typer.Option("--s3-endpoint-url", help="GENFLEET_S3_ENDPOINT_URL (MinIO, ...)")
 ]
 Json = Annotated[bool, typer.Option("--json", help="one JSON object on stdout")]
+
+
+def print_rejects(samples: list[str]) -> None:
+    """One line per rejected input line, escaped: `p.jsonl:269 [prompt]: …` keeps its field
+    (rich would read `[prompt]` as markup and drop it)."""
+    for line in samples:
+        console.print(f"  [yellow]rejected[/] {escape(line)}", highlight=False)
 
 
 def build_settings(extra: list[str] | None = None, **flags: Any) -> Settings:

@@ -30,7 +30,7 @@ from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.commands import Format, watch_run
-from genfleet.producer.console import Json, console, out
+from genfleet.producer.console import Json, console, out, print_rejects
 from genfleet.producer.enqueue import enqueue_run, generation_params, reader_options
 from genfleet.producer.runs.identity import existing_run
 from genfleet.producer.status import read_findings, run_status
@@ -174,8 +174,7 @@ def run_command(
             f"({result.batches_done} already done), {result.rejects} lines rejected",
             highlight=False,
         )
-        for line in result.reject_samples:
-            console.print(f"  [yellow]rejected[/] {line}", highlight=False)
+        print_rejects(result.reject_samples)
         report = _wait(children, settings, run)
     except (GenfleetError, ValueError) as exc:
         children.stop()
