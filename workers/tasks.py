@@ -32,6 +32,7 @@ from genfleet.common.store import Store
 from genfleet.workers.app import app, settings_of
 from genfleet.workers.batch import BatchCancelled, BatchInputMissing, BatchInterrupted, execute
 from genfleet.workers.lifecycle import gate, is_cancelled, park
+from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.runtime import current
 
 log = logging.getLogger("genfleet.tasks")
@@ -58,7 +59,7 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     if turned_away is not None:
         if turned_away.get("handed_back"):
             generate_batch.apply_async(kwargs={"order": order}, queue=turned_away["queue"])
-        return turned_away
+        return {"summary": not_generated_headline(turned_away), **turned_away}
     field = running_field(work.run, work.batch)
     client.hset(keys.running_key(), field, orjson.dumps({**order, "claimed_at": time.time()}))
     monitor = runtime.monitor
@@ -80,7 +81,8 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
         log.warning("%s", exc)
         park(client, work)
         _safe_hdel(client, field)
-        return {"run": work.run, "batch": work.batch, "cancelled": True}
+        parked = {"run": work.run, "batch": work.batch, "cancelled": True}
+        return {"summary": not_generated_headline(parked), **parked}
     except BatchInputMissing as exc:
         _fail(client, work, exc)
         raise BatchFailed(str(exc)) from exc
@@ -112,7 +114,9 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
             monitor.batch_finished(work.run)
     _safe_hdel(client, field)
     runtime.after_batch(summary)
-    return summary.to_json()
+    figures = summary.to_json()
+    # The line first: Flower shows it; every figure stays in the result after it.
+    return {"summary": batch_headline(figures), **figures}
 
 
 def _attempt(client: RedisCommands, work: WorkOrder) -> int:

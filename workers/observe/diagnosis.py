@@ -29,6 +29,8 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from genfleet.workers.observe.headlines import waiting_work
+
 CAUSES = (
     "engine_down",
     "mtp_off",
@@ -107,7 +109,7 @@ _SUGGESTIONS = {
         "raise --max-running-requests"
     ),
     "client_limited": (
-        "work waits ({queue_depth} orders queued) while {inflight}/{inflight_cap} requests are "
+        "work waits ({waiting}) while {inflight}/{inflight_cap} requests are "
         "in flight: raise --max-inflight (or --worker-concurrency)"
     ),
     "starved": "nothing queued for this GPU: enqueue more work or run fewer workers",
@@ -187,6 +189,7 @@ def _judge_gpu(
         "accept_length": accept,
         "min_accept_length": min_accept_length,
         "queue_depth": fleet.queue_depth,
+        "active_batches": engine.get("active_batches"),
         "tokens_per_s": summary.get("tokens_per_s"),
     }
     causes = _causes(engine, down, fleet, min_accept_length)
@@ -224,7 +227,9 @@ def _judge_gpu(
         verdict=verdict,
         cause=cause,
         numbers=numbers,
-        suggestion=_SUGGESTIONS[cause].format(**{k: v for k, v in numbers.items()}),
+        suggestion=_SUGGESTIONS[cause].format(
+            **numbers, waiting=waiting_work(fleet.queue_depth, numbers["active_batches"] or 0)
+        ),
         ts=now,
         run=_run_of(engine, fleet),
     )

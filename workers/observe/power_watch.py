@@ -19,6 +19,7 @@ from genfleet.common import keys
 from genfleet.common.redis_conn import connect, text
 from genfleet.common.settings import Settings
 from genfleet.workers.observe.diagnosis import FleetState, dedupe, diagnose, verdicts
+from genfleet.workers.observe.headlines import watch_headlines
 
 log = logging.getLogger("genfleet.power_watch")
 
@@ -99,12 +100,14 @@ def run_power_watch(app: Celery, settings: Settings) -> dict[str, Any]:
             maxlen=settings.findings_maxlen,
             approximate=True,
         )
+    found = [f.to_json() for f in findings]
     report = {
+        "summary": watch_headlines(rows, found),  # first: what Flower shows
         "ts": now,
         "workers": sorted(samples),
         "queue_depth": fleet.queue_depth,
         "pending_batches": fleet.pending_batches,
-        "findings": [f.to_json() for f in findings],
+        "findings": found,
         "new_findings": len(new),
         "verdicts": rows,
     }
