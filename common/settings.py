@@ -114,7 +114,9 @@ class Settings(BaseSettings):
     reaper_interval_s: float = Field(default=30.0, gt=0)
 
     # --- watching ---------------------------------------------------------------------------
-    power_watch_interval_s: float = Field(default=30.0, gt=0)
+    # One power-watch round per power window: each round judges a fresh minute, and in Flower
+    # its rows do not drown the batches (`/tasks?name=genfleet.power_watch` lists them).
+    power_watch_interval_s: float = Field(default=60.0, gt=0)
     power_window_s: float = Field(default=60.0, gt=0)
     underuse_threshold: float = Field(default=0.70, gt=0.0, lt=1.0)
     sample_interval_s: float = Field(default=1.0, gt=0)

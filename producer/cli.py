@@ -1,7 +1,7 @@
 """`genfleet`: the command line, one root app. Every setting is also a flag of the same name.
 
 Producer commands (enqueue, status, export, report, retry, findings, run, settings) live in the
-producer. The GPU side's commands (worker, control, preflight, top, tune) live in
+producer. The GPU side's commands (worker, control, preflight, top, tune, flower) live in
 `genfleet.workers.cli`, loaded only when one of them runs or `--help` lists them, so the
 producer's own commands never import the worker stack.
 """
@@ -22,7 +22,7 @@ from genfleet.producer.console import PASS_THROUGH, Json, out
 from genfleet.producer.runs import commands as run_commands
 
 # The GPU side's commands, by name: `genfleet.workers.cli` defines them.
-GPU_COMMANDS = ("worker", "control", "preflight", "top", "tune")
+GPU_COMMANDS = ("worker", "control", "preflight", "top", "tune", "flower")
 
 
 class RootGroup(TyperGroup):

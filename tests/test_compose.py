@@ -174,7 +174,7 @@ def check_argv(parts: list[str]) -> None:
         words = [a for a in args if not a.startswith("-")]
         if words:
             assert words[0] in genfleet_commands(), f"genfleet has no {words[0]!r} command"
-            if words[0] in {"worker", "control"}:
+            if words[0] in {"worker", "control", "flower"}:
                 parse(words[0], args[args.index(words[0]) + 1 :])
         else:
             assert args == ["--help"], args
@@ -290,10 +290,15 @@ def test_flower_asks_for_basic_auth_from_the_environment(monkeypatch: pytest.Mon
     from flower.options import options
 
     flower = load_compose()["services"]["flower"]
-    assert argv(flower)[:4] == ["celery", "-A", "genfleet.workers.app", "flower"]
+    assert argv(flower)[:2] == ["genfleet", "flower"]
     assert flower["environment"]["FLOWER_BASIC_AUTH"].startswith("${FLOWER_BASIC_AUTH:?")
     assert any(v.endswith(":/data") for v in flower["volumes"])
-    assert "--persistent=True" in argv(flower) and "--db=/data/flower.db" in argv(flower)
+    assert "--db=/data/flower.db" in argv(flower) and "--port=5555" in argv(flower)
+    # `genfleet flower` runs Flower persistent, with genfleet's columns and result lines
+    from genfleet.workers.observe import flower as launcher
+
+    assert "--persistent=True" in launcher.flower_argv(5555, "0.0.0.0", "/data/flower.db")
+    assert "result" in launcher.tasks_columns.split(",")
     assert any(str(p).endswith(":5555:5555") for p in flower["ports"])
     # Flower itself turns FLOWER_BASIC_AUTH into its --basic-auth option.
     before = options.basic_auth

@@ -1,4 +1,4 @@
-"""The GPU side of `genfleet`: worker, control, preflight, top and tune.
+"""The GPU side of `genfleet`: worker, control, preflight, top, tune and flower.
 
 `genfleet` registers these commands (loading this module only when one runs or `--help` lists
 them) and `python -m genfleet.workers` runs them alone; both parse with the same options, every
@@ -176,6 +176,24 @@ def top(
         pass
 
 
+@with_settings(exclude={"port"})
+def flower(
+    settings: Settings,
+    port: Annotated[int, typer.Option("--port", help="Flower's port")] = 5555,
+    address: Annotated[
+        str, typer.Option(help="Flower's address; off loopback it needs FLOWER_BASIC_AUTH")
+    ] = "127.0.0.1",
+    db: Annotated[str, typer.Option(help="Flower's state, kept across restarts")] = "flower.db",
+) -> None:
+    """Flower for this fleet: task results as lines, basic auth from FLOWER_BASIC_AUTH.
+
+    Its Tasks page shows each batch and power-watch round as a line; state persists in --db.
+    """
+    from genfleet.workers.observe.flower import launch
+
+    launch(settings, port, address, db)
+
+
 @with_settings(exclude={"mtp"})
 def tune(
     settings: Settings,
@@ -236,7 +254,8 @@ app.command(rich_help_panel=GPU_PANEL)(control)
 app.command(rich_help_panel=GPU_PANEL)(preflight)
 app.command(rich_help_panel=GPU_PANEL)(top)
 app.command(rich_help_panel=GPU_PANEL)(tune)
-COMMANDS = ("worker", "control", "preflight", "top", "tune")
+app.command(rich_help_panel=GPU_PANEL)(flower)
+COMMANDS = ("worker", "control", "preflight", "top", "tune", "flower")
 
 
 def parse(command: str, args: list[str]) -> dict[str, Any]:
