@@ -1,11 +1,16 @@
-"""Flower, for real: behind basic auth, against the test Redis, with a real GPU worker and the
-control worker's beat. Its API lists genfleet's tasks with readable results, and a headless
-Chromium loads its tasks page and finds a power_watch result there.
+"""Flower, for real, as a person sees it: `genfleet flower` behind basic auth against the test
+Redis, a real GPU worker (emulator) and the control worker's beat. Its API lists genfleet's
+tasks with their figures; headless Chromium loads the Tasks page and reads, without a click,
+the power-watch line that names an underused GPU and its cause, and no such line on a
+saturated run.
+
+Set GENFLEET_FLOWER_SCREENSHOT=docs/flower-tasks.png to keep the underused page's screenshot.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -25,27 +30,28 @@ from tests.conftest import ROOT, Worker, base_env, free_port, wait_for
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 USER, PASSWORD = "genfleet", "flower-test-pw"
+# How the power-watch sees a GPU within seconds (see test_power_watch_integration).
+WATCH = {
+    "power_window_s": 3,
+    "sample_interval_s": 0.25,
+    "emulator_time_scale": 4,
+    "emulator_mean_completion_tokens": 400,
+    "max_tokens": 1024,
+}
+UNDERUSED_LINE = re.compile(r"\d+ % of \d+ W, client_limited — [^|<]*raise --max-inflight")
 
 
 @pytest.fixture
 def flower(tmp_path: Path, redis_url: str) -> Iterator[str]:
     port = free_port()
-    env = base_env(redis_url, (tmp_path / "store").as_uri())
+    env = {
+        **base_env(redis_url, (tmp_path / "store").as_uri()),
+        "FLOWER_BASIC_AUTH": f"{USER}:{PASSWORD}",
+    }
     log = (tmp_path / "flower.log").open("ab")
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "celery",
-            "-A",
-            "genfleet.workers.app",
-            "flower",
-            f"--port={port}",
-            "--address=127.0.0.1",
-            f"--basic-auth={USER}:{PASSWORD}",
-            "--persistent=True",
-            f"--db={tmp_path / 'flower.db'}",
-        ],
+        [sys.executable, "-m", "genfleet.workers", "flower", "--port", str(port)]
+        + ["--db", str(tmp_path / "flower.db")],
         env=env,
         cwd=ROOT,
         stdout=log,
@@ -55,6 +61,8 @@ def flower(tmp_path: Path, redis_url: str) -> Iterator[str]:
     url = f"http://127.0.0.1:{port}"
 
     def up() -> bool:
+        if proc.poll() is not None:
+            raise AssertionError((tmp_path / "flower.log").read_text(errors="replace"))
         try:
             return httpx.get(f"{url}/healthcheck", timeout=1).status_code == 200
         except httpx.TransportError:
@@ -73,6 +81,60 @@ def api_tasks(url: str, name: str) -> dict[str, Any]:
     response.raise_for_status()
     data: dict[str, Any] = response.json()
     return data
+
+
+def watch_results(url: str) -> list[str]:
+    """The results of the power-watch rounds Flower knows, as it received them."""
+    tasks = api_tasks(url, "genfleet.power_watch").values()
+    return [str(t["result"]) for t in tasks if t.get("state") == "SUCCESS"]
+
+
+def enqueue(tmp_path: Path, settings: Settings, run: str, count: int) -> None:
+    source = tmp_path / f"{run}.jsonl"
+    source.write_bytes(
+        b"".join(orjson.dumps({"prompt": f"{run} question {i}"}) + b"\n" for i in range(count))
+    )
+    enqueue_run(settings, run, str(source), reader_options(settings))
+
+
+def chromium() -> str:
+    found = shutil.which("chromium") or shutil.which("chromium-browser")
+    if found is None:
+        if os.environ.get("CI"):
+            raise AssertionError("chromium is not installed")
+        pytest.skip("chromium is not installed")
+    return found
+
+
+def browse(url: str, page: str, tmp_path: Path, screenshot: Path | None = None) -> str:
+    """The Tasks page as headless Chromium renders it (after its table loaded), no clicks."""
+    host = url.removeprefix("http://")
+    args = [
+        chromium(),
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--hide-scrollbars",
+        f"--user-data-dir={tmp_path / 'chromium'}",
+        "--virtual-time-budget=10000",
+    ]
+    address = f"http://{USER}:{PASSWORD}@{host}{page}"
+
+    def run(*extra: str) -> str:
+        done = subprocess.run(
+            [*args, *extra, address], capture_output=True, text=True, timeout=90, check=False
+        )
+        return done.stdout
+
+    dom = run("--dump-dom")
+    if screenshot is not None:
+        run(f"--screenshot={screenshot}", "--window-size=1500,760")
+    return dom
 
 
 def test_flower_shows_genfleet_tasks_behind_auth(
@@ -99,57 +161,102 @@ def test_flower_shows_genfleet_tasks_behind_auth(
     tasks = wait_for(batches_done, 90, "two generate_batch successes in Flower", 0.5)
     result = next(iter(tasks.values()))["result"]
     summary = result if isinstance(result, dict) else eval_result(result)
+    # the line a person reads, then every figure
     assert summary["run"] == "flowerrun"
     assert summary["prompts"] == 25 and summary["completion_tokens"] > 0
     assert summary["worker"] == gpu.hostname
+    assert summary["summary"].startswith(f"flowerrun/{summary['batch']}: 25 prompts, ")
+    assert f"{summary['completion_tokens']:,} tok" in summary["summary"]
 
-    watches = wait_for(
-        lambda: [
-            t
-            for t in api_tasks(flower, "genfleet.power_watch").values()
-            if t.get("state") == "SUCCESS"
-        ],
-        60,
-        "a power_watch result in Flower",
-        0.5,
-    )
-    assert "verdicts" in str(watches[0]["result"])
+    watches = wait_for(lambda: watch_results(flower), 60, "a power_watch result in Flower", 0.5)
+    assert watches[0].startswith("{'summary': 'fleet") and "verdicts" in watches[0]
 
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
-        if os.environ.get("CI"):
-            raise AssertionError("chromium is not installed")
-        pytest.skip("chromium is not installed")
-    host = flower.removeprefix("http://")
-    dom = subprocess.run(
-        [
-            chromium,
-            "--headless",
-            "--no-sandbox",
-            "--disable-gpu",
-            "--disable-quic",
-            "--no-first-run",
-            "--disable-background-networking",
-            "--disable-component-update",
-            "--disable-sync",
-            f"--user-data-dir={tmp_path / 'chromium'}",
-            "--virtual-time-budget=10000",
-            "--dump-dom",
-            f"http://{USER}:{PASSWORD}@{host}/tasks",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=90,
-        check=False,
-    ).stdout
+    dom = browse(flower, "/tasks", tmp_path)
     assert "genfleet.power_watch" in dom, dom[-2000:]
     assert "genfleet.generate_batch" in dom
+    # the Result column shows the lines, not the dicts behind them
+    assert f"flowerrun/{summary['batch']}: 25 prompts, " in dom
+    assert "{'summary'" not in dom and "'verdicts'" not in dom
+
+
+def test_tasks_page_names_an_underused_gpu_and_its_cause(
+    tmp_path: Path, redis_url: str, flower: str, start_worker: Callable[..., Worker]
+) -> None:
+    store = (tmp_path / "store").as_uri()
+    env = base_env(redis_url, store, max_inflight=2, power_watch_interval_s=1, **WATCH)
+    gpu = start_worker(env)
+    start_worker(env, role="control")
+    settings = Settings(redis_url=redis_url, store=store, batch_size=20, **WATCH)
+    enqueue(tmp_path, settings, "slow", 200)
+    gpu.wait_ready()
+
+    def flagged() -> list[str]:
+        return [r for r in watch_results(flower) if UNDERUSED_LINE.search(r)]
+
+    wait_for(flagged, 90, "a power-watch round flagging the GPU in Flower", 0.5)
+    keep = os.environ.get("GENFLEET_FLOWER_SCREENSHOT")
+    shot = tmp_path / "flower-tasks.png"
+    dom = browse(flower, "/tasks", tmp_path, screenshot=shot)
+    # on the page as rendered, without opening a task: the fleet line and the GPU's line
+    assert "1 of 1 GPU underused: client_limited" in dom, dom[-3000:]
+    line = UNDERUSED_LINE.search(dom)
+    assert line is not None, dom[-3000:]
+    assert gpu.hostname in dom
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if keep:
+        shutil.copyfile(shot, ROOT / keep)
+
+
+def test_tasks_page_of_a_saturated_run_flags_no_gpu(
+    tmp_path: Path, redis_url: str, flower: str, start_worker: Callable[..., Worker]
+) -> None:
+    from genfleet.workers.app import app
+    from genfleet.workers.observe.power_watch import run_power_watch
+
+    store = (tmp_path / "store").as_uri()
+    env = base_env(redis_url, store, max_running_requests=48, power_watch_interval_s=1, **WATCH)
+    gpu = start_worker(env)
+    settings = Settings(redis_url=redis_url, store=store, batch_size=100, **WATCH)
+    enqueue(tmp_path, settings, "busy", 1500)
+    gpu.wait_ready()
+
+    def saturated() -> bool:
+        rows = run_power_watch(app, settings)["verdicts"]
+        return bool(rows) and rows[0]["verdict"] == "ok" and (rows[0]["inflight"] or 0) >= 48
+
+    # The beat starts once the engine is full: the rounds Flower shows judge a busy GPU.
+    wait_for(saturated, 60, "the GPU to be saturated", 0.5)
+    start_worker(env, role="control")
+    rounds = wait_for(
+        lambda: len(r := watch_results(flower)) >= 3 and r, 60, "three power-watch rounds", 0.5
+    )
+    dom = browse(flower, "/tasks?name=genfleet.power_watch", tmp_path)
+    assert "0 of 1 GPU underused" in dom, dom[-3000:]
+    assert UNDERUSED_LINE.search(dom) is None and "client_limited" not in dom
+    assert all("; 0 of 1 GPU underused" in r for r in rounds), rounds
 
 
 def eval_result(text: str) -> dict[str, Any]:
-    """Flower shows results as their repr; ours are JSON-safe dicts of plain values."""
+    """Flower's API gives results as their repr; ours are dicts of plain values."""
     import ast
 
     value = ast.literal_eval(text)
     assert isinstance(value, dict)
     return value
+
+
+def test_flower_off_loopback_refuses_to_start_without_auth(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "FLOWER_BASIC_AUTH"}
+    done = subprocess.run(
+        [sys.executable, "-m", "genfleet.workers", "flower", "--address", "0.0.0.0"]
+        + ["--port", str(free_port()), "--db", str(tmp_path / "flower.db")],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "FLOWER_BASIC_AUTH" in done.stderr
+    assert not list(tmp_path.glob("flower.db*"))

@@ -160,13 +160,20 @@ def row(verdict: str, tokens_per_s: float | None) -> dict[str, Any]:
         (
             [row("underused", 5164.4)],
             [finding("client_limited")],
-            "fleet 5,164 tok/s; 1 of 1 GPU underused\n"
+            "1 of 1 GPU underused: client_limited; fleet 5,164 tok/s\n"
             "gpu@vm GPU-8f3a2b1c…: 20 % of 700 W, client_limited — raise --max-inflight",
         ),
         ([row("ok", 6000.0), row("ok", 6100.0)], [], "fleet 12,100 tok/s; 0 of 2 GPUs underused"),
         (
             [row("ok", 6000.0), row("unresponsive", None)],
-            [{**finding("worker_unresponsive"), "worker": "gpu1@vm", "gpu_uuid": None}],
+            [
+                {
+                    **finding("worker_unresponsive"),
+                    "worker": "gpu1@vm",
+                    "gpu_uuid": None,
+                    "verdict": "unresponsive",
+                }
+            ],
             "fleet 6,000 tok/s; 0 of 1 GPU underused\n"
             "gpu1@vm: not answering — check its process, broker and engine",
         ),

@@ -1,14 +1,14 @@
 """The lines a person reads: a finished batch and a power-watch round, each in a few words.
 
 Task results carry these lines first, under `summary`, and the full figures after them, so
-Flower's Tasks page (through `flower_format_task`, see `workers/observe/flowerconfig.py`)
+Flower's Tasks page (through `flower_format_task`, set up by `workers/observe/flower.py`)
 shows `run/batch-000004: 30 prompts, 43,586 tok, 4,407 tok/s in 33 s, accept 2.6, gpu@vm
-GPU 0` and `fleet 5,164 tok/s; 1 of 1 GPU underused` instead of a dict of 600 characters,
-while the result backend, Flower's API and `genfleet findings --json` keep every number.
+GPU 0` and `1 of 1 GPU underused: client_limited; fleet 5,164 tok/s` instead of a dict of
+600 characters, while the result backend, Flower's API and `genfleet findings --json` keep
+every number.
 
 Everything here is pure. The lines never hold a quote or a backslash, so that the repr of a
-result (what Flower receives from the worker) can be read back without a parser.
-"""
+result (what Flower receives from the worker) can be read back without a parser."""
 
 from __future__ import annotations
 
@@ -143,9 +143,10 @@ def finding_line(finding: Mapping[str, Any]) -> str:
 def watch_headlines(
     rows: Sequence[Mapping[str, Any]], findings: Sequence[Mapping[str, Any]]
 ) -> str:
-    """A power-watch round: one line for the fleet, then one per finding, e.g.
+    """A power-watch round: one line for the fleet (`fleet 12,100 tok/s; 0 of 2 GPUs
+    underused`, the alarm first when there is one), then one line per finding, e.g.
 
-        fleet 5,164 tok/s; 1 of 1 GPU underused
+        1 of 1 GPU underused: client_limited; fleet 5,164 tok/s
         gpu@vm GPU-8f3a…: 20 % of 700 W, client_limited — raise --max-inflight
 
     `rows` are the verdict rows (one per GPU, `diagnosis.verdicts`), `findings` the round's
@@ -154,7 +155,12 @@ def watch_headlines(
     gpus = [r for r in rows if r.get("verdict") != "unresponsive"]
     rate = sum(float(r.get("tokens_per_s") or 0) for r in gpus)
     underused = sum(1 for r in gpus if r.get("verdict") == "underused")
-    head = f"fleet {rate:,.0f} tok/s; {underused} of {plural(len(gpus), 'GPU')} underused"
+    share = f"{underused} of {plural(len(gpus), 'GPU')} underused"
+    head = f"fleet {rate:,.0f} tok/s; {share}"
+    causes = [str(f.get("cause")) for f in findings if f.get("verdict") == "underused"]
+    if causes:
+        # The alarm and its cause first: Flower's Result cell shows about 50 characters.
+        head = f"{share}: {', '.join(dict.fromkeys(causes))}; fleet {rate:,.0f} tok/s"
     if not rows:
         head = "fleet: no GPU worker answered"
     return "\n".join([_clean(head), *(finding_line(f) for f in findings)])
