@@ -8,6 +8,7 @@ database. Coarse (one point per batch) but exact over windows longer than a batc
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 
 import redis
 
@@ -36,12 +37,49 @@ def run_tokens_per_s(
     return sum(_parse(m)[1] for m in members) / window
 
 
-def fleet_tokens_per_s(client: redis.Redis, now: float, window_s: float) -> dict[str, float]:
-    """tok/s over the last `window_s` per worker, plus the fleet total under "" (all runs)."""
-    totals: dict[str, float] = defaultdict(float)
+def spread(
+    tokens: Mapping[str, int],
+    now: float,
+    window_s: float,
+    since: Mapping[str, float] | None = None,
+    earliest: float | None = None,
+) -> dict[str, float]:
+    """tok/s per worker and for the fleet (""), each over the part of the window it existed.
+
+    `tokens` maps worker → tokens in the window ("" the fleet total); `since` maps worker →
+    when it started generating; `earliest` is the oldest point in the window. A worker up for
+    30 s is averaged over 30 s, not over a ten-minute window of which most precede it; a
+    worker whose start is unknown over the whole window. The fleet's span starts at its
+    oldest worker or its oldest point, whichever is earlier.
+    """
+    since = since or {}
+    rates: dict[str, float] = {}
+    for worker, count in tokens.items():
+        if worker:
+            start = since.get(worker)
+        else:
+            starts = [*since.values(), *([earliest] if earliest is not None else [])]
+            start = min(starts) if starts else None
+        span = window_s if start is None else min(window_s, now - start)
+        rates[worker] = count / max(span, 1.0)
+    return rates
+
+
+def fleet_tokens_per_s(
+    client: redis.Redis, now: float, window_s: float, since: Mapping[str, float] | None = None
+) -> dict[str, float]:
+    """tok/s over the last `window_s` per worker, plus the fleet total under "" (all runs);
+    `since` (worker → start) shortens the span of workers younger than the window."""
+    totals: dict[str, int] = defaultdict(int)
+    earliest: float | None = None
     for run in client.smembers(keys.runs_key()):
-        for raw in client.zrangebyscore(keys.throughput_key(text(run)), now - window_s, "+inf"):
-            worker, tokens = _parse(raw)
-            totals[worker] += tokens / window_s
-            totals[""] += tokens / window_s
-    return dict(totals)
+        points: list[tuple[bytes, float]] = client.zrangebyscore(  # type: ignore[assignment]
+            keys.throughput_key(text(run)), now - window_s, "+inf", withscores=True
+        )
+        for raw, score in points:
+            worker, count = _parse(raw)
+            totals[worker] += count
+            totals[""] += count
+            ts = float(score)
+            earliest = ts if earliest is None else min(earliest, ts)
+    return spread(totals, now, window_s, since, earliest)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 import orjson
 import redis
@@ -24,7 +24,9 @@ from genfleet.producer.console import (
     build_settings,
     console,
     fail,
+    format_eta,
     out,
+    plural,
     print_rejects,
 )
 from genfleet.producer.enqueue import EnqueueResult, enqueue_run, reader_options
@@ -101,9 +103,10 @@ def _print_enqueue(result: EnqueueResult, json_out: bool) -> None:
         return
     verb = "staged" if result.staged else "found"
     console.print(
-        f"run [bold]{result.run}[/]: {verb} {result.prompts} prompts in {result.batches_total} "
-        f"batches; enqueued {result.batches_enqueued}, already done {result.batches_done}, "
-        f"rejected {result.rejects} lines; model {result.model} (queue {result.queue})"
+        f"run [bold]{result.run}[/]: {verb} {plural(result.prompts, 'prompt')} in "
+        f"{plural(result.batches_total, 'batch', 'batches')}; enqueued "
+        f"{result.batches_enqueued}, already done {result.batches_done}, rejected "
+        f"{plural(result.rejects, 'line')}; model {result.model} (queue {result.queue})"
         + ("; it was cancelled and is resumed" if result.uncancelled else ""),
         highlight=False,
     )
@@ -133,15 +136,25 @@ def status(
     if json_out:
         out.print_json(orjson.dumps(report).decode())
         return
-    out.print(
-        f"{report['run']}: {report['state']} — batches {report['batches_done']}/"
-        f"{report['batches_total']} done, {report['batches_failed']} failed; prompts "
-        f"{report['prompts_done']}/{report['prompts_total']}; {report['completion_tokens']} "
-        f"tokens; {report['tokens_per_s']} tok/s; ETA {report['eta_s']} s",
-        highlight=False,
-    )
+    out.print(status_line(report), highlight=False)
     for batch, error in report["failed"].items():
         out.print(f"  failed {batch}: {escape(error)}", highlight=False)
+
+
+def status_line(report: dict[str, Any]) -> str:
+    """`run: running — batches 3/10 done, 0 failed; prompts 60/200; 43,586 tokens; 4,407
+    tok/s; ETA 0:01:15`; a finished run gives its mean pace and how long it took."""
+    head = (
+        f"{report['run']}: {report['state']} — batches {report['batches_done']:,}/"
+        f"{report['batches_total']:,} done, {report['batches_failed']:,} failed; prompts "
+        f"{report['prompts_done']:,}/{report['prompts_total']:,}; "
+        f"{plural(report['completion_tokens'], 'token')}; "
+    )
+    if report["state"] in {"done", "failed"} and report.get("duration_s"):
+        return head + (
+            f"mean {report['tokens_per_s']:,.0f} tok/s over {format_eta(report['duration_s'])}"
+        )
+    return head + f"{report['tokens_per_s']:,.0f} tok/s; ETA {format_eta(report['eta_s'])}"
 
 
 def watch_run(
@@ -173,14 +186,6 @@ def watch_run(
             time.sleep(1.0)
 
 
-def format_eta(eta_s: float | None) -> str:
-    if eta_s is None:
-        return "-"
-    minutes, seconds = divmod(int(eta_s), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{seconds:02d}"
-
-
 def retry(
     run: Annotated[str, typer.Argument()],
     redis_url: RedisUrl = None,
@@ -202,8 +207,8 @@ def retry(
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     console.print(
-        f"run {run}: {len(failed)} failed batches cleared; enqueued {result.batches_enqueued}; "
-        f"{result.batches_done}/{result.batches_total} done",
+        f"run {run}: {plural(len(failed), 'failed batch', 'failed batches')} cleared; enqueued "
+        f"{result.batches_enqueued}; {result.batches_done}/{result.batches_total} done",
         highlight=False,
     )
 
@@ -229,7 +234,8 @@ def export(
     console.print(
         f"run {run}: exported {result.records} records ({result.errors} error records) from "
         f"{result.batches_exported}/{result.batches_total} batches to {result.path} "
-        f"({result.format})" + (f"; {missing} batches not done yet" if missing else ""),
+        f"({result.format})"
+        + (f"; {plural(missing, 'batch', 'batches')} not done yet" if missing else ""),
         highlight=False,
     )
 

@@ -13,7 +13,7 @@ from genfleet.common.flags import fail
 from genfleet.common.settings import Settings, parse_setting_args
 
 __all__ = ["PASS_THROUGH", "Json", "RedisUrl", "S3Endpoint", "StoreUrl", "build_settings"]
-__all__ += ["console", "fail", "out", "print_rejects"]
+__all__ += ["console", "fail", "format_eta", "out", "plural", "print_rejects"]
 
 console = Console(stderr=True)
 out = Console()
@@ -31,6 +31,20 @@ S3Endpoint = Annotated[
     str | None, typer.Option("--s3-endpoint-url", help="GENFLEET_S3_ENDPOINT_URL (MinIO, ...)")
 ]
 Json = Annotated[bool, typer.Option("--json", help="one JSON object on stdout")]
+
+
+def plural(count: int, word: str, many: str | None = None) -> str:
+    """`1 batch`, `3 batches`, `43,586 tokens`: counts as a person writes them."""
+    return "1 " + word if count == 1 else f"{count:,} {many or word + 's'}"
+
+
+def format_eta(eta_s: float | None) -> str:
+    """h:mm:ss, the one format of ETAs and durations on the terminal (`-` when unknown)."""
+    if eta_s is None:
+        return "-"
+    minutes, seconds = divmod(max(int(round(eta_s)), 0), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{seconds:02d}"
 
 
 def print_rejects(samples: list[str]) -> None:

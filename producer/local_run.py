@@ -30,7 +30,7 @@ from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.commands import Format, watch_run
-from genfleet.producer.console import Json, console, out, print_rejects
+from genfleet.producer.console import Json, console, format_eta, out, plural, print_rejects
 from genfleet.producer.enqueue import enqueue_run, generation_params, reader_options
 from genfleet.producer.runs.identity import existing_run
 from genfleet.producer.status import read_findings, run_status
@@ -170,8 +170,9 @@ def run_command(
         # An existing run (checked above) only gets orders for what it lacks.
         result = enqueue_run(settings, run, None if existing else source, options)
         console.print(
-            f"run [bold]{run}[/]: {result.prompts} prompts, {result.batches_total} batches "
-            f"({result.batches_done} already done), {result.rejects} lines rejected",
+            f"run [bold]{run}[/]: {plural(result.prompts, 'prompt')}, "
+            f"{plural(result.batches_total, 'batch', 'batches')} ({result.batches_done} already "
+            f"done), {plural(result.rejects, 'line')} rejected",
             highlight=False,
         )
         print_rejects(result.reject_samples)
@@ -218,15 +219,16 @@ def _summary(settings: Settings, report: dict[str, Any], json_out: bool) -> None
         out.print_json(orjson.dumps({**report, "findings": findings}).decode())
         return
     out.print(
-        f"run {report['run']}: {report['state']} — {report['prompts_done']}/"
-        f"{report['prompts_total']} prompts ({report['errors']} error records), "
-        f"{report['completion_tokens']} completion tokens"
+        f"run {report['run']}: {report['state']} — {report['prompts_done']:,}/"
+        f"{plural(report['prompts_total'], 'prompt')} "
+        f"({plural(report['errors'], 'error record')}), "
+        f"{plural(report['completion_tokens'], 'completion token')}"
         + (
-            f" in {report['duration_s']:.0f} s ({report['mean_tokens_per_s']:,.0f} tok/s)"
+            f" in {format_eta(report['duration_s'])} ({report['mean_tokens_per_s']:,.0f} tok/s)"
             if report.get("duration_s")
             else ""
         )
-        + f", {report['batches_failed']} failed batches",
+        + f", {plural(report['batches_failed'], 'failed batch', 'failed batches')}",
         highlight=False,
     )
     if report["state"] == "cancelled":
@@ -244,7 +246,7 @@ def _summary(settings: Settings, report: dict[str, Any], json_out: bool) -> None
                 highlight=False,
             )
     if tail:
-        out.print(f"({len(tail)} 'starved' findings: GPUs idle while the last batches ran)")
+        out.print(f"({plural(len(tail), 'starved finding')}: GPUs idle while the last batches ran)")
 
 
 def _findings(settings: Settings, run: str) -> list[dict[str, Any]]:

@@ -65,6 +65,9 @@ def run_status(
     if started_at and "last_done_at" in counters:
         end = float(counters["last_done_at"]) if state in {"done", "failed"} else now
         duration_s = round(max(end - started_at, 0.0), 1)
+    mean = round(completion_tokens / duration_s, 1) if duration_s else None
+    if state in {"done", "failed"} and mean is not None:
+        rate = mean  # a finished run's pace is its mean, not the 0 of a run that stopped
     return {
         "run": run,
         "state": state,
@@ -83,7 +86,7 @@ def run_status(
         "reasoning_tokens": int(counters.get("reasoning_tokens", 0)),
         "tokens_per_s": round(rate, 1),
         "duration_s": duration_s,
-        "mean_tokens_per_s": round(completion_tokens / duration_s, 1) if duration_s else None,
+        "mean_tokens_per_s": mean,
         "eta_s": eta_s,
         "failed": failed,
         "store": store.url,

@@ -4,6 +4,7 @@ emulated checkpoint accepts no drafts (accept length 1.0, as with missing MTP we
 from __future__ import annotations
 
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,15 @@ def test_top_json_rows_and_mtp_ineffective(
     wait_for(
         lambda: run_status(open_store(store), redis_client, "mtp")["state"] == "done", 60, "run"
     )
+    # a finished run shows its mean pace, not 0.0, and its duration as h:mm:ss
+    said = subprocess.run(
+        ["genfleet", "status", "mtp"], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    status = " ".join(said.split())  # rich wraps at 80 columns off a terminal
+    report = run_status(open_store(store), redis_client, "mtp")
+    assert report["tokens_per_s"] == report["mean_tokens_per_s"] > 0
+    assert f"mean {report['tokens_per_s']:,.0f} tok/s over 0:00:" in status, status
+    assert "2/2 done" in status and "40/40" in status
 
     def top_rows() -> list[dict[str, object]] | None:
         result = subprocess.run(
@@ -82,3 +92,64 @@ def test_top_json_rows_and_mtp_ineffective(
 
     finding = wait_for(alarm, 10, "the worker's own finding")
     assert finding["cause"] == "mtp_ineffective" and finding["accept_length"] < 1.2
+
+
+def test_top_first_minute_figures_are_the_runs_real_rate(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    """40 s into a worker's life its 1-minute and 10-minute tok/s (and the fleet's) are within
+    10 % of the rate the run really goes at, not a tenth of it."""
+    from genfleet.common import keys
+    from genfleet.workers.observe.top import rows
+
+    store = (tmp_path / "store").as_uri()
+    busy = {"emulator_time_scale": 4, "emulator_mean_completion_tokens": 400, "max_tokens": 1024}
+    env = base_env(redis_url, store, max_running_requests=48, **busy)
+    worker = start_worker(env)
+    settings = Settings(redis_url=redis_url, store=store, batch_size=100, **busy)
+    source = tmp_path / "p.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(3000)))
+    enqueue_run(settings, "pace", str(source), reader_options(settings))  # work waits for it
+    worker.wait_ready()
+    ready = time.monotonic()
+
+    def generated() -> tuple[float, int]:
+        count = redis_client.hget(keys.counters_key("pace"), "tokens_generated")
+        return time.monotonic(), int(count or 0)
+
+    wait_for(lambda: time.monotonic() - ready >= 10, 20, "10 s of generation", 0.5)
+    t1, tokens1 = generated()
+    wait_for(lambda: time.monotonic() - ready >= 40, 40, "40 s of generation", 0.5)
+    result = subprocess.run(
+        ["genfleet", "top", "--once", "--json"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    data, totals = rows(settings)
+    t2, tokens2 = generated()
+    real = (tokens2 - tokens1) / (t2 - t1)  # the run's pace, measured after its start
+    assert real > 0
+    assert run_status(open_store(store), redis_client, "pace")["state"] == "running"
+    [row] = [orjson.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    figures = {
+        "tok/s 1m": row["tokens_per_s"],
+        "tok/s 10m": row["tokens_per_s_10m"],
+        "fleet 1m": totals["fleet_tokens_per_s_1m"],
+        "fleet 10m": totals["fleet_tokens_per_s_10m"],
+    }
+    off = {name: value / real - 1 for name, value in figures.items()}
+    print(
+        f"\n[top first minute] real {real:,.0f} tok/s; "
+        + ", ".join(
+            f"{name} {value:,.0f} ({100 * off[name]:+.1f} %)" for name, value in figures.items()
+        )
+    )
+    assert all(abs(o) <= 0.10 for o in off.values()), (real, figures)
+    assert data[0]["worker"] == worker.hostname

@@ -322,9 +322,9 @@ class TelemetryWindow:
     def summary(self, now: float) -> dict[str, Any]:
         """Figures over (now - window_s, now], JSON-serialisable. Does not change the window.
 
-        Keys: ts, window_s, span_s, gpus (list of `_gpu_summary` dicts), engine (EngineState
-        JSON or None), engine_age_s, engine_down_in_window, tokens, tokens_total, tokens_per_s,
-        power_w (sum of the GPUs' mean power), j_per_token, telemetry_available,
+        Keys: ts, window_s, span_s, first_ts, gpus (list of `_gpu_summary` dicts), engine
+        (EngineState JSON or None), engine_age_s, engine_down_in_window, tokens, tokens_total,
+        tokens_per_s, power_w (sum of the GPUs' mean power), j_per_token, telemetry_available,
         telemetry_reason. `j_per_token` is the GPUs' energy over the window divided by the
         tokens over it (mean W / tok/s); with tensor parallelism it covers the whole group.
         """
@@ -347,6 +347,7 @@ class TelemetryWindow:
             "ts": now,
             "window_s": self.window_s,
             "span_s": span,
+            "first_ts": first,  # the first reading: the worker (its engine ready) since then
             "gpus": rows,
             "engine": last[1].to_json() if last else None,
             "engine_age_s": now - last[0] if last else None,

@@ -51,11 +51,15 @@ def rows(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, float]]:
         settings.min_accept_length,
         stale_after_s=stale_after_s,
     )
-    last_10m = fleet_tokens_per_s(client, now, 600.0)
+    # A worker younger than the window is averaged over its own life, not the whole window.
+    since = {w: float(s["first_ts"]) for w, s in samples.items() if s.get("first_ts")}
+    last_10m = fleet_tokens_per_s(client, now, 600.0, since)
     for row in data:
         row["tokens_per_s_10m"] = round(last_10m.get(str(row["worker"]), 0.0), 1)
     totals = {
-        "fleet_tokens_per_s_1m": round(fleet_tokens_per_s(client, now, 60.0).get("", 0.0), 1),
+        "fleet_tokens_per_s_1m": round(
+            fleet_tokens_per_s(client, now, 60.0, since).get("", 0.0), 1
+        ),
         "fleet_tokens_per_s_10m": round(last_10m.get("", 0.0), 1),
     }
     return data, totals
@@ -93,8 +97,9 @@ def table(view: tuple[list[dict[str, Any]], dict[str, float]]) -> Table:
             _fmt(row.get("cause")),
         )
     grid.caption = (
-        f"fleet: {totals['fleet_tokens_per_s_1m']} tok/s (1 min), "
-        f"{totals['fleet_tokens_per_s_10m']} tok/s (10 min)"
+        f"fleet: {totals['fleet_tokens_per_s_1m']:,.1f} tok/s (1 min), "
+        f"{totals['fleet_tokens_per_s_10m']:,.1f} tok/s (10 min, or since the oldest worker "
+        "started)"
     )
     if not data:
         grid.caption += " — no GPU worker answered (are workers running on this Redis?)"
