@@ -118,5 +118,5 @@ PIDS=()
 say "tune"
 python3 -m genfleet.workers tune --mtp off --concurrency "$TUNE_CONCURRENCY" --duration-s "$TUNE_DURATION_S" \
   --warmup-s 5 --drain-s 30 --dataset "$WORK/prompts.jsonl" \
-  --out "$OUT/h200_tuned.env" --json "$OUT/h200_tune.json"
+  --settings-out "$OUT/h200_tuned.env" --json-out "$OUT/h200_tune.json"
 say "done"

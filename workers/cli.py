@@ -213,12 +213,16 @@ def tune(
     ramp_s: Annotated[float, typer.Option(help="load before each window opens")] = 5.0,
     drain_s: Annotated[float, typer.Option(help="wait for a point's requests to end")] = 120.0,
     dataset: Annotated[str | None, typer.Option(help="prompts (any enqueue format)")] = None,
-    out: Annotated[Path, typer.Option("--out", help="settings file of the chosen point")] = Path(
-        "tuned.env"
-    ),
+    out: Annotated[
+        Path, typer.Option("--settings-out", help="settings file of the chosen point")
+    ] = Path("tuned.env"),
     json_path: Annotated[
-        Path | None, typer.Option("--json", help="every point as JSON", show_default=False)
+        Path | None,
+        typer.Option("--json-out", help="every point as a JSON file", show_default=False),
     ] = None,
+    json_stdout: Annotated[
+        bool, typer.Option("--json", help="every point as JSON on stdout (the table on stderr)")
+    ] = False,
     pick: Annotated[
         str, typer.Option(help="what the settings file optimises: throughput or energy")
     ] = "throughput",
@@ -241,6 +245,7 @@ def tune(
             dataset=dataset,
             out=out,
             json_path=json_path,
+            json_stdout=json_stdout,
             pick=pick,
         )
     except ValueError as exc:

@@ -161,7 +161,9 @@ def run_cli(args: list[str]) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
-@pytest.mark.parametrize("command", ["worker", "control", "preflight", "top", "tune", "run"])
+@pytest.mark.parametrize(
+    "command", ["worker", "control", "preflight", "top", "tune", "flower", "run"]
+)
 def test_an_unknown_flag_fails_naming_it(command: str) -> None:
     args = [command, "--no-such-knob", "3"] + (["data.jsonl"] if command == "run" else [])
     code, output = run_cli(args)

@@ -201,6 +201,38 @@ def test_parse_args_splits_tune_flags_from_settings() -> None:
         parse_args(["--engine", "external", "--engine-url", "http://h:1"])
 
 
+@pytest.mark.parametrize(
+    ("argv", "out", "json_path", "json_stdout"),
+    [
+        ([], "tuned.env", None, False),
+        (["--settings-out", "a.env", "--json-out", "r.json", "--json"], "a.env", "r.json", True),
+        (["--json", "--settings-out=b.env"], "b.env", None, True),
+    ],
+)
+def test_tune_flags_have_one_meaning(
+    argv: list[str], out: str, json_path: str | None, json_stdout: bool
+) -> None:
+    options, _ = parse_args(argv)
+    assert str(options.out) == out
+    assert (str(options.json_path) if options.json_path else None) == json_path
+    assert options.json_stdout is json_stdout
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--out", "tuned.env"], "No such option: --out"),
+        (["--json", "results.json"], "unexpected extra argument"),
+        (["--json=results.json"], "does not take a value"),
+    ],
+)
+def test_old_file_flags_are_refused(argv: list[str], says: str) -> None:
+    """`--out FILE` and `--json FILE` once named tune's files; now they fail, never write."""
+    with pytest.raises(Exception, match=says) as refused:
+        parse_args(argv)
+    assert type(refused.value).__name__ in {"NoSuchOption", "UsageError", "BadOptionUsage"}
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_emulator_sweep_shows_the_mtp_trade_off(tmp_path: Path) -> None:
@@ -219,7 +251,7 @@ def test_emulator_sweep_shows_the_mtp_trade_off(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "genfleet.workers", "tune", "--engine", "emulator"]
     argv += ["--mtp", "on:48,off", "--concurrency", "1,256", "--duration-s", "3"]
     argv += ["--warmup-s", "0.5", "--ramp-s", "3", "--drain-s", "20"]
-    argv += ["--json", str(results), "--out", str(tuned)]
+    argv += ["--json-out", str(results), "--settings-out", str(tuned), "--json"]
     done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     points = {(p["config"], p["concurrency"]): p for p in json.loads(results.read_text())["points"]}
@@ -231,4 +263,5 @@ def test_emulator_sweep_shows_the_mtp_trade_off(tmp_path: Path) -> None:
     assert points[("off", 1)]["cause"] == "mtp_off"
     assert points[("on:48", 256)]["verdict"] == "ok"  # saturated at its cap: power is high
     assert "GENFLEET_MTP=false" in tuned.read_text()  # off at C=256 is the fastest point
-    assert "genfleet tune" in done.stdout and "★ tok/s" in done.stdout
+    assert "genfleet tune" in done.stderr and "★ tok/s" in done.stderr  # the table
+    assert json.loads(done.stdout) == json.loads(results.read_text())  # --json: stdout is JSON

@@ -3,8 +3,8 @@
     genfleet tune --model PATH [--engine sglang|emulator|command ...] [--concurrency 1,4,16,64]
                   [--mtp on,on:48,off] [--duration-s 30] [--warmup-s 5] [--ramp-s 5]
                   [--drain-s 120] [--dataset FILE]
-                  [--out tuned.env] [--json results.json] [--pick throughput|energy]
-                  [any setting ...]
+                  [--settings-out tuned.env] [--json-out results.json] [--json]
+                  [--pick throughput|energy] [any setting ...]
 
 Use it once per (model, GPU type, engine version) before a large run. For each configuration
 it starts the engine through the worker's own supervisor (same argv, same readiness), warms it
@@ -14,7 +14,9 @@ prompts from `--dataset` (any format `enqueue` reads) or a built-in set. Per poi
 output tok/s, mean power and its share of the enforced limit from the GPU energy counter,
 J/token, the accept length where the engine reports one, and the power-watch verdict for
 "work waits" (a fleet whose queue is never empty). It prints the table, marks the best point
-by tok/s and by J/token, and writes the chosen one as a settings file for `worker`/`run`.
+by tok/s and by J/token, and writes the chosen one as a settings file for `worker`/`run`
+(`--settings-out`). Every point goes to `--json-out FILE`, or with `--json` to stdout (the
+table then goes to stderr).
 
 Configurations (`--mtp`): `on`, `off`, and `on:N`/`off:N` pinning `--max-running-requests N`.
 The default for SGLang and the emulator is `on,on:48,off`: `on:48` is what SGLang silently
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -216,13 +219,17 @@ class Bar:
         self.progress.update(self.task, completed=self.done_s)
 
 
-def show(points: list[Point]) -> None:
-    """Print the table; a pipe or a log file gets it 160 columns wide, not rich's 80."""
+def show(points: list[Point], to_stderr: bool = False) -> None:
+    """Print the table; a pipe or a log file gets it 160 columns wide, not rich's 80. With
+    `--json` stdout holds the JSON alone, and the table goes to stderr."""
     table = Table(title="genfleet tune", header_style="bold")
     for header in HEADERS:
         table.add_column(header, justify="right" if header not in {"MTP", "verdict"} else "left")
     for row in table_rows(points):
         table.add_row(*row)
+    if to_stderr:
+        (console if console.is_terminal else Console(width=160, stderr=True)).print(table)
+        return
     (out if out.is_terminal else Console(width=160)).print(table)
 
 
@@ -265,7 +272,7 @@ def run_tune(options: Options, settings: Settings) -> None:
     except KeyboardInterrupt:
         console.print("interrupted")
         raise typer.Exit(130) from None
-    show(points)
+    show(points, to_stderr=options.json_stdout)
     report(points, options, settings)
 
 
@@ -273,7 +280,7 @@ def report(points: list[Point], options: Options, settings: Settings) -> None:
     """Write the chosen point as a settings file and, if asked, every point as JSON."""
     fastest, frugal = best(points)
     chosen = frugal if options.pick == "energy" else fastest
-    if options.json_path is not None:
+    if options.json_path is not None or options.json_stdout:
         data = {
             "engine": settings.engine_kind,
             "model": settings.model,
@@ -285,7 +292,10 @@ def report(points: list[Point], options: Options, settings: Settings) -> None:
             "best_j_per_token": frugal.to_json() if frugal else None,
             "markdown": markdown_table(points),
         }
-        options.json_path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+        if options.json_path is not None:
+            options.json_path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
+        if options.json_stdout:
+            sys.stdout.write(orjson.dumps(data).decode() + "\n")
     if chosen is None:
         fail("no point produced tokens without errors: nothing to write", 1)
     options.out.write_text(

@@ -239,8 +239,9 @@ class Options:
     ramp_s: float = 5.0  # load before each window opens, so the window sees a steady state
     drain_s: float = 120.0
     dataset: str | None = None
-    out: Path = Path("tuned.env")
-    json_path: Path | None = None
+    out: Path = Path("tuned.env")  # --settings-out
+    json_path: Path | None = None  # --json-out
+    json_stdout: bool = False  # --json
     pick: str = "throughput"
 
 
@@ -256,6 +257,7 @@ def tune_options(
     dataset: str | None = None,
     out: Path = Path("tuned.env"),
     json_path: Path | None = None,
+    json_stdout: bool = False,
     pick: str = "throughput",
 ) -> Options:
     """The sweep the flags ask for; raises ValueError naming the flag that cannot be.
@@ -284,5 +286,6 @@ def tune_options(
         dataset=dataset,
         out=out,
         json_path=json_path,
+        json_stdout=json_stdout,
         pick=pick,
     )
