@@ -8,7 +8,7 @@ database. Coarse (one point per batch) but exact over windows longer than a batc
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import redis
 
@@ -38,21 +38,28 @@ def run_tokens_per_s(
 
 
 def spread(
-    tokens: Mapping[str, int],
+    points: Iterable[tuple[float, str, int]],
     now: float,
     window_s: float,
     since: Mapping[str, float] | None = None,
-    earliest: float | None = None,
 ) -> dict[str, float]:
     """tok/s per worker and for the fleet (""), each over the part of the window it existed.
 
-    `tokens` maps worker → tokens in the window ("" the fleet total); `since` maps worker →
-    when it started generating; `earliest` is the oldest point in the window. A worker up for
-    30 s is averaged over 30 s, not over a ten-minute window of which most precede it; a
-    worker whose start is unknown over the whole window. The fleet's span starts at its
-    oldest worker or its oldest point, whichever is earlier.
+    `points` are (ts, worker, tokens) in the window; `since` maps worker → when it started
+    generating. A worker up for 30 s is averaged over those 30 s, not over a ten-minute window
+    of which most precede it, and its points from before it started (an earlier process of the
+    same name) are not its own. A worker whose start is unknown is averaged over the whole
+    window. The fleet counts every point, from its oldest worker's start or its oldest point,
+    whichever is earlier.
     """
     since = since or {}
+    tokens: dict[str, int] = defaultdict(int)
+    earliest: float | None = None
+    for ts, worker, count in points:
+        tokens[""] += count
+        earliest = ts if earliest is None else min(earliest, ts)
+        if ts >= since.get(worker, float("-inf")):
+            tokens[worker] += count
     rates: dict[str, float] = {}
     for worker, count in tokens.items():
         if worker:
@@ -70,16 +77,10 @@ def fleet_tokens_per_s(
 ) -> dict[str, float]:
     """tok/s over the last `window_s` per worker, plus the fleet total under "" (all runs);
     `since` (worker → start) shortens the span of workers younger than the window."""
-    totals: dict[str, int] = defaultdict(int)
-    earliest: float | None = None
+    points: list[tuple[float, str, int]] = []
     for run in client.smembers(keys.runs_key()):
-        points: list[tuple[bytes, float]] = client.zrangebyscore(  # type: ignore[assignment]
+        found: list[tuple[bytes, float]] = client.zrangebyscore(  # type: ignore[assignment]
             keys.throughput_key(text(run)), now - window_s, "+inf", withscores=True
         )
-        for raw, score in points:
-            worker, count = _parse(raw)
-            totals[worker] += count
-            totals[""] += count
-            ts = float(score)
-            earliest = ts if earliest is None else min(earliest, ts)
-    return spread(totals, now, window_s, since, earliest)
+        points += [(float(score), *_parse(raw)) for raw, score in found]
+    return spread(points, now, window_s, since)

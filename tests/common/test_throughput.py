@@ -10,32 +10,38 @@ NOW = 1_000.0
 
 
 @pytest.mark.parametrize(
-    ("tokens", "since", "earliest", "rates"),
+    ("points", "since", "rates"),
     [
         # a worker 30 s old: its 10-minute figure is its rate over those 30 s
-        ({"w": 3000, "": 3000}, {"w": NOW - 30}, NOW - 28, {"w": 100.0, "": 100.0}),
+        ([(NOW - 28, "w", 1500), (NOW - 2, "w", 1500)], {"w": NOW - 30}, {"w": 100.0, "": 100.0}),
         # older than the window: the whole window
-        ({"w": 60000, "": 60000}, {"w": NOW - 5000}, NOW - 590, {"w": 100.0, "": 100.0}),
+        ([(NOW - 590, "w", 60000)], {"w": NOW - 5000}, {"w": 100.0, "": 100.0}),
         # start unknown (a worker that stopped answering): the whole window
-        ({"gone": 6000, "": 6000}, {}, NOW - 600, {"gone": 10.0, "": 10.0}),
+        ([(NOW - 600, "gone", 6000)], {}, {"gone": 10.0, "": 10.0}),
         # the fleet starts at its oldest worker, or its oldest point if a gone one was older
         (
-            {"a": 6000, "b": 3000, "": 9000},
+            [(NOW - 55, "a", 6000), (NOW - 20, "b", 3000)],
             {"a": NOW - 60, "b": NOW - 30},
-            NOW - 55,
             {"a": 100.0, "b": 100.0, "": 150.0},
         ),
         (
-            {"a": 3000, "gone": 3000, "": 6000},
+            [(NOW - 120, "gone", 3000), (NOW - 10, "a", 3000)],
             {"a": NOW - 30},
-            NOW - 120,
             {"a": 100.0, "gone": 5.0, "": 50.0},
         ),
+        # a worker restarted under the same name 30 s ago: the old process's tokens are the
+        # fleet's, not the new worker's (they would inflate its 30 s)
+        (
+            [(NOW - 300, "w", 30000), (NOW - 10, "w", 3000)],
+            {"w": NOW - 30},
+            {"w": 100.0, "": 110.0},
+        ),
         # a worker started a moment ago: at least one second, never a division by zero
-        ({"w": 50, "": 50}, {"w": NOW}, NOW, {"w": 50.0, "": 50.0}),
+        ([(NOW, "w", 50)], {"w": NOW}, {"w": 50.0, "": 50.0}),
+        ([], {"w": NOW - 30}, {}),
     ],
 )
 def test_spread(
-    tokens: dict[str, int], since: dict[str, float], earliest: float, rates: dict[str, float]
+    points: list[tuple[float, str, int]], since: dict[str, float], rates: dict[str, float]
 ) -> None:
-    assert spread(tokens, NOW, 600.0, since, earliest) == pytest.approx(rates)
+    assert spread(points, NOW, 600.0, since) == pytest.approx(rates)
