@@ -86,7 +86,7 @@ def test_poison_batch_lands_in_the_failed_set_and_retry_completes_it(
 
     fake_engine.poison = False  # the fix
     retried = cli("retry", "poison", *flags)
-    assert "1 failed batch cleared; enqueued 1" in retried.output.replace("\n", " ")
+    assert "1 failed batch cleared; enqueued 1" in " ".join(retried.output.split())
     wait_run_done(settings, redis_client, "poison", 60, store)
     result, _rows = assert_exactly_once(settings, "poison", ids, redis_client, store)
     assert result.errors == 0
