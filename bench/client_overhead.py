@@ -8,12 +8,11 @@ HTTP, orjson decode). Batches of `--batch-size` are run by `--concurrency` threa
 waiting on its batch's future, as a worker's Celery threads do. Each client gets a fresh
 emulator; both share the machine's cores with it, so the figure is a floor.
 
-    python bench/client_overhead.py                    # 60,000 requests (httpx: a fifth)
+    python bench/client_overhead.py                    # 60,000 requests
     python bench/client_overhead.py --quick            # 15,000, under a minute
-    python bench/client_overhead.py --client aiohttp   # one client only
 
-`--client httpx` is the EngineClient given an httpx transport (the path tests can mock);
-`aiohttp` is its default. The last line is `requests_per_s: N` for the default client.
+The EngineClient speaks aiohttp, its one HTTP path (httpx managed about a tenth of its rate
+at hundreds of connections, see RESULTS.md). The last line is `requests_per_s: N`.
 """
 
 from __future__ import annotations
@@ -24,8 +23,6 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -63,24 +60,18 @@ def prompts(count: int) -> list[PromptRecord]:
 
 def measure(
     url: str,
-    client: str,
     records: list[PromptRecord],
     batch_size: int,
     concurrency: int,
     inflight: int,
 ) -> tuple[float, int]:
     """Seconds to run every record through a Feeder, and how many came back."""
-    transport = None
-    if client == "httpx":
-        limits = httpx.Limits(max_connections=inflight + 8, max_keepalive_connections=inflight + 8)
-        transport = httpx.AsyncHTTPTransport(limits=limits)
     feeder = Feeder(
         lambda: EngineClient(
             url,
             model="bench-model",
             timeout_s=600,
             max_connections=inflight + 8,
-            transport=transport,
         ),
         AlwaysUp(),
         inflight,
@@ -116,33 +107,23 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--requests", type=int, default=None)
-    parser.add_argument("--client", default="httpx,aiohttp", help="comma-separated: httpx, aiohttp")
     parser.add_argument("--max-inflight", type=int, default=256)
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--concurrency", type=int, default=3, help="batches at once (threads)")
     args = parser.parse_args()
     count = args.requests or (15_000 if args.quick else 60_000)
     records = prompts(count)
-    clients = [c.strip() for c in args.client.split(",") if c.strip()]
-    rates: dict[str, float] = {}
-    for client in clients:
-        # httpx's pool is slow at hundreds of connections: a fifth of the requests gives the
-        # same rate in a fifth of the time.
-        share = records[: max(1000, count // 5)] if client == "httpx" else records
-        engine = Emulator(ZERO_TIME, max_running_requests=4096)
-        try:
-            engine.wait_ready()
-            elapsed, got = measure(
-                engine.url, client, share, args.batch_size, args.concurrency, args.max_inflight
-            )
-        finally:
-            engine.stop()
-        rates[client] = got / elapsed
-        print(f"{client}: {got:,} completions in {elapsed:.2f} s = {rates[client]:,.0f} req/s")
-    if "httpx" in rates and "aiohttp" in rates:
-        print(f"aiohttp_vs_httpx: {rates['aiohttp'] / rates['httpx']:.2f}")
-    headline = rates.get("aiohttp", next(iter(rates.values())))
-    print(f"requests_per_s: {headline:.0f}")
+    engine = Emulator(ZERO_TIME, max_running_requests=4096)
+    try:
+        engine.wait_ready()
+        elapsed, got = measure(
+            engine.url, records, args.batch_size, args.concurrency, args.max_inflight
+        )
+    finally:
+        engine.stop()
+    rate = got / elapsed
+    print(f"aiohttp: {got:,} completions in {elapsed:.2f} s = {rate:,.0f} req/s")
+    print(f"requests_per_s: {rate:.0f}")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 GenfleetError
 ├── ConfigError            bad settings or arguments: fix and run again
+│   └── EngineConfigError  the engine refuses the worker (401/403/404): it stops consuming
 ├── InputError             a dataset cannot be read at all (every line rejected, no file)
 ├── RunMismatch            a run exists with other prompts, parameters or model: never merged
 ├── StoreError             the object store failed after its own retries
@@ -11,8 +12,10 @@ GenfleetError
 │   ├── PreflightError     the checkpoint or command would not run (before any GPU time)
 │   ├── EngineStartError   it did not become ready; carries the last log lines
 │   ├── EngineDown         it died or stopped answering: retryable
+│   ├── EngineBusy         429 or "queue full": backpressure, wait and send again
 │   └── RestartBudgetExhausted  it kept dying: the worker stops taking work
-└── RequestRejected        the engine refused one prompt (HTTP 400): an error record
+├── RequestRejected        the engine refused one prompt (HTTP 400): an error record
+└── RequestFailed          one try of one prompt failed (abort, 5xx): retried, then an error record
 """
 
 from __future__ import annotations
@@ -24,6 +27,12 @@ class GenfleetError(Exception):
 
 class ConfigError(GenfleetError):
     pass
+
+
+class EngineConfigError(ConfigError):
+    """The engine refused the worker itself (401, 403, 404): a wrong API key, URL or model
+    name. Every prompt would fail the same way, so the worker stops consuming instead of
+    spending batch retries."""
 
 
 class InputError(GenfleetError):
@@ -66,12 +75,33 @@ class EngineDown(EngineError):
     pass
 
 
+class EngineBusy(EngineError):
+    """429, or 503 "The request queue is full.": the engine is up and asks the client to slow
+    down. Never a prompt's failure; `retry_after_s` is the server's `Retry-After`, if any."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        self.retry_after_s = retry_after_s
+        super().__init__(message)
+
+
 class RestartBudgetExhausted(EngineError):
     pass
 
 
 class RequestRejected(GenfleetError):
     """The engine answered 400 for one prompt: permanent for that prompt, not for the batch."""
+
+    def __init__(self, status: int, kind: str, message: str) -> None:
+        self.status = status
+        self.kind = kind
+        super().__init__(message)
+
+
+class RequestFailed(GenfleetError):
+    """One try of one prompt failed while the engine answers: `finish_reason "abort"` on a
+    200, a 5xx, a response that is not a chat completion. Sent again; after its tries it
+    becomes an error record (never a completion) if the engine served other prompts meanwhile.
+    """
 
     def __init__(self, status: int, kind: str, message: str) -> None:
         self.status = status

@@ -58,14 +58,24 @@ class PromptRecord:
 
 
 class GenerationParams(BaseModel):
-    """Run-wide sampling parameters; an OpenAI batch line may override them per prompt."""
+    """Run-wide sampling parameters; an OpenAI batch line may override them per prompt.
 
-    model_config = ConfigDict(extra="ignore", frozen=True)
+    The optional ones are sent only when set (None: the engine's own default). A field this
+    model does not know is refused (`extra="forbid"`), so a worker never runs an order with a
+    parameter it would drop.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
 
     max_tokens: int
     temperature: float
     top_p: float
     thinking: bool
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    response_format: dict[str, Any] | None = None  # --json-schema FILE: a json_schema format
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class WorkOrder(BaseModel):
@@ -128,6 +138,7 @@ class CompletionRecord:
     sample: int = 0
     custom_id: str | None = None
     request_id: str | None = None
+    logprobs: Any = None  # the choice's logprobs, when the request asked for them
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -56,6 +56,12 @@ class Settings(BaseSettings):
     temperature: float = Field(default=0.6, ge=0.0)
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)
     thinking: bool = True
+    # Sent to the engine only when set (None: the engine's or the model's default).
+    top_k: int | None = Field(default=None, ge=-1)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    json_schema: str | None = None  # a JSON Schema file: every answer must match it
+    chat_template_kwargs: str | None = None  # a JSON object, e.g. '{"enable_thinking": false}'
     system_prompt: str | None = None
     samples: int = Field(default=1, ge=1)
     limit: int | None = Field(default=None, ge=1)
@@ -76,7 +82,15 @@ class Settings(BaseSettings):
     mem_fraction_static: float | None = Field(default=None, gt=0.0, lt=1.0)
     max_running_requests: int | None = Field(default=None, ge=1)
     context_length: int | None = Field(default=None, ge=1)
-    reasoning_parser: str | None = "qwen3"
+    # None: chosen from the checkpoint's architecture (qwen3, deepseek-v3, deepseek-r1);
+    # "none" passes no parser.
+    reasoning_parser: str | None = None
+    # The chat_template_kwargs key that switches thinking: None from the architecture
+    # (enable_thinking for Qwen3, thinking for DeepSeek V3.1+); "none" never sends one.
+    thinking_switch: str | None = None
+    # architectures[0] when config.json cannot be read (a hub id): decides the MTP and mamba
+    # flags, the reasoning parser and the thinking switch.
+    model_architecture: str | None = None
     tool_call_parser: str | None = None
     trust_remote_code: bool = False
     mamba_cache_strategy: str | None = None  # None: extra_buffer with MTP on hybrid models
@@ -105,6 +119,9 @@ class Settings(BaseSettings):
     max_inflight: int | None = Field(default=None, ge=1)  # None: engine cap x 1.25 + 4
     request_timeout_s: float = Field(default=3600.0, gt=0)
     request_retries: int = Field(default=5, ge=0)
+    # One prompt answered only "busy" (429, queue full) for this long fails its batch's try
+    # (retried later); backpressure alone never fails a prompt.
+    busy_timeout_s: float = Field(default=1800.0, gt=0)
     batch_retries: int = Field(default=3, ge=0)
     checkpoint_interval_s: float = Field(default=60.0, gt=0)
     # On SIGTERM a worker stops taking work and lets running batches finish for this long;
@@ -138,11 +155,28 @@ class Settings(BaseSettings):
     emulator_power_limit_w: float = Field(default=700.0, gt=0)
     emulator_idle_power_w: float = Field(default=80.0, ge=0)
     emulator_fail_after_requests: int | None = None  # crash after N requests (fault tests)
+    # Engine answers a test needs (SGLang's and OpenAI-compatible servers' odd ones):
+    emulator_429_rate: float = Field(default=0.0, ge=0.0, le=1.0)  # 429 with Retry-After
+    emulator_retry_after_s: float = Field(default=1.0, ge=0.0)
+    emulator_abort_rate: float = Field(default=0.0, ge=0.0, le=1.0)  # 200, finish "abort"
+    # "sglang": usage.reasoning_tokens; "openai": usage.completion_tokens_details.reasoning_tokens
+    emulator_usage_shape: Literal["sglang", "openai"] = "sglang"
+    # Enforce fewer running requests than configured, as SGLang does when KV or the mamba
+    # pool is short (reported as internal_states[i].effective_max_running_requests_per_dp).
+    emulator_effective_max_running_requests: int | None = Field(default=None, ge=1)
+    emulator_request_log: str | None = None  # a file: one JSON line per chat request received
 
     @field_validator("store")
     @classmethod
     def _store_url(cls, value: str) -> str:
         return store_url(value)
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _kwargs_object(cls, value: str | None) -> str | None:
+        if value is not None and not value.strip().startswith("{"):
+            raise ValueError(f'must be a JSON object, e.g. {{"enable_thinking": false}}: {value!r}')
+        return value
 
     @model_validator(mode="after")
     def _consistent(self) -> Settings:

@@ -12,16 +12,18 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import re
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from genfleet.common import keys
 from genfleet.common.celery_config import ModelRef, model_ref, work_queue
-from genfleet.common.errors import InputError, RunMismatch
+from genfleet.common.errors import ConfigError, InputError, RunMismatch
 from genfleet.common.manifest import BatchEntry, Manifest
 from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, dumps_jsonl
 from genfleet.common.settings import Settings
@@ -80,12 +82,47 @@ def reader_options(
 
 
 def generation_params(settings: Settings) -> GenerationParams:
+    """The run's parameters, recorded in its manifest and sent with every work order.
+
+    `--json-schema FILE` is read here, once: the schema itself is what the run records.
+    Raises ConfigError for a schema file or `--chat-template-kwargs` that is not a JSON object.
+    """
     return GenerationParams(
         max_tokens=settings.max_tokens,
         temperature=settings.temperature,
         top_p=settings.top_p,
         thinking=settings.thinking,
+        top_k=settings.top_k,
+        min_p=settings.min_p,
+        repetition_penalty=settings.repetition_penalty,
+        response_format=_json_schema_format(settings.json_schema),
+        chat_template_kwargs=_json_object(settings.chat_template_kwargs, "--chat-template-kwargs"),
     )
+
+
+def _json_object(text: str | None, what: str) -> dict[str, Any] | None:
+    if text is None:
+        return None
+    try:
+        value = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"{what}: not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise ConfigError(f"{what}: must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _json_schema_format(path: str | None) -> dict[str, Any] | None:
+    """`--json-schema FILE` → an OpenAI `response_format` of type json_schema."""
+    if path is None:
+        return None
+    try:
+        text = Path(path).expanduser().read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"--json-schema {path}: {exc.strerror or exc}") from exc
+    schema = _json_object(text, f"--json-schema {path}")
+    name = re.sub(r"[^A-Za-z0-9_-]", "_", Path(path).name.split(".")[0])[:64] or "schema"
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema}}
 
 
 class _Split:

@@ -197,7 +197,7 @@ def openai_output_line(record: dict[str, Any], created: int) -> dict[str, Any]:
                 {
                     "index": 0,
                     "message": message,
-                    "logprobs": None,
+                    "logprobs": record.get("logprobs"),
                     "finish_reason": record.get("finish_reason"),
                 }
             ],
@@ -220,7 +220,7 @@ def parquet_schema() -> Any:
 
     Messages are a list of {role, content, name, tool_call_id, tool_calls}, the shape chat
     trainers read; content that is not a string (parts lists) and tool_calls are JSON text.
-    `engine` is JSON text because its keys vary by engine.
+    `engine` and `logprobs` (when asked for) are JSON text because their shapes vary.
     """
     import pyarrow as pa
 
@@ -245,6 +245,7 @@ def parquet_schema() -> Any:
             ("latency_s", pa.float64()),
             ("error", error),
             ("request_id", text),
+            ("logprobs", text),
         ]
     )
 
@@ -283,6 +284,7 @@ def _parquet_row(record: dict[str, Any]) -> dict[str, Any]:
         "latency_s": float(record.get("latency_s") or 0.0),
         "error": {"type": error.get("type"), "message": error.get("message")} if error else None,
         "request_id": record.get("request_id"),
+        "logprobs": _text(record.get("logprobs")),
     }
 
 

@@ -112,8 +112,15 @@ class _Collector:
         return rows
 
 
+def is_result(row: dict[str, Any]) -> bool:
+    """A checkpointed row that stands as the prompt's result: a completion or an error record.
+    An aborted answer stored as a completion (by a worker before aborts were failed tries) is
+    not one: its prompt is sent again."""
+    return bool(row.get("error")) or row.get("finish_reason") != "abort"
+
+
 def load_parts(store: Store, run: str, batch: str) -> tuple[dict[tuple[str, int], Any], int]:
-    """Checkpointed completions of an earlier try, by (id, sample), and the next part number."""
+    """Checkpointed results of an earlier try, by (id, sample), and the next part number."""
     done: dict[tuple[str, int], Any] = {}
     count = 0
     for key in store.list(keys.parts_prefix(run, batch)):
@@ -122,7 +129,8 @@ def load_parts(store: Store, run: str, batch: str) -> tuple[dict[tuple[str, int]
         if data is None:
             continue
         for row in decode_jsonl_gz(data):
-            done[(row["id"], row.get("sample", 0))] = row
+            if is_result(row):
+                done[(row["id"], row.get("sample", 0))] = row
     return done, count
 
 

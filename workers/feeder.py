@@ -1,26 +1,40 @@
 """Keeping the engine full: one asyncio loop and one in-flight limiter per worker.
 
 Every batch the worker runs (Celery threads pool, several at once) submits its prompts here.
-They all wait on one FIFO semaphore sized a little above the engine's max_running_requests,
+They all wait on one FIFO limiter sized a little above the cap the engine enforces,
 so while one batch's stragglers finish, the next batch's prompts already fill the engine and
 its own queue never runs dry. The loop runs on a thread of its own; batch threads block on a
 concurrent future.
 
-A prompt the engine refuses (400) becomes an error record. When the engine goes down the
-prompt waits for the supervisor to bring it back and is retried; if it cannot come back, the
-batch fails and its finished prompts survive as a checkpoint.
+What each answer does to a prompt (the client maps HTTP to these errors):
+- refused (400): an error record at once; the batch goes on.
+- busy (429, queue full): backpressure. The prompt waits `Retry-After` (or a backoff) and is
+  sent again, the limiter halves for a while; no try is spent. Only when one prompt has met
+  nothing but backpressure for `busy_timeout_s` does its batch's try fail (retried later),
+  never the prompt.
+- failed try (abort, 5xx): sent again up to `retries` times, then an error record, provided
+  the engine serves other prompts: one succeeded since this one began failing, or, when none
+  did (nothing else left to run), a canary (the last prompt that succeeded, for one token)
+  still succeeds. Otherwise the engine is what is broken and the batch's try fails instead.
+- engine down: the prompt waits for the supervisor to bring it back and is retried; if it
+  cannot come back, the batch fails and its finished prompts survive as a checkpoint.
+- engine refuses the worker (401/403/404): the batch stops; the task stops the worker
+  consuming.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import threading
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from genfleet.common.errors import EngineDown, RequestRejected
+from genfleet.common.errors import EngineBusy, EngineDown, RequestFailed, RequestRejected
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
 from genfleet.workers.client import ChatResult
 
@@ -48,8 +62,9 @@ class ChatClient(Protocol):
 
 
 def retry_backoff_s(attempt: int) -> float:
-    """Seconds before the `attempt`-th retry of a prompt whose engine went down: 0.5, 1, 2, 4,
-    8, then 10 at most (the supervisor's own restart backoff runs meanwhile)."""
+    """Seconds before the `attempt`-th retry of a prompt whose engine went down or whose try
+    failed (abort, 5xx): 0.5, 1, 2, 4, 8, then 10 at most (the supervisor's own restart
+    backoff runs meanwhile)."""
     return min(0.25 * 2.0**attempt, 10.0)
 
 
@@ -58,6 +73,83 @@ def default_max_inflight(max_running_requests: int | None) -> int:
     if not max_running_requests:
         return 64
     return int(max_running_requests * 1.25) + 4
+
+
+def busy_delay_s(retry_after_s: float | None, refusals: int) -> float:
+    """How long a prompt the engine called busy waits: its Retry-After, else a backoff."""
+    if retry_after_s is not None:
+        return max(retry_after_s, 0.05)
+    return min(0.25 * 2.0 ** min(refusals, 8), 10.0) * random.uniform(0.8, 1.2)
+
+
+class InflightLimiter:
+    """FIFO slots for requests in flight, at most `size` at once (all on one event loop).
+
+    Backpressure halves `size` (at most once per `shrink_spacing_s`, so one burst of 429s
+    counts once); after `recover_s` without backpressure each completion gives one slot
+    back, up to `max_size`. `now` is a parameter so the rule is tested without a clock.
+
+        limiter = InflightLimiter(320)
+        async with limiter: ...          # one request
+        limiter.shrink(now)              # a 429: 160 slots for a while
+        limiter.completed(now)           # recover_s later: 161, 162, ... back to 320
+    """
+
+    def __init__(
+        self, max_size: int, *, recover_s: float = 10.0, shrink_spacing_s: float = 1.0
+    ) -> None:
+        self.max_size = max_size
+        self.size = max_size
+        self.held = 0
+        self.recover_s = recover_s
+        self.shrink_spacing_s = shrink_spacing_s
+        self.shrunk_at = -float("inf")
+        self._waiters: deque[asyncio.Future[None]] = deque()
+
+    async def acquire(self) -> None:
+        if self.held < self.size and not self._waiters:
+            self.held += 1
+            return
+        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        except asyncio.CancelledError:
+            if waiter.done() and not waiter.cancelled():
+                self.release()  # the slot was granted as the task was cancelled
+            else:
+                self._waiters.remove(waiter)
+            raise
+
+    def release(self) -> None:
+        self.held -= 1
+        self._wake()
+
+    def _wake(self) -> None:
+        while self._waiters and self.held < self.size:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                self.held += 1
+                waiter.set_result(None)
+
+    def shrink(self, now: float) -> None:
+        """The engine pushed back: halve the slots (never below one)."""
+        if now - self.shrunk_at < self.shrink_spacing_s:
+            return
+        self.shrunk_at = now
+        self.size = max(1, self.size // 2)
+
+    def completed(self, now: float) -> None:
+        """A request finished: once the engine has stopped pushing back, grow by one slot."""
+        if self.size < self.max_size and now - self.shrunk_at >= self.recover_s:
+            self.size += 1
+            self._wake()
+
+    async def __aenter__(self) -> None:
+        await self.acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
 
 
 class Feeder:
@@ -71,16 +163,22 @@ class Feeder:
         *,
         retries: int = 5,
         engine_wait_s: float = 600.0,
+        busy_timeout_s: float = 1800.0,
         identity: dict[str, Any] | None = None,
         backoff_s: Callable[[int], float] = retry_backoff_s,
     ) -> None:
         self.max_inflight = max_inflight
         self.retries = retries
         self.engine_wait_s = engine_wait_s
+        self.busy_timeout_s = busy_timeout_s
         self.identity = identity or {}
         self.backoff_s = backoff_s
         self.inflight = 0
         self.tokens_total = 0
+        self.busy_total = 0  # answers that were backpressure (429, queue full)
+        self.failed_tries_total = 0  # aborts, 5xx: tries sent again
+        self.last_success_s = -float("inf")  # monotonic time of the last completion
+        self._canary: tuple[PromptRecord, GenerationParams] | None = None  # last success
         self._engine = engine
         self._batches: set[Future[None]] = set()
         self._batches_lock = threading.Lock()
@@ -88,13 +186,15 @@ class Feeder:
         self._thread = threading.Thread(target=self._loop.run_forever, name="feeder", daemon=True)
         self._thread.start()
         self._client: ChatClient = self.call(self._make(client_factory))
-        self._limiter: asyncio.Semaphore = self.call(self._semaphore(max_inflight))
+        self._limiter = InflightLimiter(max_inflight)
 
     async def _make(self, factory: Callable[[], ChatClient]) -> ChatClient:
         return factory()
 
-    async def _semaphore(self, size: int) -> asyncio.Semaphore:
-        return asyncio.Semaphore(size)
+    @property
+    def inflight_cap(self) -> int:
+        """The limiter's size now: `max_inflight`, less while the engine pushes back."""
+        return self._limiter.size
 
     def call(self, coro: Awaitable[T], timeout_s: float | None = None) -> T:
         future: Future[T] = asyncio.run_coroutine_threadsafe(coro, self._loop)  # type: ignore[arg-type]
@@ -150,7 +250,10 @@ class Feeder:
         params: GenerationParams,
         on_record: Callable[[int, CompletionRecord], None],
     ) -> None:
-        attempt = 0
+        attempt = 0  # failed tries: engine down, abort, 5xx
+        refusals = 0  # backpressure answers in a row
+        busy_since: float | None = None
+        failing_since: float | None = None
         while True:
             try:
                 async with self._limiter:
@@ -162,7 +265,37 @@ class Feeder:
             except RequestRejected as exc:
                 on_record(index, self._record(run, batch, record, exc))
                 return
+            except EngineBusy as exc:
+                now = time.monotonic()
+                busy_since = now if busy_since is None else busy_since
+                if now - busy_since > self.busy_timeout_s:
+                    raise EngineDown(
+                        f"the engine answered busy for {now - busy_since:.0f} s "
+                        f"(busy_timeout_s): {exc}"
+                    ) from exc
+                self.busy_total += 1
+                refusals += 1
+                self._limiter.shrink(now)
+                await asyncio.sleep(busy_delay_s(exc.retry_after_s, refusals))
+                continue
+            except RequestFailed as exc:
+                busy_since, refusals = None, 0
+                failing_since = time.monotonic() if failing_since is None else failing_since
+                attempt += 1
+                self.failed_tries_total += 1
+                if attempt > self.retries:
+                    if await self._serves_others(failing_since):
+                        on_record(index, self._record(run, batch, record, exc))
+                        return
+                    raise EngineDown(
+                        f"{record.id} failed {attempt} times ({exc}) and the engine serves no "
+                        "other prompt either"
+                    ) from exc
+                log.warning("%s/%s %s: %s; try %d", run, batch, record.id, exc, attempt)
+                await asyncio.sleep(self.backoff_s(attempt))
+                continue
             except EngineDown as exc:
+                busy_since, refusals = None, 0
                 attempt += 1
                 if attempt > self.retries:
                     raise
@@ -170,17 +303,44 @@ class Feeder:
                 await asyncio.sleep(self.backoff_s(attempt))
                 await asyncio.to_thread(self._engine.wait_up, self.engine_wait_s)
                 continue
+            now = time.monotonic()
+            self.last_success_s = now
+            self._canary = (record, params)
+            self._limiter.completed(now)
             on_record(index, self._record(run, batch, record, result))
             return
+
+    async def _serves_others(self, failing_since: float) -> bool:
+        """Whether the engine serves prompts other than one that failed every try.
+
+        Yes when another prompt succeeded since that one began failing; when none did (maybe
+        nothing else was left to run), the last prompt that ever succeeded is sent again for
+        one token and must succeed. An engine that never answered anything serves nobody.
+        """
+        if self.last_success_s > failing_since:
+            return True
+        if self._canary is None:
+            return False
+        record, params = self._canary
+        canary = PromptRecord(
+            record.id, record.messages, params={**(record.params or {}), "max_tokens": 1}
+        )
+        try:
+            async with self._limiter:
+                await self._client.chat(canary, params)
+        except (EngineBusy, EngineDown, RequestFailed, RequestRejected):
+            return False
+        self.last_success_s = time.monotonic()
+        return True
 
     def _record(
         self,
         run: str,
         batch: str,
         record: PromptRecord,
-        result: ChatResult | RequestRejected,
+        result: ChatResult | RequestRejected | RequestFailed,
     ) -> CompletionRecord:
-        if isinstance(result, RequestRejected):
+        if isinstance(result, RequestRejected | RequestFailed):
             return CompletionRecord(
                 id=record.id,
                 run=run,
@@ -211,6 +371,7 @@ class Feeder:
             sample=record.sample,
             custom_id=record.custom_id,
             request_id=result.request_id,
+            logprobs=result.logprobs,
         )
 
     def close(self) -> None:

@@ -19,12 +19,17 @@ from genfleet.common.errors import EngineError
 from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, open_store
-from genfleet.workers.client import EngineClient
+from genfleet.workers.client import EngineClient, ThinkingSwitch
 from genfleet.workers.engine.external import ExternalEngine
+from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.ports import pick_port
 from genfleet.workers.engine.supervisor import EngineSupervisor
 from genfleet.workers.feeder import Feeder, default_max_inflight
-from genfleet.workers.observe.engine_state import EngineState, accept_length_from_server_info
+from genfleet.workers.observe.engine_state import (
+    EngineState,
+    accept_length_from_server_info,
+    enforced_cap,
+)
 from genfleet.workers.observe.power_watch import fleet_state
 from genfleet.workers.observe.sampler import Monitor, make_sampler
 
@@ -58,6 +63,8 @@ class WorkerRuntime:
         self.feeder: Feeder | None = None
         self.findings: list[dict[str, Any]] = []
         self.monitor: Monitor | None = None
+        self.refused: str | None = None  # why the engine refuses this worker, once it does
+        self.arch: str | None = None  # the checkpoint's architectures[0], when preflight read it
 
     def start(self) -> None:
         global _current
@@ -80,10 +87,9 @@ class WorkerRuntime:
             self.engine = engine
             info = engine.start()
         self.engine = engine
-        cap = info.get("max_running_requests")
-        max_inflight = settings.max_inflight or default_max_inflight(
-            cap if isinstance(cap, int) else None
-        )
+        # Sized from the cap the engine enforces, which may be below the configured one.
+        cap = enforced_cap(info) or settings.max_running_requests
+        max_inflight = settings.max_inflight or default_max_inflight(cap)
         model = settings.served_model_name or info.get("served_model_name") or "default"
         identity = {
             "kind": kind,
@@ -94,6 +100,9 @@ class WorkerRuntime:
             "version": info.get("version"),
         }
         base_url = engine.base_url
+        choice = choose(settings, self.arch)
+        thinking = ThinkingSwitch(choice.thinking_key, choice.thinking_default)
+        log.info("%s", choice.describe().removeprefix("# "))
         self.feeder = Feeder(
             lambda: EngineClient(
                 base_url,
@@ -101,14 +110,21 @@ class WorkerRuntime:
                 api_key=api_key,
                 timeout_s=settings.request_timeout_s,
                 max_connections=max_inflight + 8,
+                thinking=thinking,
             ),
             engine,
             max_inflight,
             retries=settings.request_retries,
             engine_wait_s=min(settings.startup_timeout_s, 1800.0),
+            busy_timeout_s=settings.busy_timeout_s,
             identity=identity,
         )
-        log.info("feeding %s with up to %d requests in flight", base_url, max_inflight)
+        log.info(
+            "feeding %s with up to %d requests in flight (engine cap %s)",
+            base_url,
+            max_inflight,
+            cap,
+        )
         self.monitor = Monitor(
             settings,
             self.hostname,
@@ -126,12 +142,11 @@ class WorkerRuntime:
         from genfleet.workers.engine.preflight import preflight
 
         settings = self.settings
-        arch = None
         if settings.engine_kind == "sglang":
             report = preflight(settings)
-            arch = report.arch
+            self.arch = report.arch
         port = pick_port(settings.engine_host, settings.port)
-        launch = engine_launch(settings, port, arch=arch)
+        launch = engine_launch(settings, port, arch=self.arch)
         assert launch is not None
         log_dir = Path(settings.log_dir or Path(tempfile.gettempdir()) / "genfleet-logs")
         safe_host = self.hostname.replace("@", "_").replace("/", "_")
@@ -154,7 +169,7 @@ class WorkerRuntime:
             engine.state if engine else "stopped",
             engine.server_info if engine else {},
             inflight=feeder.inflight if feeder else 0,
-            inflight_cap=feeder.max_inflight if feeder else 0,
+            inflight_cap=feeder.inflight_cap if feeder else 0,
             restarts=engine.restarts if engine else 0,
         )
 
@@ -169,6 +184,23 @@ class WorkerRuntime:
         report = self.monitor.report()
         report["findings"] = self.findings[-5:]
         return report
+
+    def refuse_work(self, message: str) -> None:
+        """The engine refuses this worker itself (401/403/404): stop consuming, say why once.
+
+        Kept as a finding (`gpu_report`, the power-watch) so the fleet view shows it too.
+        """
+        if self.refused is not None:
+            return
+        self.refused = message
+        log.error(
+            "ENGINE REFUSES THIS WORKER, it stops taking work: %s. Fix the setting and "
+            "restart the worker; the order is back in the queue.",
+            message,
+        )
+        self.findings.append({"worker": self.hostname, "cause": "engine_refused", "why": message})
+        if self.on_exhausted is not None:
+            self.on_exhausted(message)
 
     def after_batch(self, summary: Any) -> None:
         """After a batch: re-read the engine's accept length and warn loudly if MTP is idle."""

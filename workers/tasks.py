@@ -6,6 +6,9 @@
   failed set. An order for another model is handed back to its own queue, never generated;
   an order of a cancelled run is parked (acknowledged, not generated; a resume sends it
   again), and one of a deleted run is dropped.
+  An engine that refuses the worker itself (401/403/404: key, URL, model name) is no
+  batch's fault: the order goes back to the queue untouched and this worker stops
+  consuming, saying why.
 - reap_leases (beat): re-enqueues batches whose worker vanished (lease expired, no output),
   so a SIGKILLed worker's batch finishes elsewhere in minutes, not after the visibility timeout.
 - power_watch (beat): see genfleet.workers.observe.power_watch.
@@ -25,7 +28,7 @@ from celery.exceptions import Reject
 
 from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK, order_queue
-from genfleet.common.errors import EngineError, StoreError
+from genfleet.common.errors import EngineConfigError, EngineError, StoreError
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import RedisCommands, text
 from genfleet.common.store import Store
@@ -86,6 +89,12 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     except BatchInputMissing as exc:
         _fail(client, work, exc)
         raise BatchFailed(str(exc)) from exc
+    except EngineConfigError as exc:
+        # Every prompt would get the same answer: spend no try, hand the order back for a
+        # worker that is configured right, and stop this one taking more.
+        _safe_hdel(client, field)
+        runtime.refuse_work(f"{work.run}/{work.batch} handed back: {exc}")
+        raise Reject(str(exc), requeue=True) from exc
     except BatchInterrupted as exc:
         # Shutting down: put the message back for another worker (or this one, restarted);
         # the retry skips the prompts the checkpoint holds. Not a try, not a failure.

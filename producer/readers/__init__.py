@@ -76,6 +76,18 @@ def read_source(source: str | Path, options: ReaderOptions | None = None) -> Ite
         taken += 1
         if options.system_prompt and item.messages[0].get("role") != "system":
             item.messages = [{"role": "system", "content": options.system_prompt}, *item.messages]
-        yield item
-        for sample in range(1, options.samples):
-            yield PromptRecord(item.id, item.messages, sample, item.params, item.custom_id)
+        yield from _samples(item, options.samples)
+
+
+def _samples(item: PromptRecord, samples: int) -> Iterator[PromptRecord]:
+    """`samples` records of `item` (its sample 0 first); a body's `n` multiplies them, and
+    with a `seed` each of those gets its own (seed + sample), or all n answers would match."""
+    params = dict(item.params or {})
+    n = params.pop("n", 1)
+    item.params = params or None
+    yield item
+    for sample in range(1, samples * n):
+        own = item.params
+        if n > 1 and "seed" in params:
+            own = {**params, "seed": params["seed"] + sample}
+        yield PromptRecord(item.id, item.messages, sample, own, item.custom_id)

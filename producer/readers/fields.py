@@ -109,3 +109,122 @@ def check_id(value: Any, field: str = "id") -> str | None:
     if not text or len(text) > 512:
         raise BadRecord(field, "must be 1-512 characters")
     return text
+
+
+# --- OpenAI Batch bodies ---------------------------------------------------------------------
+# What genfleet owns and drops from a body: it always asks for one complete answer.
+OWNED_FIELDS = frozenset({"model", "stream", "stream_options"})
+# Fields a body may not carry because the answer to them could not be kept, and why.
+REFUSED_FIELDS = {
+    "tools": "tool calls are not kept in output records (only content and reasoning)",
+    "tool_choice": "tool calls are not kept in output records (only content and reasoning)",
+    "functions": "function calls are not kept in output records (only content and reasoning)",
+    "function_call": "function calls are not kept in output records",
+    "parallel_tool_calls": "tool calls are not kept in output records",
+    "audio": "audio output is not supported",
+    "modalities": "only text output is supported",
+    "prediction": "predicted outputs are not supported",
+    "web_search_options": "web search is not supported",
+}
+MAX_N = 128
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _strings(value: Any) -> bool:
+    return isinstance(value, str) or (
+        isinstance(value, list) and all(isinstance(item, str) for item in value)
+    )
+
+
+def _response_format(value: Any) -> bool:
+    if not isinstance(value, dict) or value.get("type") not in {
+        "text",
+        "json_object",
+        "json_schema",
+    }:
+        return False
+    if value["type"] != "json_schema":
+        return True
+    schema = value.get("json_schema")
+    return (
+        isinstance(schema, dict)
+        and isinstance(schema.get("name"), str)
+        and isinstance(schema.get("schema"), dict)
+    )
+
+
+# Fields passed to the engine as given, each with its check and what it must be.
+BODY_FIELDS: dict[str, tuple[Any, str]] = {
+    "max_tokens": (lambda v: _integer(v) and v >= 1, "a positive integer"),
+    "max_completion_tokens": (lambda v: _integer(v) and v >= 1, "a positive integer"),
+    "temperature": (_number, "a number"),
+    "top_p": (_number, "a number"),
+    "top_k": (_integer, "an integer"),
+    "min_p": (_number, "a number"),
+    "repetition_penalty": (_number, "a number"),
+    "presence_penalty": (_number, "a number"),
+    "frequency_penalty": (_number, "a number"),
+    "seed": (_integer, "an integer"),
+    "stop": (_strings, "a string or a list of strings"),
+    "n": (lambda v: _integer(v) and 1 <= v <= MAX_N, f"an integer from 1 to {MAX_N}"),
+    "response_format": (
+        _response_format,
+        'an object of type "text", "json_object" or "json_schema" (with json_schema.name '
+        "and json_schema.schema)",
+    ),
+    "logprobs": (lambda v: isinstance(v, bool), "true or false"),
+    "top_logprobs": (lambda v: _integer(v) and 0 <= v <= 20, "an integer from 0 to 20"),
+    "logit_bias": (lambda v: isinstance(v, dict), "an object"),
+    "chat_template_kwargs": (lambda v: isinstance(v, dict), "an object"),
+    "reasoning_effort": (lambda v: isinstance(v, str), "a string"),
+    "min_tokens": (lambda v: _integer(v) and v >= 0, "a non-negative integer"),
+    "ignore_eos": (lambda v: isinstance(v, bool), "true or false"),
+    "stop_token_ids": (
+        lambda v: isinstance(v, list) and all(_integer(i) for i in v),
+        "a list of integers",
+    ),
+    "skip_special_tokens": (lambda v: isinstance(v, bool), "true or false"),
+    "regex": (lambda v: isinstance(v, str), "a string"),
+    "ebnf": (lambda v: isinstance(v, str), "a string"),
+    "user": (lambda v: isinstance(v, str), "a string"),
+}
+
+
+def check_body(body: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI chat body's fields → the per-prompt parameters, passed to the engine as given.
+
+    `messages` is checked apart; `model`, `stream` and `stream_options` are genfleet's and
+    dropped; `max_completion_tokens` becomes `max_tokens`; `n` stays (the reader turns it into
+    samples). Anything genfleet cannot honour, or does not know, is a BadRecord naming it.
+    """
+    params: dict[str, Any] = {}
+    for name, value in body.items():
+        if name == "messages" or name in OWNED_FIELDS or value is None:
+            continue
+        if name in REFUSED_FIELDS:
+            raise BadRecord(f"body.{name}", f"not supported: {REFUSED_FIELDS[name]}")
+        rule = BODY_FIELDS.get(name)
+        if rule is None:
+            raise BadRecord(
+                f"body.{name}",
+                "unknown field: genfleet passes only the fields it can honour (README: "
+                "request fields)",
+            )
+        check, expected = rule
+        if not check(value):
+            raise BadRecord(f"body.{name}", f"must be {expected}")
+        params[name] = value
+    if "top_logprobs" in params and params.get("logprobs") is not True:
+        raise BadRecord("body.top_logprobs", "needs logprobs: true")
+    if "max_completion_tokens" in params:
+        params["max_tokens"] = params.pop("max_completion_tokens")
+    if params.get("n") == 1:
+        del params["n"]
+    return params

@@ -2,7 +2,9 @@
 
 Lines are read as bytes so that a line that is not UTF-8, not JSON, or over the size limit is
 one reject, not the end of the file. OpenAI batch lines (`custom_id`, `method`, `url`, `body`)
-carry per-line sampling parameters that override the run's.
+carry per-line parameters that override the run's: every field of the body passes to the
+engine as given, less what genfleet owns, and a field it cannot honour rejects the line
+(`fields.check_body`).
 """
 
 from __future__ import annotations
@@ -20,14 +22,12 @@ from genfleet.producer.readers.fields import (
     Located,
     ReaderOptions,
     Reject,
+    check_body,
     check_id,
     check_messages,
     check_prompt,
     default_id_base,
 )
-
-# Body fields of an OpenAI chat request that map onto genfleet's per-prompt parameters.
-OPENAI_PARAMS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "stop", "seed")
 
 
 def _open(path: Path) -> IO[bytes]:
@@ -156,18 +156,5 @@ def _parse_openai(data: dict[str, Any]) -> PromptRecord:
     if not isinstance(body, dict):
         raise BadRecord("body", "is missing or not an object")
     messages = check_messages(body.get("messages"), "body.messages")
-    params: dict[str, Any] = {}
-    for name in OPENAI_PARAMS:
-        if body.get(name) is not None:
-            params[name] = body[name]
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = params.get(name)
-        if value is not None and (not isinstance(value, int) or value < 1):
-            raise BadRecord(f"body.{name}", "must be a positive integer")
-    for name in ("temperature", "top_p"):
-        value = params.get(name)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
-            raise BadRecord(f"body.{name}", "must be a number")
-    if "max_completion_tokens" in params:
-        params["max_tokens"] = params.pop("max_completion_tokens")
+    params = check_body(body)
     return PromptRecord(custom_id, messages, 0, params or None, custom_id)

@@ -190,13 +190,15 @@ class FlakyS3:
 
 
 class FakeEngine(http.server.ThreadingHTTPServer):
-    """An OpenAI-compatible engine that answers 500 to every marked prompt while `poison`."""
+    """An OpenAI-compatible engine that answers 500 to every marked prompt while `poison`, and
+    to every prompt while `broken`."""
 
     daemon_threads = True
 
     def __init__(self) -> None:
         super().__init__(("127.0.0.1", 0), _FakeEngineHandler)
         self.poison = True
+        self.broken = False
         self.failed_requests = 0
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
 
@@ -227,7 +229,7 @@ class _FakeEngineHandler(http.server.BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802 - http.server's naming
         body = orjson.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
         text = " ".join(str(m.get("content")) for m in body.get("messages", []))
-        if self.server.poison and POISON in text:
+        if self.server.broken or (self.server.poison and POISON in text):
             self.server.failed_requests += 1
             self._reply(500, {"error": {"message": "internal error", "type": "InternalError"}})
             return

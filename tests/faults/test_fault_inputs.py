@@ -41,7 +41,7 @@ def cli(*args: str) -> Any:
     return result
 
 
-def test_poison_batch_lands_in_the_failed_set_and_retry_completes_it(
+def test_a_broken_engine_parks_batches_in_the_failed_set_and_retry_completes_them(
     tmp_path: Path,
     redis_url: str,
     redis_client: redis.Redis,
@@ -49,9 +49,10 @@ def test_poison_batch_lands_in_the_failed_set_and_retry_completes_it(
     fake_engine: FakeEngine,
 ) -> None:
     store_url = (tmp_path / "store").as_uri()
-    # batch-000001 (prompts 25..49) is poison: the engine answers 500 to every one of them.
-    poison = {i: f"{POISON} {i}" for i in range(25, 50)}
-    ids = write_prompts(tmp_path / "prompts.jsonl", 100, poison)
+    # The engine answers 500 to everything: not the prompts' fault, so no error records; the
+    # batches' tries fail and they land in the failed set.
+    fake_engine.broken = True
+    ids = write_prompts(tmp_path / "prompts.jsonl", 50)
     env = base_env(
         redis_url,
         store_url,
@@ -72,30 +73,65 @@ def test_poison_batch_lands_in_the_failed_set_and_retry_completes_it(
 
     def failed_report() -> dict[str, Any] | None:
         report: dict[str, Any] = orjson.loads(cli("status", "poison", "--json", *flags).output)
-        return report if report["batches_failed"] and report["batches_done"] == 3 else None
+        return report if report["batches_failed"] == 2 else None
 
-    report = wait_for(failed_report, 120, "the poison batch to land in the failed set", 0.5)
+    report = wait_for(failed_report, 120, "both batches to land in the failed set", 0.5)
     to_failed_s = time.monotonic() - started
     assert report["state"] == "failed"
-    assert list(report["failed"]) == ["batch-000001"]
-    assert "EngineDown" in report["failed"]["batch-000001"]
-    tries = int(redis_client.hget(keys.attempts_key("poison"), "batch-000001") or 0)
-    assert tries == 3  # batch_retries=2: the first try and two retries
-    assert fake_engine.failed_requests >= 3 * 3  # each try: one request and its two retries
+    assert sorted(report["failed"]) == ["batch-000000", "batch-000001"]
+    assert all("EngineDown" in error for error in report["failed"].values())
+    for batch in report["failed"]:
+        tries = int(redis_client.hget(keys.attempts_key("poison"), batch) or 0)
+        assert tries == 3  # batch_retries=2: the first try and two retries
+    assert fake_engine.failed_requests >= 2 * 3 * 3  # each try: one request and two retries
     assert worker.proc.poll() is None
 
-    fake_engine.poison = False  # the fix
+    fake_engine.broken = False  # the fix
     retried = cli("retry", "poison", *flags)
-    assert "1 failed batch cleared; enqueued 1" in " ".join(retried.output.split())
+    assert "2 failed batches cleared; enqueued 2" in " ".join(retried.output.split())
     wait_run_done(settings, redis_client, "poison", 60, store)
     result, _rows = assert_exactly_once(settings, "poison", ids, redis_client, store)
     assert result.errors == 0
     assert not redis_client.hgetall(keys.failed_key("poison"))
     print(
-        f"\n[fault poison] failed set after {to_failed_s:.1f} s and {tries} tries "
+        f"\n[fault broken engine] failed set after {to_failed_s:.1f} s and 3 tries a batch "
         f"({fake_engine.failed_requests} requests answered 500); retry completed it; "
         f"{result.records} records exported"
     )
+
+
+def test_poison_prompts_among_served_ones_become_error_records_and_the_batch_goes_on(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+    fake_engine: FakeEngine,
+) -> None:
+    store_url = (tmp_path / "store").as_uri()
+    poison = {i: f"{POISON} {i}" for i in range(0, 100, 10)}  # one in ten, in every batch
+    ids = write_prompts(tmp_path / "prompts.jsonl", 100, poison)
+    env = base_env(
+        redis_url,
+        store_url,
+        engine="external",
+        engine_url=fake_engine.url,
+        request_retries=2,
+        batch_retries=2,
+        log_dir=tmp_path,
+    )
+    worker = start_worker(env)
+    settings = fault_settings(redis_url, store_url)
+    worker.wait_ready()
+    stage(settings, "poisoned", tmp_path / "prompts.jsonl")
+    store = open_run_store(settings)
+    wait_run_done(settings, redis_client, "poisoned", 120, store)
+
+    result, rows = assert_exactly_once(settings, "poisoned", ids, redis_client, store)
+    errors = {row["id"] for row in rows if row["error"]}
+    assert errors == {ids[i] for i in poison}
+    assert not redis_client.hgetall(keys.failed_key("poisoned"))
+    assert not redis_client.hgetall(keys.attempts_key("poisoned"))  # no batch try spent
+    assert fake_engine.failed_requests == len(poison) * 3  # each prompt: a try and two more
 
 
 def test_prompts_longer_than_the_context_become_error_records(

@@ -404,3 +404,76 @@ def test_a_duplicate_id_reject_names_its_file_not_the_folder(tmp_path: Path) -> 
     records, rejects = split(read_source(tmp_path))
     assert [r.id for r in records] == ["x", "b.jsonl:1"]
     assert [(r.file, r.line, r.field) for r in rejects] == [(str(tmp_path / "b.jsonl"), 2, "id")]
+
+
+EVERY_FIELD: dict[str, Any] = {
+    "max_completion_tokens": 256,
+    "temperature": 0.3,
+    "top_p": 0.9,
+    "top_k": 20,
+    "min_p": 0.05,
+    "repetition_penalty": 1.05,
+    "presence_penalty": 0.5,
+    "frequency_penalty": 0.25,
+    "seed": 11,
+    "stop": ["\n\n", "END"],
+    "response_format": {
+        "type": "json_schema",
+        "json_schema": {"name": "answer", "schema": {"type": "object"}, "strict": True},
+    },
+    "logprobs": True,
+    "top_logprobs": 2,
+    "chat_template_kwargs": {"enable_thinking": False},
+}
+
+
+def test_every_body_field_passes_as_given_less_what_genfleet_owns(tmp_path: Path) -> None:
+    body = {**EVERY_FIELD, "stream": True, "stream_options": {"include_usage": True}}
+    path = lines(tmp_path / "b.jsonl", [openai_line("r1", **body)])
+    (record,), rejects = split(read_source(path))
+    assert rejects == []
+    expected = {**EVERY_FIELD, "max_tokens": 256}
+    del expected["max_completion_tokens"]
+    assert record.params == expected  # no model, no stream: genfleet's
+
+
+def test_n_becomes_samples_each_with_its_own_seed(tmp_path: Path) -> None:
+    path = lines(
+        tmp_path / "b.jsonl",
+        [openai_line("r1", n=3, seed=5), openai_line("r2", n=2), openai_line("r3", n=1)],
+    )
+    records, rejects = split(read_source(path))
+    assert rejects == []
+    assert [(r.id, r.sample) for r in records] == [
+        ("r1", 0), ("r1", 1), ("r1", 2), ("r2", 0), ("r2", 1), ("r3", 0)
+    ]  # fmt: skip
+    assert [r.params for r in records[:3]] == [{"seed": 5}, {"seed": 6}, {"seed": 7}]
+    assert all(r.params is None for r in records[3:])
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "reason"),
+    [
+        ({"tools": [{"type": "function"}]}, "body.tools", "tool calls are not kept"),
+        ({"tool_choice": "auto"}, "body.tool_choice", "not supported"),
+        ({"audio": {"voice": "x"}}, "body.audio", "not supported"),
+        ({"metadata": {"a": "b"}}, "body.metadata", "unknown field"),
+        ({"temprature": 0.1}, "body.temprature", "unknown field"),
+        ({"n": 0}, "body.n", "from 1 to 128"),
+        ({"top_k": 2.5}, "body.top_k", "an integer"),
+        ({"stop": [1]}, "body.stop", "list of strings"),
+        ({"top_logprobs": 3}, "body.top_logprobs", "needs logprobs"),
+        ({"response_format": {"type": "xml"}}, "body.response_format", "json_schema"),
+        ({"response_format": {"type": "json_schema"}}, "body.response_format", "json_schema"),
+        ({"chat_template_kwargs": "off"}, "body.chat_template_kwargs", "an object"),
+    ],
+)
+def test_a_field_genfleet_cannot_honour_rejects_the_line(
+    tmp_path: Path, body: dict[str, Any], field: str, reason: str
+) -> None:
+    path = lines(tmp_path / "b.jsonl", [openai_line("ok"), openai_line("bad", **body)])
+    records, rejects = split(read_source(path))
+    assert [r.id for r in records] == ["ok"]
+    (reject,) = rejects
+    assert (reject.file, reject.line, reject.field) == (str(path), 2, field)
+    assert reason in reject.reason

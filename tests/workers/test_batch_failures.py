@@ -152,3 +152,26 @@ def test_a_batch_is_counted_even_when_its_parts_cannot_be_deleted(
     counters = redis_client.hgetall(keys.counters_key("r"))
     assert b"last_done_at" in counters and int(counters[b"errors"]) == 0  # counted once
     assert int(counters[b"prompts_generated"]) == 3
+
+
+def test_an_aborted_answer_in_a_checkpoint_is_sent_again_not_kept(
+    tmp_path: Path, redis_client: redis.Redis
+) -> None:
+    store = FileStore(tmp_path)
+    order = staged(store, 3)
+    aborted = completion(
+        "r", "batch-000000", PromptRecord("p1", [{"role": "user", "content": "q1"}])
+    )
+    aborted.finish_reason = "abort"
+    kept = completion("r", "batch-000000", PromptRecord("p0", [{"role": "user", "content": "q0"}]))
+    store.put(
+        keys.part_key("r", "batch-000000", 0),
+        encode_jsonl_gz([kept.to_json(), aborted.to_json()]),
+    )
+    feeder = StubFeeder(finish=3, error=None)
+
+    summary = run(order, store, redis_client, feeder)
+
+    assert (summary.resumed, summary.completions) == (1, 3)
+    rows = list(decode_jsonl_gz(store.get(keys.output_key("r", "batch-000000")) or b""))
+    assert [row["finish_reason"] for row in rows] == ["stop", "stop", "stop"]

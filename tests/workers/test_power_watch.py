@@ -20,7 +20,11 @@ from genfleet.workers.observe.diagnosis import (
     diagnose,
     verdicts,
 )
-from genfleet.workers.observe.engine_state import EngineState
+from genfleet.workers.observe.engine_state import (
+    EngineState,
+    enforced_cap,
+    engine_state_from_server_info,
+)
 from genfleet.workers.observe.telemetry import GpuSample, TelemetryWindow
 
 NOW = 1_760_000_000.0
@@ -378,3 +382,41 @@ def test_every_cause_has_a_suggestion() -> None:
     from genfleet.workers.observe.diagnosis import _SUGGESTIONS
 
     assert set(_SUGGESTIONS) == set(CAUSES)
+
+
+def server_info(configured: int, per_dp: int | None, dp: int = 1) -> dict[str, Any]:
+    """SGLang's /server_info: the configured cap at top level, the enforced one per DP rank."""
+    state: dict[str, Any] = {"avg_spec_accept_length": 2.6}
+    if per_dp is not None:
+        state["effective_max_running_requests_per_dp"] = per_dp
+    return {
+        "speculative_algorithm": "EAGLE",
+        "max_running_requests": configured,
+        "dp_size": dp,
+        "internal_states": [state] * dp,
+    }
+
+
+@pytest.mark.parametrize(
+    ("info", "cap"),
+    [
+        (server_info(256, 40), 40),  # the mamba pool of a Qwen3.5 model holds 40
+        (server_info(256, 40, dp=2), 80),
+        (server_info(256, None), 256),  # an older engine: the configured figure
+        ({"internal_states": [{}]}, None),  # not SGLang
+        (server_info(256, 0), 256),
+    ],
+)
+def test_the_enforced_cap_is_read_from_internal_states(
+    info: dict[str, Any], cap: int | None
+) -> None:
+    assert enforced_cap(info) == cap
+    assert engine_state_from_server_info(info).get("max_running_requests") == cap
+
+
+def test_engine_capped_fires_at_the_enforced_cap_below_the_configured_one() -> None:
+    engine = {**engine_state_from_server_info(server_info(256, 40)), "running": 40, "queued": 25}
+    samples = {"w1": recorded(430, **engine)}
+    (finding,) = diagnose(samples, fleet(5), NOW)
+    assert finding.cause == "engine_capped"
+    assert finding.numbers["max_running_requests"] == 40

@@ -17,6 +17,7 @@ import sys
 
 from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
+from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.launch import EngineLaunch
 from genfleet.workers.engine.preflight import checkpoint_arch
 from genfleet.workers.engine.sglang_argv import LOOPBACK, NEWEST_SGLANG, sglang_launch
@@ -48,7 +49,9 @@ def emulator_launch(settings: Settings, port: int, arch: str | None = None) -> E
     The emulator reads its `GENFLEET_EMULATOR_*` settings from the environment, so knobs given
     as CLI flags to the worker reach it too.
     """
-    emulated = settings.model_copy(update={"model": settings.model or EMULATED_MODEL})
+    emulated = settings.model_copy(
+        update={"model": settings.model or EMULATED_MODEL, "engine": "emulator"}
+    )
     launch = sglang_launch(emulated, port, NEWEST_SGLANG, EMULATOR_PROGRAM, arch)
     knobs = {
         name: value
@@ -105,7 +108,8 @@ def placeholders(word: str) -> list[str]:
 
 
 def print_engine_command(settings: Settings, port: int | None = None) -> str:
-    """The exact command and added environment `genfleet worker` would launch, key masked.
+    """The exact command and added environment `genfleet worker` would launch, key masked,
+    and a comment line naming the model family, reasoning parser and thinking switch.
 
     Reads the architecture from a local checkpoint as the worker does; `port` defaults to the
     configured one (a worker per GPU group adds its offset).
@@ -113,7 +117,8 @@ def print_engine_command(settings: Settings, port: int | None = None) -> str:
     if settings.engine_kind == "external":
         return f"# external engine at {settings.engine_url}: genfleet launches nothing"
     chosen = settings.port if port is None else port
-    launch = engine_launch(settings, chosen, checkpoint_arch(settings.model))
+    arch = checkpoint_arch(settings.model)
+    launch = engine_launch(settings, chosen, arch)
     if launch is None:
         return f"# {settings.engine_kind} engine: genfleet launches nothing"
-    return launch.describe()
+    return f"{launch.describe()}\n{choose(settings, arch).describe()}"

@@ -28,21 +28,12 @@ from typing import Any
 
 from genfleet.common.errors import PreflightError
 from genfleet.common.settings import Settings
+from genfleet.workers.engine.families import family_of
 
 INDEX_FILE = "model.safetensors.index.json"
 MTP_FILE = "mtp.safetensors"
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
-QWEN_MTP_ARCHS = frozenset(
-    {
-        "Qwen3NextForCausalLM",
-        "Qwen3_5ForConditionalGeneration",
-        "Qwen3_5MoeForConditionalGeneration",
-        "Qwen3_5ForCausalLM",
-        "Qwen3_5MoeForCausalLM",
-    }
-)
-NEXTN_ARCHS = frozenset({"DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM"})
 # `loader.py::maybe_add_mtp_safetensors` loads an unindexed mtp.safetensors for these only.
 MTP_FILE_AUTOLOAD_PREFIX = "Glm4Moe"
 
@@ -157,10 +148,12 @@ def check_mtp_weights(
 
 
 def mtp_layout(arch: str | None, config: dict[str, Any]) -> str | None:
-    """Where this architecture keeps MTP weights, or None when genfleet does not know."""
-    if arch in QWEN_MTP_ARCHS:
-        return "mtp-names"
-    if arch in NEXTN_ARCHS or text_config_value(config, "num_nextn_predict_layers"):
+    """Where this architecture keeps MTP weights (`families.ARCHITECTURES`), or None when
+    genfleet does not know; a config with `num_nextn_predict_layers` is a NextN layout."""
+    family = family_of(arch)
+    if family is not None and family.mtp_layout is not None:
+        return family.mtp_layout
+    if text_config_value(config, "num_nextn_predict_layers"):
         return "nextn-layer"
     return None
 

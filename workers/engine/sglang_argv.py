@@ -31,6 +31,7 @@ from importlib import metadata
 
 from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
+from genfleet.workers.engine.families import HYBRID_ARCHS, choose
 from genfleet.workers.engine.launch import EngineLaunch
 
 OLDEST_SGLANG = "0.5.11"
@@ -49,19 +50,6 @@ LOOPBACK = "127.0.0.1"
 # The builder therefore always passes the flag; 256 keeps an H200 busy with MTP on.
 DEFAULT_MAX_RUNNING_REQUESTS = 256
 
-# Hybrid GDN (linear attention + mamba state) architectures whose MTP needs the
-# extra_buffer mamba cache (`arg_groups/overrides.py::_MAMBA_EXTRA_BUFFER_ARCHS`).
-# Qwen3.6 checkpoints load through the Qwen3.5 classes.
-QWEN_HYBRID_ARCHS = frozenset(
-    {
-        "Qwen3NextForCausalLM",
-        "Qwen3_5ForConditionalGeneration",
-        "Qwen3_5MoeForConditionalGeneration",
-        "Qwen3_5ForCausalLM",
-        "Qwen3_5MoeForCausalLM",
-    }
-)
-
 SGLANG_PROGRAM = ["sglang", "serve"]
 LEGACY_PROGRAM = [sys.executable, "-m", "sglang.launch_server"]
 
@@ -77,8 +65,11 @@ def sglang_launch(
 
     `version` is the SGLang release the command is for; None means `settings.sglang_version`,
     else the installed package (read from its metadata, never imported), else the newest
-    supported. `arch` is `architectures[0]` of the checkpoint's config.json, read by the caller;
-    it decides the mamba cache flag for Qwen hybrid models (None: unknown, SGLang's `auto`).
+    supported. `arch` is `architectures[0]` of the checkpoint's config.json, read by the caller
+    (`--model-architecture` wins); it decides the mamba cache flag for Qwen hybrid models
+    (None: unknown, SGLang's `auto`) and the reasoning parser (`families.choose`). Before
+    0.5.14 an unknown architecture with MTP on is refused: a Qwen hybrid model would fail at
+    start without the flags only the architecture can decide.
     `program` replaces the entry point (the emulator takes the same flags).
 
     Examples:
@@ -92,6 +83,17 @@ def sglang_launch(
     if settings.model is None:
         raise ConfigError("the sglang engine needs --model (a local checkpoint or a repo id)")
     release = parse_release(resolve_sglang_version(settings, version))
+    arch = settings.model_architecture or arch
+    if arch is None and settings.mtp and release < RADIX_CACHE_ERA:
+        raise ConfigError(
+            f"cannot read the architecture of {settings.model} (a hub id, or no readable "
+            f"config.json), and SGLang {'.'.join(map(str, release))} needs it to start MTP: a "
+            "Qwen3.5/3.6/Next checkpoint fails there without SGLANG_ENABLE_SPEC_V2=1 and "
+            "--mamba-scheduler-strategy extra_buffer. Pass the checkpoint's architectures[0] "
+            "as --model-architecture (GENFLEET_MODEL_ARCHITECTURE), e.g. "
+            "Qwen3_5ForConditionalGeneration, or run without MTP: --no-mtp"
+        )
+    choice = choose(settings, arch)
     served = settings.served_model_name or settings.model
     if ":" in served:
         raise ConfigError(
@@ -107,8 +109,8 @@ def sglang_launch(
     argv += ["--max-running-requests", str(max_running)]
     if settings.context_length is not None:
         argv += ["--context-length", str(settings.context_length)]
-    if settings.reasoning_parser:
-        argv += ["--reasoning-parser", settings.reasoning_parser]
+    if choice.reasoning_parser:
+        argv += ["--reasoning-parser", choice.reasoning_parser]
     if settings.tool_call_parser:
         argv += ["--tool-call-parser", settings.tool_call_parser]
     if settings.trust_remote_code:
@@ -160,7 +162,7 @@ def mamba_args(settings: Settings, release: tuple[int, ...], arch: str | None) -
     decoding with radix cache); everything else is left to SGLang's `auto`.
     """
     strategy = settings.mamba_cache_strategy
-    if strategy is None and settings.mtp and arch in QWEN_HYBRID_ARCHS:
+    if strategy is None and settings.mtp and arch in HYBRID_ARCHS:
         strategy = "extra_buffer"
     if strategy is None:
         return []
@@ -177,7 +179,7 @@ def sglang_env(settings: Settings, release: tuple[int, ...], arch: str | None) -
 
     Later releases removed the variable (they only warn about it), so it is not set there.
     """
-    if settings.mtp and arch in QWEN_HYBRID_ARCHS and release < RADIX_CACHE_ERA:
+    if settings.mtp and arch in HYBRID_ARCHS and release < RADIX_CACHE_ERA:
         return {"SGLANG_ENABLE_SPEC_V2": "1"}
     return {}
 

@@ -113,21 +113,38 @@ def engine_state_from_metrics(text: str) -> dict[str, Any]:
     return out
 
 
+def enforced_cap(info: Mapping[str, Any]) -> int | None:
+    """The running-request cap the engine enforces, from its `/server_info`.
+
+    SGLang may enforce less than the configured `max_running_requests` (KV capacity, the
+    mamba state pool of Qwen3.5-style models); the figure it schedules by is
+    `internal_states[i].effective_max_running_requests_per_dp` × `dp_size`. Without it, the
+    configured top-level value; None when neither is there (not SGLang).
+
+        enforced_cap({"max_running_requests": 256, "dp_size": 2,
+                      "internal_states": [{"effective_max_running_requests_per_dp": 40}] * 2})
+        # 80
+    """
+    states = info.get("internal_states")
+    if isinstance(states, list) and states and isinstance(states[0], Mapping):
+        per_dp = states[0].get("effective_max_running_requests_per_dp")
+        if isinstance(per_dp, int) and not isinstance(per_dp, bool) and per_dp > 0:
+            dp = info.get("dp_size")
+            return per_dp * (dp if isinstance(dp, int) and dp > 0 else 1)
+    cap = info.get("max_running_requests")
+    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else None
+
+
 def engine_state_from_server_info(info: Mapping[str, Any]) -> dict[str, Any]:
     """EngineState fields from SGLang's `/server_info` (read after warm-up, and now and then).
 
     `speculative_algorithm` is always returned (None means spec is off); `max_running_requests`
-    falls back to the scheduler's effective per-DP cap × dp_size when it was not passed;
+    is the cap the engine enforces (`enforced_cap`), which may be below the configured one;
     `accept_length` is `internal_states[0].avg_spec_accept_length`, present only once decoding
     under spec happened.
     """
     out: dict[str, Any] = {"speculative_algorithm": info.get("speculative_algorithm") or None}
-    states = info.get("internal_states") or [{}]
-    first = states[0] if isinstance(states[0], Mapping) else {}
-    cap = info.get("max_running_requests")
-    if not isinstance(cap, int):
-        per_dp = first.get("effective_max_running_requests_per_dp")
-        cap = per_dp * int(info.get("dp_size") or 1) if isinstance(per_dp, int) else None
+    cap = enforced_cap(info)
     if cap is not None:
         out["max_running_requests"] = cap
     accept = accept_length_from_server_info(info)

@@ -45,11 +45,14 @@ from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import fail
 from genfleet.common.records import GenerationParams, PromptRecord
 from genfleet.common.settings import Settings
-from genfleet.workers.client import EngineClient
+from genfleet.workers.client import EngineClient, ThinkingSwitch
+from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.kinds import engine_launch
 from genfleet.workers.engine.ports import pick_port
+from genfleet.workers.engine.preflight import checkpoint_arch
 from genfleet.workers.engine.sglang_argv import DEFAULT_MAX_RUNNING_REQUESTS
 from genfleet.workers.engine.supervisor import EngineSupervisor
+from genfleet.workers.observe.engine_state import enforced_cap
 from genfleet.workers.observe.sampler import make_sampler
 from genfleet.workers.tune.measure import EngineReader, Load, judge, measure
 from genfleet.workers.tune.plan import (
@@ -158,7 +161,10 @@ def run_config(
     bar.show(f"MTP {config.label}: starting the engine")
     supervisor, each = start_engine(settings, config)
     info = supervisor.server_info
-    cap = effective_cap(each)
+    # what the engine enforces when it says so (SGLang may hold fewer than configured)
+    cap = enforced_cap(info) if effective_cap(each) is not None else None
+    cap = cap or effective_cap(each)
+    choice = choose(each, checkpoint_arch(each.model))
     model = str(each.served_model_name or info.get("served_model_name") or each.model or "default")
     params = GenerationParams(
         max_tokens=each.max_tokens,
@@ -185,6 +191,7 @@ def run_config(
                 api_key=supervisor.launch.api_key,
                 timeout_s=each.request_timeout_s,
                 max_connections=lanes + 8,
+                thinking=ThinkingSwitch(choice.thinking_key, choice.thinking_default),
             )
             ramp_s = 0.0 if warmup else options.ramp_s
             load = Load(client, prompts, params, lanes, seconds, ramp_s, options.drain_s)

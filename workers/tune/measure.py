@@ -19,7 +19,12 @@ from typing import Any
 
 import httpx
 
-from genfleet.common.errors import EngineDown, EngineError, RequestRejected
+from genfleet.common.errors import (
+    EngineConfigError,
+    EngineError,
+    RequestFailed,
+    RequestRejected,
+)
 from genfleet.common.records import GenerationParams, PromptRecord
 from genfleet.common.settings import Settings
 from genfleet.workers.client import ChatResult, EngineClient
@@ -75,7 +80,7 @@ async def drive(
             start = time.time()
             try:
                 result = await client.chat(record, params)
-            except (EngineDown, EngineError, RequestRejected) as exc:
+            except (EngineError, RequestRejected, RequestFailed, EngineConfigError) as exc:
                 live.errors += 1
                 log.warning("request failed: %s", exc)
                 await asyncio.sleep(0.2)

@@ -25,6 +25,7 @@ HEAD = [
     "--host", "127.0.0.1", "--port", str(PORT), "--max-running-requests", "256",
     "--reasoning-parser", "qwen3",
 ]  # fmt: skip
+HEAD_NO_PARSER = HEAD[:-2]
 MTP = [
     "--speculative-algorithm", "EAGLE", "--speculative-num-steps", "3",
     "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
@@ -77,7 +78,7 @@ CASES: list[tuple[str, dict[str, Any], str, str | None, list[str], dict[str, str
         {"mamba_cache_strategy": "no_buffer"},
         "0.5.11",
         "LlamaForCausalLM",
-        SERVE + HEAD + MTP + ["--mamba-scheduler-strategy", "no_buffer"] + TAIL,
+        SERVE + HEAD_NO_PARSER + MTP + ["--mamba-scheduler-strategy", "no_buffer"] + TAIL,
         {},
     ),
     (
@@ -106,8 +107,25 @@ CASES: list[tuple[str, dict[str, Any], str, str | None, list[str], dict[str, str
         + TAIL,
         {},
     ),
-    ("non-hybrid@0.5.11", {}, "0.5.11", "DeepseekV3ForCausalLM", SERVE + HEAD + MTP + TAIL, {}),
-    ("unknown-arch@0.5.11", {}, "0.5.11", None, SERVE + HEAD + MTP + TAIL, {}),
+    (
+        "deepseek@0.5.11",
+        {},
+        "0.5.11",
+        "DeepseekV3ForCausalLM",
+        SERVE + HEAD_NO_PARSER + ["--reasoning-parser", "deepseek-v3"] + MTP + TAIL,
+        {},
+    ),
+    # a hub id: the name picks the parser, nothing else (SGLang's own `auto` mamba choice)
+    ("unknown-arch@0.5.23", {}, "0.5.23", None, SERVE + HEAD + MTP + TAIL, {}),
+    (
+        "given-arch@0.5.11",
+        {"model_architecture": QWEN35},
+        "0.5.11",
+        None,
+        SERVE + HEAD + MTP + OLD_MAMBA + TAIL,
+        SPEC_V2,
+    ),
+    ("unknown-arch-no-mtp@0.5.11", {"mtp": False}, "0.5.11", None, SERVE + HEAD + TAIL, {}),
     (
         "every-knob",
         {
@@ -116,7 +134,7 @@ CASES: list[tuple[str, dict[str, Any], str, str | None, list[str], dict[str, str
             "mem_fraction_static": 0.85,
             "max_running_requests": 512,
             "context_length": 65536,
-            "reasoning_parser": None,
+            "reasoning_parser": "none",
             "tool_call_parser": "qwen3_coder",
             "trust_remote_code": True,
             "attention_backend": "fa3",
@@ -327,6 +345,9 @@ def test_print_engine_command_is_the_describe_text() -> None:
     settings = Settings(model=MODEL, sglang_version="0.5.23", engine_api_key="s3cret")
     text = print_engine_command(settings, port=PORT)
     launch = sglang_launch(settings, PORT)
-    assert text == launch.describe()
+    command, family = text.split("\n")
+    assert command == launch.describe()
+    assert family.startswith("# model family qwen3.5 (architecture unknown, from name)")
+    assert "reasoning parser qwen3" in family and "enable_thinking" in family
     assert "s3cret" not in text
     assert print_engine_command(settings).count("--port 30000") == 1

@@ -128,7 +128,7 @@ async def server_info(request: web.Request) -> web.Response:
             "token_capacity": args.max_total_num_tokens,
             "graph": 1.5,
         },
-        "effective_max_running_requests_per_dp": args.max_running_requests // args.dp_size,
+        "effective_max_running_requests_per_dp": engine.enforced_max_running // args.dp_size,
     }
     if args.spec is not None and t.avg_spec_accept_length is not None:
         internal["avg_spec_accept_length"] = t.avg_spec_accept_length

@@ -143,17 +143,23 @@ def parse(body: dict[str, Any], engine: Engine) -> ChatRequest:
     )
 
 
-def usage(req: ChatRequest) -> dict[str, Any]:
+def usage(req: ChatRequest, shape: str = "sglang") -> dict[str, Any]:
+    """SGLang's usage (`reasoning_tokens` at top level), or with `shape="openai"` the OpenAI
+    one (`completion_tokens_details.reasoning_tokens`), as other servers answer."""
     prompt = req.choices[0].seq.prompt_tokens
     completion = sum(c.seq.generated for c in req.choices)
     reasoning = sum(min(c.reasoning_tokens, c.seq.generated) for c in req.choices if c.separate)
-    return {
+    body: dict[str, Any] = {
         "prompt_tokens": prompt,
         "total_tokens": prompt + completion,
         "completion_tokens": completion,
         "prompt_tokens_details": None,
-        "reasoning_tokens": reasoning,
     }
+    if shape == "openai":
+        body["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+    else:
+        body["reasoning_tokens"] = reasoning
+    return body
 
 
 def completion_body(req: ChatRequest, engine: Engine) -> dict[str, Any]:
@@ -181,26 +187,62 @@ def completion_body(req: ChatRequest, engine: Engine) -> dict[str, Any]:
         "created": int(time.time()),
         "model": req.model,
         "choices": choices,
-        "usage": usage(req),
+        "usage": usage(req, engine.knobs.usage_shape),
         "metadata": {"weight_version": "default"},
     }
 
 
+def rate_limited(retry_after_s: float) -> web.Response:
+    """What an OpenAI-compatible server answers when it sheds load (SGLang itself has no 429)."""
+    body = {
+        "error": {
+            "message": "Rate limit reached, retry after the time in Retry-After.",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+    }
+    response = json_response(body, 429)
+    response.headers["Retry-After"] = f"{retry_after_s:g}"
+    return response
+
+
+def abort_early(req: ChatRequest) -> None:
+    """The scheduler aborts these sequences a third of the way: HTTP 200, partial text,
+    `finish_reason "abort"` (as SGLang answers when it aborts a request)."""
+    for c in req.choices:
+        c.seq.target_tokens = max(1, c.seq.target_tokens // 3)
+        c.seq.finish_reason = "abort"
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
-    """POST /v1/chat/completions."""
+    """POST /v1/chat/completions (each request logged with its outcome when a log is kept)."""
     engine: Engine = request.app["engine"]
     engine.count_request()
     try:
-        req = parse(await read_json(request, SCHEMA), engine)
+        body = await read_json(request, SCHEMA)
     except ApiError as exc:
         return json_response(exc.body_a(), exc.status)
+    fault = engine.draw_fault()
+    if fault == "429":
+        engine.log_request({"body": body, "outcome": "429", "id": None})
+        return rate_limited(engine.knobs.retry_after_s)
+    try:
+        req = parse(body, engine)
+    except ApiError as exc:
+        engine.log_request({"body": body, "outcome": str(exc.status), "id": None})
+        return json_response(exc.body_a(), exc.status)
+    if fault == "abort":
+        abort_early(req)
     waker = asyncio.Event()
     try:
         engine.submit(req.seqs, waker, req.stream)
     except ApiError as exc:
+        engine.log_request({"body": body, "outcome": str(exc.status), "id": None})
         if req.stream:
             return await _stream_error(request, exc)
         return json_response(exc.body_a(), exc.status)
+    engine.log_request({"body": body, "outcome": fault or "ok", "id": req.choices[0].seq.rid})
     if not req.stream:
         await engine.wait(req.seqs, waker)
         return json_response(completion_body(req, engine))
@@ -245,7 +287,9 @@ async def _stream(
                 break
             await waker.wait()
             waker.clear()
-        tail = sse({**head, "choices": [], "usage": usage(req)}) if req.include_usage else b""
+        tail = b""
+        if req.include_usage:
+            tail = sse({**head, "choices": [], "usage": usage(req, engine.knobs.usage_shape)})
         await resp.write(tail + SSE_DONE)
     finally:
         if not all(seq.done for seq in req.seqs):

@@ -13,9 +13,12 @@ import asyncio
 import logging
 import math
 import os
+import random
 import uuid
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import orjson
 
 from genfleet.workers.engine.emulator.args import EngineArgs
 from genfleet.workers.engine.emulator.routes.errors import ApiError, queue_full
@@ -53,6 +56,12 @@ class Knobs:
     power_limit_w: float = 700.0
     idle_power_w: float = 80.0
     fail_after_requests: int | None = None
+    rate_429: float = 0.0
+    retry_after_s: float = 1.0
+    abort_rate: float = 0.0
+    usage_shape: str = "sglang"
+    effective_max_running_requests: int | None = None
+    request_log: str | None = None
 
     @classmethod
     def from_settings(cls, s: Settings) -> Knobs:
@@ -68,6 +77,12 @@ class Knobs:
             power_limit_w=s.emulator_power_limit_w,
             idle_power_w=s.emulator_idle_power_w,
             fail_after_requests=s.emulator_fail_after_requests,
+            rate_429=s.emulator_429_rate,
+            retry_after_s=s.emulator_retry_after_s,
+            abort_rate=s.emulator_abort_rate,
+            usage_shape=s.emulator_usage_shape,
+            effective_max_running_requests=s.emulator_effective_max_running_requests,
+            request_log=s.emulator_request_log,
         )
 
     @property
@@ -89,21 +104,52 @@ class Engine:
             accept_length=knobs.accept_length,
             spec=args.spec,
         )
-        self.scheduler = Scheduler(self.model, args.max_running_requests, args.max_queued_requests)
+        self.scheduler = Scheduler(self.model, self.enforced_max_running, args.max_queued_requests)
         self.power = PowerModel(knobs.idle_power_w, knobs.power_limit_w, args.spec is not None)
         self.clock = asyncio.get_running_loop().time
         self.meter = EnergyMeter(self.clock(), knobs.idle_power_w)
         self.scheduler.tallies.interval_start_s = self.clock()
         self.received = 0
+        self._faults = random.Random(0)  # the same run of 429s and aborts every time
+        self._request_log = open(knobs.request_log, "ab") if knobs.request_log else None  # noqa: SIM115
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._last_log_s = -math.inf
+
+    @property
+    def enforced_max_running(self) -> int:
+        """The running-request cap the scheduler enforces: the configured one, or less when
+        `effective_max_running_requests` says so (SGLang's KV or mamba pool being short)."""
+        effective = self.knobs.effective_max_running_requests
+        configured = self.args.max_running_requests
+        return min(configured, effective) if effective else configured
+
+    def draw_fault(self) -> str | None:
+        """ "429", "abort" or None for the next chat request, at the configured rates."""
+        roll = self._faults.random()
+        if roll < self.knobs.rate_429:
+            return "429"
+        if roll < self.knobs.rate_429 + self.knobs.abort_rate:
+            return "abort"
+        return None
+
+    def log_request(self, entry: dict[str, Any]) -> None:
+        """Append what a chat request asked and what it got to the request log, if kept, with
+        how many requests the engine held (running and waiting) when it arrived."""
+        if self._request_log is not None:
+            s = self.scheduler
+            entry = {**entry, "in_engine": len(s.running) + len(s.waiting)}
+            self._request_log.write(orjson.dumps(entry) + b"\n")
+            self._request_log.flush()
 
     def start(self) -> None:
         if not self.model.zero_time:
             self._task = asyncio.create_task(self._loop(), name="emulator-scheduler")
 
     async def stop(self) -> None:
+        if self._request_log is not None:
+            self._request_log.close()
+            self._request_log = None
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)

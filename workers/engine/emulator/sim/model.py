@@ -30,7 +30,7 @@ SPEC_VERIFY_COST_PER_DRAFT = 0.6
 COMPLETION_SIGMA = 0.9
 DECODE_LOG_INTERVAL = 40  # decode iterations between folds of throughput and accept length
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "abort"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,328 @@
+"""What each engine answer does to a prompt and its batch, through the real Feeder and
+EngineClient over HTTP, against a small server scripted per prompt; and the limiter's rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import orjson
+import pytest
+from aiohttp import web
+
+from genfleet.common.errors import EngineConfigError, EngineDown
+from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
+from genfleet.workers.client import EngineClient
+from genfleet.workers.feeder import Feeder, InflightLimiter
+from tests.conftest import free_port
+
+PARAMS = GenerationParams(max_tokens=64, temperature=0.6, top_p=0.95, thinking=True)
+# (status, body, headers) for the n-th request (from 0) carrying a prompt's text
+Script = Callable[[str, int], tuple[int, Any, dict[str, str]]]
+
+
+def ok(text: str, finish: str = "stop") -> tuple[int, Any, dict[str, str]]:
+    body = {
+        "id": f"rid-{text}",
+        "model": "m",
+        "choices": [
+            {"index": 0, "message": {"content": f"answer to {text}"}, "finish_reason": finish}
+        ],
+        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "reasoning_tokens": 2},
+    }
+    return 200, body, {}
+
+
+def error(status: int, message: str, **headers: str) -> tuple[int, Any, dict[str, str]]:
+    return status, {"error": {"message": message}}, headers
+
+
+class ScriptedEngine:
+    """An HTTP server on its own thread and loop, answering each prompt as `script` says."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.seen: Counter[str] = Counter()
+        self.bodies: list[dict[str, Any]] = []
+        self.running = 0
+        self.most_running = 0
+        self.port = free_port()
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+        assert self._ready.wait(10), "scripted engine did not start"
+
+    async def _handle(self, request: web.Request) -> web.Response:
+        body = orjson.loads(await request.read())
+        self.bodies.append(body)
+        text = body["messages"][0]["content"]
+        n = self.seen[text]
+        self.seen[text] += 1
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        try:
+            await asyncio.sleep(0.01)
+            status, answer, headers = self.script(text, n)
+        finally:
+            self.running -= 1
+        return web.Response(status=status, body=orjson.dumps(answer), headers=headers)
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._handle)
+        self._runner = web.AppRunner(app)
+        self._loop.run_until_complete(self._runner.setup())
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
+        self._loop.run_until_complete(site.start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    def stop(self) -> None:
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+class AlwaysUp:
+    state = "ready"
+
+    def wait_up(self, timeout_s: float) -> None:
+        return None
+
+
+@pytest.fixture
+def engine_with() -> Iterator[Callable[[Script], ScriptedEngine]]:
+    engines: list[ScriptedEngine] = []
+
+    def start(script: Script) -> ScriptedEngine:
+        engines.append(ScriptedEngine(script))
+        return engines[-1]
+
+    yield start
+    for engine in engines:
+        engine.stop()
+
+
+def run_batch(
+    engine: ScriptedEngine, count: int, **feeder_args: Any
+) -> tuple[Future[None], dict[int, CompletionRecord], Feeder]:
+    url = f"http://127.0.0.1:{engine.port}"
+    args = {"retries": 2, **feeder_args}
+    inflight = args.pop("max_inflight", 8)
+    feeder = Feeder(
+        lambda: EngineClient(url, model="m", timeout_s=10), AlwaysUp(), inflight, **args
+    )
+    records = [PromptRecord(f"p{i}", [{"role": "user", "content": f"p{i}"}]) for i in range(count)]
+    results: dict[int, CompletionRecord] = {}
+    future = feeder.run_batch("r", "b", records, PARAMS, results.__setitem__)
+    try:
+        future.exception(timeout=60)
+    finally:
+        feeder.close()
+    return future, results, feeder
+
+
+def test_backpressure_fails_nothing_and_shrinks_the_limit(
+    engine_with: Callable[[Script], ScriptedEngine],
+) -> None:
+    def script(text: str, n: int) -> tuple[int, Any, dict[str, str]]:
+        if n < 2:  # every prompt: a 429, then SGLang's queue-full 503, then an answer
+            if n == 0:
+                return error(429, "Rate limit reached", **{"Retry-After": "0.05"})
+            return error(503, "The request queue is full.")
+        return ok(text)
+
+    engine = engine_with(script)
+    future, results, feeder = run_batch(engine, 20, max_inflight=8)
+
+    assert future.exception() is None
+    assert len(results) == 20
+    assert all(r.error is None and r.content == f"answer to {r.id}" for r in results.values())
+    assert feeder.busy_total == 40
+    assert feeder.inflight_cap < 8  # halved on backpressure, not yet recovered
+    assert set(engine.seen.values()) == {3}
+
+
+def test_backpressure_past_its_deadline_fails_the_try_never_the_prompt(
+    engine_with: Callable[[Script], ScriptedEngine],
+) -> None:
+    engine = engine_with(lambda text, n: error(429, "busy", **{"Retry-After": "0.05"}))
+    future, results, _ = run_batch(engine, 3, busy_timeout_s=0.3)
+
+    group = future.exception()
+    assert isinstance(group, BaseExceptionGroup)
+    assert isinstance(group.exceptions[0], EngineDown)
+    assert results == {}  # no prompt became an error record for it
+
+
+@pytest.mark.parametrize(
+    ("failure", "kind"),
+    [
+        (lambda: ok("x", finish="abort"), "abort"),
+        (lambda: error(500, "CUDA error on this prompt"), "error"),
+    ],
+    ids=["abort", "500"],
+)
+def test_a_prompt_failing_every_try_becomes_an_error_record_and_the_batch_goes_on(
+    engine_with: Callable[[Script], ScriptedEngine],
+    failure: Callable[[], tuple[int, Any, dict[str, str]]],
+    kind: str,
+) -> None:
+    engine = engine_with(lambda text, n: failure() if text == "p3" else ok(text))
+    future, results, _ = run_batch(engine, 6, retries=2)
+
+    assert future.exception() is None
+    assert len(results) == 6
+    bad = results[3]
+    assert bad.error is not None and bad.error["type"] == kind
+    assert (bad.content, bad.finish_reason) == (None, None)
+    assert engine.seen["p3"] == 3  # the first try and two more
+    good = [r for i, r in results.items() if i != 3]
+    assert all(r.error is None and r.finish_reason == "stop" for r in good)
+
+
+def test_an_abort_then_an_answer_stores_the_answer(
+    engine_with: Callable[[Script], ScriptedEngine],
+) -> None:
+    engine = engine_with(lambda text, n: ok(text, finish="abort") if n == 0 else ok(text))
+    future, results, feeder = run_batch(engine, 4)
+
+    assert future.exception() is None
+    assert all(r.finish_reason == "stop" and r.error is None for r in results.values())
+    assert feeder.failed_tries_total == 4
+
+
+def test_an_engine_that_serves_nobody_fails_the_batch_not_the_prompts(
+    engine_with: Callable[[Script], ScriptedEngine],
+) -> None:
+    engine = engine_with(lambda text, n: error(500, "broken"))
+    future, results, _ = run_batch(engine, 3, retries=1)
+
+    group = future.exception()
+    assert isinstance(group, BaseExceptionGroup)
+    assert isinstance(group.exceptions[0], EngineDown)
+    assert "serves no other prompt" in str(group.exceptions[0])
+    assert not any(r.error for r in results.values())
+
+
+def two_batches(
+    engine: ScriptedEngine, first: list[str], then: list[str]
+) -> tuple[Future[None], dict[int, CompletionRecord]]:
+    """Run `first` to the end, then `then`, through one feeder (as one worker does)."""
+    url = f"http://127.0.0.1:{engine.port}"
+    feeder = Feeder(lambda: EngineClient(url, model="m", timeout_s=10), AlwaysUp(), 8, retries=1)
+    results: dict[int, CompletionRecord] = {}
+    try:
+        for texts, out in ((first, {}), (then, results)):
+            records = [PromptRecord(t, [{"role": "user", "content": t}]) for t in texts]
+            future = feeder.run_batch("r", "b", records, PARAMS, out.__setitem__)
+            future.exception(timeout=60)
+    finally:
+        feeder.close()
+    return future, results
+
+
+def test_the_last_failing_prompt_alone_is_judged_by_a_canary(
+    engine_with: Callable[[Script], ScriptedEngine],
+) -> None:
+    """Nothing else is left to run: the last prompt that succeeded, sent again for one token,
+    says the engine serves, so the failing prompt is an error record, not a failed batch."""
+
+    def script(text: str, n: int) -> tuple[int, Any, dict[str, str]]:
+        return error(500, "poison") if text == "bad" else ok(text)
+
+    engine = engine_with(script)
+    future, results = two_batches(engine, ["a", "b"], ["bad"])
+
+    assert future.exception() is None
+    assert results[0].error is not None and results[0].error["type"] == "error"
+    canary = engine.bodies[-1]  # one token of a prompt that succeeded before
+    assert (canary["messages"][0]["content"], canary["max_tokens"]) == ("b", 1)
+
+
+def test_an_engine_broken_after_serving_fails_the_batch(
+    engine_with: Callable[[Script], ScriptedEngine],
+) -> None:
+    served: set[str] = set()
+
+    def script(text: str, n: int) -> tuple[int, Any, dict[str, str]]:
+        if text in {"a", "b"} and text not in served:
+            served.add(text)
+            return ok(text)
+        return error(500, "engine broken")  # everything, the canary included, from now on
+
+    engine = engine_with(script)
+    future, results = two_batches(engine, ["a", "b"], ["c", "d"])
+
+    group = future.exception()
+    assert isinstance(group, BaseExceptionGroup)
+    assert isinstance(group.exceptions[0], EngineDown)
+    assert results == {}
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_an_engine_refusing_the_worker_stops_the_batch_without_retries(
+    engine_with: Callable[[Script], ScriptedEngine], status: int
+) -> None:
+    engine = engine_with(lambda text, n: error(status, "no"))
+    future, results, _ = run_batch(engine, 5, retries=3)
+
+    group = future.exception()
+    assert isinstance(group, BaseExceptionGroup)
+    assert isinstance(group.exceptions[0], EngineConfigError)
+    assert results == {}
+    assert max(engine.seen.values()) == 1  # no prompt was sent twice
+
+
+@pytest.mark.parametrize(
+    ("events", "size"),
+    [
+        ([], 64),
+        ([("shrink", 0.0)], 32),
+        ([("shrink", 0.0), ("shrink", 0.5)], 32),  # one burst counts once
+        ([("shrink", 0.0), ("shrink", 1.0)], 16),
+        ([("shrink", 0.0), ("completed", 5.0)], 32),  # still pushing back recently
+        ([("shrink", 0.0), ("completed", 10.0), ("completed", 11.0)], 34),
+        ([("completed", 1.0)], 64),  # never above the maximum
+        ([("shrink", float(t)) for t in range(10)], 1),  # never below one
+    ],
+)
+def test_limiter_shrinks_on_backpressure_and_grows_back(
+    events: list[tuple[str, float]], size: int
+) -> None:
+    limiter = InflightLimiter(64, recover_s=10.0, shrink_spacing_s=1.0)
+    for event, now in events:
+        getattr(limiter, event)(now)
+    assert limiter.size == size
+
+
+def test_limiter_admits_in_order_up_to_its_size_and_survives_cancellation() -> None:
+    async def go() -> list[str]:
+        limiter = InflightLimiter(2)
+        order: list[str] = []
+
+        async def user(name: str, hold: asyncio.Event) -> None:
+            async with limiter:
+                order.append(name)
+                await hold.wait()
+
+        hold = asyncio.Event()
+        tasks = {name: asyncio.create_task(user(name, hold)) for name in "abcd"}
+        await asyncio.sleep(0.01)
+        assert (limiter.held, order) == (2, ["a", "b"])
+        tasks["c"].cancel()  # a waiter leaves: its turn passes to the next
+        await asyncio.sleep(0.01)
+        hold.set()
+        await asyncio.gather(*tasks.values(), return_exceptions=True)
+        assert limiter.held == 0
+        return order
+
+    assert asyncio.run(go()) == ["a", "b", "d"]
