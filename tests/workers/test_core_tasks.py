@@ -19,7 +19,7 @@ import pytest
 from celery.exceptions import Reject
 
 from genfleet.common import keys
-from genfleet.common.errors import EngineDown
+from genfleet.common.errors import EngineBusy, EngineConfigError, EngineDown, RequestFailed
 from genfleet.common.records import (
     GenerationParams,
     PromptRecord,
@@ -55,8 +55,13 @@ class FakeRuntime:
     monitor: None = None
     finished: list[BatchSummary] = field(default_factory=list)
 
+    refused: list[str] = field(default_factory=list)
+
     def after_batch(self, summary: BatchSummary) -> None:
         self.finished.append(summary)
+
+    def refuse_work(self, message: str) -> None:
+        self.refused.append(message)
 
 
 @pytest.fixture
@@ -324,3 +329,36 @@ def test_cancelling_a_running_batch_checkpoints_what_finished_and_parks_it(
     assert not runtime.store.exists(keys.output_key(RUN, BATCH))
     assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": False}
     assert runtime.redis.exists(keys.lease_key(RUN, BATCH)) == 0
+
+
+def test_an_engine_refusing_the_worker_hands_the_order_back_without_a_try(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    refusal = EngineConfigError("engine answered 401: Unauthorized")
+    runtime = make_runtime(FakeChat(failures={"p0": [refusal], "p1": [refusal]}))
+    order = stage(runtime, 2)
+
+    with pytest.raises(Reject) as caught:
+        generate_batch(order)
+
+    assert caught.value.requeue is True
+    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": True}
+    assert len(runtime.refused) == 1 and "401" in runtime.refused[0]
+
+
+def test_backpressure_and_a_failing_prompt_never_fail_the_batch(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    busy = [EngineBusy("engine answered 429: slow down", retry_after_s=0.0)] * 3
+    failed = RequestFailed(500, "InternalError", "engine answered 500: boom")
+    chat = FakeChat(failures={"p0": busy, "p1": busy, "p3": [failed]})
+    runtime = make_runtime(chat)  # retries=0: the first failed try is the last
+    order = stage(runtime, 4)
+
+    result = generate_batch(order)
+
+    assert (result["completions"], result["errors"]) == (3, 1)
+    assert chat.calls["p0"] == chat.calls["p1"] == 4  # three 429s, then the answer
+    # p3 failed right after p2 succeeded: p2 sent again (the canary) said the engine serves
+    assert chat.calls["p2"] == 2
+    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": False}
