@@ -17,6 +17,7 @@ import pytest
 import redis
 
 from genfleet.common import keys
+from genfleet.common.celery_config import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.workers.app import app
@@ -53,14 +54,22 @@ def test_a_401_stops_the_worker_consuming_and_spends_no_try(
     worker = start_worker(env)
     source = tmp_path / "prompts.jsonl"
     source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(5)))
-    settings = Settings(redis_url=redis_url, store=store_url, batch_size=5)
+    # the producer names the engine the worker serves, so the order lands on its queue
+    settings = Settings(
+        redis_url=redis_url,
+        store=store_url,
+        batch_size=5,
+        engine="command",
+        engine_command=command,
+    )
     enqueue_run(settings, "refused", str(source), reader_options(settings))
     worker.wait_ready()
 
     wait_for(lambda: consuming(worker.hostname) == [], 60, "the worker to stop consuming", 0.5)
     assert worker.proc.poll() is None  # alive, saying why, not crashing in a loop
     # the order is back in the queue, untouched: no try spent, nothing failed
-    wait_for(lambda: redis_client.llen(settings.queue) == 1, 30, "the order back in the queue")
+    queue = worker_queue(settings)
+    wait_for(lambda: redis_client.llen(queue) == 1, 30, "the order back in its queue")
     assert not redis_client.hgetall(keys.attempts_key("refused"))
     assert not redis_client.hgetall(keys.failed_key("refused"))
     assert redis_client.sismember(keys.queued_key("refused"), "batch-000000")

@@ -120,7 +120,8 @@ def test_poison_prompts_among_served_ones_become_error_records_and_the_batch_goe
         log_dir=tmp_path,
     )
     worker = start_worker(env)
-    settings = fault_settings(redis_url, store_url)
+    # the producer names the model the worker serves: this external engine
+    settings = fault_settings(redis_url, store_url, engine="external", engine_url=fake_engine.url)
     worker.wait_ready()
     stage(settings, "poisoned", tmp_path / "prompts.jsonl")
     store = open_run_store(settings)
