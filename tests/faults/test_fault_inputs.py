@@ -5,12 +5,12 @@ Each test runs a real worker process and ends with `assert_exactly_once`.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 import redis
 from celery import Celery
@@ -72,7 +72,10 @@ def test_a_broken_engine_parks_batches_in_the_failed_set_and_retry_completes_the
     flags = ["--redis-url", redis_url, "--store", store_url]
 
     def failed_report() -> dict[str, Any] | None:
-        report: dict[str, Any] = orjson.loads(cli("status", "poison", "--json", *flags).output)
+        # the report is the output's first JSON document: a log line another thread of this
+        # process writes meanwhile lands in the same captured output
+        output = cli("status", "poison", "--json", *flags).output
+        report: dict[str, Any] = json.JSONDecoder().raw_decode(output[output.index("{") :])[0]
         return report if report["batches_failed"] == 2 else None
 
     report = wait_for(failed_report, 120, "both batches to land in the failed set", 0.5)
