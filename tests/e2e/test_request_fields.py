@@ -80,7 +80,7 @@ def test_every_field_reaches_the_engine_and_an_unsupported_one_is_a_reject(
     result = CliRunner().invoke(app, ["enqueue", str(source), "--run", "fields", *flags])
     assert result.exit_code == 0, result.output
     output = " ".join(result.output.split())
-    assert "rejected 1 lines" in output
+    assert "rejected 1 line;" in output
     assert "batch.jsonl:4 [body.tools]" in output
 
     store = open_store(store_url)
