@@ -9,9 +9,10 @@ directory it is a hard link of a complete temporary file, which fails when the n
 from __future__ import annotations
 
 import builtins
+import contextlib
 import logging
 import os
-import tempfile
+import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -47,6 +48,20 @@ class Store(Protocol):
         """The names of the top-level folders (one per run), without listing their objects."""
 
 
+def new_temp_file(directory: Path, prefix: str) -> Path:
+    """A new empty file in `directory` with the mode the umask gives any new file.
+
+    `tempfile.mkstemp` makes 0600 files whatever the umask, and a file renamed into place keeps
+    that mode: stores and exports shared with other users (or containers) must not.
+    """
+    for _ in range(100):  # 64 random bits: a clash means a stale temporary file at most
+        path = directory / f"{prefix}{secrets.token_hex(8)}"
+        with contextlib.suppress(FileExistsError):
+            os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return path
+    raise StoreError(f"cannot create a temporary file in {directory}")
+
+
 class FileStore:
     """A directory as a store; keys are relative paths. Atomic, write-once via hard links."""
 
@@ -60,10 +75,10 @@ class FileStore:
             raise StoreError(f"key {key!r} escapes the store root")
         return path
 
-    def _write_temp(self, path: Path, data: bytes, durable: bool) -> str:
+    def _write_temp(self, path: Path, data: bytes, durable: bool) -> Path:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-        with os.fdopen(fd, "wb") as handle:
+        tmp = new_temp_file(path.parent, ".tmp-")
+        with tmp.open("wb") as handle:
             handle.write(data)
             if durable:
                 handle.flush()

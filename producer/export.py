@@ -32,7 +32,7 @@ from genfleet.common import keys
 from genfleet.common.errors import ConfigError, GenfleetError, StoreError
 from genfleet.common.manifest import Manifest
 from genfleet.common.settings import Settings
-from genfleet.common.store import Store, open_store
+from genfleet.common.store import Store, new_temp_file, open_store
 
 ExportFormat = Literal["jsonl", "parquet", "openai"]
 FORMATS: tuple[str, ...] = ("jsonl", "parquet", "openai")
@@ -343,6 +343,23 @@ def _parse_out(out: str) -> tuple[str, Path | None]:
     return "file", Path(out).expanduser()
 
 
+def _create_temp(directory: Path) -> Path:
+    """An empty file to write the export into (the umask's mode, not mkstemp's 0600).
+
+    A folder that cannot be written is a ConfigError naming it and the fix, not a traceback.
+    """
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        return new_temp_file(directory, ".genfleet-export-")
+    except PermissionError as exc:
+        raise ConfigError(
+            f"cannot write the export into {directory}: permission denied for uid "
+            f"{os.getuid()} (gid {os.getgid()}). Make the folder writable for that user; under "
+            "docker compose the producer runs as HOST_UID:HOST_GID from .env: set them to the "
+            "owner of DATA_DIR (`id -u`, `id -g`)"
+        ) from exc
+
+
 def export_run(
     settings: Settings, run: str, out: str, fmt: str = "jsonl", partial: bool = False
 ) -> ExportResult:
@@ -358,12 +375,7 @@ def export_run(
     total = len(scan.manifest.batches)
     if scan.missing and not partial:
         raise RunIncomplete(run, scan.missing, total)
-    if local is not None:
-        local.parent.mkdir(parents=True, exist_ok=True)
-    directory = local.parent if local is not None else None
-    fd, tmp_name = tempfile.mkstemp(dir=directory, prefix=".genfleet-export-")
-    os.close(fd)
-    tmp = Path(tmp_name)
+    tmp = _create_temp(local.parent if local is not None else Path(tempfile.gettempdir()))
     result = ExportResult(run=run, path=out, format=fmt, batches_total=total)
     try:
         writer = _writer(fmt, tmp, out.endswith(".gz"), scan.manifest)

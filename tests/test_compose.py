@@ -299,7 +299,7 @@ def test_flower_asks_for_basic_auth_from_the_environment(monkeypatch: pytest.Mon
 
     assert "--persistent=True" in launcher.flower_argv(5555, "0.0.0.0", "/data/flower.db")
     assert "result" in launcher.tasks_columns.split(",")
-    assert any(str(p).endswith(":5555:5555") for p in flower["ports"])
+    assert any(str(p).endswith(":5555") for p in flower["ports"])
     # Flower itself turns FLOWER_BASIC_AUTH into its --basic-auth option.
     before = options.basic_auth
     monkeypatch.setattr(os, "environ", {"FLOWER_BASIC_AUTH": "ops:pw"})
@@ -440,3 +440,40 @@ def test_readme_test_command_validates_the_compose_file() -> None:
     assert command.startswith(
         "check-jsonschema --builtin-schema vendor.compose-spec compose.yaml && "
     )
+
+
+def test_no_healthcheck_needs_a_newer_engine_than_readme_states() -> None:
+    # Engine < 25 refuses healthcheck.start_interval, and compose then creates no container.
+    for name, service in load_compose()["services"].items():
+        assert "start_interval" not in (service.get("healthcheck") or {}), name
+    assert "start_interval" not in COMPOSE.read_text().replace("No start_interval", "")
+    readme = (ROOT / "README.md").read_text()
+    assert "Docker Engine 20.10" in readme and "Compose v2" in readme
+    assert "docker-compose` 1." in readme  # and it warns off Compose v1
+
+
+def test_dockerfile_builds_offline_and_slim_without_the_sglang_image() -> None:
+    text = DOCKERFILE.read_text()
+    # A syntax line makes BuildKit fetch a frontend image: offline builds fail.
+    assert not re.search(r"^#\s*syntax\s*=", text, re.M | re.I)
+    # The classic builder builds every stage up to the target: slim must not follow worker.
+    targets = re.findall(r"^FROM \S+ AS (\S+)$", text, re.M)
+    assert targets.index("slim") < targets.index("worker")
+    after = text[text.index(" AS slim") :]
+    slim = after[: after.index("\nFROM ")]
+    assert "lmsysorg" not in slim and "--from" not in slim
+
+
+def test_published_ports_are_settings_with_todays_defaults() -> None:
+    services = load_compose()["services"]
+    example = env_example()
+    expected = {"redis": ("REDIS", 6379), "s3": ("S3", 8333), "flower": ("FLOWER", 5555)}
+    published = {name: svc["ports"] for name, svc in services.items() if svc.get("ports")}
+    assert set(published) == set(expected)
+    for name, (prefix, port) in expected.items():
+        assert published[name] == [
+            f"${{{prefix}_BIND:-127.0.0.1}}:${{{prefix}_PORT:-{port}}}:{port}"
+        ], name
+        assert example[f"{prefix}_PORT"] == str(port)
+        moved = interpolate(published[name][0], {f"{prefix}_PORT": "16379"})
+        assert moved == f"127.0.0.1:16379:{port}"
