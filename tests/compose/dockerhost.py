@@ -16,6 +16,7 @@ The project's own `compose.yaml` and `Dockerfile` are then used exactly as they 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -68,6 +69,17 @@ class DockerUnavailable(RuntimeError):
 
 def log(message: str) -> None:
     print(f"[compose-harness {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+TIMINGS: dict[str, float] = {}
+
+
+def timed(phase: str, started: float) -> None:
+    """Record a phase's seconds in CACHE/timings.json (cold and warm runs are reported)."""
+    TIMINGS[phase] = round(time.monotonic() - started, 1)
+    log(f"{phase}: {TIMINGS[phase]} s")
+    CACHE.mkdir(parents=True, exist_ok=True)
+    (CACHE / "timings.json").write_text(json.dumps(TIMINGS, indent=1) + "\n")
 
 
 def run(

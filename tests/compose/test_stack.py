@@ -1,0 +1,166 @@
+"""`docker compose --profile dry-run up` for real: a run in and out, Flower, a worker restart.
+
+Everything goes through Docker and the project's own compose.yaml and Dockerfile: the
+producer service enqueues, follows `status --json` and exports; outputs are also read
+straight from the stack's S3 server (SeaweedFS) to check that nothing was written twice.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import os
+import stat
+import time
+import urllib.error
+import urllib.request
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.compose.conftest import PRODUCER_UID, Stack
+from tests.compose.dockerhost import timed
+from tests.conftest import wait_for
+
+pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
+
+
+def write_prompts(stack: Stack, name: str, count: int) -> list[str]:
+    ids = [f"{name}-{i:04d}" for i in range(count)]
+    lines = [json.dumps({"id": i, "prompt": f"Say something about {i}."}) for i in ids]
+    (stack.data / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return ids
+
+
+def exported_ids(stack: Stack, name: str) -> list[str]:
+    path = stack.data / f"{name}.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert all(row["engine"]["kind"] == "emulator" for row in rows)
+    # a long reasoning can end at the length cap with no content: a valid record
+    bad = [row for row in rows if row["error"] or row["finish_reason"] not in {"stop", "length"}]
+    assert not bad, json.dumps(bad[:3], indent=1)[:3000]
+    return [row["id"] for row in rows]
+
+
+def stored_outputs(stack: Stack, run: str) -> dict[str, Counter[str]]:
+    """The ids in each output object of `run` in the stack's S3, read from the host."""
+    import boto3
+
+    client = boto3.client(
+        "s3",
+        endpoint_url=f"http://127.0.0.1:{stack.settings['S3_PORT']}",
+        region_name="us-east-1",
+        aws_access_key_id=stack.settings["S3_ACCESS_KEY_ID"],
+        aws_secret_access_key=stack.settings["S3_SECRET_ACCESS_KEY"],
+    )
+    bucket = stack.settings["S3_BUCKET"]
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"runs/{run}/outputs/")
+    outputs: dict[str, Counter[str]] = {}
+    for item in listed.get("Contents", []):
+        body = client.get_object(Bucket=bucket, Key=item["Key"])["Body"].read()
+        lines = gzip.decompress(body).splitlines()
+        outputs[item["Key"]] = Counter(json.loads(line)["id"] for line in lines)
+    return outputs
+
+
+def run_and_export(stack: Stack, name: str, ids: list[str], batches: int) -> None:
+    stack.producer("export", name, "--out", f"/data/{name}.jsonl")
+    exported = exported_ids(stack, name)
+    assert sorted(exported) == sorted(ids) and len(set(exported)) == len(ids)
+    # one write-once object per batch, and every id in exactly one of them
+    outputs = stored_outputs(stack, name)
+    assert len(outputs) == batches
+    owners = Counter(i for counts in outputs.values() for i in counts)
+    assert owners == Counter(ids)
+
+
+def test_every_service_is_up_and_healthy(stack: Stack) -> None:
+    rows = [
+        json.loads(line)
+        for line in stack.compose("ps", "-a", "--format", "json").stdout.split("\n")
+        if line.strip()
+    ]
+    state = {
+        row["Service"]: (row["State"], row.get("Health", ""), row.get("ExitCode")) for row in rows
+    }
+    for service in ("redis", "s3", "worker-dry", "beat", "flower"):
+        assert state[service][:2] == ("running", "healthy"), state
+    assert state["bucket-init"][0] == "exited" and state["bucket-init"][2] == 0, state
+    assert "worker" not in state  # the GPU worker stays off under --profile dry-run
+
+
+def test_a_dataset_goes_in_and_every_id_comes_out_exactly_once(stack: Stack) -> None:
+    started = time.monotonic()
+    ids = write_prompts(stack, "smoke", 20)
+    stack.producer("enqueue", "/data/smoke.jsonl", "--run", "smoke")
+    report = stack.wait_done("smoke", timeout_s=180)
+    assert (report["prompts_done"], report["prompts_total"]) == (20, 20)
+    assert report["batches_done"] == report["batches_total"] == 4
+    run_and_export(stack, "smoke", ids, batches=4)
+    exported = stack.data / "smoke.jsonl"
+    # written by the producer as HOST_UID, with the umask's mode (not mkstemp's 0600)
+    assert exported.stat().st_uid == PRODUCER_UID
+    assert stat.S_IMODE(exported.stat().st_mode) == 0o644
+    timed("run_20_prompts", started)
+
+
+def flower(stack: Stack, path: str, auth: str | None) -> tuple[int, Any]:
+    request = urllib.request.Request(f"http://127.0.0.1:{stack.settings['FLOWER_PORT']}{path}")
+    if auth is not None:
+        request.add_header("Authorization", "Basic " + base64.b64encode(auth.encode()).decode())
+    try:
+        with urllib.request.urlopen(request, timeout=20) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, None
+
+
+def test_flower_api_needs_basic_auth_and_lists_the_workers(stack: Stack) -> None:
+    assert flower(stack, "/api/workers", None)[0] == 401
+    assert flower(stack, "/api/workers", "admin:wrong")[0] == 401
+    auth = stack.settings["FLOWER_BASIC_AUTH"]
+
+    def workers() -> list[str]:
+        status, body = flower(stack, "/api/workers?refresh=1", auth)
+        assert status == 200
+        return [name for name in body if name.startswith(("gpu", "control"))]
+
+    names = wait_for(lambda: len(workers()) >= 2 and workers(), 60, "workers in Flower", 2.0)
+    assert any(n.startswith("gpu") for n in names) and any(n.startswith("control") for n in names)
+
+
+def test_a_worker_stopped_mid_run_resumes_and_the_run_finishes_exactly_once(stack: Stack) -> None:
+    ids = write_prompts(stack, "restart", 150)  # 30 batches: ~25 s of work
+    stack.producer("enqueue", "/data/restart.jsonl", "--run", "restart")
+
+    def some_done() -> dict[str, Any] | None:
+        report = stack.status("restart")
+        return report if report["batches_done"] >= 1 else None
+
+    before = wait_for(some_done, 180, "the first batches of run restart", 1.0)
+    assert before["state"] == "running", "the run finished before the worker could be stopped"
+    started = time.monotonic()
+    stack.compose("stop", "worker-dry", timeout_s=180)
+    timed("stop_worker_mid_run", started)
+    stopped = stack.status("restart")
+    assert stopped["batches_done"] < stopped["batches_total"], stopped
+    stack.compose("start", "worker-dry", timeout_s=120)
+    report = stack.wait_done("restart", timeout_s=300)
+    assert report["prompts_done"] == report["prompts_total"] == 150
+    run_and_export(stack, "restart", ids, batches=30)
+
+
+def test_an_export_into_a_folder_the_producer_cannot_write_names_the_fix(stack: Stack) -> None:
+    locked: Path = stack.data / "locked"
+    locked.mkdir(mode=0o755)
+    os.chown(locked, 0, 0)
+    result = stack.producer("export", "smoke", "--out", "/data/locked/smoke.jsonl", check=False)
+    output = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 2, output
+    assert "Traceback" not in output
+    assert "cannot write the export into /data/locked" in output
+    assert "HOST_UID" in output and "HOST_GID" in output
+    assert not any(locked.iterdir())
