@@ -137,6 +137,25 @@ class FileStore:
         return sorted(p.name for p in self.root.iterdir() if p.is_dir())
 
 
+def s3_client(endpoint_url: str | None, region: str) -> Any:
+    """A boto3 S3 client configured for any S3 server: the store's, and datasets read from S3."""
+    try:
+        import boto3
+        from botocore.config import Config
+    except ImportError as exc:  # pragma: no cover - boto3 is a base dependency
+        raise ConfigError("s3:// URLs need boto3: pip install boto3") from exc
+    config = Config(
+        s3={"addressing_style": "path"},
+        retries={"mode": "standard", "max_attempts": 3},
+        connect_timeout=5,
+        read_timeout=60,
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+        max_pool_connections=32,
+    )
+    return boto3.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
+
+
 class S3Store:
     """An S3 bucket (AWS, MinIO, moto, any S3 protocol server) under an optional prefix.
 
@@ -155,28 +174,12 @@ class S3Store:
         attempts: int = 6,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        try:
-            import boto3
-            from botocore.config import Config
-        except ImportError as exc:  # pragma: no cover - boto3 is a base dependency
-            raise ConfigError("s3:// stores need boto3: pip install boto3") from exc
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self._attempts = attempts
         self._sleep = sleep
-        config = Config(
-            s3={"addressing_style": "path"},
-            retries={"mode": "standard", "max_attempts": 3},
-            connect_timeout=5,
-            read_timeout=60,
-            request_checksum_calculation="when_required",
-            response_checksum_validation="when_required",
-            max_pool_connections=32,
-        )
-        self._client: Any = boto3.client(
-            "s3", endpoint_url=endpoint_url, region_name=region, config=config
-        )
+        self._client: Any = s3_client(endpoint_url, region)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key

@@ -78,6 +78,8 @@ def reader_options(
         messages_col=columns.get("messages_col"),
         prompt_col=columns.get("prompt_col"),
         id_col=columns.get("id_col"),
+        s3_endpoint_url=settings.s3_endpoint_url,
+        s3_region=settings.s3_region,
     )
 
 

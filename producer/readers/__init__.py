@@ -1,5 +1,7 @@
 """Dataset readers: a source path in, PromptRecords and Rejects out, streaming, in input order.
 
+A source is a local file or folder, or the same in S3 (`s3://bucket/key`, `s3://bucket/prefix/`).
+
 Each format lives in its own module and yields `PromptRecord | Reject`; this module picks the
 format from the path (or `--format`) and applies what every format shares: the system prompt,
 `--samples`, `--limit` and duplicate-id detection. A reject names the file, the line (or row),
@@ -14,11 +16,12 @@ from pathlib import Path
 from genfleet.common.errors import InputError
 from genfleet.common.records import PromptRecord
 from genfleet.producer.readers.fields import Item, Located, ReaderOptions, Reject
+from genfleet.producer.readers.s3source import S3Path, SourcePath, s3_source
 
 __all__ = ["Item", "ReaderOptions", "Reject", "detect_format", "read_source"]
 
 
-def detect_format(path: Path) -> str:
+def detect_format(path: SourcePath) -> str:
     """The format a path most likely holds; `--format` overrides it."""
     if path.is_dir():
         saved = ("dataset_info.json", "state.json", "dataset_dict.json")  # save_to_disk
@@ -37,7 +40,7 @@ def detect_format(path: Path) -> str:
     raise InputError(f"{path}: cannot tell the format from the name; pass --format")
 
 
-def _format_items(path: Path, options: ReaderOptions) -> Iterator[Located]:
+def _format_items(path: SourcePath, options: ReaderOptions) -> Iterator[Located]:
     fmt = options.format or detect_format(path)
     if fmt in {"jsonl", "chat", "prompt", "openai"}:
         from genfleet.producer.readers.jsonl import read_jsonl
@@ -50,6 +53,8 @@ def _format_items(path: Path, options: ReaderOptions) -> Iterator[Located]:
     if fmt == "hf":
         from genfleet.producer.readers.hf_disk import read_hf_disk
 
+        if isinstance(path, S3Path):
+            raise InputError(f"{path}: a dataset saved with save_to_disk is read from disk only")
         return read_hf_disk(path, options)
     raise InputError(f"unknown format {fmt!r}: use jsonl, openai, parquet or hf")
 
@@ -57,7 +62,9 @@ def _format_items(path: Path, options: ReaderOptions) -> Iterator[Located]:
 def read_source(source: str | Path, options: ReaderOptions | None = None) -> Iterator[Item]:
     """Every prompt of `source` (expanded to `samples`) and every reject, in input order."""
     options = options or ReaderOptions()
-    path = Path(source)
+    path: SourcePath = Path(source)
+    if str(source).startswith("s3://"):
+        path = s3_source(str(source), options.s3_endpoint_url, options.s3_region)
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
     seen: set[str] = set()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from genfleet.common.records import ROLES, PromptRecord
+from genfleet.producer.readers.s3source import SourcePath
 
 
 @dataclass(slots=True)
@@ -41,6 +42,9 @@ class ReaderOptions:
     messages_col: str | None = None
     prompt_col: str | None = None
     id_col: str | None = None
+    # where s3:// sources are read from: the store's endpoint and region
+    s3_endpoint_url: str | None = None
+    s3_region: str = "us-east-1"
 
 
 Item = PromptRecord | Reject
@@ -49,13 +53,16 @@ Item = PromptRecord | Reject
 Located = tuple[str, int, PromptRecord] | Reject
 
 
-def default_id_base(file: Path, source: Path) -> str:
+def default_id_base(file: SourcePath, source: SourcePath) -> str:
     """The first part of a default id `{base}:{line}`: the file's path relative to the source
     (its name when the source is the file), so that `part.0.jsonl:12` and `part.1.jsonl:12`
     of one folder never collide."""
-    if source.is_dir() and source in file.parents:
-        return file.relative_to(source).as_posix()
-    return file.name
+    if isinstance(file, Path) and isinstance(source, Path):
+        if source.is_dir() and source in file.parents:
+            return file.relative_to(source).as_posix()
+        return file.name
+    folder = str(source).rstrip("/") + "/"  # in S3: the key below the source's prefix
+    return str(file).removeprefix(folder) if str(file).startswith(folder) else file.name
 
 
 class BadRecord(ValueError):

@@ -28,21 +28,24 @@ from genfleet.producer.readers.fields import (
     check_prompt,
     default_id_base,
 )
+from genfleet.producer.readers.s3source import SourcePath
 
 
-def _open(path: Path) -> IO[bytes]:
-    if path.name.endswith(".gz"):
+def _open(path: SourcePath) -> IO[bytes]:
+    if not path.name.endswith(".gz"):
+        return path.open("rb")
+    if isinstance(path, Path):
         return gzip.open(path, "rb")  # type: ignore[return-value]
-    return path.open("rb")
+    return gzip.GzipFile(fileobj=path.open("rb"), mode="rb")  # type: ignore[return-value]
 
 
-def _files(path: Path) -> list[Path]:
+def _files(path: SourcePath) -> list[SourcePath]:
     if path.is_dir():
-        return sorted([*path.glob("*.jsonl"), *path.glob("*.jsonl.gz")])
+        return sorted([*path.glob("*.jsonl"), *path.glob("*.jsonl.gz")], key=str)
     return [path]
 
 
-def read_jsonl(path: Path, options: ReaderOptions) -> Iterator[Located]:
+def read_jsonl(path: SourcePath, options: ReaderOptions) -> Iterator[Located]:
     for file in _files(path):
         yield from _read_file(file, default_id_base(file, path), options)
 
@@ -66,7 +69,7 @@ def _lines(handle: IO[bytes], limit: int) -> Iterator[tuple[int, bytes | None]]:
         yield lineno, raw
 
 
-def _is_json_array(path: Path) -> bool:
+def _is_json_array(path: SourcePath) -> bool:
     """A `.json` file holding one JSON array of records (not JSON lines)."""
     if not path.name.lower().endswith(".json"):
         return False
@@ -75,7 +78,7 @@ def _is_json_array(path: Path) -> bool:
     return head.startswith(b"[")
 
 
-def _read_array(path: Path, base: str, options: ReaderOptions) -> Iterator[Located]:
+def _read_array(path: SourcePath, base: str, options: ReaderOptions) -> Iterator[Located]:
     """Records of a JSON array file; the element number (from 1) stands for the line."""
     name = str(path)
     try:
@@ -91,7 +94,7 @@ def _read_array(path: Path, base: str, options: ReaderOptions) -> Iterator[Locat
             yield Reject(name, number, exc.field, f"element {number}: {exc}")
 
 
-def _read_file(path: Path, base: str, options: ReaderOptions) -> Iterator[Located]:
+def _read_file(path: SourcePath, base: str, options: ReaderOptions) -> Iterator[Located]:
     """Every line of one file; `base` starts its default ids (see `default_id_base`)."""
     if _is_json_array(path):
         yield from _read_array(path, base, options)

@@ -34,6 +34,7 @@ from genfleet.producer.readers.fields import (
     check_prompt,
     default_id_base,
 )
+from genfleet.producer.readers.s3source import SourcePath
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -140,14 +141,14 @@ def rows_from_batches(
             row += 1
 
 
-def parquet_files(path: Path) -> list[Path]:
+def parquet_files(path: SourcePath) -> list[SourcePath]:
     """A file, or the Parquet shards of a directory in name order (shard order)."""
     if path.is_dir():
-        return sorted([*path.glob("*.parquet"), *path.glob("*.pq")])
+        return sorted([*path.glob("*.parquet"), *path.glob("*.pq")], key=str)
     return [path]
 
 
-def read_parquet(path: Path, options: ReaderOptions) -> Iterator[Located]:
+def read_parquet(path: SourcePath, options: ReaderOptions) -> Iterator[Located]:
     """Every row of every shard, in shard then row order, as records or rejects."""
     pa = import_pyarrow()
     import pyarrow.parquet as pq
@@ -158,7 +159,8 @@ def read_parquet(path: Path, options: ReaderOptions) -> Iterator[Located]:
     for file in files:
         name = str(file)
         try:
-            handle = pq.ParquetFile(file)
+            # from S3: a seekable stream of ranged reads (footer, then row groups)
+            handle = pq.ParquetFile(file if isinstance(file, Path) else file.open("rb"))
         except (pa.ArrowException, OSError) as exc:
             yield Reject(name, None, None, f"not a readable Parquet file: {exc}")
             continue
