@@ -218,22 +218,30 @@ def export(
     out_path: Annotated[str, typer.Option("--out", help="local path or s3://bucket/key")],
     fmt: Annotated[str, typer.Option("--format", help="jsonl|parquet|openai")] = "jsonl",
     partial: Annotated[bool, typer.Option("--partial", help="export what is done")] = False,
+    shard_size: Annotated[
+        int | None, typer.Option("--shard-size", help="N records per file: OUT-00000.jsonl, …")
+    ] = None,
     redis_url: RedisUrl = None,
     store: StoreUrl = None,
     s3_endpoint_url: S3Endpoint = None,
 ) -> None:
-    """Write RUN's completions to one file, deduplicated, in input order."""
+    """Write RUN's completions to one file (or numbered shards), deduplicated, in input order."""
     from genfleet.producer.export import export_run
 
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
-        result = export_run(settings, run, out_path, fmt, partial)
+        result = export_run(settings, run, out_path, fmt, partial, shard_size)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     missing = len(result.missing_batches)
+    target = result.path
+    if shard_size is not None:
+        target = f"{len(result.shards)} shards" + (
+            f" ({result.shards[0]} … {result.shards[-1]})" if result.shards else ""
+        )
     console.print(
         f"run {run}: exported {result.records} records ({result.errors} error records) from "
-        f"{result.batches_exported}/{result.batches_total} batches to {result.path} "
+        f"{result.batches_exported}/{result.batches_total} batches to {target} "
         f"({result.format})"
         + (f"; {plural(missing, 'batch', 'batches')} not done yet" if missing else ""),
         highlight=False,

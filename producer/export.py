@@ -18,6 +18,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import itertools
 import os
 import tempfile
 from collections.abc import Iterator
@@ -32,7 +33,7 @@ from genfleet.common import keys
 from genfleet.common.errors import ConfigError, GenfleetError, StoreError
 from genfleet.common.manifest import Manifest
 from genfleet.common.settings import Settings
-from genfleet.common.store import Store, new_temp_file, open_store
+from genfleet.common.store import Store, new_temp_file, open_store, s3_client
 
 ExportFormat = Literal["jsonl", "parquet", "openai"]
 FORMATS: tuple[str, ...] = ("jsonl", "parquet", "openai")
@@ -62,6 +63,7 @@ class ExportResult:
     batches_total: int = 0
     batches_exported: int = 0
     missing_batches: list[str] = field(default_factory=list)
+    shards: list[str] = field(default_factory=list)  # with --shard-size: the files, in order
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -344,10 +346,7 @@ def _parse_out(out: str) -> tuple[str, Path | None]:
 
 
 def _create_temp(directory: Path) -> Path:
-    """An empty file to write the export into (the umask's mode, not mkstemp's 0600).
-
-    A folder that cannot be written is a ConfigError naming it and the fix, not a traceback.
-    """
+    """A new file beside the target (umask's mode); an unwritable folder names the fix."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
         return new_temp_file(directory, ".genfleet-export-")
@@ -360,27 +359,69 @@ def _create_temp(directory: Path) -> Path:
         ) from exc
 
 
+def shard_name(out: str, index: int) -> str:
+    """`dir/x.jsonl.gz` → `dir/x-00003.jsonl.gz`: the number goes before the name's suffixes."""
+    head, sep, name = out.rpartition("/")
+    stem, dot, suffixes = name.partition(".")
+    return f"{head}{sep}{stem}-{index:05d}{dot}{suffixes}"
+
+
 def export_run(
-    settings: Settings, run: str, out: str, fmt: str = "jsonl", partial: bool = False
+    settings: Settings,
+    run: str,
+    out: str,
+    fmt: str = "jsonl",
+    partial: bool = False,
+    shard_size: int | None = None,
 ) -> ExportResult:
     """Write every finished record of `run` to `out`, deduplicated, in input order.
 
     Raises RunIncomplete before writing anything when batches lack outputs, unless
     `partial`; then the finished batches are exported and the rest listed in the result.
+    With `shard_size`, records go to numbered files (`shard_name`) of that many each.
     """
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}: use {', '.join(FORMATS)}")
-    scheme, local = _parse_out(out)
+    if shard_size is not None and shard_size < 1:
+        raise ConfigError(f"--shard-size must be at least 1, got {shard_size}")
+    _parse_out(out)
     scan = scan_run(settings, run)
     total = len(scan.manifest.batches)
     if scan.missing and not partial:
         raise RunIncomplete(run, scan.missing, total)
-    tmp = _create_temp(local.parent if local is not None else Path(tempfile.gettempdir()))
     result = ExportResult(run=run, path=out, format=fmt, batches_total=total)
+    records = scan.records()
+    if shard_size is None:
+        _write_target(settings, scan, partial, out, records, result)
+    else:
+        for index in itertools.count():  # ends when the records do
+            head = next(records, None)
+            if head is None:
+                break
+            shard = itertools.chain([head], itertools.islice(records, shard_size - 1))
+            result.shards.append(shard_name(out, index))
+            _write_target(settings, scan, partial, result.shards[-1], shard, result)
+    result.duplicates = scan.duplicates
+    result.batches_exported = scan.batches_read
+    result.missing_batches = list(scan.missing)
+    return result
+
+
+def _write_target(
+    settings: Settings,
+    scan: RunScan,
+    partial: bool,
+    out: str,
+    records: Iterator[dict[str, Any]],
+    result: ExportResult,
+) -> None:
+    """Write `records` to a temporary file, then move it to `out` (or upload it) complete."""
+    _, local = _parse_out(out)
+    tmp = _create_temp(local.parent if local is not None else Path(tempfile.gettempdir()))
     try:
-        writer = _writer(fmt, tmp, out.endswith(".gz"), scan.manifest)
+        writer = _writer(result.format, tmp, out.endswith(".gz"), scan.manifest)
         try:
-            for record in scan.records():
+            for record in records:
                 writer.write(record)
                 result.records += 1
                 if record.get("error"):
@@ -388,41 +429,22 @@ def export_run(
         finally:
             writer.close()
         if scan.missing and not partial:  # an output vanished while we read
-            raise RunIncomplete(run, scan.missing, total)
+            raise RunIncomplete(scan.manifest.run, scan.missing, len(scan.manifest.batches))
         if local is not None:
             os.replace(tmp, local)
         else:
             upload_file(settings, tmp, out)
     finally:
         tmp.unlink(missing_ok=True)
-    result.duplicates = scan.duplicates
-    result.batches_exported = scan.batches_read
-    result.missing_batches = list(scan.missing)
-    return result
 
 
 def upload_file(settings: Settings, path: Path, url: str) -> None:
     """Upload a finished export to s3://bucket/key (multipart for large files)."""
+    from boto3.s3.transfer import TransferConfig
+    from botocore.exceptions import BotoCoreError, ClientError
+
     parsed = urlparse(url)
-    try:
-        import boto3
-        from boto3.s3.transfer import TransferConfig
-        from botocore.config import Config
-        from botocore.exceptions import BotoCoreError, ClientError
-    except ImportError as exc:  # pragma: no cover - boto3 is a base dependency
-        raise ConfigError("s3:// exports need boto3: pip install boto3") from exc
-    config = Config(
-        s3={"addressing_style": "path"},
-        retries={"mode": "standard", "max_attempts": 5},
-        request_checksum_calculation="when_required",
-        response_checksum_validation="when_required",
-    )
-    client = boto3.client(
-        "s3",
-        endpoint_url=settings.s3_endpoint_url,
-        region_name=settings.s3_region,
-        config=config,
-    )
+    client = s3_client(settings.s3_endpoint_url, settings.s3_region)
     transfer = TransferConfig(multipart_threshold=64 * 1024 * 1024, max_concurrency=4)
     try:
         client.upload_file(str(path), parsed.netloc, parsed.path.lstrip("/"), Config=transfer)

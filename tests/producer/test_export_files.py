@@ -9,13 +9,19 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import boto3
+import orjson
+import pyarrow.parquet as pq
 import pytest
+from typer.testing import CliRunner
 
 from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
-from genfleet.producer.export import export_run
-from tests.producer.test_export import RUN, finish, prompts, stage_prompts
+from genfleet.producer.cli import app
+from genfleet.producer.export import export_run, shard_name
+from tests.conftest import new_bucket
+from tests.producer.test_export import RUN, finish, prompts, read_jsonl, stage_prompts
 
 NOBODY = 65534
 
@@ -109,3 +115,64 @@ def test_file_store_objects_get_the_mode_the_umask_gives(tmp_path: Path) -> None
         os.umask(before)
     for key in ("r/manifest.json", "r/outputs/batch-000000.jsonl.gz"):
         assert stat.S_IMODE((tmp_path / "store" / key).stat().st_mode) == 0o640, key
+
+
+def test_shard_names_number_the_file_before_its_suffixes() -> None:
+    assert shard_name("/data/x.jsonl", 3) == "/data/x-00003.jsonl"
+    assert shard_name("out.jsonl.gz", 0) == "out-00000.jsonl.gz"
+    assert shard_name("s3://b/exports/run.parquet", 12) == "s3://b/exports/run-00012.parquet"
+    assert shard_name("/data/v1.2/x", 1) == "/data/v1.2/x-00001"
+
+
+@pytest.mark.parametrize(("count", "sizes"), [(23, [10, 10, 3]), (20, [10, 10]), (4, [4])])
+def test_sharded_exports_split_the_run_in_order(
+    tmp_path: Path, count: int, sizes: list[int]
+) -> None:
+    settings = Settings(store=(tmp_path / "store").as_uri())
+    store = open_store(settings.store)
+    inputs = prompts(count)
+    finish(store, stage_prompts(store, RUN, inputs, batch_size=3))
+    out = tmp_path / "out" / "export.jsonl.gz"
+    result = export_run(settings, RUN, str(out), "jsonl", shard_size=10)
+    names = [f"export-{i:05d}.jsonl.gz" for i in range(len(sizes))]
+    assert result.shards == [str(out.parent / name) for name in names]
+    assert sorted(p.name for p in out.parent.iterdir()) == names  # no temp file, no empty shard
+    shards = [read_jsonl(out.parent / name) for name in names]
+    assert [len(rows) for rows in shards] == sizes
+    assert [row["id"] for rows in shards for row in rows] == [p.id for p in inputs]
+    assert result.records == count
+
+
+def test_parquet_shards_and_a_bad_shard_size(tmp_path: Path) -> None:
+    settings = finished_run(tmp_path)
+    out = tmp_path / "pq" / "export.parquet"
+    result = export_run(settings, RUN, str(out), "parquet", shard_size=3)
+    tables = [pq.read_table(path) for path in result.shards]
+    assert [t.num_rows for t in tables] == [3, 3, 1]
+    assert [i for t in tables for i in t.column("id").to_pylist()] == [p.id for p in prompts(7)]
+    with pytest.raises(ConfigError, match="shard-size"):
+        export_run(settings, RUN, str(out), "jsonl", shard_size=0)
+
+
+def test_sharded_export_to_s3_through_the_cli(tmp_path: Path, any_s3_server: str) -> None:
+    settings = finished_run(tmp_path)
+    bucket = new_bucket(any_s3_server).removeprefix("s3://").split("/")[0]
+    result = CliRunner().invoke(
+        app,
+        ["export", RUN, "--out", f"s3://{bucket}/exports/run.jsonl", "--shard-size", "4"]
+        + ["--store", settings.store, "--s3-endpoint-url", any_s3_server],
+    )
+    assert result.exit_code == 0, result.output
+    assert "2 shards" in result.output
+    client = boto3.client("s3", endpoint_url=any_s3_server, region_name="us-east-1")
+    listed = client.list_objects_v2(Bucket=bucket, Prefix="exports/")["Contents"]
+    assert [item["Key"] for item in listed] == [
+        "exports/run-00000.jsonl",
+        "exports/run-00001.jsonl",
+    ]
+    ids = [
+        orjson.loads(line)["id"]
+        for item in listed
+        for line in client.get_object(Bucket=bucket, Key=item["Key"])["Body"].read().splitlines()
+    ]
+    assert ids == [p.id for p in prompts(7)]
