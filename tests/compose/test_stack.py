@@ -45,17 +45,22 @@ def exported_ids(stack: Stack, name: str) -> list[str]:
     return [row["id"] for row in rows]
 
 
-def stored_outputs(stack: Stack, run: str) -> dict[str, Counter[str]]:
-    """The ids in each output object of `run` in the stack's S3, read from the host."""
+def s3_client(stack: Stack) -> Any:
+    """A client of the stack's S3 server, through its published port."""
     import boto3
 
-    client = boto3.client(
+    return boto3.client(
         "s3",
         endpoint_url=f"http://127.0.0.1:{stack.settings['S3_PORT']}",
         region_name="us-east-1",
         aws_access_key_id=stack.settings["S3_ACCESS_KEY_ID"],
         aws_secret_access_key=stack.settings["S3_SECRET_ACCESS_KEY"],
     )
+
+
+def stored_outputs(stack: Stack, run: str) -> dict[str, Counter[str]]:
+    """The ids in each output object of `run` in the stack's S3, read from the host."""
+    client = s3_client(stack)
     bucket = stack.settings["S3_BUCKET"]
     listed = client.list_objects_v2(Bucket=bucket, Prefix=f"runs/{run}/outputs/")
     outputs: dict[str, Counter[str]] = {}
@@ -105,6 +110,25 @@ def test_a_dataset_goes_in_and_every_id_comes_out_exactly_once(stack: Stack) -> 
     assert exported.stat().st_uid == PRODUCER_UID
     assert stat.S_IMODE(exported.stat().st_mode) == 0o644
     timed("run_20_prompts", started)
+
+
+def test_a_dataset_in_s3_goes_in_and_comes_out_in_shards(stack: Stack) -> None:
+    """The producer reads a folder of shards from the stack's own S3 and exports shards."""
+    client = s3_client(stack)
+    bucket = stack.settings["S3_BUCKET"]
+    ids = [f"s3src-{i:04d}" for i in range(12)]
+    rows = [json.dumps({"id": i, "prompt": f"Tell me about {i}."}).encode() for i in ids]
+    client.put_object(Bucket=bucket, Key="incoming/s3src/part-0.jsonl", Body=b"\n".join(rows[:7]))
+    body = gzip.compress(b"\n".join(rows[7:]))
+    client.put_object(Bucket=bucket, Key="incoming/s3src/part-1.jsonl.gz", Body=body)
+    stack.producer("enqueue", f"s3://{bucket}/incoming/s3src/", "--run", "s3src")
+    report = stack.wait_done("s3src", timeout_s=180)
+    assert report["prompts_done"] == 12
+    stack.producer("export", "s3src", "--out", "/data/s3src.jsonl", "--shard-size", "5")
+    shards = [stack.data / f"s3src-{i:05d}.jsonl" for i in range(3)]
+    rows_out = [json.loads(line) for path in shards for line in path.read_text().splitlines()]
+    assert [len(path.read_text().splitlines()) for path in shards] == [5, 5, 2]
+    assert [row["id"] for row in rows_out] == ids
 
 
 def flower(stack: Stack, path: str, auth: str | None) -> tuple[int, Any]:
