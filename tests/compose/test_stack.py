@@ -11,7 +11,9 @@ import base64
 import gzip
 import json
 import os
+import shutil
 import stat
+import subprocess
 import time
 import urllib.error
 import urllib.request
@@ -154,6 +156,28 @@ def test_flower_api_needs_basic_auth_and_lists_the_workers(stack: Stack) -> None
 
     names = wait_for(lambda: len(workers()) >= 2 and workers(), 60, "workers in Flower", 2.0)
     assert any(n.startswith("gpu") for n in names) and any(n.startswith("control") for n in names)
+
+
+def test_flower_tasks_page_shows_the_batches_in_a_browser(stack: Stack, tmp_path: Path) -> None:
+    """Headless Chromium renders Flower's tasks page (its table is filled by JavaScript)."""
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        if os.environ.get("CI"):
+            raise AssertionError("chromium is not installed")
+        pytest.skip("chromium is not installed")
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run"]
+    flags += ["--disable-background-networking", "--disable-component-update", "--disable-sync"]
+    auth = stack.settings["FLOWER_BASIC_AUTH"]
+    page = f"http://{auth}@127.0.0.1:{stack.settings['FLOWER_PORT']}/tasks"
+    dom = subprocess.run(
+        [chromium, *flags, f"--user-data-dir={tmp_path / 'chromium'}"]
+        + ["--virtual-time-budget=10000", "--dump-dom", page],
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=False,
+    ).stdout
+    assert "genfleet.generate_batch" in dom, dom[-2000:]
 
 
 def test_a_worker_stopped_mid_run_resumes_and_the_run_finishes_exactly_once(stack: Stack) -> None:
