@@ -115,7 +115,7 @@ def test_a_large_file_is_read_in_ranges_not_copied_whole(bucket: Bucket) -> None
         "provide-client-params.s3.GetObject", lambda params, **_: ranges.append(params["Range"])
     )
     items = read_jsonl(path, ReaderOptions())
-    assert next(items)[1].id == "p000000"  # type: ignore[index]
+    assert next(items)[-1].id == "p000000"  # type: ignore[index]
     assert ranges == [f"bytes=0-{CHUNK_BYTES - 1}"]  # the first record needed one range only
     count = 1 + sum(1 for _ in items)
     assert count == len(rows)
@@ -146,3 +146,13 @@ def test_enqueue_stages_an_s3_source_through_the_store_settings(
     store = open_store(settings.store, bucket.endpoint)
     manifest = orjson.loads(store.get("from-s3/manifest.json") or b"{}")
     assert manifest["source"] == url and manifest["prompts_total"] == 23
+
+
+def test_default_ids_in_an_s3_folder_name_the_shard(bucket: Bucket) -> None:
+    bucket.put("noids/a.jsonl", jsonl([{"prompt": "one"}, {"prompt": "two"}]))
+    bucket.put("noids/b.jsonl", jsonl([{"prompt": "three"}]))
+    assert ids(f"s3://{bucket.name}/noids/", bucket.options()) == [
+        "a.jsonl:1",
+        "a.jsonl:2",
+        "b.jsonl:1",
+    ]
