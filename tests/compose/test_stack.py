@@ -30,6 +30,11 @@ from tests.conftest import wait_for
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
 
 
+# `.env` names the GPU worker's model (GENFLEET_MODEL): a dry-run producer says `--engine
+# emulator`, so its work orders go to the queue worker-dry consumes (README: Docker Compose).
+DRY_RUN = ("--engine", "emulator")
+
+
 def write_prompts(stack: Stack, name: str, count: int) -> list[str]:
     ids = [f"{name}-{i:04d}" for i in range(count)]
     lines = [json.dumps({"id": i, "prompt": f"Say something about {i}."}) for i in ids]
@@ -102,7 +107,7 @@ def test_every_service_is_up_and_healthy(stack: Stack) -> None:
 def test_a_dataset_goes_in_and_every_id_comes_out_exactly_once(stack: Stack) -> None:
     started = time.monotonic()
     ids = write_prompts(stack, "smoke", 20)
-    stack.producer("enqueue", "/data/smoke.jsonl", "--run", "smoke")
+    stack.producer("enqueue", "/data/smoke.jsonl", "--run", "smoke", *DRY_RUN)
     report = stack.wait_done("smoke", timeout_s=180)
     assert (report["prompts_done"], report["prompts_total"]) == (20, 20)
     assert report["batches_done"] == report["batches_total"] == 4
@@ -123,7 +128,7 @@ def test_a_dataset_in_s3_goes_in_and_comes_out_in_shards(stack: Stack) -> None:
     client.put_object(Bucket=bucket, Key="incoming/s3src/part-0.jsonl", Body=b"\n".join(rows[:7]))
     body = gzip.compress(b"\n".join(rows[7:]))
     client.put_object(Bucket=bucket, Key="incoming/s3src/part-1.jsonl.gz", Body=body)
-    stack.producer("enqueue", f"s3://{bucket}/incoming/s3src/", "--run", "s3src")
+    stack.producer("enqueue", f"s3://{bucket}/incoming/s3src/", "--run", "s3src", *DRY_RUN)
     report = stack.wait_done("s3src", timeout_s=180)
     assert report["prompts_done"] == 12
     stack.producer("export", "s3src", "--out", "/data/s3src.jsonl", "--shard-size", "5")
@@ -182,7 +187,7 @@ def test_flower_tasks_page_shows_the_batches_in_a_browser(stack: Stack, tmp_path
 
 def test_a_worker_stopped_mid_run_resumes_and_the_run_finishes_exactly_once(stack: Stack) -> None:
     ids = write_prompts(stack, "restart", 150)  # 30 batches: ~25 s of work
-    stack.producer("enqueue", "/data/restart.jsonl", "--run", "restart")
+    stack.producer("enqueue", "/data/restart.jsonl", "--run", "restart", *DRY_RUN)
 
     def some_done() -> dict[str, Any] | None:
         report = stack.status("restart")
