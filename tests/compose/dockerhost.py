@@ -279,19 +279,26 @@ def standin_key(ca: Path) -> str:
 
 
 def image_label(tag: str, label: str) -> str | None:
+    """The label's value ("" when unset), or None when there is no image under `tag`."""
     result = run(
         ["docker", "image", "inspect", "--format", f'{{{{index .Config.Labels "{label}"}}}}', tag],
         30,
         check=False,
     )
-    return result.stdout.strip() if result.returncode == 0 else None
+    value = result.stdout.strip()
+    return (value if value != "<no value>" else "") if result.returncode == 0 else None
 
 
 def ensure_standins() -> str:
-    """Build the stand-in base images unless ones with the same content key exist."""
+    """Build the stand-ins that are missing or outdated (their content key changed).
+
+    A real image under the tag (pulled from a registry: no stand-in label) is kept as it is.
+    """
     ca = host_ca_bundle()
     key = standin_key(ca)
-    if all(image_label(tag, "genfleet.standin") == key for tag in STANDINS):
+    labels = {tag: image_label(tag, "genfleet.standin") for tag in STANDINS}
+    wanted = [tag for tag, label in labels.items() if label is None or label not in {"", key}]
+    if not wanted:
         return key
     root_tag = f"genfleet-standin/{DEBIAN_SUITE}:{key}"
     if image_label(root_tag, "genfleet.standin") is None:
@@ -300,9 +307,9 @@ def ensure_standins() -> str:
         context = Path(tmp)
         shutil.copy(ca, context / "ca.crt")
         weed_binary(context)
-        for tag, recipe in STANDINS.items():
+        for tag in wanted:
             log(f"building stand-in {tag}")
-            dockerfile = recipe.format(root=root_tag) + f'LABEL genfleet.standin="{key}"\n'
+            dockerfile = STANDINS[tag].format(root=root_tag) + f'LABEL genfleet.standin="{key}"\n'
             run(
                 ["docker", "build", "-q", "-t", tag, "-f", "-", str(context)],
                 600,
