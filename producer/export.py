@@ -352,10 +352,9 @@ def _create_temp(directory: Path) -> Path:
         return new_temp_file(directory, ".genfleet-export-")
     except PermissionError as exc:
         raise ConfigError(
-            f"cannot write the export into {directory}: permission denied for uid "
-            f"{os.getuid()} (gid {os.getgid()}). Make the folder writable for that user; under "
-            "docker compose the producer runs as HOST_UID:HOST_GID from .env: set them to the "
-            "owner of DATA_DIR (`id -u`, `id -g`)"
+            f"cannot write the export into {directory}: permission denied for uid {os.getuid()} "
+            f"(gid {os.getgid()}): make it writable for them; under docker compose the producer "
+            "runs as HOST_UID:HOST_GID from .env: set them to DATA_DIR's owner (`id -u`, `id -g`)"
         ) from exc
 
 
@@ -424,8 +423,7 @@ def _write_target(
             for record in records:
                 writer.write(record)
                 result.records += 1
-                if record.get("error"):
-                    result.errors += 1
+                result.errors += bool(record.get("error"))
         finally:
             writer.close()
         if scan.missing and not partial:  # an output vanished while we read
