@@ -7,10 +7,13 @@ still running after it is delivered again in parallel (kombu QoS.restore_visible
 
 from __future__ import annotations
 
+import base64
 import hashlib
 import re
 from dataclasses import dataclass
 from typing import Any
+
+import orjson
 
 from genfleet.common.settings import Settings
 
@@ -131,3 +134,18 @@ def worker_queue(settings: Settings) -> str:
 def order_queue(prefix: str, order: dict[str, Any]) -> str:
     """The queue a work order (as its JSON dict) belongs on."""
     return work_queue(prefix, ModelRef(str(order["engine"]), str(order["model"])))
+
+
+def work_order_of(message: bytes | str) -> tuple[str, str] | None:
+    """(run, batch) of a raw kombu message on Redis if it is a genfleet work order."""
+    try:
+        data = orjson.loads(message)
+        if data.get("headers", {}).get("task") != GENERATE_TASK:
+            return None
+        body = data["body"]
+        if data.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        order = orjson.loads(body)[1]["order"]
+        return str(order["run"]), str(order["batch"])
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None

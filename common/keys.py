@@ -132,6 +132,12 @@ def attempts_key(run: str) -> str:
     return f"{PREFIX}:run:{run}:attempts"
 
 
+def lost_key(run: str) -> str:
+    """Hash batch → deliveries that ended with the worker dead or vanished (lease expired, no
+    output); at max_deliveries the batch is parked as poison. `retry` clears it."""
+    return f"{PREFIX}:run:{run}:lost"
+
+
 def throughput_key(run: str) -> str:
     """Sorted set of `ts:tokens` samples for tok/s over a window; trimmed to one hour."""
     return f"{PREFIX}:run:{run}:throughput"

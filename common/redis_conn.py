@@ -36,6 +36,8 @@ class RedisPipeline(Protocol):
 
     def zremrangebyscore(self, name: str, min: float | str, max: float | str, /) -> Any: ...
 
+    def zrem(self, name: str, /, *values: Value) -> Any: ...
+
     def execute(self) -> list[Any]: ...
 
 
@@ -58,6 +60,8 @@ class RedisCommands(Protocol):
 
     def hincrby(self, name: str, key: str, amount: int = 1, /) -> Any: ...
 
+    def hget(self, name: str, key: str, /) -> Any: ...
+
     def hgetall(self, name: str, /) -> Any: ...
 
     def pipeline(self) -> RedisPipeline: ...
@@ -67,10 +71,16 @@ def _satisfies(client: redis.Redis) -> RedisCommands:
     return client  # mypy checks here that redis.Redis is a RedisCommands
 
 
-def connect(settings: Settings, check: bool = True) -> redis.Redis:
-    """A Redis client for genfleet's counters and keys; raises BrokerUnavailable with a hint."""
+def connect(settings: Settings, check: bool = True, timeout_s: float | None = None) -> redis.Redis:
+    """A Redis client for genfleet's counters and keys; raises BrokerUnavailable with a hint.
+
+    `timeout_s` bounds each call (connect and reply), for callers that must not block longer
+    than something they protect, such as a lease heartbeat."""
     url = settings.redis_url.get_secret_value()
-    client = redis.Redis.from_url(url, socket_connect_timeout=5, health_check_interval=30)
+    connect_s = 5.0 if timeout_s is None else min(5.0, timeout_s)
+    client = redis.Redis.from_url(
+        url, socket_connect_timeout=connect_s, socket_timeout=timeout_s, health_check_interval=30
+    )
     if check:
         try:
             client.ping()

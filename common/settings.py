@@ -108,6 +108,12 @@ class Settings(BaseSettings):
     stop_timeout_s: float = Field(default=30.0, gt=0)
     restart_budget: int = Field(default=5, ge=0)
     restart_backoff_s: float = Field(default=2.0, ge=0)
+    # `worker --gpus … --tp-size …`: how often each child worker that dies is restarted.
+    worker_restart_budget: int = Field(default=5, ge=0)
+    # An engine with requests in flight that produced nothing (no completion, no generated
+    # token in /metrics) for this long and fails /health_generate is killed and restarted
+    # (an external one: the worker stops consuming). 0 turns the watchdog off.
+    engine_stall_timeout_s: float = Field(default=300.0, ge=0)
     min_accept_length: float = Field(default=1.2, ge=1.0)
     log_dir: str | None = None  # engine logs; None: a temporary directory
 
@@ -128,6 +134,9 @@ class Settings(BaseSettings):
     # then it checkpoints them and hands them back to the queue, and stops its engine.
     shutdown_grace_s: float = Field(default=30.0, ge=0)
     lease_ttl_s: float = Field(default=60.0, gt=0)
+    # A batch whose worker died or vanished this many times is parked in the failed set
+    # (a batch that crashes its worker would otherwise travel the fleet forever).
+    max_deliveries: int = Field(default=3, ge=1)
     reaper_interval_s: float = Field(default=30.0, gt=0)
 
     # --- watching ---------------------------------------------------------------------------

@@ -137,18 +137,20 @@ class FileStore:
         return sorted(p.name for p in self.root.iterdir() if p.is_dir())
 
 
-def s3_client(endpoint_url: str | None, region: str) -> Any:
-    """A boto3 S3 client configured for any S3 server: the store's, and datasets read from S3."""
+def s3_client(endpoint_url: str | None, region: str, deadline_s: float | None = None) -> Any:
+    """A boto3 S3 client configured for any S3 server: the store's, and datasets read from S3.
+    With `deadline_s`, its timeouts and retries fit inside it (see `call_timeouts`)."""
     try:
         import boto3
         from botocore.config import Config
     except ImportError as exc:  # pragma: no cover - boto3 is a base dependency
         raise ConfigError("s3:// URLs need boto3: pip install boto3") from exc
+    connect_s, read_s, attempts = call_timeouts(deadline_s)
     config = Config(
         s3={"addressing_style": "path"},
-        retries={"mode": "standard", "max_attempts": 3},
-        connect_timeout=5,
-        read_timeout=60,
+        retries={"mode": "standard", "max_attempts": attempts},
+        connect_timeout=connect_s,
+        read_timeout=read_s,
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
         max_pool_connections=32,
@@ -173,13 +175,17 @@ class S3Store:
         region: str,
         attempts: int = 6,
         sleep: Callable[[float], None] = time.sleep,
+        deadline_s: float | None = None,
     ) -> None:
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self._attempts = attempts
         self._sleep = sleep
-        self._client: Any = s3_client(endpoint_url, region)
+        self._deadline_s = deadline_s
+        connect_s, read_s, _ = call_timeouts(deadline_s)
+        self._try_s = connect_s + read_s
+        self._client: Any = s3_client(endpoint_url, region, deadline_s)
 
     def _key(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
@@ -188,6 +194,7 @@ class S3Store:
         from botocore.exceptions import BotoCoreError, ClientError
 
         delay = 0.5
+        started = time.monotonic()
         for attempt in range(1, self._attempts + 1):
             try:
                 return fn()
@@ -200,7 +207,10 @@ class S3Store:
                 error: Exception = exc
             except BotoCoreError as exc:  # connection refused, timeouts, DNS
                 error = exc
-            if attempt == self._attempts:
+            late = self._deadline_s is not None and (
+                time.monotonic() - started + delay + self._try_s > self._deadline_s
+            )
+            if attempt == self._attempts or late:
                 raise StoreUnavailable(f"S3 {what} failed after {attempt} tries: {error}")
             log.warning("S3 %s failed (%s); retry %d in %.1f s", what, error, attempt, delay)
             self._sleep(delay)
@@ -311,8 +321,32 @@ class S3Store:
             token = page.get("NextContinuationToken")
 
 
-def open_store(url: str, endpoint_url: str | None = None, region: str = "us-east-1") -> Store:
-    """A store from its URL: `s3://bucket[/prefix]` or `file:///absolute/path`."""
+def call_timeouts(deadline_s: float | None) -> tuple[float, float, int]:
+    """botocore's connect and read timeouts and its attempts for one store call.
+
+    Without a deadline: 5 s, 60 s and 3 (a slow store is waited for). With one (a worker's
+    store, bounded by its lease) one try takes at most a third of it and botocore does not
+    retry on its own: `_call` retries while the deadline allows another whole try.
+
+    >>> call_timeouts(30.0)
+    (2.5, 7.5, 1)
+    """
+    if deadline_s is None:
+        return 5.0, 60.0, 3
+    connect_s = min(5.0, max(deadline_s / 12, 0.5))
+    read_s = min(60.0, max(deadline_s / 3 - connect_s, 1.0))
+    return connect_s, read_s, 1
+
+
+def open_store(
+    url: str,
+    endpoint_url: str | None = None,
+    region: str = "us-east-1",
+    deadline_s: float | None = None,
+) -> Store:
+    """A store from its URL: `s3://bucket[/prefix]` or `file:///absolute/path`.
+
+    `deadline_s` bounds each S3 call, retries included (see `call_timeouts`)."""
     parsed = urlparse(url)
     if parsed.scheme == "file":
         path = Path(unquote(parsed.netloc + parsed.path))
@@ -323,5 +357,5 @@ def open_store(url: str, endpoint_url: str | None = None, region: str = "us-east
     if parsed.scheme == "s3":
         if not parsed.netloc:
             raise ConfigError(f"s3 store URL needs a bucket: {url}")
-        return S3Store(parsed.netloc, parsed.path, endpoint_url, region)
+        return S3Store(parsed.netloc, parsed.path, endpoint_url, region, deadline_s=deadline_s)
     raise ConfigError(f"store must be s3://bucket/prefix or file:///path, got {url!r}")

@@ -6,7 +6,6 @@ JSON, so a producer-only install needs neither SGLang nor NVML.
 
 from __future__ import annotations
 
-import base64
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -16,7 +15,13 @@ import redis
 from celery import Celery
 
 from genfleet.common import keys
-from genfleet.common.celery_config import GENERATE_TASK, ModelRef, celery_config, work_queue
+from genfleet.common.celery_config import (
+    GENERATE_TASK,
+    ModelRef,
+    celery_config,
+    work_order_of,
+    work_queue,
+)
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import text
 from genfleet.common.settings import Settings
@@ -45,19 +50,7 @@ def send_orders(app: Celery, settings: Settings, orders: Iterable[WorkOrder]) ->
     return sent
 
 
-def _order_of(message: bytes | str) -> tuple[str, str] | None:
-    """(run, batch) of a raw kombu message on Redis if it is a genfleet work order."""
-    try:
-        data = orjson.loads(message)
-        if data.get("headers", {}).get("task") != GENERATE_TASK:
-            return None
-        body = data["body"]
-        if data.get("properties", {}).get("body_encoding") == "base64":
-            body = base64.b64decode(body)
-        order = orjson.loads(body)[1]["order"]
-        return str(order["run"]), str(order["batch"])
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        return None
+_order_of = work_order_of
 
 
 def orders_in_broker(client: redis.Redis, queue: str, run: str) -> set[str]:

@@ -30,7 +30,7 @@ from genfleet.producer.console import (
     print_rejects,
 )
 from genfleet.producer.enqueue import EnqueueResult, enqueue_run, reader_options
-from genfleet.producer.status import read_findings, run_status
+from genfleet.producer.status import read_findings, run_status, stall_facts, stall_reason
 
 Run = Annotated[str, typer.Option("--run", help="run name: letters, digits, . _ -")]
 Format = Annotated[
@@ -129,7 +129,7 @@ def status(
         objects = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
         client = connect(settings)
         if watch:
-            watch_run(objects, client, run)
+            watch_run(objects, client, run, None, settings.engine_stall_timeout_s, settings.queue)
         report = run_status(objects, client, run)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
@@ -158,9 +158,16 @@ def status_line(report: dict[str, Any]) -> str:
 
 
 def watch_run(
-    objects: Store, client: redis.Redis, run: str, check: Callable[[], None] | None = None
+    objects: Store,
+    client: redis.Redis,
+    run: str,
+    check: Callable[[], None] | None = None,
+    stall_s: float = 300.0,
+    queue: str = "gpu",
 ) -> None:
-    """A progress bar with tok/s and ETA until the run is done or failed."""
+    """A progress bar with tok/s and ETA until the run is done or failed. When nothing has
+    moved (prompts answered, batches done or failed) for `stall_s`, it says so and why, once
+    per still spell."""
     with Progress(
         TextColumn("[bold]{task.fields[run]}"),
         BarColumn(),
@@ -170,8 +177,22 @@ def watch_run(
         console=console,
     ) as progress:
         task = progress.add_task("run", total=None, run=run, rate=0, eta="-")
+        moved_at, last, warned = time.monotonic(), None, False
         while True:
             report = run_status(objects, client, run)
+            figures = (
+                report["prompts_generated"],
+                report["batches_done"],
+                report["batches_failed"],
+            )
+            if figures != last:
+                moved_at, last, warned = time.monotonic(), figures, False
+            still_s = time.monotonic() - moved_at
+            if stall_s and still_s >= stall_s and not warned:
+                facts = stall_facts(client, run, queue)
+                reason = stall_reason(report, still_s=still_s, now=time.time(), **facts)
+                progress.console.print(f"[yellow]{run}: {reason}[/]", highlight=False)
+                warned = True
             progress.update(
                 task,
                 total=report["prompts_total"],
@@ -195,12 +216,14 @@ def retry(
     """Re-enqueue RUN's failed batches (and any batch without output and without an order)."""
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
+        keys.validate_run(run)  # before any key is built from it
         client = connect(settings)
         failed = [text(b) for b in client.hkeys(keys.failed_key(run))]
         pipe = client.pipeline()
         for batch in failed:
             pipe.hdel(keys.failed_key(run), batch)
             pipe.hdel(keys.attempts_key(run), batch)
+            pipe.hdel(keys.lost_key(run), batch)
             pipe.srem(keys.queued_key(run), batch)
         pipe.execute()
         result = enqueue_run(settings, run, None, reader_options(settings), verify=True)

@@ -107,7 +107,7 @@ def _wait(children: Children, settings: Settings, run: str) -> dict[str, Any]:
                 f"last lines of {children.log_dir}/worker.log:\n{children.tail('worker')}"
             )
 
-    watch_run(store, client, run, check=check)
+    watch_run(store, client, run, check, settings.engine_stall_timeout_s, settings.queue)
     return run_status(store, client, run)
 
 

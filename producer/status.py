@@ -101,3 +101,58 @@ def read_findings(client: redis.Redis, run: str | None = None, count: int = 200)
         if run is None or data.get("run") in (None, run):
             findings.append(data)
     return findings
+
+
+STALL_CAUSES = ("engine_stalled", "engine_down", "worker_unresponsive")
+
+
+def stall_reason(
+    report: dict[str, Any],
+    *,
+    still_s: float,
+    workers_seen: dict[str, float],
+    findings: list[dict[str, Any]],
+    queue_depth: int,
+    now: float,
+) -> str:
+    """Why a run that has not moved for `still_s` is stuck, the most specific cause first.
+
+    >>> stall_reason({"batches_failed": 0}, still_s=300, workers_seen={}, findings=[],
+    ...              queue_depth=4, now=1000.0)[:47]
+    'nothing has moved for 300 s: no worker answered'
+    """
+    head = f"nothing has moved for {still_s:.0f} s: "
+    recent = [f for f in findings if now - float(f.get("ts", 0)) <= still_s]
+    for finding in recent:
+        if finding.get("cause") in STALL_CAUSES:
+            return (
+                f"{head}{finding['cause'].replace('_', ' ')} on {finding.get('worker')} "
+                f"({finding.get('suggestion')})"
+            )
+    alive = sorted(w for w, ts in workers_seen.items() if now - ts <= still_s)
+    if not alive:
+        return (
+            f"{head}no worker answered in that time ({queue_depth} orders queued): start one "
+            "with `genfleet worker`, and `genfleet control` for the power-watch"
+        )
+    failed = int(report.get("batches_failed", 0))
+    if failed and queue_depth == 0:
+        return (
+            f"{head}the {failed} failed batches are all that is left besides running ones: "
+            "see `genfleet status`, fix the cause, then `genfleet retry`"
+        )
+    return (
+        f"{head}{len(alive)} workers answer and {queue_depth} orders are queued, but nothing "
+        "finishes: read the workers' and engines' logs"
+    )
+
+
+def stall_facts(client: redis.Redis, run: str, queue: str) -> dict[str, Any]:
+    """What `stall_reason` needs from Redis: workers seen by the power-watch, recent findings
+    and the work queue's depth."""
+    seen = {text(k): float(v) for k, v in client.hgetall(keys.workers_key()).items()}
+    pipe = client.pipeline()
+    for name in keys.broker_queue_keys(queue):
+        pipe.llen(name)
+    depth = sum(int(n) for n in pipe.execute())
+    return {"workers_seen": seen, "findings": read_findings(client, run), "queue_depth": depth}

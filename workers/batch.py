@@ -3,8 +3,9 @@
 The order of things is what makes "nothing lost, nothing doubled" hold:
 1. the output exists → the batch is done (a duplicate delivery); skip;
 2. read the staged input and any checkpoint parts; only prompts without a result are sent;
-3. while prompts run: refresh the batch's lease, flush finished completions as a part every
-   checkpoint_interval_s, so a crash loses at most that much work;
+3. while prompts run: a heartbeat thread keeps the batch's lease (whatever this thread waits
+   on); finished completions are flushed as a part every checkpoint_interval_s, so a crash
+   loses at most that much work; a failed flush or progress report is tried again later;
 4. merge parts and new results in input order, `put_if_absent` the output — only then does
    the batch count as done (Redis counters follow the store, never lead it);
 5. delete the parts, best effort: once the output exists they are garbage.
@@ -16,7 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import CancelledError
+from concurrent.futures import CancelledError, Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +25,7 @@ from typing import Any
 import redis
 
 from genfleet.common import keys
-from genfleet.common.errors import StoreError
+from genfleet.common.errors import StoreError, StoreUnavailable
 from genfleet.common.records import (
     CompletionRecord,
     PromptRecord,
@@ -36,6 +37,7 @@ from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.store import Store
 from genfleet.common.throughput import member
 from genfleet.workers.feeder import Feeder
+from genfleet.workers.lifecycle import Lease
 
 log = logging.getLogger("genfleet.batch")
 
@@ -110,6 +112,15 @@ class _Collector:
         with self.lock:
             rows, self.unflushed = self.unflushed, []
         return rows
+
+    def give_back_progress(self, prompts: int, tokens: int) -> None:
+        with self.lock:
+            self.unreported[0] += prompts
+            self.unreported[1] += tokens
+
+    def give_back_rows(self, rows: list[CompletionRecord]) -> None:
+        with self.lock:
+            self.unflushed = rows + self.unflushed
 
 
 def is_result(row: dict[str, Any]) -> bool:
@@ -199,8 +210,12 @@ def execute(
     checkpoint_interval_s: float,
     gpus: str | None = None,
     cancelled: Callable[[], bool] | None = None,
+    lease_client: RedisCommands | None = None,
+    output_tries: int = 5,
 ) -> BatchSummary:
-    """Generate `order`'s batch; `cancelled()` is polled at each lease refresh and stops it."""
+    """Run one work order to its output object. `cancelled()` is polled while it runs and
+    stops it; `lease_client` (default `client`) keeps the lease alive from a heartbeat thread,
+    its calls should time out well inside the lease."""
     started = time.monotonic()
     summary = BatchSummary(run=order.run, batch=order.batch, worker=worker, gpus=gpus)
     output_key = keys.output_key(order.run, order.batch)
@@ -217,59 +232,55 @@ def execute(
     todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
     summary.resumed = len(records) - len(todo)
 
-    client.hsetnx(keys.counters_key(order.run), "started_at", time.time())
-    collector = _Collector()
-    lease = keys.lease_key(order.run, order.batch)
-    client.set(lease, worker, px=int(lease_ttl_s * 1000))
-    future = feeder.run_batch(
-        order.run,
-        order.batch,
-        [r for _, r in todo],
-        order.params,
-        lambda j, rec: collector.add(todo[j][0], rec),
+    _telemetry(
+        "the start time", client.hsetnx, keys.counters_key(order.run), "started_at", time.time()
     )
-    last_flush = time.monotonic()
-    try:
-        while True:
-            try:
-                future.result(timeout=max(min(lease_ttl_s / 3, PROGRESS_INTERVAL_S), 0.1))
-                break
-            except FutureTimeout:
-                _check_cancelled(order, cancelled, len(collector.results), len(todo))
-                client.set(lease, worker, px=int(lease_ttl_s * 1000))
-                _progress(client, order, worker, *collector.take_progress())
-                if time.monotonic() - last_flush >= checkpoint_interval_s:
-                    rows = collector.take_unflushed()
-                    if rows:
-                        next_part = write_part(store, order.run, order.batch, next_part, rows)
-                    last_flush = time.monotonic()
-    except BaseException as exc:
-        # Stop this try's requests: the retry sends the unfinished prompts again, and requests
-        # left running would do that work twice and hold in-flight slots of other batches.
-        future.cancel()
-        _save_finished(store, order, next_part, collector.take_unflushed())
+    collector = _Collector()
+    lease_key = keys.lease_key(order.run, order.batch)
+    with Lease(lease_client or client, lease_key, worker, lease_ttl_s):
+        future = feeder.run_batch(
+            order.run,
+            order.batch,
+            [r for _, r in todo],
+            order.params,
+            lambda j, rec: collector.add(todo[j][0], rec),
+        )
         try:
-            client.delete(lease)
-        except redis.RedisError:
-            log.warning("could not drop the lease of %s/%s", order.run, order.batch)
-        error = _why(exc, order, len(collector.results), len(todo))
-        if error is exc:
-            raise
-        raise error from exc
+            next_part = _follow(
+                future,
+                order,
+                store,
+                client,
+                worker,
+                collector,
+                next_part,
+                checkpoint_interval_s,
+                cancelled,
+                len(todo),
+            )
+        except BaseException as exc:
+            # Stop this try's requests: the retry sends the unfinished prompts again, and
+            # requests left running would do that work twice and hold in-flight slots of other
+            # batches. Only the engine failing or the worker stopping gets here.
+            future.cancel()
+            _save_finished(store, order, next_part, collector.take_unflushed())
+            error = _why(exc, order, len(collector.results), len(todo))
+            if error is exc:
+                raise
+            raise error from exc
 
-    rows_out: list[dict[str, Any]] = []
-    for index, record in enumerate(records):
-        done = collector.results.get(index)
-        rows_out.append(done.to_json() if done is not None else previous[record.key])
-    wrote = store.put_if_absent(output_key, encode_jsonl_gz(rows_out))
-    summary.duplicate = not wrote
-    _summarise(summary, rows_out, started)
-    _progress(client, order, worker, *collector.take_progress())
-    if wrote:
-        _count(client, order, summary)
-    else:
-        _mark_done(client, order)
-    client.delete(lease)
+        rows_out: list[dict[str, Any]] = []
+        for index, record in enumerate(records):
+            done = collector.results.get(index)
+            rows_out.append(done.to_json() if done is not None else previous[record.key])
+        wrote = _put_output(store, output_key, encode_jsonl_gz(rows_out), output_tries)
+        summary.duplicate = not wrote
+        _summarise(summary, rows_out, started)
+        _report(client, order, worker, collector)
+        if wrote:
+            _with_retries("the done counters", _count, client, order, summary)
+        else:
+            _with_retries("the batch as done", _mark_done, client, order)
     # Last, and best effort: once the output exists the parts are garbage. Failing here used
     # to fail the try after the output was written, and the retry (which finds the output
     # and skips) never counted the batch's tokens and errors.
@@ -278,6 +289,97 @@ def execute(
     except StoreError as exc:
         log.warning("could not delete the parts of %s/%s: %s", order.run, order.batch, exc)
     return summary
+
+
+def _follow(
+    future: Future[None],
+    order: WorkOrder,
+    store: Store,
+    client: RedisCommands,
+    worker: str,
+    collector: _Collector,
+    next_part: int,
+    checkpoint_interval_s: float,
+    cancelled: Callable[[], bool] | None = None,
+    todo: int = 0,
+) -> int:
+    """Wait for the batch's prompts, reporting progress and checkpointing as they finish.
+
+    Telemetry never costs work: a progress report or a checkpoint part that fails is logged
+    and tried again at the next interval (its rows and counts kept); only the feeder's own
+    failure (the engine, a shutdown) ends the wait early. Returns the next part number.
+    """
+    tick_s = max(min(PROGRESS_INTERVAL_S, checkpoint_interval_s), 0.1)
+    last_flush = time.monotonic()
+    while True:
+        try:
+            future.result(timeout=tick_s)
+            return next_part
+        except FutureTimeout:
+            pass
+        _check_cancelled(order, cancelled, len(collector.results), todo)
+        _report(client, order, worker, collector)
+        if time.monotonic() - last_flush >= checkpoint_interval_s:
+            rows = collector.take_unflushed()
+            if rows:
+                try:
+                    next_part = write_part(store, order.run, order.batch, next_part, rows)
+                except StoreError as exc:
+                    collector.give_back_rows(rows)
+                    log.warning(
+                        "checkpoint of %s/%s failed (%s): kept for the next one",
+                        order.run,
+                        order.batch,
+                        exc,
+                    )
+            last_flush = time.monotonic()
+
+
+def _report(client: RedisCommands, order: WorkOrder, worker: str, collector: _Collector) -> None:
+    """Report progress; on a Redis failure keep the counts for the next report."""
+    prompts, tokens = collector.take_progress()
+    try:
+        _progress(client, order, worker, prompts, tokens)
+    except redis.RedisError as exc:
+        collector.give_back_progress(prompts, tokens)
+        log.warning("progress of %s/%s not reported (%s): kept", order.run, order.batch, exc)
+
+
+def _telemetry(what: str, fn: Callable[..., Any], *args: Any) -> None:
+    try:
+        fn(*args)
+    except redis.RedisError as exc:
+        log.warning("could not record %s (%s)", what, exc)
+
+
+def _with_retries(what: str, fn: Callable[..., Any], *args: Any, tries: int = 4) -> None:
+    """Redis bookkeeping after the output exists: a blip must not fail a finished batch."""
+    for attempt in range(1, tries + 1):
+        try:
+            fn(*args)
+            return
+        except redis.RedisError as exc:
+            if attempt == tries:
+                raise
+            log.warning("could not record %s (%s): retry %d", what, exc, attempt)
+            time.sleep(0.5 * 2**attempt)
+
+
+def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
+    """Write the output, trying again while the store is unreachable: every prompt of the
+    batch is in memory and the lease holds, so waiting costs nothing; giving up redoes it."""
+    for attempt in range(1, tries + 1):
+        try:
+            if store.put_if_absent(key, data):
+                return True
+            # A try that timed out may still have landed: the same bytes there are ours.
+            return attempt > 1 and store.get(key) == data
+        except StoreUnavailable as exc:
+            if attempt == tries:
+                raise
+            log.warning("output %s not written (%s): retry %d", key, exc, attempt)
+            time.sleep(min(2.0**attempt, 30.0))
+    raise AssertionError("unreachable")
 
 
 def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float) -> None:

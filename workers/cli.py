@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -95,25 +94,28 @@ def worker(
 
 def run_group_workers(settings: Settings, groups: list[str | None], hostname: str | None) -> None:
     """One child worker per GPU group, its settings in its environment; signals are
-    forwarded; exit when they all exit."""
-    procs: list[subprocess.Popen[bytes]] = []
+    forwarded; a child that dies unasked is restarted (`--worker-restart-budget` times each,
+    with backoff) and reported; exit when they all exit."""
+    from genfleet.workers.pool import Child, ChildWorkers, report_restart
+
+    children = []
     for i, group in enumerate(groups):
         each = group_settings(settings, group, i, len(groups))
         argv = [sys.executable, "-m", "genfleet.workers", "worker", "--worker-index", str(i)]
         if hostname:  # name@host → name0@host, name1@host, ...
             name, _, domain = hostname.partition("@")
             argv += ["--hostname", f"{name}{i}@{domain or socket.gethostname()}"]
-        procs.append(subprocess.Popen(argv, env={**os.environ, **each.child_env()}))
-
-    def forward(signum: int, _frame: object) -> None:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    codes = [proc.wait() for proc in procs]
-    raise typer.Exit(max(codes))
+        env = {**os.environ, **each.child_env()}
+        children.append(Child(argv, env, f"child worker {i} (GPUs {group})"))
+    pool = ChildWorkers(
+        children,
+        settings.worker_restart_budget,
+        settings.restart_backoff_s,
+        report=lambda child, code: report_restart(settings, child, code),
+    )
+    signal.signal(signal.SIGTERM, lambda signum, _frame: pool.signal(signum))
+    signal.signal(signal.SIGINT, lambda signum, _frame: pool.signal(signum))
+    raise typer.Exit(pool.run())
 
 
 def run_celery(settings: Settings, args: list[str], hostname: str) -> None:

@@ -181,6 +181,8 @@ class Feeder:
         self._canary: tuple[PromptRecord, GenerationParams] | None = None  # last success
         self._engine = engine
         self._batches: set[Future[None]] = set()
+        self._by_batch: dict[tuple[str, str], Future[None]] = {}
+        self.terminated: set[tuple[str, str]] = set()
         self._batches_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="feeder", daemon=True)
@@ -215,12 +217,26 @@ class Feeder:
         future = self.submit(self._batch(run, batch, list(records), params, on_record))
         with self._batches_lock:
             self._batches.add(future)
+            self._by_batch[(run, batch)] = future
         future.add_done_callback(self._forget)
         return future
 
     def _forget(self, future: Future[None]) -> None:
         with self._batches_lock:
             self._batches.discard(future)
+            for name, running in list(self._by_batch.items()):
+                if running is future:
+                    del self._by_batch[name]
+
+    def cancel_batch(self, run: str, batch: str) -> bool:
+        """Cancel one running batch (an operator's terminate of its task); it is remembered
+        in `terminated` so the task parks it instead of handing it back to the queue."""
+        with self._batches_lock:
+            future = self._by_batch.get((run, batch))
+            if future is None:
+                return False
+            self.terminated.add((run, batch))
+        return future.cancel()
 
     def cancel_all(self) -> int:
         """Cancel every running batch (a shutdown that cannot wait): their requests stop, and

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import redis
 
+from genfleet.common import keys
 from genfleet.common.celery_config import worker_queue
 from genfleet.common.errors import EngineError
 from genfleet.common.redis_conn import connect
@@ -22,8 +25,10 @@ from genfleet.common.store import Store, open_store
 from genfleet.workers.client import EngineClient, ThinkingSwitch
 from genfleet.workers.engine.external import ExternalEngine
 from genfleet.workers.engine.families import choose
+from genfleet.workers.engine.launch import auth_headers
 from genfleet.workers.engine.ports import pick_port
 from genfleet.workers.engine.supervisor import EngineSupervisor
+from genfleet.workers.engine.watchdog import StallWatchdog, WatchedEngine
 from genfleet.workers.feeder import Feeder, default_max_inflight
 from genfleet.workers.observe.engine_state import (
     EngineState,
@@ -57,14 +62,25 @@ class WorkerRuntime:
         self.hostname = hostname
         self.on_exhausted = on_exhausted
         self.queue = worker_queue(settings)  # the one queue (model) this worker serves
-        self.store: Store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+        # Every store call ends well inside the lease it runs under (a hung put cannot outlast
+        # it); the lease heartbeat has a client of its own whose calls end inside one beat.
+        self.store: Store = open_store(
+            settings.store,
+            settings.s3_endpoint_url,
+            settings.s3_region,
+            deadline_s=settings.lease_ttl_s / 2,
+        )
         self.redis: redis.Redis = connect(settings)
+        self.lease_redis: redis.Redis = connect(
+            settings, check=False, timeout_s=max(settings.lease_ttl_s / 4, 0.5)
+        )
         self.engine: EngineSupervisor | ExternalEngine | None = None
         self.feeder: Feeder | None = None
         self.findings: list[dict[str, Any]] = []
         self.monitor: Monitor | None = None
         self.refused: str | None = None  # why the engine refuses this worker, once it does
         self.arch: str | None = None  # the checkpoint's architectures[0], when preflight read it
+        self.watchdog: StallWatchdog | None = None
 
     def start(self) -> None:
         global _current
@@ -135,7 +151,75 @@ class WorkerRuntime:
             fleet=lambda now: fleet_state(self.redis, settings, now),
         )
         self.monitor.start()
+        self._start_watchdog(api_key)
         _current = self
+
+    def _start_watchdog(self, api_key: str | None) -> None:
+        settings, engine, feeder = self.settings, self.engine, self.feeder
+        if not settings.engine_stall_timeout_s or engine is None or feeder is None:
+            return
+        health = settings.engine_health_path
+        if settings.engine_kind in ("sglang", "emulator"):
+            health = "/health_generate"  # SGLang generates one token for it
+        watched = WatchedEngine(
+            base_url=engine.base_url,
+            health_path=health,
+            headers=auth_headers(api_key),
+            inflight=lambda: feeder.inflight,
+            completions=lambda: feeder.tokens_total,
+            ready=lambda: engine.state == "ready",
+        )
+        self.watchdog = StallWatchdog(watched, settings.engine_stall_timeout_s, self.on_stall)
+        self.watchdog.start()
+
+    def on_stall(self, figures: dict[str, Any]) -> None:
+        """The engine is alive but produced nothing: kill and restart ours; stop consuming
+        from an external one (it cannot be restarted from here) and hand its batches back."""
+        engine = self.engine
+        reason = (
+            f"engine stalled: nothing generated for {figures['stalled_s']:.0f} s with "
+            f"{figures['inflight']} requests in flight, {figures['health']}"
+        )
+        if isinstance(engine, EngineSupervisor):
+            acted = engine.kill_stalled(reason)
+            suggestion = "the engine was killed and restarted; if it recurs, read its log"
+        else:
+            acted = engine is not None
+            suggestion = "the external engine stopped generating: restart it, then the worker"
+            if engine is not None:
+                engine.state = "exhausted"
+                engine.last_error = reason
+            if self.on_exhausted:
+                self.on_exhausted(f"{reason}; this worker stops taking work")
+            if self.feeder is not None:
+                self.feeder.cancel_all()  # checkpointed and handed back to the queue
+        if acted:
+            self._finding("engine_stalled", figures, suggestion)
+
+    def _finding(self, cause: str, numbers: dict[str, Any], suggestion: str) -> None:
+        """A finding the worker itself makes: log, `gpu_report`, and the findings stream."""
+        finding = {
+            "worker": self.hostname,
+            "gpu_uuid": None,
+            "verdict": "unresponsive",
+            "cause": cause,
+            "numbers": numbers,
+            "suggestion": suggestion,
+            "ts": time.time(),
+            "run": None,
+        }
+        log.error("ENGINE STALLED on %s: %s", self.hostname, orjson.dumps(numbers).decode())
+        self.findings.append(finding)
+        del self.findings[:-50]
+        try:
+            self.redis.xadd(
+                keys.findings_key(),
+                {"finding": orjson.dumps(finding)},
+                maxlen=self.settings.findings_maxlen,
+                approximate=True,
+            )
+        except redis.RedisError as exc:
+            log.warning("could not record the %s finding: %s", cause, exc)
 
     def _supervisor(self) -> EngineSupervisor:
         from genfleet.workers.engine.kinds import engine_launch
@@ -229,6 +313,8 @@ class WorkerRuntime:
     def stop(self) -> None:
         global _current
         _current = None
+        if self.watchdog is not None:
+            self.watchdog.stop()
         if self.monitor is not None:
             self.monitor.stop()
         if self.feeder is not None:

@@ -233,6 +233,17 @@ class MemoryRedis:
             scores[encode(member)] = float(score)
         return new
 
+    def zrem(self, name: Value, *values: Value) -> Any:
+        return self._run("zrem", name, *values)
+
+    def _zrem(self, name: Value, *values: Value) -> int:
+        scores = self._get(name, _Sorted)
+        if scores is None:
+            return 0
+        removed = sum(1 for value in values if scores.pop(encode(value), None) is not None)
+        self._drop_if_empty(name)
+        return removed
+
     def zremrangebyscore(self, name: Value, min: float | str, max: float | str) -> Any:
         return self._run("zremrangebyscore", name, min, max)
 
@@ -306,6 +317,9 @@ class MemoryPipeline:
 
     def zadd(self, name: Value, mapping: Mapping[Any, float]) -> MemoryPipeline:
         return self._queue("zadd", name, mapping)
+
+    def zrem(self, name: Value, *values: Value) -> MemoryPipeline:
+        return self._queue("zrem", name, *values)
 
     def zremrangebyscore(self, name: Value, min: float | str, max: float | str) -> MemoryPipeline:
         return self._queue("zremrangebyscore", name, min, max)

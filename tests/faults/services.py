@@ -3,8 +3,8 @@
 - RedisServer: a `redis-server` of the test's own (AOF on, password set) that can be shut
   down and started again on the same port and directory.
 - FlakyS3: a bucket on a moto S3 server reached through FlakyProxy, a TCP proxy whose link
-  the test can cut and restore; moto loses its state when it restarts, so the outage is made
-  at the proxy instead.
+  the test can cut and restore, or hang (bytes held, no error) and let flow again; moto
+  loses its state when it restarts, so the outage is made at the proxy instead.
 - FakeEngine: a small OpenAI-compatible server that answers 500 to marked prompts while
   `poison` is on, for batches whose every request fails.
 """
@@ -94,6 +94,8 @@ class FlakyProxy:
         self.refused = 0
         self._up = threading.Event()
         self._up.set()
+        self._flowing = threading.Event()
+        self._flowing.set()
         self._closed = threading.Event()
         self._lock = threading.Lock()
         self._sockets: set[socket.socket] = set()
@@ -120,8 +122,16 @@ class FlakyProxy:
     def restore(self) -> None:
         self._up.set()
 
+    def hang(self) -> None:
+        """Hold every byte in both directions: calls hang (no error) until `flow()`."""
+        self._flowing.clear()
+
+    def flow(self) -> None:
+        self._flowing.set()
+
     def close(self) -> None:
         self._closed.set()
+        self._flowing.set()
         self.cut()
         self._thread.join(timeout=5)
         self._listener.close()
@@ -152,6 +162,9 @@ class FlakyProxy:
         with contextlib.suppress(OSError):
             src.settimeout(None)
             while data := src.recv(65536):
+                while not self._flowing.wait(0.2):
+                    if self._closed.is_set():
+                        return
                 dst.sendall(data)
         for sock in (src, dst):
             with contextlib.suppress(OSError):

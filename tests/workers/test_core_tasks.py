@@ -29,6 +29,7 @@ from genfleet.common.records import (
 )
 from genfleet.common.settings import Settings
 from genfleet.workers import runtime as runtime_module
+from genfleet.workers import tasks as tasks_module
 from genfleet.workers.batch import BatchSummary
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.tasks import BatchFailed, generate_batch, reap, running_field
@@ -63,6 +64,10 @@ class FakeRuntime:
     def refuse_work(self, message: str) -> None:
         self.refused.append(message)
 
+    @property
+    def lease_redis(self) -> MemoryRedis:
+        return self.redis
+
 
 @pytest.fixture
 def make_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., FakeRuntime]]:
@@ -74,6 +79,7 @@ def make_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Fake
         settings = Settings(batch_retries=batch_retries, lease_ttl_s=30, checkpoint_interval_s=60)
         fake = FakeRuntime(feeder=feeder, settings=settings)
         monkeypatch.setattr(runtime_module, "_current", fake)
+        monkeypatch.setattr(tasks_module, "retry_backoff_s", lambda attempts: 0.0)
         return fake
 
     yield make

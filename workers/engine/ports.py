@@ -1,9 +1,15 @@
-"""Engine ports on this host: free, and reserved so two workers never pick the same one."""
+"""Engine ports on this host: free, and reserved so two workers never pick the same one.
+
+Lock files live in a directory of this user's own (0700, checked to be a real directory owned
+by this user, not a link someone planted in /tmp) and are opened without following symlinks.
+"""
 
 from __future__ import annotations
 
 import fcntl
+import os
 import socket
+import stat
 import tempfile
 from pathlib import Path
 from typing import IO
@@ -24,6 +30,33 @@ def port_is_free(host: str, port: int) -> bool:
 _RESERVED: dict[int, IO[str]] = {}
 
 
+def private_dir(name: str, root: Path | None = None) -> Path:
+    """`root/genfleet-UID/name` (root: the temp directory), each level 0700 and this user's.
+
+    Raises EngineStartError when a level is a symlink, not a directory, someone else's, or
+    open to others: a predictable path in /tmp is otherwise an invitation.
+    """
+    base = (root or Path(tempfile.gettempdir())) / f"genfleet-{os.getuid()}"
+    for path in (base, base / name):
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            pass
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
+            raise EngineStartError(f"{path} is not a directory of this user's own: remove it")
+        if stat.S_IMODE(info.st_mode) & 0o077:
+            raise EngineStartError(
+                f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):o}): chmod 700 it"
+            )
+    return base / name
+
+
+def open_private(path: Path, flags: int = os.O_RDWR) -> int:
+    """Open (creating, 0600) a file without following a symlink at its name."""
+    return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+
+
 def pick_port(host: str, preferred: int, span: int = 200) -> int:
     """`preferred` if it is free, else the next free port, reserved for this process.
 
@@ -32,12 +65,14 @@ def pick_port(host: str, preferred: int, span: int = 200) -> int:
     lock file for the port (released by `release_port` or when this process dies), and a
     port another worker has locked is skipped even before its engine listens.
     """
-    lock_dir = Path(tempfile.gettempdir()) / "genfleet-ports"
-    lock_dir.mkdir(parents=True, exist_ok=True)
+    lock_dir = private_dir("ports")
     for port in range(preferred, min(preferred + span, 65536)):
         if port in _RESERVED:
             continue
-        handle = (lock_dir / f"{port}.lock").open("w")
+        try:
+            handle = os.fdopen(open_private(lock_dir / f"{port}.lock"), "w")
+        except OSError as exc:  # ELOOP: a symlink where a lock file should be
+            raise EngineStartError(f"cannot open the lock of port {port}: {exc}") from exc
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -122,8 +122,6 @@ def sglang_launch(
     if settings.enable_metrics:
         argv.append("--enable-metrics")
     api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
-    if api_key:
-        argv += ["--api-key", api_key]
     argv += ["--log-level", settings.engine_log_level]
     argv += shlex.split(settings.engine_extra_args)
 
@@ -135,6 +133,8 @@ def sglang_launch(
         port=port,
         health_path="/health",
         api_key=api_key,
+        # Through `--config`, not argv: `ps` shows every process's argv to every user.
+        config={"api-key": api_key} if api_key else {},
     )
 
 

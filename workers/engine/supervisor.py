@@ -9,7 +9,8 @@ refused while loading, 503 until warm-up ends, then 200.
 If the engine dies while serving, requests in flight fail fast (connection errors), the
 supervisor restarts it with exponential backoff, and callers block in `wait_up()` until it is
 back. When the restart budget is spent the supervisor turns `exhausted` and calls
-`on_exhausted` so the worker stops taking work.
+`on_exhausted` so the worker stops taking work. An engine that is alive but stalled (see
+`watchdog`) is killed with `kill_stalled()` and then restarted the same way.
 """
 
 from __future__ import annotations
@@ -27,10 +28,11 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+import orjson
 
 from genfleet.common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
-from genfleet.workers.engine.launch import EngineLaunch, auth_headers
-from genfleet.workers.engine.ports import release_port
+from genfleet.workers.engine.launch import EngineLaunch, auth_headers, engine_env
+from genfleet.workers.engine.ports import open_private, private_dir, release_port
 
 log = logging.getLogger("genfleet.engine")
 
@@ -83,6 +85,8 @@ class EngineSupervisor:
         self._monitor: threading.Thread | None = None
         self._pump: threading.Thread | None = None
         self._log_file: Any = None
+        self._kill_reason: str | None = None
+        self._config_path: Path | None = None
 
     # --- public ---------------------------------------------------------------------------
 
@@ -128,6 +132,19 @@ class EngineSupervisor:
             self.server_info = info
         return self.server_info
 
+    def kill_stalled(self, reason: str) -> bool:
+        """SIGKILL the engine's whole process group (it works on a stopped process too); the
+        monitor sees the exit and restarts it within the restart budget. False when there was
+        no running engine to kill."""
+        with self._lock:
+            proc = self._proc
+            if proc is None or proc.poll() is not None or self.state != "ready":
+                return False
+            self._kill_reason = reason
+        log.error("engine (pid %s) is stalled: %s; killing its process group", proc.pid, reason)
+        self._reap_group(proc.pid)
+        return True
+
     def stop(self) -> None:
         """SIGTERM the engine's process group, then SIGKILL after stop_timeout_s. Idempotent."""
         self._stopping.set()
@@ -144,6 +161,8 @@ class EngineSupervisor:
             with contextlib.suppress(OSError):
                 self._log_file.close()
             self._log_file = None
+        if self._config_path is not None:
+            self._config_path.unlink(missing_ok=True)
         release_port(self.launch.port)
 
     # --- spawning and readiness -----------------------------------------------------------
@@ -154,18 +173,19 @@ class EngineSupervisor:
             self._changed.notify_all()
 
     def _spawn(self) -> None:
-        env = dict(os.environ)
-        env.update(self.launch.env)
-        if self.gpus is not None:
-            env["CUDA_VISIBLE_DEVICES"] = self.gpus
-        env.setdefault("PYTHONUNBUFFERED", "1")
+        # An explicit environment: the engine (or a user's command) never sees the worker's
+        # Redis URL, AWS keys or Flower credentials.
+        env = engine_env(os.environ, self.launch.env, self.gpus)
+        argv = list(self.launch.argv)
+        if self.launch.config:
+            argv += ["--config", str(self._write_config())]
         if self.log_path and self._log_file is None:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
             self._log_file = self.log_path.open("ab", buffering=0)
         log.info("starting engine: %s", self.launch.describe())
         try:
             proc = subprocess.Popen(
-                self.launch.argv,
+                argv,
                 env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.PIPE,
@@ -180,6 +200,16 @@ class EngineSupervisor:
             target=self._pump_logs, args=(proc,), name="engine-log", daemon=True
         )
         self._pump.start()
+
+    def _write_config(self) -> Path:
+        """The engine's `--config` file (its API key): 0600 in a 0700 directory of this
+        user's, never through a symlink; removed when the engine stops."""
+        path = private_dir("engines") / f"engine-{self.launch.port}.yaml"
+        fd = open_private(path, os.O_WRONLY | os.O_TRUNC)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(orjson.dumps(self.launch.config))
+        self._config_path = path
+        return path
 
     def _pump_logs(self, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
@@ -258,7 +288,8 @@ class EngineSupervisor:
                 continue
             if self._stopping.is_set():
                 return
-            self.last_error = f"engine exited with code {code}"
+            reason, self._kill_reason = self._kill_reason, None
+            self.last_error = reason or f"engine exited with code {code}"
             log.error("%s; last lines:\n%s", self.last_error, "\n".join(list(self.log_tail)[-20:]))
             if not self._restart():
                 return

@@ -6,6 +6,7 @@ import contextlib
 import json
 import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -408,6 +409,17 @@ def test_api_key(start_emulator: StartEmulator) -> None:
     assert httpx.get(f"{emu.base_url}/v1/models", headers=auth).status_code == 200
     assert httpx.get(f"{emu.base_url}/metrics").status_code == 404  # no --enable-metrics
     assert httpx.get(f"{emu.base_url}/server_info", headers=auth).json()["api_key"] == "***"
+
+
+def test_api_key_from_the_config_file(start_emulator: StartEmulator, tmp_path: Path) -> None:
+    """`--config file.yaml` as SGLang merges it (genfleet writes a JSON object, which is YAML):
+    the key reaches the engine without being on its argv."""
+    config = tmp_path / "engine.yaml"
+    config.write_text(json.dumps({"api-key": "from-file"}))
+    emu = start_emulator("--config", str(config))
+    assert httpx.get(f"{emu.base_url}/v1/models").status_code == 401
+    auth = {"Authorization": "Bearer from-file"}
+    assert httpx.get(f"{emu.base_url}/v1/models", headers=auth).status_code == 200
 
 
 def test_fail_after_requests_kills_the_process(start_emulator: StartEmulator) -> None:

@@ -13,6 +13,7 @@ from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
 from genfleet.workers.engine import sglang_argv
 from genfleet.workers.engine.kinds import engine_launch, print_engine_command
+from genfleet.workers.engine.launch import engine_env
 from genfleet.workers.engine.sglang_argv import parse_release, resolve_sglang_version, sglang_launch
 
 QWEN35 = "Qwen3_5ForConditionalGeneration"
@@ -188,7 +189,7 @@ CASES: list[tuple[str, dict[str, Any], str, str | None, list[str], dict[str, str
         {"engine_api_key": "s3cret"},
         "0.5.23",
         QWEN35,
-        SERVE + HEAD + MTP + NEW_MAMBA + ["--enable-metrics", "--api-key", "s3cret"] + TAIL[1:],
+        SERVE + HEAD + MTP + NEW_MAMBA + TAIL,  # the key is not on argv: see below
         {},
     ),
     (
@@ -224,12 +225,46 @@ def test_argv_table(
     )
 
 
-def test_api_key_is_passed_but_masked_in_describe() -> None:
+def test_api_key_goes_through_the_config_file_not_argv() -> None:
     launch = sglang_launch(Settings(model=MODEL, engine_api_key="s3cret"), PORT, "0.5.23")
     assert launch.api_key == "s3cret"
+    assert launch.config == {"api-key": "s3cret"}  # SGLang's `--config` YAML (JSON is YAML)
+    assert not any("s3cret" in arg for arg in launch.argv) and "--api-key" not in launch.argv
     text = launch.describe()
     assert "s3cret" not in text
-    assert "--api-key '***'" in text or "--api-key ***" in text
+    assert "--config <0600 file: api-key=***>" in text
+
+
+def test_engine_env_keeps_what_engines_read_and_drops_secrets() -> None:
+    inherited = {
+        "PATH": "/usr/bin",
+        "HOME": "/home/u",
+        "LD_LIBRARY_PATH": "/usr/local/cuda/lib64",
+        "CUDA_HOME": "/usr/local/cuda",
+        "HF_HOME": "/models/hf",
+        "NCCL_DEBUG": "WARN",
+        "SGLANG_ENABLE_SPEC_V2": "1",
+        "GENFLEET_REDIS_URL": "redis://:pw@redis:6379/0",
+        "GENFLEET_ENGINE_API_KEY": "k",
+        "AWS_ACCESS_KEY_ID": "AKIA",
+        "AWS_SECRET_ACCESS_KEY": "secret",
+        "FLOWER_BASIC_AUTH": "u:p",
+        "REDIS_PASSWORD": "pw",
+        "S3_SECRET_ACCESS_KEY": "secret",
+    }
+    env = engine_env(inherited, {"GENFLEET_EMULATOR_TIME_SCALE": "20"}, "2,3")
+    assert env == {
+        "PATH": "/usr/bin",
+        "HOME": "/home/u",
+        "LD_LIBRARY_PATH": "/usr/local/cuda/lib64",
+        "CUDA_HOME": "/usr/local/cuda",
+        "HF_HOME": "/models/hf",
+        "NCCL_DEBUG": "WARN",
+        "SGLANG_ENABLE_SPEC_V2": "1",
+        "GENFLEET_EMULATOR_TIME_SCALE": "20",
+        "CUDA_VISIBLE_DEVICES": "2,3",
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def test_describe_shows_the_environment_first() -> None:

@@ -19,7 +19,9 @@ import sys
 import zipfile
 from functools import cache
 from pathlib import Path
+from typing import Any
 
+import orjson
 import pytest
 
 from genfleet.common.settings import Settings
@@ -179,13 +181,26 @@ def test_every_emitted_flag_exists_in_that_release(version: str, case: str) -> N
 def test_maximal_settings_emit_every_flag_the_builder_knows() -> None:
     argv = sglang_launch(maximal_settings(), 30001, NEWEST_SGLANG, arch=QWEN35).argv
     assert emitted_flags(argv) == {
-        "--model-path", "--served-model-name", "--tp-size", "--host", "--port",
-        "--mem-fraction-static", "--max-running-requests", "--context-length",
-        "--reasoning-parser", "--tool-call-parser", "--trust-remote-code",
-        "--speculative-algorithm", "--speculative-num-steps", "--speculative-eagle-topk",
-        "--speculative-num-draft-tokens", "--mamba-radix-cache-strategy",
-        "--attention-backend", "--enable-metrics", "--api-key", "--log-level",
-    }  # fmt: skip
+        "--model-path",
+        "--served-model-name",
+        "--tp-size",
+        "--host",
+        "--port",
+        "--mem-fraction-static",
+        "--max-running-requests",
+        "--context-length",
+        "--reasoning-parser",
+        "--tool-call-parser",
+        "--trust-remote-code",
+        "--speculative-algorithm",
+        "--speculative-num-steps",
+        "--speculative-eagle-topk",
+        "--speculative-num-draft-tokens",
+        "--mamba-radix-cache-strategy",
+        "--attention-backend",
+        "--enable-metrics",
+        "--log-level",
+    }  # fmt: skip  (the API key goes through --config: see below)
 
 
 def test_extraction_finds_both_eras_flags() -> None:
@@ -234,3 +249,32 @@ def test_hybrid_archs_are_known_to_the_newest_release() -> None:
         overrides = archive.read("sglang/srt/arg_groups/overrides.py").decode()
     for arch in HYBRID_ARCHS:
         assert f'"{arch}"' in overrides
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_release_reads_the_api_key_from_the_config_file_genfleet_writes(
+    version: str, tmp_path: Path
+) -> None:
+    """The release's own `ConfigArgumentMerger`, run on the file the supervisor writes (a JSON
+    object, which is YAML), gives `--api-key` to its parser: the key never needs argv."""
+    import argparse
+
+    launch = sglang_launch(maximal_settings(), 30001, version, arch=QWEN35)
+    assert "--config" in wheel_flags(version) and "--api-key" not in launch.argv
+    with zipfile.ZipFile(wheel(version)) as archive:
+        name = next(n for n in archive.namelist() if n.endswith("server_args_config_parser.py"))
+        source = archive.read(name).decode()
+        server_args = archive.read("sglang/srt/server_args.py").decode()
+    assert "config_merger.merge_config_with_args(argv)" in server_args
+    namespace: dict[str, Any] = {"__name__": "sglang_config_parser"}
+    exec(compile(source, name, "exec"), namespace)  # noqa: S102 - the release's own parser
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model-path")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--config")
+    config = tmp_path / "engine.yaml"
+    config.write_bytes(orjson.dumps(launch.config))
+    argv = namespace["ConfigArgumentMerger"](parser).merge_config_with_args(
+        ["--model-path", "/m", "--config", str(config)]
+    )
+    assert parser.parse_args(argv).api_key == "k"

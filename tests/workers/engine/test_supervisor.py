@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import os
 import signal
+import stat
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 
 from genfleet.common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
 from genfleet.workers.engine.launch import EngineLaunch
-from genfleet.workers.engine.ports import pick_port, port_is_free, release_port
+from genfleet.workers.engine.ports import (
+    open_private,
+    pick_port,
+    port_is_free,
+    private_dir,
+    release_port,
+)
 from genfleet.workers.engine.supervisor import EngineSupervisor
 from tests.conftest import free_port, wait_for
 
@@ -136,9 +144,10 @@ def test_pick_port_reserves_until_released() -> None:
     assert pick_port("127.0.0.1", port) == port
     release_port(port)
     # another process holding the lock is respected too
+    lock = private_dir("ports") / f"{port}.lock"
     code = (
-        "import fcntl, sys, tempfile, pathlib, time; "
-        f"h = (pathlib.Path(tempfile.gettempdir()) / 'genfleet-ports' / '{port}.lock').open('w'); "
+        "import fcntl, time; "
+        f"h = open({str(lock)!r}, 'w'); "
         "fcntl.flock(h, fcntl.LOCK_EX); print('locked', flush=True); time.sleep(30)"
     )
     holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -162,3 +171,80 @@ def test_pick_port_skips_taken_ports() -> None:
         release_port(other)
     finally:
         sup.stop()
+
+
+def test_private_dir_is_0700_and_refuses_links_and_open_modes(tmp_path: Path) -> None:
+    made = private_dir("ports", root=tmp_path)
+    assert made.is_dir() and stat.S_IMODE(made.stat().st_mode) == 0o700
+    assert stat.S_IMODE(made.parent.stat().st_mode) == 0o700
+    # a directory someone made world-writable, or a link planted at the name, is refused
+    made.chmod(0o777)
+    with pytest.raises(EngineStartError, match="open to other users"):
+        private_dir("ports", root=tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    (made.parent / "engines").symlink_to(elsewhere)
+    with pytest.raises(EngineStartError, match="not a directory of this user's own"):
+        private_dir("engines", root=tmp_path)
+
+
+def test_open_private_does_not_follow_a_symlink(tmp_path: Path) -> None:
+    target = tmp_path / "target"
+    target.write_text("keep")
+    link = tmp_path / "1234.lock"
+    link.symlink_to(target)
+    with pytest.raises(OSError):
+        open_private(link)
+    assert target.read_text() == "keep"
+    fd = open_private(tmp_path / "fresh.lock")
+    os.close(fd)
+    assert stat.S_IMODE((tmp_path / "fresh.lock").stat().st_mode) == 0o600
+
+
+def test_engine_gets_an_explicit_environment_and_its_key_by_config_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The engine process never sees the worker's secrets, and its API key is in a 0600
+    `--config` file, not on its argv (which `ps` shows everyone)."""
+    monkeypatch.setenv("GENFLEET_REDIS_URL", "redis://:hunter2@redis:6379/0")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "aws-secret")
+    monkeypatch.setenv("FLOWER_BASIC_AUTH", "admin:pw")
+    monkeypatch.setenv("HF_HOME", "/models/hf")
+    port = free_port()
+    dump = tmp_path / "seen.json"
+    code = (
+        "import http.server, json, os, sys; "
+        "cfg = sys.argv[sys.argv.index('--config') + 1]; "
+        "json.dump({'env': dict(os.environ), 'argv': sys.argv, 'config': open(cfg).read(), "
+        "'mode': os.stat(cfg).st_mode & 0o777}, open(sys.argv[2], 'w')); "
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), "
+        "http.server.SimpleHTTPRequestHandler).serve_forever()"
+    )
+    launch = EngineLaunch(
+        kind="command",
+        argv=[sys.executable, "-c", code, str(port), str(dump)],
+        env={"SGLANG_X": "1"},
+        port=port,
+        health_path="/",
+        api_key="engine-key",
+        config={"api-key": "engine-key"},
+    )
+    sup = EngineSupervisor(launch, gpus="3", startup_timeout_s=20)
+    sup.start()
+    try:
+        seen = orjson.loads(dump.read_bytes())
+        cmdline = Path(f"/proc/{sup.pid}/cmdline").read_bytes()
+    finally:
+        sup.stop()
+    env = seen["env"]
+    assert not {"GENFLEET_REDIS_URL", "AWS_SECRET_ACCESS_KEY", "FLOWER_BASIC_AUTH"} & set(env)
+    assert (env["HF_HOME"], env["SGLANG_X"], env["CUDA_VISIBLE_DEVICES"]) == (
+        "/models/hf",
+        "1",
+        "3",
+    )
+    assert b"engine-key" not in cmdline and "engine-key" not in " ".join(seen["argv"])
+    assert orjson.loads(seen["config"]) == {"api-key": "engine-key"}
+    assert seen["mode"] == 0o600
+    config_path = seen["argv"][seen["argv"].index("--config") + 1]
+    assert not Path(config_path).exists()  # removed when the engine stopped

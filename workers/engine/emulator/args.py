@@ -202,9 +202,36 @@ def resolve_spec(ns: argparse.Namespace, architecture: str) -> SpecConfig | None
     return SpecConfig(algorithm, steps, topk, draft)
 
 
+def config_argv(argv: list[str]) -> list[str]:
+    """`--config file.yaml` as SGLang merges it: the file's `flag: value` pairs as flags,
+    before the command line's own (which win). How secrets such as the API key stay off argv.
+
+    genfleet writes that file as a JSON object (valid YAML, and no YAML library needed here).
+    """
+    if "--config" not in argv:
+        return argv
+    at = argv.index("--config")
+    if at + 1 >= len(argv):
+        raise LaunchError("No config file specified after --config flag!")
+    import json
+
+    with open(argv[at + 1], encoding="utf-8") as handle:
+        data = json.load(handle) or {}
+    if not isinstance(data, dict):
+        raise LaunchError("Config file must contain a dictionary at root level")
+    merged: list[str] = []
+    for key, value in data.items():
+        flag = "--" + str(key).replace("_", "-")
+        if value is True:
+            merged.append(flag)
+        elif value not in (False, None):
+            merged += [flag, str(value)]
+    return merged + argv[:at] + argv[at + 2 :]
+
+
 def parse_args(argv: list[str]) -> EngineArgs:
     """SGLang's argv → EngineArgs; unknown flags are ignored, impossible ones raise LaunchError."""
-    ns, _ignored = build_parser().parse_known_args(argv)
+    ns, _ignored = build_parser().parse_known_args(config_argv(argv))
     config = read_model_config(ns.model_path)
     architectures = config.get("architectures") or [DEFAULT_ARCHITECTURE]
     spec = resolve_spec(ns, str(architectures[0]))

@@ -1,0 +1,106 @@
+"""A store call that hangs longer than the lease: the lease is kept by its own heartbeat, so
+the reaper never hands the batch to a second worker, and the batch runs once."""
+
+from __future__ import annotations
+
+import collections
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from genfleet.common import keys
+from tests.conftest import Worker, base_env, free_port, wait_for
+from tests.faults.helpers import (
+    assert_exactly_once,
+    fault_settings,
+    log_count,
+    open_run_store,
+    outputs,
+    stage,
+    wait_run_done,
+    write_prompts,
+)
+from tests.faults.services import FlakyS3
+
+pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
+
+LEASE_S = 4.0
+HANG_S = 3 * LEASE_S
+
+
+def held_leases(client: redis.Redis, run: str) -> set[str]:
+    return {k.decode().rsplit(":", 1)[1] for k in client.scan_iter(match=keys.lease_key(run, "*"))}
+
+
+def runs_per_batch(workers: list[Worker]) -> collections.Counter[str]:
+    """How many times each batch was run to the end (task results in the workers' logs)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for worker in workers:
+        text = worker.log.read_text(errors="replace")
+        counts.update(re.findall(r"\] succeeded .*'batch': '(batch-\d+)'.*'skipped': False", text))
+    return counts
+
+
+def test_store_hanging_longer_than_the_lease_does_not_run_a_batch_twice(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+    flaky_s3: FlakyS3,
+) -> None:
+    env = base_env(
+        redis_url,
+        flaky_s3.store_url,
+        s3_endpoint_url=flaky_s3.endpoint_url,
+        lease_ttl_s=LEASE_S,
+        reaper_interval_s=1,
+        emulator_time_scale=4,
+        checkpoint_interval_s=1,
+        log_dir=tmp_path,
+    )
+    control = start_worker(env, role="control")
+    workers = [start_worker({**env, "GENFLEET_PORT": str(free_port())}) for _ in range(2)]
+    ids = write_prompts(tmp_path / "prompts.jsonl", 150)
+    settings = fault_settings(redis_url, flaky_s3.store_url, s3_endpoint_url=flaky_s3.endpoint_url)
+    direct = fault_settings(redis_url, flaky_s3.store_url, s3_endpoint_url=flaky_s3.direct_url)
+    store = open_run_store(direct)
+    for worker in (control, *workers):
+        worker.wait_ready()
+    stage(settings, "hang", tmp_path / "prompts.jsonl")
+    running = wait_for(
+        lambda: held_leases(redis_client, "hang") - outputs(store, "hang"),
+        60,
+        "a batch to be running",
+        0.05,
+    )
+
+    flaky_s3.proxy.hang()
+    hung_at = time.monotonic()
+    try:
+        while time.monotonic() - hung_at < HANG_S:
+            # Nothing can reach the store, so nothing finishes: every lease held stays held.
+            lapsed = running - held_leases(redis_client, "hang") - outputs(store, "hang")
+            assert not lapsed, f"leases lapsed on live workers during the hang: {lapsed}"
+            time.sleep(0.2)
+    finally:
+        flaky_s3.proxy.flow()
+    wait_run_done(direct, redis_client, "hang", 180, store)
+    result, _rows = assert_exactly_once(direct, "hang", ids, redis_client, store)
+    assert result.errors == 0
+    assert log_count(control, "expired without output") == 0
+    runs = wait_for(
+        lambda: r if len(r := runs_per_batch(workers)) == 6 else None,
+        20,
+        "every batch's result in the logs",
+    )
+    assert set(runs.values()) == {1}, f"batches run more than once: {runs}"
+    hung_calls = sum(log_count(w, "S3 ") for w in workers)
+    assert hung_calls > 0, "no store call felt the hang"
+    # A hung put cost no try (checkpoint rows were kept for later, the output put was tried
+    # again); only batches starting in the hang, with nothing generated yet, were put back.
+    for worker in workers:
+        assert not re.search(r"try \d+ failed: S3 put", worker.log.read_text(errors="replace"))

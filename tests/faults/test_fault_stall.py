@@ -1,0 +1,169 @@
+"""An engine that stops answering without exiting (SIGSTOP): the stall watchdog kills its
+process group, the supervisor restarts it, the in-flight prompts are retried, and the run
+finishes with every prompt exactly once."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+
+from genfleet.common import keys
+from tests.conftest import Worker, base_env, free_port, wait_for
+from tests.faults.helpers import (
+    assert_exactly_once,
+    engine_pid,
+    fault_settings,
+    leases_of,
+    log_count,
+    open_run_store,
+    outputs,
+    pid_alive,
+    stage,
+    wait_run_done,
+    write_prompts,
+)
+
+pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
+
+STALL_TIMEOUT_S = 20
+
+
+def stall_findings(client: redis.Redis) -> list[dict[str, object]]:
+    rows = [orjson.loads(fields[b"finding"]) for _, fields in client.xrange(keys.findings_key())]
+    return [row for row in rows if row["cause"] == "engine_stalled"]
+
+
+def test_frozen_engine_is_killed_restarted_and_the_run_finishes(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store_url = (tmp_path / "store").as_uri()
+    env = base_env(
+        redis_url,
+        store_url,
+        log_dir=tmp_path,
+        port=free_port(),
+        emulator_time_scale=4,
+        checkpoint_interval_s=1,
+        engine_stall_timeout_s=STALL_TIMEOUT_S,
+    )
+    worker = start_worker(env)
+    ids = write_prompts(tmp_path / "prompts.jsonl", 150)
+    settings = fault_settings(redis_url, store_url)
+    worker.wait_ready()
+    store = open_run_store(settings)
+    stage(settings, "frozen", tmp_path / "prompts.jsonl")
+    wait_for(
+        lambda: leases_of(redis_client, "frozen", worker.hostname) - outputs(store, "frozen"),
+        60,
+        "the worker to be running a batch",
+        0.05,
+    )
+    frozen = engine_pid(worker)
+    assert frozen is not None
+    os.kill(frozen, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        assert outputs(store, "frozen") != set(keys.batch_id(i) for i in range(6))
+        wait_for(lambda: not pid_alive(frozen), 90, f"the frozen engine (pid {frozen}) to die")
+        killed_s = time.monotonic() - frozen_at
+        wait_run_done(settings, redis_client, "frozen", 240 - (time.monotonic() - frozen_at))
+        done_s = time.monotonic() - frozen_at
+    finally:
+        if pid_alive(frozen):
+            os.kill(frozen, signal.SIGKILL)
+    assert done_s < 240
+    assert killed_s >= STALL_TIMEOUT_S  # not before the stall timeout
+    result, _rows = assert_exactly_once(settings, "frozen", ids, redis_client, store)
+    assert result.errors == 0
+    assert worker.proc.poll() is None
+    second = engine_pid(worker)
+    assert second not in (None, frozen)
+    assert log_count(worker, "restarting engine (1 of") == 1
+    found = stall_findings(redis_client)
+    assert len(found) == 1 and found[0]["worker"] == worker.hostname
+    numbers = found[0]["numbers"]
+    assert isinstance(numbers, dict)
+    assert numbers["stalled_s"] >= STALL_TIMEOUT_S and numbers["inflight"] > 0
+    print(
+        f"\n[fault frozen-engine] engine SIGSTOPped; killed {killed_s:.1f} s later (stall "
+        f"timeout {STALL_TIMEOUT_S} s), run done {done_s:.1f} s after the freeze; finding "
+        f"{numbers}"
+    )
+
+
+def test_frozen_external_engine_stops_the_worker_consuming(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store_url = (tmp_path / "store").as_uri()
+    port = free_port()
+    env = base_env(redis_url, store_url, emulator_time_scale=4, checkpoint_interval_s=1)
+    engine_log = (tmp_path / "external.log").open("ab")
+    external = subprocess.Popen(
+        [sys.executable, "-m", "genfleet.workers.engine.emulator", "--model-path", "ext"]
+        + ["--port", str(port), "--enable-metrics"],
+        env=env,
+        stdout=engine_log,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        watched = start_worker(
+            {
+                **env,
+                "GENFLEET_ENGINE": "external",
+                "GENFLEET_ENGINE_URL": f"http://127.0.0.1:{port}",
+                "GENFLEET_ENGINE_HEALTH_PATH": "/health_generate",
+                "GENFLEET_ENGINE_STALL_TIMEOUT_S": str(STALL_TIMEOUT_S / 2),
+            },
+            name="external",
+        )
+        ids = write_prompts(tmp_path / "prompts.jsonl", 100)
+        settings = fault_settings(redis_url, store_url)
+        watched.wait_ready()
+        store = open_run_store(settings)
+        stage(settings, "extfrozen", tmp_path / "prompts.jsonl")
+        wait_for(
+            lambda: leases_of(redis_client, "extfrozen", watched.hostname),
+            60,
+            "the worker to be running a batch",
+            0.05,
+        )
+        os.kill(external.pid, signal.SIGSTOP)
+        wait_for(
+            lambda: "this worker stops taking work" in watched.log.read_text(errors="replace"),
+            90,
+            "the worker to say it stops taking work",
+        )
+        from genfleet.workers.app import app
+
+        def queues() -> list[str] | None:
+            replies = app.control.inspect(destination=[watched.hostname], timeout=2).active_queues()
+            if not replies or watched.hostname not in replies:
+                return None
+            return [q["name"] for q in replies[watched.hostname]]
+
+        wait_for(lambda: (q := queues()) is not None and "gpu" not in q, 30, "consumer gone")
+        assert stall_findings(redis_client)[0]["worker"] == watched.hostname
+        healthy = start_worker(base_env(redis_url, store_url), name="healthy")
+        healthy.wait_ready()
+        wait_run_done(settings, redis_client, "extfrozen", 120, store)
+        assert_exactly_once(settings, "extfrozen", ids, redis_client, store)
+    finally:
+        os.killpg(external.pid, signal.SIGKILL)
+        external.wait(timeout=10)
+        engine_log.close()

@@ -1,0 +1,157 @@
+"""Fail fast, never loop, never lose an order: the task and reaper paths of it, on the fakes
+(see test_core_tasks.py for how `generate_batch` is called without a broker)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import orjson
+import pytest
+from celery.exceptions import Reject
+
+from genfleet.common import keys
+from genfleet.common.celery_config import GENERATE_TASK
+from genfleet.common.errors import EngineDown
+from genfleet.workers import tasks as tasks_module
+from genfleet.workers.tasks import BatchFailed, generate_batch, reap, running_field
+from tests.conftest import wait_for
+from tests.fakes.engine import FakeChat
+from tests.fakes.memory_redis import MemoryRedis
+from tests.fakes.memory_store import MemoryStore
+from tests.workers import test_core_tasks as core
+from tests.workers.test_core_tasks import BATCH, NOW, RUN, TTL_S, FakeRuntime, running, stage, state
+
+make_runtime = core.make_runtime  # the fixture, shared
+
+
+def unacked(db: MemoryRedis, tag: str, order: dict[str, Any]) -> None:
+    """A delivered, unacknowledged copy of `order` as kombu keeps it on Redis."""
+    body = orjson.dumps([[], {"order": order}, {}]).decode()
+    message = {"body": body, "headers": {"task": GENERATE_TASK}, "properties": {}}
+    db.hset(keys.UNACKED, tag, orjson.dumps([message, "", "gpu"]))
+    db.zadd(keys.UNACKED_INDEX, {tag: NOW})
+
+
+def test_a_batch_whose_worker_dies_every_time_is_parked_at_max_deliveries() -> None:
+    db, store = MemoryRedis(), MemoryStore()
+    requeued: list[dict[str, Any]] = []
+    for delivery in (1, 2, 3):
+        order = running(db, BATCH, NOW - 100)  # claimed, then its worker died: no lease
+        unacked(db, f"tag{delivery}", order)
+        report = reap(db, store, TTL_S, NOW, requeued.append, max_deliveries=3)
+        assert not db.hgetall(keys.UNACKED), "the dead delivery stays in the broker"
+        outcome = "parked" if delivery == 3 else "requeued"
+        assert report[outcome] == [running_field(RUN, BATCH)]
+    assert len(requeued) == 2
+    reason = db.hget(keys.failed_key(RUN), BATCH).decode()
+    assert reason.startswith("poison batch") and "3 deliveries" in reason
+    assert int(db.hget(keys.lost_key(RUN), BATCH)) == 3
+
+
+def test_a_requeue_that_cannot_be_sent_keeps_the_running_entry() -> None:
+    db, store = MemoryRedis(), MemoryStore()
+    order = running(db, BATCH, NOW - 100)
+    unacked(db, "tag1", order)
+
+    def broker_down(_order: dict[str, Any]) -> None:
+        raise ConnectionError("broker down")
+
+    with pytest.raises(ConnectionError):
+        reap(db, store, TTL_S, NOW, broker_down, max_deliveries=3)
+    assert db.hget(keys.running_key(), running_field(RUN, BATCH)) is not None
+    assert int(db.hget(keys.lost_key(RUN), BATCH) or 0) == 0
+    assert db.hgetall(keys.UNACKED), "the only other copy of the order was dropped"
+    requeued: list[dict[str, Any]] = []
+    reap(db, store, TTL_S, NOW, requeued.append, max_deliveries=3)
+    assert len(requeued) == 1  # the next pass sends it
+
+
+def test_redis_failing_before_the_batch_starts_requeues_the_message(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    runtime = make_runtime(FakeChat())
+    order = stage(runtime, 2)
+    runtime.redis.down = True
+
+    with pytest.raises(Reject) as caught:
+        generate_batch(order)
+    assert caught.value.requeue
+
+
+def test_a_failed_set_that_cannot_be_written_requeues_instead_of_acking(
+    make_runtime: Callable[..., FakeRuntime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = make_runtime(FakeChat())
+    order = stage(runtime, 2)
+
+    def input_gone_and_redis_too(key: str) -> bytes | None:
+        runtime.redis.down = True
+        return None
+
+    monkeypatch.setattr(runtime.store, "get", input_gone_and_redis_too)
+    with pytest.raises(Reject) as caught:  # not BatchFailed: that would ack the only copy
+        generate_batch(order)
+    assert caught.value.requeue
+
+
+def test_a_parked_batch_redelivered_by_the_broker_is_not_run(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    runtime = make_runtime(FakeChat())
+    order = stage(runtime, 2)
+    runtime.redis.hset(keys.lost_key(RUN), BATCH, 3)
+
+    result = generate_batch(order)
+
+    assert result["parked"] and not runtime.finished
+    assert not runtime.store.exists(keys.output_key(RUN, BATCH))
+
+
+def test_terminate_of_one_batch_parks_it_and_leaves_the_others(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    gate = threading.Event()
+    chat = FakeChat(gate=gate, ungated={"p0"})
+    runtime = make_runtime(chat)
+    order = stage(runtime, 4)
+
+    def terminate() -> None:
+        wait_for(lambda: chat.inflight == 3, 10, "three requests in flight", 0.01)
+        assert runtime.feeder.cancel_batch(RUN, BATCH)
+        assert not runtime.feeder.cancel_batch(RUN, "batch-000009")  # not running here
+
+    stopper = threading.Thread(target=terminate)
+    stopper.start()
+    with pytest.raises(BatchFailed, match="terminated by an operator"):
+        generate_batch(order)
+    stopper.join(timeout=10)
+    gate.set()
+    assert state(runtime)["failed"] == "BatchInterrupted"
+    assert list(runtime.store.list(keys.parts_prefix(RUN, BATCH)))  # p0 is checkpointed
+
+
+def test_a_retry_waits_out_its_backoff_under_a_lease_then_goes_straight_to_the_queue(
+    make_runtime: Callable[..., FakeRuntime], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No worker ever holds a delayed copy (one that dies with it would be invisible to the
+    reaper): the backoff is spent here, with the batch running and leased."""
+    runtime = make_runtime(FakeChat(failures={"p0": [EngineDown("engine gone")]}))
+    order = stage(runtime, 2)
+    monkeypatch.setattr(tasks_module, "retry_backoff_s", lambda attempts: 2.0)
+    seen: dict[str, Any] = {}
+
+    def look() -> None:
+        lease = keys.lease_key(RUN, BATCH)
+        wait_for(lambda: runtime.redis.get(lease), 10, "the lease held in the backoff", 0.01)
+        seen.update(state(runtime), holder=runtime.redis.get(lease))
+
+    looker = threading.Thread(target=look)
+    looker.start()
+    with pytest.raises(EngineDown):  # `retry` called directly re-raises the error
+        generate_batch(order)
+    looker.join(timeout=10)
+    assert seen["running"] and seen["holder"] == b"w@test" and seen["attempts"] == 1
+    assert not state(runtime)["running"]  # handed to the queue after the wait
+    assert not runtime.redis.get(keys.lease_key(RUN, BATCH))

@@ -1,0 +1,177 @@
+"""Judging an engine by progress, not by its pid: the stall watchdog.
+
+An engine can stop answering without exiting (a decode hang under thousands of requests, an
+event-loop stall, a CUDA error that leaves the process alive, a `kill -STOP`). Its requests
+then wait for `request_timeout_s` and the supervisor, which only watches the pid, never
+notices. So a thread of the worker watches two things while requests are in flight:
+
+- progress: completions the client received, plus the engine's own generated-token counters
+  from `/metrics` (`sglang:generation_tokens_total`, `sglang:realtime_tokens_total`);
+- after `stall_timeout_s` without any, a `/health_generate` probe (SGLang generates one token
+  for it). Only when that fails too is the engine stalled, and `on_stall` gets the figures.
+
+The decision is the pure `advance()`; the thread only gathers its inputs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("genfleet.engine")
+
+# The counters of SGLang's /metrics that move as the engine generates (contract §3).
+PROGRESS_COUNTERS = ("sglang:generation_tokens_total", "sglang:realtime_tokens_total")
+
+
+@dataclass(frozen=True)
+class StallClock:
+    """When the engine was last seen moving (or idle), and the progress figures then."""
+
+    moved_at: float
+    progress: tuple[float, ...] = ()
+
+    def stalled_s(self, now: float) -> float:
+        return max(0.0, now - self.moved_at)
+
+
+def advance(
+    clock: StallClock, now: float, inflight: int, progress: tuple[float, ...]
+) -> StallClock:
+    """The clock after one look: reset when nothing is in flight or any figure moved.
+
+    >>> c = advance(StallClock(0.0, (5.0,)), 10.0, inflight=3, progress=(5.0,))
+    >>> c.stalled_s(10.0)
+    10.0
+    >>> advance(c, 12.0, inflight=3, progress=(6.0,)).stalled_s(12.0)
+    0.0
+    """
+    if inflight <= 0 or progress != clock.progress:
+        return StallClock(now, progress)
+    return clock
+
+
+def parse_counters(text: str, names: tuple[str, ...] = PROGRESS_COUNTERS) -> dict[str, float]:
+    """Sum of each named counter over its label sets in a Prometheus text exposition."""
+    found: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name = line.split("{", 1)[0].split(" ", 1)[0]
+        if name in names:
+            with contextlib.suppress(ValueError, IndexError):
+                found[name] = found.get(name, 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+@dataclass(frozen=True)
+class WatchedEngine:
+    """Where to look and what the client sees: the inputs of one watchdog."""
+
+    base_url: str
+    health_path: str
+    headers: dict[str, str]
+    inflight: Callable[[], int]
+    completions: Callable[[], int]  # completion tokens the client has received
+    ready: Callable[[], bool]
+
+
+class StallWatchdog:
+    """A daemon thread that calls `on_stall(figures)` once per stall it finds.
+
+    After a stall the clock starts again, so a restarted engine gets the full timeout.
+    """
+
+    def __init__(
+        self,
+        engine: WatchedEngine,
+        stall_timeout_s: float,
+        on_stall: Callable[[dict[str, Any]], None],
+        *,
+        interval_s: float | None = None,
+        probe_timeout_s: float | None = None,
+    ) -> None:
+        self.engine = engine
+        self.stall_timeout_s = stall_timeout_s
+        self.on_stall = on_stall
+        self.interval_s = interval_s or min(max(stall_timeout_s / 8, 0.5), 10.0)
+        # SGLang's own health check gives up after 20 s (SGLANG_HEALTH_CHECK_TIMEOUT).
+        self.probe_timeout_s = probe_timeout_s or min(max(stall_timeout_s / 4, 2.0), 25.0)
+        self.stalls = 0
+        self._metrics: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=self.probe_timeout_s + 5)
+
+    def _progress(self, client: httpx.Client) -> tuple[float, ...]:
+        """Completions so far and the engine's counters (the last known when unreadable)."""
+        with contextlib.suppress(httpx.HTTPError):
+            response = client.get(
+                self.engine.base_url + "/metrics",
+                headers=self.engine.headers,
+                timeout=min(self.interval_s, 5.0),
+            )
+            if response.status_code == 200:
+                self._metrics.update(parse_counters(response.text))
+        figures = [float(self.engine.completions())]
+        figures.extend(self._metrics.get(name, -1.0) for name in PROGRESS_COUNTERS)
+        return tuple(figures)
+
+    def _probe(self, client: httpx.Client) -> str | None:
+        """None when the engine generates (health 200), else what went wrong."""
+        url = self.engine.base_url + self.engine.health_path
+        try:
+            response = client.get(url, headers=self.engine.headers, timeout=self.probe_timeout_s)
+        except httpx.TimeoutException:
+            return f"{self.engine.health_path} timed out after {self.probe_timeout_s:.0f} s"
+        except httpx.HTTPError as exc:
+            return f"{self.engine.health_path} failed: {type(exc).__name__}"
+        if response.status_code == 200:
+            return None
+        return f"{self.engine.health_path} answered {response.status_code}"
+
+    def _run(self) -> None:
+        with httpx.Client() as client:
+            clock = StallClock(time.monotonic())
+            while not self._stop.wait(self.interval_s):
+                if not self.engine.ready():
+                    clock = StallClock(time.monotonic())
+                    continue
+                inflight = self.engine.inflight()
+                clock = advance(clock, time.monotonic(), inflight, self._progress(client))
+                stalled_s = clock.stalled_s(time.monotonic())
+                if stalled_s < self.stall_timeout_s:
+                    continue
+                health = self._probe(client)
+                if health is None or self._stop.is_set():
+                    clock = StallClock(time.monotonic(), clock.progress)
+                    continue
+                self.stalls += 1
+                figures = {
+                    "stalled_s": round(time.monotonic() - clock.moved_at, 1),
+                    "stall_timeout_s": self.stall_timeout_s,
+                    "inflight": inflight,
+                    "completions": self.engine.completions(),
+                    "generation_tokens_total": self._metrics.get(PROGRESS_COUNTERS[0]),
+                    "health": health,
+                    "stalls": self.stalls,
+                }
+                try:
+                    self.on_stall(figures)
+                except Exception:  # noqa: BLE001 - the watchdog must outlive a failed reaction
+                    log.exception("reacting to a stalled engine failed")
+                clock = StallClock(time.monotonic(), clock.progress)
