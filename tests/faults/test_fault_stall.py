@@ -103,6 +103,15 @@ def test_frozen_engine_is_killed_restarted_and_the_run_finishes(
     )
 
 
+def emulator_process(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
+    """An emulator someone else runs (for `--engine external`), serving the model `ext`."""
+    argv = [sys.executable, "-m", "genfleet.workers.engine.emulator", "--model-path", "ext"]
+    argv += ["--served-model-name", "ext", "--port", str(port), "--enable-metrics"]
+    return subprocess.Popen(
+        argv, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
 def test_frozen_external_engine_stops_the_worker_consuming(
     tmp_path: Path,
     redis_url: str,
@@ -110,30 +119,30 @@ def test_frozen_external_engine_stops_the_worker_consuming(
     start_worker: Callable[..., Worker],
 ) -> None:
     store_url = (tmp_path / "store").as_uri()
-    port = free_port()
     env = base_env(redis_url, store_url, emulator_time_scale=4, checkpoint_interval_s=1)
-    engine_log = (tmp_path / "external.log").open("ab")
-    external = subprocess.Popen(
-        [sys.executable, "-m", "genfleet.workers.engine.emulator", "--model-path", "ext"]
-        + ["--port", str(port), "--enable-metrics"],
-        env=env,
-        stdout=engine_log,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        watched = start_worker(
+    ports = [free_port(), free_port()]
+    engines = [emulator_process(env, port, tmp_path / f"external-{port}.log") for port in ports]
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+
+    def external_worker(url: str, name: str) -> Worker:
+        return start_worker(
             {
                 **env,
                 "GENFLEET_ENGINE": "external",
-                "GENFLEET_ENGINE_URL": f"http://127.0.0.1:{port}",
+                "GENFLEET_ENGINE_URL": url,
+                "GENFLEET_SERVED_MODEL_NAME": "ext",  # both engines serve one model: one queue
                 "GENFLEET_ENGINE_HEALTH_PATH": "/health_generate",
                 "GENFLEET_ENGINE_STALL_TIMEOUT_S": str(STALL_TIMEOUT_S / 2),
             },
-            name="external",
+            name=name,
         )
+
+    try:
+        watched = external_worker(urls[0], "external")
         ids = write_prompts(tmp_path / "prompts.jsonl", 100)
-        settings = fault_settings(redis_url, store_url)
+        settings = fault_settings(
+            redis_url, store_url, engine="external", engine_url=urls[0], served_model_name="ext"
+        )
         watched.wait_ready()
         store = open_run_store(settings)
         stage(settings, "extfrozen", tmp_path / "prompts.jsonl")
@@ -143,12 +152,6 @@ def test_frozen_external_engine_stops_the_worker_consuming(
             "the worker to be running a batch",
             0.05,
         )
-        os.kill(external.pid, signal.SIGSTOP)
-        wait_for(
-            lambda: "this worker stops taking work" in watched.log.read_text(errors="replace"),
-            90,
-            "the worker to say it stops taking work",
-        )
         from genfleet.workers.app import app
 
         def queues() -> list[str] | None:
@@ -157,13 +160,24 @@ def test_frozen_external_engine_stops_the_worker_consuming(
                 return None
             return [q["name"] for q in replies[watched.hostname]]
 
-        wait_for(lambda: (q := queues()) is not None and "gpu" not in q, 30, "consumer gone")
+        consumed = wait_for(queues, 30, "the worker's queues")
+        os.kill(engines[0].pid, signal.SIGSTOP)
+        wait_for(
+            lambda: "this worker stops taking work" in watched.log.read_text(errors="replace"),
+            90,
+            "the worker to say it stops taking work",
+        )
+        wait_for(
+            lambda: (q := queues()) is not None and not set(q) & set(consumed),
+            30,
+            f"the worker to stop consuming {consumed}",
+        )
         assert stall_findings(redis_client)[0]["worker"] == watched.hostname
-        healthy = start_worker(base_env(redis_url, store_url), name="healthy")
+        healthy = external_worker(urls[1], "healthy")
         healthy.wait_ready()
         wait_run_done(settings, redis_client, "extfrozen", 120, store)
         assert_exactly_once(settings, "extfrozen", ids, redis_client, store)
     finally:
-        os.killpg(external.pid, signal.SIGKILL)
-        external.wait(timeout=10)
-        engine_log.close()
+        for engine in engines:
+            os.killpg(engine.pid, signal.SIGKILL)
+            engine.wait(timeout=10)
