@@ -11,7 +11,10 @@ peak RSS (`getrusage(RUSAGE_SELF)`), so neither the generator nor this process c
     python bench/producer.py --quick         # 100,000 prompts, well under a minute
     python bench/producer.py --profile out.prof   # cProfile the child
 
-The last line is `prompts_per_s: N`.
+A bare pass over the same file in the same kind of child (read lines, parse with orjson,
+dump and gzip each 256 lines as one batch, nothing else) gives the floor this machine sets;
+`producer_vs_bare` (goal >= 0.5) compares on any machine, where the rate moves with it. The
+last lines are `prompts_per_s: N` and `producer_vs_bare: X`.
 """
 
 from __future__ import annotations
@@ -82,16 +85,39 @@ def child(source: str, store: str, redis_url: str, name: str, profile: str | Non
     print(json.dumps({"wall_s": wall_s, "peak_rss_mb": peak_mb, **result.to_json()}))
 
 
+def bare(source: str) -> None:
+    """Runs in the child process: read, parse and gzip the file in batches, timed."""
+    import gzip
+
+    started = time.perf_counter()
+    lines = 0
+    batch: list[bytes] = []
+    with open(source, "rb") as handle:
+        for raw in handle:
+            batch.append(orjson.dumps(orjson.loads(raw)))
+            lines += 1
+            if len(batch) == 256:
+                gzip.compress(b"\n".join(batch) + b"\n", compresslevel=6, mtime=0)
+                batch.clear()
+    if batch:
+        gzip.compress(b"\n".join(batch) + b"\n", compresslevel=6, mtime=0)
+    print(json.dumps({"wall_s": time.perf_counter() - started, "prompts": lines}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="100K prompts")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/12")
     parser.add_argument("--profile", default=None, help="write a cProfile of the child here")
+    parser.add_argument("--bare", default=None, help=argparse.SUPPRESS)
     parser.add_argument(
         "--child", nargs=4, metavar=("SOURCE", "STORE", "REDIS", "NAME"), help=argparse.SUPPRESS
     )
     args = parser.parse_args()
+    if args.bare:
+        bare(args.bare)
+        return
     if args.child:
         source, store, redis_url, name = args.child
         child(source, store, redis_url, name, args.profile)
@@ -115,13 +141,24 @@ def main() -> None:
             )
         finally:
             forget_run(args.redis_url, name, f"{name}.emulator")  # its emulator queue
+        floor = subprocess.run(
+            [sys.executable, __file__, "--bare", str(source)],
+            check=True,
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+        )
     figures = json.loads(out.stdout.strip().splitlines()[-1])
+    bare_figures = json.loads(floor.stdout.strip().splitlines()[-1])
+    bare_rate = bare_figures["prompts"] / bare_figures["wall_s"]
     wall_s = figures["wall_s"]
     print(f"prompts: {figures['prompts']:,} ({size / 1e6:.0f} MB of JSONL)")
     print(f"batches: {figures['batches_total']:,} staged and enqueued")
     print(f"wall_s: {wall_s:.1f}")
     print(f"peak_rss_mb: {figures['peak_rss_mb']:.0f}")
+    print(f"bare read-parse-gzip: {bare_rate:.0f} prompts/s")
     print(f"prompts_per_s: {figures['prompts'] / wall_s:.0f}")
+    print(f"producer_vs_bare: {figures['prompts'] / wall_s / bare_rate:.2f}")
 
 
 if __name__ == "__main__":

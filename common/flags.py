@@ -126,6 +126,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "metrics_host": (WATCH, "the exporter listens here (0.0.0.0 in a container)"),
     "findings_maxlen": (WATCH, "findings kept in the Redis stream"),
     "realert_after_s": (WATCH, "the same finding is alerted again after this long"),
+    "gpu_hour_cost": (WATCH, "USD per GPU-hour: status, report and tune show cost per M tokens"),
     "emulator_time_scale": (EMULATOR, "10 = ten times real time"),
     "emulator_mean_completion_tokens": (EMULATOR, "mean completion length"),
     "emulator_max_completion_tokens": (EMULATOR, "longest completion"),
@@ -143,6 +144,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "emulator_usage_shape": (EMULATOR, "sglang or openai (completion_tokens_details)"),
     "emulator_effective_max_running_requests": (EMULATOR, "enforce fewer running than configured"),
     "emulator_request_log": (EMULATOR, "a file: one JSON line per chat request received"),
+    "emulator_unclaimed_gpus": (EMULATOR, "GPUs of the emulated node no worker claims"),
+    "emulator_foreign_process_mib": (EMULATOR, "MiB a stranger process holds on the engine's GPU"),
 }
 
 PANELS = (STORE, GENERATION, ENGINE, MTP, FEEDING, WATCH, EMULATOR, OTHER)

@@ -122,6 +122,17 @@ def queued_key(run: str) -> str:
     return f"{PREFIX}:run:{run}:queued"
 
 
+def staging_key(run: str) -> str:
+    """When the run's staging started, while its producer stages it; deleted once the manifest
+    is written. TTL = STAGING_TTL_S, refreshed as batches are sent, so a producer that died
+    stops counting as staging: the power-watch tells a run that is ending (draining) from one
+    whose producer is slower than the fleet (starved)."""
+    return f"{PREFIX}:run:{run}:staging"
+
+
+STAGING_TTL_S = 600
+
+
 def failed_key(run: str) -> str:
     """Hash batch → last error of batches that exhausted their tries; `retry` clears it."""
     return f"{PREFIX}:run:{run}:failed"

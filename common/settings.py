@@ -151,6 +151,8 @@ class Settings(BaseSettings):
     findings_maxlen: int = Field(default=10_000, ge=1)
     # The same power-watch finding (worker, GPU, cause) is alerted again only after this long.
     realert_after_s: float = Field(default=1800.0, gt=0)
+    # USD per GPU-hour: `status`, `report` and `tune` then show the cost per million tokens.
+    gpu_hour_cost: float | None = Field(default=None, ge=0)
 
     # --- the engine emulator (a dry-run engine, never a silent fallback) --------------------
     emulator_time_scale: float = Field(default=1.0, gt=0)  # 10 = ten times real time
@@ -174,6 +176,10 @@ class Settings(BaseSettings):
     # pool is short (reported as internal_states[i].effective_max_running_requests_per_dp).
     emulator_effective_max_running_requests: int | None = Field(default=None, ge=1)
     emulator_request_log: str | None = None  # a file: one JSON line per chat request received
+    # The emulated node's other GPUs, which no worker claims, and a stranger process holding
+    # memory on the engine's GPU: what the power-watch's unclaimed_gpu / foreign_process see.
+    emulator_unclaimed_gpus: int = Field(default=0, ge=0)
+    emulator_foreign_process_mib: int = Field(default=0, ge=0)
 
     @field_validator("store")
     @classmethod

@@ -30,9 +30,19 @@ from genfleet.producer.console import (
     print_rejects,
 )
 from genfleet.producer.enqueue import EnqueueResult, enqueue_run, reader_options
-from genfleet.producer.status import read_findings, run_status, stall_facts, stall_reason
+from genfleet.producer.status import (
+    energy_text,
+    read_findings,
+    run_status,
+    stall_facts,
+    stall_reason,
+)
 
 Run = Annotated[str, typer.Option("--run", help="run name: letters, digits, . _ -")]
+GpuHourCost = Annotated[
+    float | None,
+    typer.Option("--gpu-hour-cost", help="USD per GPU-hour: cost per million tokens"),
+]
 Format = Annotated[
     str | None, typer.Option("--format", help="jsonl|openai|parquet|hf (default: from the path)")
 ]
@@ -122,15 +132,21 @@ def status(
     redis_url: RedisUrl = None,
     store: StoreUrl = None,
     s3_endpoint_url: S3Endpoint = None,
+    gpu_hour_cost: GpuHourCost = None,
 ) -> None:
-    """Progress of RUN: batches and prompts done, failed batches, tok/s and ETA."""
-    settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
+    """Progress of RUN: batches and prompts done, failed batches, tok/s, ETA, energy."""
+    settings = build_settings(
+        redis_url=redis_url,
+        store=store,
+        s3_endpoint_url=s3_endpoint_url,
+        gpu_hour_cost=gpu_hour_cost,
+    )
     try:
         objects = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
         client = connect(settings)
         if watch:
             watch_run(objects, client, run, None, settings.engine_stall_timeout_s, settings.queue)
-        report = run_status(objects, client, run)
+        report = run_status(objects, client, run, gpu_hour_cost=settings.gpu_hour_cost)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     if json_out:
@@ -139,6 +155,8 @@ def status(
     out.print(status_line(report), highlight=False)
     for batch, error in report["failed"].items():
         out.print(f"  failed {batch}: {escape(error)}", highlight=False)
+    if energy := energy_text(report):
+        out.print(f"  energy: {energy}", highlight=False)
 
 
 def status_line(report: dict[str, Any]) -> str:
@@ -276,11 +294,19 @@ def report(
     json_out: Json = False,
     store: StoreUrl = None,
     s3_endpoint_url: S3Endpoint = None,
+    redis_url: RedisUrl = None,
+    gpu_hour_cost: GpuHourCost = None,
 ) -> None:
-    """Quality of RUN's outputs: token distributions, finish reasons, short answers, flags."""
+    """Quality of RUN's outputs: token distributions, finish reasons, short answers, flags;
+    and what its GPUs spent (kWh, J/token, cost per million tokens with --gpu-hour-cost)."""
     from genfleet.producer.report import build_report, render_report
 
-    settings = build_settings(store=store, s3_endpoint_url=s3_endpoint_url)
+    settings = build_settings(
+        store=store,
+        s3_endpoint_url=s3_endpoint_url,
+        redis_url=redis_url,
+        gpu_hour_cost=gpu_hour_cost,
+    )
     try:
         data = build_report(settings, run)
     except (GenfleetError, ValueError) as exc:

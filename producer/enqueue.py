@@ -162,6 +162,7 @@ def stage(
     claim_run(store, run, params, ref, staging_params(settings))
     done = done_batches(store, run)  # a run staged before but never finished its manifest
     batches = make_batches(split, settings.batch_size, settings.batch_max_tokens, params.max_tokens)
+    last_send = time.monotonic()
     for index, records in enumerate(batches):
         batch = keys.batch_id(index)
         key = keys.input_key(run, batch)
@@ -176,8 +177,13 @@ def stage(
         result.prompts += len(records)
         if batch not in done:
             pending.append(_order(run, batch, key, len(records), params, ref))
-        if len(pending) >= 64:
+        # Send in chunks that grow from one batch to 64 (the first batch goes out at once, so
+        # GPUs start while staging goes on), and at least once a second: a slow source must
+        # not hold back batches that are staged already while GPUs wait.
+        chunk = min(64, max(1, result.batches_enqueued))
+        if len(pending) >= chunk or (pending and time.monotonic() - last_send >= 1.0):
             result.batches_enqueued += _send(send, pending, outstanding)
+            last_send = time.monotonic()
     result.batches_enqueued += _send(send, pending, outstanding)
     result.rejects = len(split.rejects)
     result.reject_samples = [str(reject) for reject in split.rejects[:20]]
@@ -310,9 +316,15 @@ def enqueue_run(
     else:
         outstanding = {text(member) for member in client.smembers(queued)}
 
+    staging_since = time.time()
+    staging = keys.staging_key(run)
+    staging_now: list[bool] = []  # non-empty while this call stages the run
+
     def send(orders: list[WorkOrder]) -> int:
         client.sadd(queued, *[order.batch for order in orders])
         client.sadd(keys.work_queues_key(), queue)
+        if staging_now:
+            client.set(staging, staging_since, ex=keys.STAGING_TTL_S)
         return send_orders(app, settings, orders)
 
     # Enqueueing a cancelled run resumes it: the flag goes before any order is sent.
@@ -321,7 +333,13 @@ def enqueue_run(
     if manifest is None:
         if source is None:
             raise InputError(f"run {run!r} has no manifest in {store.url}: give a SOURCE")
-        manifest, result = stage(settings, store, run, source, options, send, outstanding)
+        client.set(staging, staging_since, ex=keys.STAGING_TTL_S)
+        staging_now.append(True)
+        try:
+            manifest, result = stage(settings, store, run, source, options, send, outstanding)
+        finally:
+            staging_now.clear()
+            client.delete(staging)
     else:
         result = enqueue_missing(store, manifest, send, outstanding, only)
     result.model, result.engine, result.queue = ref.model, ref.engine, queue

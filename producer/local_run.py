@@ -236,17 +236,12 @@ def _summary(settings: Settings, report: dict[str, Any], json_out: bool) -> None
     elif report["state"] != "done":
         out.print(f"failed batches: {', '.join(report['failed'])}; fix, then `genfleet retry`")
     out.print(f"export: genfleet export {report['run']} --out {report['run']}.jsonl")
-    # A GPU with nothing left to take at the end of a run is expected, not news.
-    tail = [f for f in findings if f.get("cause") == "starved"]
+    # The end of a run (GPUs draining) is not a finding, so every finding here is news.
     for finding in findings:
-        if finding.get("cause") != "starved":
-            out.print(
-                f"finding: {finding.get('worker')} {finding.get('cause')}: "
-                f"{finding.get('suggestion')}",
-                highlight=False,
-            )
-    if tail:
-        out.print(f"({plural(len(tail), 'starved finding')}: GPUs idle while the last batches ran)")
+        out.print(
+            f"finding: {finding.get('worker')} {finding.get('cause')}: {finding.get('suggestion')}",
+            highlight=False,
+        )
 
 
 def _findings(settings: Settings, run: str) -> list[dict[str, Any]]:

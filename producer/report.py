@@ -136,7 +136,29 @@ def build_report(
         "threshold": threshold,
     }
     report["flags"] = _flags(report, threshold)
+    report["energy"] = _energy(settings, run)
     return report
+
+
+def _energy(settings: Settings, run: str) -> dict[str, Any] | None:
+    """What the run's GPUs spent, from the workers' counters in Redis; None (said so in the
+    text) when Redis cannot be reached: the report itself needs only the store."""
+    import redis
+
+    from genfleet.common import keys
+    from genfleet.common.redis_conn import text
+    from genfleet.producer.status import energy_figures
+
+    try:
+        client = redis.Redis.from_url(
+            settings.redis_url.get_secret_value(), socket_connect_timeout=3, socket_timeout=5
+        )
+        raw = client.hgetall(keys.counters_key(run))
+        client.close()
+    except redis.RedisError:
+        return None
+    counters = {text(k): text(v) for k, v in raw.items()}
+    return energy_figures(counters, settings.gpu_hour_cost)
 
 
 def render_report(report: dict[str, Any]) -> str:
@@ -185,4 +207,11 @@ def render_report(report: dict[str, Any]) -> str:
         console.print(table)
     flags = report["flags"]
     console.print("flags: " + ("; ".join(flags) if flags else "none"))
+    from genfleet.producer.status import energy_text
+
+    energy = report.get("energy")
+    console.print(
+        "energy: "
+        + ((energy_text(energy) or "not measured") if energy else "unknown (Redis unreachable)")
+    )
     return buffer.getvalue()

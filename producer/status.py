@@ -23,8 +23,55 @@ from genfleet.producer.enqueue import done_batches
 WINDOW_S = 120.0
 
 
+def energy_figures(counters: dict[str, str], gpu_hour_cost: float | None) -> dict[str, Any]:
+    """What the run's GPUs spent, from the workers' per-batch counters: kWh, J per generated
+    token, GPU-hours and, given a price per GPU-hour, the cost per million generated tokens.
+
+    J/token covers only the batches whose GPUs had an energy counter (`energy_batches` says
+    how many); figures are None until there is something to divide by, never a made-up 0.
+
+        energy_figures({"energy_j": "7.2e6", "energy_batches": "4", "energy_batch_tokens":
+                        "2000000", "energy_tokens": "2000000", "gpu_s": "3600"}, 2.5)
+        # → 2.0 kWh, 3.6 J/token, 1.0 GPU-hour, 1.25 USD per million tokens
+    """
+    energy_j = float(counters.get("energy_j", 0.0))
+    batches = int(counters.get("energy_batches", 0))
+    energy_tokens = int(counters.get("energy_batch_tokens", 0))
+    tokens = int(counters.get("energy_tokens", 0))
+    gpu_hours = float(counters.get("gpu_s", 0.0)) / 3600
+    cost = None
+    if gpu_hour_cost is not None and tokens > 0:
+        cost = gpu_hours * gpu_hour_cost / (tokens / 1e6)
+    return {
+        "energy_kwh": energy_j / 3.6e6 if batches else None,
+        "j_per_token": energy_j / energy_tokens if energy_tokens else None,
+        "energy_batches": batches,
+        "gpu_hours": gpu_hours if tokens else None,
+        "gpu_hour_cost": gpu_hour_cost,
+        "cost_per_million_tokens": cost,
+    }
+
+
+def energy_text(figures: dict[str, Any]) -> str:
+    """One line for a terminal, '' when nothing was measured."""
+    parts = []
+    if figures["energy_kwh"] is not None:
+        parts.append(f"{figures['energy_kwh']:.4g} kWh")
+    if figures["j_per_token"] is not None:
+        parts.append(f"{figures['j_per_token']:.4g} J/token")
+    if figures["gpu_hours"] is not None:
+        parts.append(f"{figures['gpu_hours']:.4g} GPU-hours")
+    if figures["cost_per_million_tokens"] is not None:
+        parts.append(f"{figures['cost_per_million_tokens']:.4g} USD per million tokens")
+    return ", ".join(parts)
+
+
 def run_status(
-    store: Store, client: redis.Redis, run: str, now: float | None = None
+    store: Store,
+    client: redis.Redis,
+    run: str,
+    now: float | None = None,
+    gpu_hour_cost: float | None = None,
 ) -> dict[str, Any]:
     keys.validate_run(run)
     now = time.time() if now is None else now
@@ -90,6 +137,7 @@ def run_status(
         "eta_s": eta_s,
         "failed": failed,
         "store": store.url,
+        **energy_figures(counters, gpu_hour_cost),
     }
 
 

@@ -104,6 +104,7 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 log.exception("could not stop consuming from %s", queue)
 
         self.runtime = WorkerRuntime(settings, hostname, on_exhausted=exhausted)
+        self.runtime.celery_worker = parent
         try:
             self.runtime.start()
         except Exception:
@@ -164,6 +165,8 @@ def gpu_report(state: Any) -> dict[str, Any]:
     from genfleet.workers import runtime
 
     if runtime._current is None:
-        return {"ok": False, "reason": "engine not started"}
+        import socket
+
+        return {"ok": False, "reason": "engine not started", "node": socket.gethostname()}
     report: dict[str, Any] = runtime._current.report()
     return report

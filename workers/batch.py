@@ -74,6 +74,9 @@ class BatchSummary:
     duplicate: bool = False  # another copy wrote the output first
     gpus: str | None = None
     accept_length: float | None = None
+    generated_tokens: int = 0  # completion tokens generated in this try (not from parts)
+    energy_j: float | None = None  # the batch's share of its GPUs' energy (None: no counter)
+    gpu_s: float = 0.0  # the batch's share of its GPUs' time
     finish_reasons: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -212,6 +215,7 @@ def execute(
     cancelled: Callable[[], bool] | None = None,
     lease_client: RedisCommands | None = None,
     output_tries: int = 5,
+    on_sent: Callable[[], None] | None = None,
 ) -> BatchSummary:
     """Run one work order to its output object. `cancelled()` is polled while it runs and
     stops it; `lease_client` (default `client`) keeps the lease alive from a heartbeat thread,
@@ -244,6 +248,7 @@ def execute(
             [r for _, r in todo],
             order.params,
             lambda j, rec: collector.add(todo[j][0], rec),
+            on_sent=on_sent,
         )
         try:
             next_part = _follow(
@@ -273,6 +278,9 @@ def execute(
         for index, record in enumerate(records):
             done = collector.results.get(index)
             rows_out.append(done.to_json() if done is not None else previous[record.key])
+        summary.generated_tokens = sum(
+            r.usage.completion_tokens for r in collector.results.values()
+        )
         wrote = _put_output(store, output_key, encode_jsonl_gz(rows_out), output_tries)
         summary.duplicate = not wrote
         _summarise(summary, rows_out, started)
@@ -438,3 +446,30 @@ def _progress(
     pipe.zadd(throughput, {member(now, order.batch, worker, tokens): now})
     pipe.zremrangebyscore(throughput, "-inf", now - 3600)
     pipe.execute()
+
+
+def batch_share(
+    energy_j: tuple[float | None, float | None],
+    engine_tokens: int,
+    batch_tokens: int,
+    duration_s: float,
+    gpus: int,
+) -> tuple[float | None, float]:
+    """The batch's energy (J) and GPU-seconds: the GPUs' energy-counter delta and time over
+    the batch, times the batch's share of the tokens the engine made meanwhile (batches of one
+    worker overlap, so each pays for what it generated).
+
+    None for energy when a counter is missing or went backwards (a driver reload): better no
+    figure than a wrong one. A batch that generated nothing (all resumed) costs nothing.
+
+        batch_share((1000.0, 4000.0), engine_tokens=600, batch_tokens=200, duration_s=10,
+                    gpus=1)  # → (1000.0, 3.33…)
+    """
+    if batch_tokens <= 0 or duration_s <= 0:
+        return (0.0 if None not in energy_j else None), 0.0
+    share = batch_tokens / max(engine_tokens, batch_tokens)
+    gpu_s = duration_s * max(gpus, 1) * share
+    start, end = energy_j
+    if start is None or end is None or end < start:
+        return None, gpu_s
+    return (end - start) * share, gpu_s

@@ -174,6 +174,7 @@ class Feeder:
         self.identity = identity or {}
         self.backoff_s = backoff_s
         self.inflight = 0
+        self.waiting = 0  # prompts submitted that do not hold a limiter slot yet
         self.tokens_total = 0
         self.busy_total = 0  # answers that were backpressure (429, queue full)
         self.failed_tries_total = 0  # aborts, 5xx: tries sent again
@@ -212,9 +213,11 @@ class Feeder:
         records: Iterable[PromptRecord],
         params: GenerationParams,
         on_record: Callable[[int, CompletionRecord], None],
+        on_sent: Callable[[], None] | None = None,
     ) -> Future[None]:
-        """Start every prompt of a batch; `on_record(index, record)` fires as each finishes."""
-        future = self.submit(self._batch(run, batch, list(records), params, on_record))
+        """Start every prompt of a batch; `on_record(index, record)` fires as each finishes,
+        `on_sent()` once every prompt has been sent to the engine (only stragglers left)."""
+        future = self.submit(self._batch(run, batch, list(records), params, on_record, on_sent))
         with self._batches_lock:
             self._batches.add(future)
             self._by_batch[(run, batch)] = future
@@ -252,10 +255,21 @@ class Feeder:
         records: list[PromptRecord],
         params: GenerationParams,
         on_record: Callable[[int, CompletionRecord], None],
+        on_sent: Callable[[], None] | None = None,
     ) -> None:
-        async with asyncio.TaskGroup() as group:  # first hard failure cancels the rest
-            for index, record in enumerate(records):
-                group.create_task(self._one(run, batch, index, record, params, on_record))
+        unsent = [len(records)]  # this batch's share of self.waiting
+        self.waiting += len(records)
+        sent: Callable[[], None] = on_sent or (lambda: None)
+        if not records:
+            sent()
+        try:
+            async with asyncio.TaskGroup() as group:  # first hard failure cancels the rest
+                for index, record in enumerate(records):
+                    group.create_task(
+                        self._one(run, batch, index, record, params, on_record, (unsent, sent))
+                    )
+        finally:
+            self.waiting -= unsent[0]  # prompts cancelled before they were ever sent
 
     async def _one(
         self,
@@ -265,14 +279,23 @@ class Feeder:
         record: PromptRecord,
         params: GenerationParams,
         on_record: Callable[[int, CompletionRecord], None],
+        progress: tuple[list[int], Callable[[], None]],
     ) -> None:
+        unsent, on_sent = progress
         attempt = 0  # failed tries: engine down, abort, 5xx
         refusals = 0  # backpressure answers in a row
         busy_since: float | None = None
         failing_since: float | None = None
+        waiting = True  # counted in self.waiting until it first holds a limiter slot
         while True:
             try:
                 async with self._limiter:
+                    if waiting:
+                        waiting = False
+                        self.waiting -= 1
+                        unsent[0] -= 1
+                        if unsent[0] == 0:
+                            on_sent()
                     self.inflight += 1
                     try:
                         result = await self._client.chat(record, params)

@@ -20,6 +20,7 @@ import logging
 import subprocess
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,28 @@ from celery.worker.request import Request
 log = logging.getLogger("genfleet.worker")
 
 
+# Threads per batch slot. A batch whose prompts are all in the engine hands its slot to the
+# next batch (the worker's runtime raises the prefetch count while only its stragglers run),
+# so the pool needs threads beyond `worker_concurrency` for those batches to finish on.
+THREADS_PER_SLOT = 4
+
+
 class TaskPool(ThreadTaskPool):  # type: ignore[misc]
+    """`limit` (worker_concurrency) is the batch budget Celery prefetches for; the executor
+    has THREADS_PER_SLOT times as many threads for batches that released their slot."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        getattr(self, "executor").shutdown(wait=False)  # noqa: B009 - no thread started yet
+        self.executor: ThreadPoolExecutor = ThreadPoolExecutor(
+            max_workers=int(self.limit) * THREADS_PER_SLOT
+        )
+
+    @property
+    def spare_threads(self) -> int:
+        """Batches that may run beyond the budget: one released slot each."""
+        return int(self.limit) * (THREADS_PER_SLOT - 1)
+
     def terminate_job(self, pid: int, signal: Any = None) -> None:
         from genfleet.workers import runtime
 

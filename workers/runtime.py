@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -81,6 +82,9 @@ class WorkerRuntime:
         self.refused: str | None = None  # why the engine refuses this worker, once it does
         self.arch: str | None = None  # the checkpoint's architectures[0], when preflight read it
         self.watchdog: StallWatchdog | None = None
+        self.celery_worker: Any = None  # the WorkController, set by the engine bootstep
+        self._slots_lock = threading.Lock()
+        self._released = 0
 
     def start(self) -> None:
         global _current
@@ -149,6 +153,7 @@ class WorkerRuntime:
             self.tokens_total,
             base_url,
             fleet=lambda now: fleet_state(self.redis, settings, now),
+            engine_pid=lambda: getattr(self.engine, "pid", None),
         )
         self.monitor.start()
         self._start_watchdog(api_key)
@@ -255,6 +260,7 @@ class WorkerRuntime:
             inflight=feeder.inflight if feeder else 0,
             inflight_cap=feeder.inflight_cap if feeder else 0,
             restarts=engine.restarts if engine else 0,
+            waiting=feeder.waiting if feeder else 0,
         )
 
     def tokens_total(self) -> int:
@@ -285,6 +291,34 @@ class WorkerRuntime:
         self.findings.append({"worker": self.hostname, "cause": "engine_refused", "why": message})
         if self.on_exhausted is not None:
             self.on_exhausted(message)
+
+    def release_slot(self) -> bool:
+        """A batch has every prompt in the engine, only stragglers left: let Celery fetch one
+        more batch so the engine never waits for them (True when a slot was released).
+
+        Without this, a worker whose `worker_concurrency` batches all wait on their longest
+        prompt takes nothing new and its engine drains. Bounded by the pool's spare threads;
+        undone by `restore_slot` when the batch ends.
+        """
+        worker = self.celery_worker
+        qos = getattr(getattr(worker, "consumer", None), "qos", None)
+        spare = int(getattr(getattr(worker, "pool", None), "spare_threads", 0) or 0)
+        if qos is None:
+            return False
+        with self._slots_lock:
+            if self._released >= spare:
+                return False
+            self._released += 1
+        qos.increment_eventually(1)
+        return True
+
+    def restore_slot(self) -> None:
+        """The batch that released a slot has ended: take the slot back."""
+        qos = getattr(getattr(self.celery_worker, "consumer", None), "qos", None)
+        with self._slots_lock:
+            self._released -= 1
+        if qos is not None:
+            qos.decrement_eventually(1)
 
     def after_batch(self, summary: Any) -> None:
         """After a batch: re-read the engine's accept length and warn loudly if MTP is idle."""

@@ -41,7 +41,13 @@ from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import RedisCommands, text
 from genfleet.common.store import Store
 from genfleet.workers.app import app, settings_of
-from genfleet.workers.batch import BatchCancelled, BatchInputMissing, BatchInterrupted, execute
+from genfleet.workers.batch import (
+    BatchCancelled,
+    BatchInputMissing,
+    BatchInterrupted,
+    batch_share,
+    execute,
+)
 from genfleet.workers.lifecycle import Lease, gate, is_cancelled, park
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.pool import BatchRequest
@@ -75,6 +81,7 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     monitor = runtime.monitor
     if monitor is not None:
         monitor.batch_started(work.run)
+    slot, spend = _Slot(runtime), _Spend(runtime)
     try:
         summary = execute(
             work,
@@ -87,6 +94,7 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
             gpus=settings.gpus,
             cancelled=lambda: is_cancelled(client, work.run),
             lease_client=runtime.lease_redis,
+            on_sent=slot.release,
         )
     except BatchCancelled as exc:
         log.warning("%s", exc)
@@ -131,9 +139,11 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
         _fail(client, work, exc)
         raise BatchFailed(f"{work.run}/{work.batch}: {type(exc).__name__}: {exc}") from exc
     finally:
+        slot.restore()
         if monitor is not None:
             monitor.batch_finished(work.run)
     _safe_hdel(client, field)
+    spend.settle(summary, client, work)
     runtime.after_batch(summary)
     figures = summary.to_json()
     # The line first: Flower shows it; every figure stays in the result after it.
@@ -170,6 +180,66 @@ def _admit(
 
 def _parked(client: RedisCommands, work: WorkOrder, max_deliveries: int) -> bool:
     return int(client.hget(keys.lost_key(work.run), work.batch) or 0) >= max_deliveries
+
+
+class _Slot:
+    """The batch's slot: released (from the feeder's loop) once every prompt is in the
+    engine, so the worker takes its next batch; taken back when the batch ends."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.released = False
+
+    def release(self) -> None:
+        self.released = bool(self.runtime.release_slot())
+
+    def restore(self) -> None:
+        if self.released:
+            self.runtime.restore_slot()
+
+
+class _Spend:
+    """The batch's GPU energy and time: readings when it starts, its share when it ends."""
+
+    def __init__(self, runtime: Any) -> None:
+        self.runtime = runtime
+        self.energy = self._energy()
+        self.tokens = runtime.feeder.tokens_total
+        self.started = time.monotonic()
+
+    def _energy(self) -> tuple[float | None, int]:
+        monitor = self.runtime.monitor
+        return monitor.energy_reading() if monitor is not None else (None, 0)
+
+    def settle(self, summary: Any, client: RedisCommands, work: WorkOrder) -> None:
+        if summary.skipped:
+            return
+        energy, gpus = self._energy()
+        summary.energy_j, summary.gpu_s = batch_share(
+            (self.energy[0], energy),
+            self.runtime.feeder.tokens_total - self.tokens,
+            summary.generated_tokens,
+            time.monotonic() - self.started,
+            gpus or len((self.runtime.settings.gpus or "0").split(",")),
+        )
+        _count_energy(client, work, summary)
+
+
+def _count_energy(client: RedisCommands, work: WorkOrder, summary: Any) -> None:
+    """Add the batch's energy and GPU time to the run (`status` and `report` show them);
+    best effort: a lost counter must not fail a batch whose output is written."""
+    try:
+        pipe = client.pipeline()
+        counters = keys.counters_key(work.run)
+        pipe.hincrbyfloat(counters, "gpu_s", summary.gpu_s)
+        pipe.hincrby(counters, "energy_tokens", summary.generated_tokens)
+        if summary.energy_j is not None:
+            pipe.hincrbyfloat(counters, "energy_j", summary.energy_j)
+            pipe.hincrby(counters, "energy_batches", 1)
+            pipe.hincrby(counters, "energy_batch_tokens", summary.generated_tokens)
+        pipe.execute()
+    except redis.RedisError:
+        log.warning("could not count the energy of %s/%s", work.run, work.batch)
 
 
 def _attempt(client: RedisCommands, work: WorkOrder) -> int:

@@ -188,6 +188,19 @@ class MemoryRedis:
         fields[encode(key)] = str(value).encode()
         return value
 
+    def hincrbyfloat(self, name: Value, key: Value, amount: float = 1.0) -> Any:
+        return self._run("hincrbyfloat", name, key, amount)
+
+    def _hincrbyfloat(self, name: Value, key: Value, amount: float) -> float:
+        fields = self._make(name, dict)
+        old = fields.get(encode(key), b"0")
+        try:
+            value = float(old) + float(amount)
+        except ValueError:
+            raise redis.ResponseError("hash value is not a float") from None
+        fields[encode(key)] = repr(value).encode()
+        return value
+
     def hgetall(self, name: Value) -> Any:
         return self._run("hgetall", name)
 
@@ -308,6 +321,9 @@ class MemoryPipeline:
 
     def hincrby(self, name: Value, key: Value, amount: int = 1) -> MemoryPipeline:
         return self._queue("hincrby", name, key, amount)
+
+    def hincrbyfloat(self, name: Value, key: Value, amount: float = 1.0) -> MemoryPipeline:
+        return self._queue("hincrbyfloat", name, key, amount)
 
     def sadd(self, name: Value, *values: Value) -> MemoryPipeline:
         return self._queue("sadd", name, *values)

@@ -48,6 +48,7 @@ class StubFeeder:
         records: Iterable[PromptRecord],
         params: GenerationParams,
         on_record: Callable[[int, CompletionRecord], None],
+        on_sent: Callable[[], None] | None = None,
     ) -> Future[None]:
         for index, record in enumerate(list(records)[: self.finish]):
             on_record(index, completion(run, batch, record))

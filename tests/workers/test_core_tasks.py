@@ -68,6 +68,12 @@ class FakeRuntime:
     def lease_redis(self) -> MemoryRedis:
         return self.redis
 
+    def release_slot(self) -> bool:
+        return False  # no Celery consumer to raise the prefetch of
+
+    def restore_slot(self) -> None:
+        raise AssertionError("no slot was released")
+
 
 @pytest.fixture
 def make_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., FakeRuntime]]:

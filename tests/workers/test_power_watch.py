@@ -85,11 +85,19 @@ def recorded(
     return window.summary(NOW)
 
 
-def fleet(queue_depth: int = 5, workers: tuple[str, ...] = ("w1",)) -> FleetState:
+def fleet(
+    queue_depth: int = 5,
+    workers: tuple[str, ...] = ("w1",),
+    staging: dict[str, float] | None = None,
+    pending: int | None = None,
+) -> FleetState:
     return FleetState(
         queue_depth=queue_depth,
-        pending_batches={"run-a": queue_depth + 3},
+        pending_batches={
+            "run-a": (queue_depth and queue_depth + 3) if pending is None else pending
+        },
         expected_workers=frozenset(workers),
+        staging=staging or {},
     )
 
 
@@ -117,7 +125,15 @@ CASES: list[tuple[str, float, float, dict[str, Any], int, tuple[str, str | None]
         ("underused", "mtp_off"),
     ),
     ("idle, nothing waits", 79, 700, IDLE_ENGINE, 0, ("idle", None)),
-    ("tail of a run: queue empty", 79, 700, FEW_INFLIGHT, 0, ("underused", "starved")),
+    ("tail of a run: queue empty, staging done", 79, 700, FEW_INFLIGHT, 0, ("draining", None)),
+    (
+        "tail of a run with MTP off: draining, not MTP",
+        79,
+        700,
+        {"speculative_algorithm": None, "accept_length": None, **FEW_INFLIGHT},
+        0,
+        ("draining", None),
+    ),
     (
         "queue empty but the client's limiter is full: client-limited",
         128,
@@ -420,3 +436,76 @@ def test_engine_capped_fires_at_the_enforced_cap_below_the_configured_one() -> N
     (finding,) = diagnose(samples, fleet(5), NOW)
     assert finding.cause == "engine_capped"
     assert finding.numbers["max_running_requests"] == 40
+
+
+# name, this GPU's engine, run-a staging since (s before NOW), the other worker's unsent
+# prompts, expected (verdict, cause) — all with an empty queue and 79 W of 700 W
+TAIL_CASES: list[tuple[str, dict[str, Any], float | None, int, tuple[str, str | None]]] = [
+    ("last batches finish, staging done", FEW_INFLIGHT, None, 0, ("draining", None)),
+    ("idle while others finish", IDLE_ENGINE, None, 0, ("draining", None)),
+    ("producer slower than the fleet", FEW_INFLIGHT, 120.0, 0, ("underused", "starved")),
+    ("idle while the producer stages", IDLE_ENGINE, 120.0, 0, ("underused", "starved")),
+    ("staging began within the window: run start", IDLE_ENGINE, 30.0, 0, ("draining", None)),
+    ("another worker sits on unsent prompts", IDLE_ENGINE, None, 200, ("underused", "unbalanced")),
+    ("unbalanced beats starved", FEW_INFLIGHT, 120.0, 50, ("underused", "unbalanced")),
+]
+
+
+@pytest.mark.parametrize(
+    ("engine", "staging_s", "backlog", "expected"),
+    [case[1:] for case in TAIL_CASES],
+    ids=[case[0] for case in TAIL_CASES],
+)
+def test_end_of_run_table(
+    engine: dict[str, Any],
+    staging_s: float | None,
+    backlog: int,
+    expected: tuple[str, str | None],
+) -> None:
+    mine = recorded(79, jitter_w=5.0, **engine)
+    other = recorded(690, uuid="GPU-other", inflight=64, waiting=backlog)
+    staging = None if staging_s is None else {"run-a": NOW - staging_s}
+    state = fleet(0, workers=("w1", "w2"), staging=staging, pending=3)
+    samples = {"w1": mine, "w2": other}
+    rows = [r for r in verdicts(samples, state, NOW) if r["worker"] == "w1"]
+    assert [(r["verdict"], r["cause"]) for r in rows] == [expected]
+    findings = diagnose(samples, state, NOW)
+    assert [(f.worker, f.cause) for f in findings] == (
+        [] if expected[1] is None else [("w1", expected[1])]
+    )
+    if expected[1] == "unbalanced":
+        assert findings[0].numbers["backlog_elsewhere"] == backlog
+        assert str(backlog) in findings[0].suggestion
+    if expected[1] == "starved":
+        assert "run-a" in findings[0].suggestion
+
+
+def test_a_worker_s_own_backlog_is_not_a_balance_problem() -> None:
+    """Its limiter is full: it is not idle for want of work."""
+    mine = recorded(300, inflight=64, inflight_cap=64, waiting=500, running=None, queued=None)
+    (finding,) = diagnose({"w1": mine}, fleet(0), NOW)
+    assert finding.cause == "client_limited"
+
+
+def test_a_window_that_began_idle_is_starting_not_underused() -> None:
+    """The first beat after work arrives sees a window that still holds the idle time before
+    it: its low mean is no evidence against MTP or feeding. A full busy window is."""
+    busy = recorded(300, **FEW_INFLIGHT)
+    began = {**busy, "idle_in_window": True}
+    assert diagnose({"w1": busy}, fleet(), NOW)[0].cause == "client_limited"
+    assert diagnose({"w1": began}, fleet(), NOW) == []
+    assert [r["verdict"] for r in verdicts({"w1": began}, fleet(), NOW)] == ["starting"]
+    capped = {**recorded(300, running=48, queued=16), "idle_in_window": True}
+    assert [r["verdict"] for r in verdicts({"w1": capped}, fleet(), NOW)] == ["starting"]
+    # ... but a GPU idle while a run stages is starved whatever the window holds
+    idle = {**recorded(79, **IDLE_ENGINE), "idle_in_window": True}
+    state = fleet(0, staging={"run-a": NOW - 120}, pending=0)
+    assert [f.cause for f in diagnose({"w1": idle}, state, NOW)] == ["starved"]
+
+
+def test_the_window_says_when_the_worker_had_nothing_to_send() -> None:
+    window = TelemetryWindow(WINDOW_S)
+    window.add_engine(EngineState(up=True), NOW - 50)
+    window.add_engine(EngineState(up=True, inflight=64, inflight_cap=64), NOW - 1)
+    assert window.summary(NOW)["idle_in_window"] is True
+    assert window.summary(NOW + 55)["idle_in_window"] is False

@@ -157,6 +157,18 @@ def test_table_rows_mark_the_winners() -> None:
     assert md[2] == "| on | 1 | 100 | – | – | – | – | 100 (2 err) | ok |  |"
 
 
+def test_a_gpu_hour_price_adds_the_cost_per_million_tokens() -> None:
+    """3.6 USD an hour over 1,000 tok/s (3.6 M tokens an hour) is 1 USD per million; a
+    tensor-parallel pair costs twice as much per token at the same rate."""
+    points = [point("on", 64, 1000, 630), point("off", 1, 0, 80)]
+    rows = table_rows(points, gpu_hour_cost=3.6)
+    assert [r[6] for r in rows] == ["1", "–"]
+    assert table_rows(points[:1], gpu_hour_cost=3.6, gpus=2)[0][6] == "2"
+    md = markdown_table(points, gpu_hour_cost=3.6).splitlines()
+    assert md[0].startswith("| MTP | C | tok/s | W | % of limit | J/token | USD/M tok | accept |")
+    assert len(md[2].split("|")) == len(md[0].split("|"))
+
+
 @pytest.mark.parametrize(
     ("engine", "chosen", "lines"),
     [

@@ -14,7 +14,17 @@ in flight). The cause is the first that applies, in this order:
     mtp_ineffective  accept length below min_accept_length: MTP weights likely missing
     engine_capped    the engine runs max_running_requests with requests queued inside it
     client_limited   work orders wait in the queue but this worker feeds too little
-    starved          nothing is queued for it: the run is ending or there are too many workers
+    unbalanced       the queue is empty while another worker holds prompts it has not sent
+                     yet (reserved batches): the work sits on one GPU while this one idles
+    starved          the queue is empty while a run is still staging: the producer is slower
+                     than the fleet
+
+A GPU finishing a run's last batches (queue empty, every run done staging, no other worker
+holding unsent prompts) is `draining`: the end of a run, not a finding. A run counts as
+staging only once it has staged for longer than the power window, so the idle minute before
+the first batch arrives is not blamed on the producer. Likewise a GPU whose worker had
+nothing to send at some point of the window (`idle_in_window`: work began inside it) is
+`starting`, not blamed on MTP or feeding; the next full window judges it.
 
 MTP off is blamed whenever spec is off, even when feeding is also short: the other causes
 that apply are listed in `numbers["other_causes"]`. An accept length below the minimum is a
@@ -37,10 +47,20 @@ CAUSES = (
     "mtp_ineffective",
     "engine_capped",
     "client_limited",
+    "unbalanced",
     "starved",
     "worker_unresponsive",
 )
-VERDICTS = ("ok", "idle", "underused", "mtp_ineffective", "unresponsive", "unknown")
+VERDICTS = (
+    "ok",
+    "idle",
+    "starting",
+    "draining",
+    "underused",
+    "mtp_ineffective",
+    "unresponsive",
+    "unknown",
+)
 
 
 @dataclass(frozen=True)
@@ -71,12 +91,16 @@ class Finding:
 @dataclass(frozen=True)
 class FleetState:
     """What the beat knows about the queue: messages waiting in the Redis work queue
-    (`queue_depth`), batches without output per run (`pending_batches`), and the workers
-    expected to answer (seen recently)."""
+    (`queue_depth`), batches without output per run (`pending_batches`), the workers
+    expected to answer (seen recently), the runs still staging (run → when staging
+    started; a run leaves it when its manifest is written), and the nodes where a worker's
+    engine is still starting (its GPUs are not reported as claimed yet)."""
 
     queue_depth: int = 0
     pending_batches: Mapping[str, int] = field(default_factory=dict)
     expected_workers: frozenset[str] = frozenset()
+    staging: Mapping[str, float] = field(default_factory=dict)
+    starting_nodes: frozenset[str] = frozenset()
 
     @classmethod
     def coerce(cls, value: FleetState | Mapping[str, Any]) -> FleetState:
@@ -87,6 +111,8 @@ class FleetState:
             queue_depth=int(value.get("queue_depth", 0)),
             pending_batches=dict(value.get("pending_batches", {})),
             expected_workers=frozenset(value.get("expected_workers", ())),
+            staging={str(k): float(v) for k, v in dict(value.get("staging", {})).items()},
+            starting_nodes=frozenset(value.get("starting_nodes", ())),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -94,7 +120,13 @@ class FleetState:
             "queue_depth": self.queue_depth,
             "pending_batches": dict(self.pending_batches),
             "expected_workers": sorted(self.expected_workers),
+            "staging": dict(self.staging),
+            "starting_nodes": sorted(self.starting_nodes),
         }
+
+    def staging_for(self, now: float, at_least_s: float) -> list[str]:
+        """Runs that have been staging for at least `at_least_s` seconds."""
+        return sorted(run for run, since in self.staging.items() if now - since >= at_least_s)
 
 
 _SUGGESTIONS = {
@@ -112,15 +144,23 @@ _SUGGESTIONS = {
         "work waits ({waiting}) while {inflight}/{inflight_cap} requests are "
         "in flight: raise --max-inflight (or --worker-concurrency)"
     ),
-    "starved": "nothing queued for this GPU: enqueue more work or run fewer workers",
+    "unbalanced": (
+        "the queue is empty while other workers hold {backlog_elsewhere} unsent prompts of "
+        "their reserved batches: lower --worker-concurrency or --batch-size so work spreads"
+    ),
+    "starved": (
+        "nothing queued while run(s) {staging} still stage: the producer is slower than the "
+        "fleet (run several producers, stage ahead, or run fewer workers)"
+    ),
     "worker_unresponsive": "the worker stopped answering: check its process, broker and engine",
 }
 
 
 def _causes(
-    engine: Mapping[str, Any], down: bool, fleet: FleetState, min_accept_length: float
+    engine: Mapping[str, Any], down: bool, fleet: FleetState, min_accept_length: float, idle: str
 ) -> list[str]:
-    """Every cause of underuse that applies, in precedence order (empty: starved)."""
+    """Every cause of underuse that applies, in precedence order; the last is `idle`, why the
+    GPU lacks work when the client is not what holds it back (see `_idle_cause`)."""
     found = []
     if down:
         found.append("engine_down")
@@ -140,8 +180,23 @@ def _causes(
     if fleet.queue_depth > 0 or (limit and inflight >= limit):
         found.append("client_limited")
     else:
-        found.append("starved")
+        found.append(idle)
     return found
+
+
+# Causes read from how the engine is fed, which a window that began idle cannot judge.
+_FEEDING = ("mtp_off", "engine_capped", "client_limited")
+
+
+def _idle_cause(backlog_elsewhere: int, staging: list[str]) -> str:
+    """Why a GPU has nothing to do while the queue is empty: other workers sit on unsent
+    prompts (`unbalanced`), a run is still staging (`starved`), or the run is ending
+    (`draining`, not a finding)."""
+    if backlog_elsewhere > 0:
+        return "unbalanced"
+    if staging:
+        return "starved"
+    return "draining"
 
 
 def _work_waits(engine: Mapping[str, Any], fleet: FleetState) -> bool:
@@ -166,6 +221,7 @@ def _judge_gpu(
     now: float,
     threshold: float,
     min_accept_length: float,
+    backlog_elsewhere: int = 0,
 ) -> tuple[dict[str, Any], Finding | None]:
     sampled = bool(summary.get("engine"))  # a worker that just started has no window yet
     engine = summary.get("engine") or {"up": False}
@@ -173,7 +229,9 @@ def _judge_gpu(
     down = sampled and (down or bool(summary.get("engine_down_in_window")))
     power = gpu.get("power_w") if gpu else None
     limit = gpu.get("power_limit_w") if gpu else None
-    waits = _work_waits(engine, fleet)
+    staging = fleet.staging_for(now, float(summary.get("window_s") or 0.0))
+    idle = _idle_cause(backlog_elsewhere, staging)
+    waits = _work_waits(engine, fleet) or idle != "draining"
     accept = engine.get("accept_length")
     numbers: dict[str, Any] = {
         "power_w": power,
@@ -191,14 +249,25 @@ def _judge_gpu(
         "queue_depth": fleet.queue_depth,
         "active_batches": engine.get("active_batches"),
         "tokens_per_s": summary.get("tokens_per_s"),
+        "backlog_elsewhere": backlog_elsewhere,
+        "staging": ", ".join(staging),
     }
-    causes = _causes(engine, down, fleet, min_accept_length)
+    causes = _causes(engine, down, fleet, min_accept_length, idle)
     if down and waits:
         verdict, cause = "underused", "engine_down"
     elif power is None or not limit:
         verdict, cause = "unknown", None
+    elif power < threshold * limit and not waits:
+        ending = any(n > 0 for n in fleet.pending_batches.values())
+        verdict, cause = ("draining" if ending else "idle"), None
+    elif power < threshold * limit and causes[-1] == "draining" and causes[0] != "engine_capped":
+        # The run's last batches finish: low power says nothing about MTP or feeding.
+        verdict, cause = "draining", None
+    elif power < threshold * limit and summary.get("idle_in_window") and causes[0] in _FEEDING:
+        # Work began inside the window: its mean still holds the idle time before it.
+        verdict, cause = "starting", None
     elif power < threshold * limit:
-        verdict, cause = ("underused", causes[0]) if waits else ("idle", None)
+        verdict, cause = "underused", causes[0]
     else:
         verdict, cause = "ok", None
     if cause is None and "mtp_ineffective" in causes:
@@ -272,6 +341,8 @@ def _judge(
     stale_after_s: float,
 ) -> list[tuple[dict[str, Any], Finding | None]]:
     fleet = FleetState.coerce(fleet_state)
+    backlog = {w: _backlog(summary) for w, summary in samples.items()}
+    total_backlog = sum(backlog.values())
     out: list[tuple[dict[str, Any], Finding | None]] = []
     for worker in sorted(fleet.expected_workers - set(samples)):
         out.append(_unresponsive(worker, None, now))
@@ -281,9 +352,20 @@ def _judge(
         if age > stale_after_s:
             out.append(_unresponsive(worker, age, now))
             continue
+        elsewhere = total_backlog - backlog[worker]
         for gpu in summary.get("gpus") or [None]:
-            out.append(_judge_gpu(worker, summary, gpu, fleet, now, threshold, min_accept_length))
+            out.append(
+                _judge_gpu(
+                    worker, summary, gpu, fleet, now, threshold, min_accept_length, elsewhere
+                )
+            )
     return out
+
+
+def _backlog(summary: Mapping[str, Any]) -> int:
+    """Prompts a worker holds in its reserved batches but has not sent to its engine yet."""
+    engine = summary.get("engine") or {}
+    return int(engine.get("waiting") or 0)
 
 
 def diagnose(

@@ -36,6 +36,7 @@ class EngineState:
     accept_length: float | None = None
     engine_tokens_per_s: float | None = None
     active_batches: int = 0
+    waiting: int = 0  # prompts of this worker's batches not yet sent (the limiter is full)
     runs: list[str] = field(default_factory=list)
     spec_reported: bool = True  # False: the engine has no /server_info to say if MTP is on
 
@@ -48,6 +49,7 @@ class EngineState:
         inflight: int = 0,
         inflight_cap: int = 0,
         restarts: int = 0,
+        waiting: int = 0,
     ) -> EngineState:
         """The state of an engine in `lifecycle` (the supervisor's `state`: stopped, starting,
         ready, restarting, exhausted) whose last /server_info was `server_info`, with the
@@ -58,6 +60,7 @@ class EngineState:
             restarts=restarts,
             inflight=inflight,
             inflight_cap=inflight_cap,
+            waiting=waiting,
             spec_reported=bool(server_info),
             **engine_state_from_server_info(server_info),
         )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -20,6 +21,7 @@ from genfleet.common.redis_conn import connect, text
 from genfleet.common.settings import Settings
 from genfleet.workers.observe.diagnosis import FleetState, dedupe, diagnose, verdicts
 from genfleet.workers.observe.headlines import watch_headlines
+from genfleet.workers.observe.node import node_rows
 
 log = logging.getLogger("genfleet.power_watch")
 
@@ -36,11 +38,15 @@ def queue_depth(client: redis.Redis, queue: str) -> int:
 def fleet_state(client: redis.Redis, settings: Settings, now: float) -> FleetState:
     """Queue depth, batches waiting per run, and the workers seen in the last ten minutes."""
     pending: dict[str, int] = {}
+    staging: dict[str, float] = {}
     for member in client.smembers(keys.runs_key()):
         run = text(member)
         count = int(client.scard(keys.queued_key(run)))
         if count:
             pending[run] = count
+        since = client.get(keys.staging_key(run))
+        if since is not None:
+            staging[run] = float(since)
     seen = {text(k): float(v) for k, v in client.hgetall(keys.workers_key()).items()}
     expected = frozenset(w for w, ts in seen.items() if now - ts < FORGET_WORKER_S)
     queues = {text(name) for name in client.smembers(keys.work_queues_key())}
@@ -48,26 +54,33 @@ def fleet_state(client: redis.Redis, settings: Settings, now: float) -> FleetSta
         queue_depth=sum(queue_depth(client, queue) for queue in sorted(queues)),
         pending_batches=pending,
         expected_workers=expected,
+        staging=staging,
     )
 
 
-def gather(app: Celery, timeout_s: float = 3.0) -> dict[str, dict[str, Any]]:
-    """Every GPU worker's `gpu_report` (workers without an engine answer ok: False)."""
+def gather(app: Celery, timeout_s: float = 3.0) -> tuple[dict[str, dict[str, Any]], set[str]]:
+    """Every GPU worker's `gpu_report`, and the nodes of workers whose engine is not started
+    yet (they answer ok: False)."""
     replies = app.control.inspect(timeout=timeout_s)._request("gpu_report") or {}
-    return {
-        worker: reply
-        for worker, reply in replies.items()
-        if isinstance(reply, dict) and reply.get("ok", True) is not False
-    }
+    samples, starting = {}, set()
+    for worker, reply in replies.items():
+        if not isinstance(reply, dict):
+            continue
+        if reply.get("ok", True) is not False:
+            samples[worker] = reply
+        elif reply.get("node"):
+            starting.add(str(reply["node"]))
+    return samples, starting
 
 
 def snapshot(
     app: Celery, settings: Settings, client: redis.Redis, now: float
 ) -> tuple[dict[str, dict[str, Any]], FleetState]:
-    samples = gather(app)
+    samples, starting = gather(app)
     if samples:
         client.hset(keys.workers_key(), mapping={w: now for w in samples})
-    return samples, fleet_state(client, settings, now)
+    fleet = fleet_state(client, settings, now)
+    return samples, replace(fleet, starting_nodes=frozenset(starting))
 
 
 def run_power_watch(app: Celery, settings: Settings) -> dict[str, Any]:
@@ -76,8 +89,9 @@ def run_power_watch(app: Celery, settings: Settings) -> dict[str, Any]:
     samples, fleet = snapshot(app, settings, client, now)
     stale_after_s = max(3 * settings.power_watch_interval_s, 10 * settings.sample_interval_s)
     args = (samples, fleet, now, settings.underuse_threshold, settings.min_accept_length)
-    findings = diagnose(*args, stale_after_s=stale_after_s)
-    rows = verdicts(*args, stale_after_s=stale_after_s)
+    nodes = node_rows(samples, fleet, now, stale_after_s)
+    findings = diagnose(*args, stale_after_s=stale_after_s) + [f for _, f in nodes]
+    rows = verdicts(*args, stale_after_s=stale_after_s) + [r for r, _ in nodes]
     last = {text(k): float(v) for k, v in client.hgetall(keys.alerted_key()).items()}
     new, updated = dedupe(findings, last, now, settings.realert_after_s)
     pipe = client.pipeline()

@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -52,8 +54,10 @@ class Monitor:
         base_url: str | None,
         clock: Callable[[], float] = time.time,
         fleet: Callable[[float], FleetState] | None = None,
+        engine_pid: Callable[[], int | None] = lambda: None,
     ) -> None:
         self.settings = settings
+        self._engine_pid = engine_pid
         self.worker = worker
         self.sampler = sampler
         self.window = TelemetryWindow(settings.power_window_s)
@@ -71,6 +75,9 @@ class Monitor:
         self._last_findings: list[Finding] = []
         self.active: dict[str, int] = {}  # run → batches running on this worker
         self._lock = threading.Lock()
+        self._node_gpus: list[dict[str, Any]] = []
+        self._gpu_uuids: list[str] = []
+        self._energy: tuple[float | None, int] = (None, 0)
 
     def start(self) -> None:
         if self.settings.metrics_port is not None:
@@ -100,8 +107,20 @@ class Monitor:
     def tick(self) -> None:
         """One sampling round (the loop calls it; tests may too)."""
         now = self._clock()
-        self.window.add(self.sampler.sample())
+        samples = self.sampler.sample()
+        self.window.add(samples)
+        counters = [s.energy_j for s in samples]
+        if samples:
+            total = None if None in counters else sum(c for c in counters if c is not None)
+            with self._lock:
+                self._energy = (total, len(samples))
         self.window.set_sampler_status(self.sampler.available, self.sampler.reason)
+        node = getattr(self.sampler, "node_gpus", None)
+        if node is not None:
+            owned = getattr(self.sampler, "gpu_uuids", None) or [s.gpu_uuid for s in samples]
+            marked = mark_processes(node(), self._engine_pid())
+            with self._lock:
+                self._node_gpus, self._gpu_uuids = marked, list(owned)
         state = self._state()
         self.window.add_engine(state, now)
         tokens = self._tokens_total()
@@ -154,9 +173,22 @@ class Monitor:
             except Exception:  # noqa: BLE001 - telemetry never takes the worker down
                 log.exception("telemetry sample failed")
 
+    def energy_reading(self) -> tuple[float | None, int]:
+        """The worker's GPUs' energy counters summed (J; None when a GPU has none) and how
+        many GPUs it read, as of the last sample (about once a second)."""
+        with self._lock:
+            return self._energy
+
     def report(self) -> dict[str, Any]:
         now = self._clock()
-        return {"worker": self.worker, **self.window.summary(now)}
+        with self._lock:
+            node = {"node_gpus": self._node_gpus, "gpu_uuids": self._gpu_uuids}
+        return {
+            "worker": self.worker,
+            **self.window.summary(now),
+            "node": socket.gethostname(),
+            **node,
+        }
 
     def stop(self) -> None:
         self._stop.set()
@@ -168,3 +200,25 @@ class Monitor:
         close = getattr(self.sampler, "close", None)
         if close is not None:
             close()
+
+
+def mark_processes(gpus: list[dict[str, Any]], engine_pid: int | None) -> list[dict[str, Any]]:
+    """The node's GPUs with each process marked `engine`: True when it is in the engine's
+    process group (the supervisor starts the engine as a group leader, its children stay in
+    it), False when it is not, None when this worker cannot tell (no engine pid, or a pid
+    from another pid namespace, as NVML reports inside a container)."""
+    out = []
+    for gpu in gpus:
+        procs = []
+        for proc in gpu.get("processes") or []:
+            pid, engine, name = int(proc.get("pid") or 0), None, None
+            if engine_pid is not None and pid > 0:
+                try:
+                    engine = os.getpgid(pid) == engine_pid
+                    with open(f"/proc/{pid}/comm") as comm:
+                        name = comm.read().strip()
+                except OSError:  # gone, or not in this pid namespace
+                    pass
+            procs.append({**proc, "engine": engine, "name": name})
+        out.append({**gpu, "processes": procs})
+    return out

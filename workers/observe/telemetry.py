@@ -212,6 +212,40 @@ class NvmlSampler:
             energy_j=_scaled(opt(nvml.nvmlDeviceGetTotalEnergyConsumption, h), 1e-3),  # mJ
         )
 
+    def node_gpus(self) -> list[dict[str, Any]]:
+        """Every GPU of this node, the worker's or not: index, UUID, name, power, limit,
+        memory used and the compute processes on it (pid, MiB). [] without NVML."""
+        nvml, opt, out = self._nvml, self._optional, []
+        if nvml is None:
+            return []
+        for index in range(nvml.nvmlDeviceGetCount()):
+            try:
+                h = nvml.nvmlDeviceGetHandleByIndex(index)
+                mem = opt(nvml.nvmlDeviceGetMemoryInfo, h)
+                procs = opt(nvml.nvmlDeviceGetComputeRunningProcesses, h) or []
+                out.append(
+                    {
+                        "index": index,
+                        "gpu_uuid": _text(nvml.nvmlDeviceGetUUID(h)),
+                        "gpu_name": _text(nvml.nvmlDeviceGetName(h)),
+                        "power_w": _scaled(opt(nvml.nvmlDeviceGetPowerUsage, h), 1e-3),
+                        "power_limit_w": _scaled(
+                            opt(nvml.nvmlDeviceGetEnforcedPowerLimit, h), 1e-3
+                        ),
+                        "memory_used_mib": _scaled(getattr(mem, "used", None), 1 / 2**20),
+                        "processes": [
+                            {
+                                "pid": int(p.pid),
+                                "used_memory_mib": _scaled(p.usedGpuMemory, 1 / 2**20),
+                            }
+                            for p in procs
+                        ],
+                    }
+                )
+            except nvml.NVMLError:  # a GPU that cannot answer is left out of this round
+                continue
+        return out
+
     def _optional(self, read: Callable[..., Any], *args: Any) -> Any:
         try:
             return read(*args)
@@ -248,19 +282,25 @@ class EmulatorSampler:
         self.reason: str | None = None
         self._clock = clock
         self._client = httpx.Client(base_url=base_url, timeout=timeout_s, transport=transport)
+        self._node: list[dict[str, Any]] = []
 
     def sample(self) -> list[GpuSample]:
         ts = self._clock()
         try:
             response = self._client.get("/genfleet/power")
             response.raise_for_status()
-            gpus = response.json()["gpus"]
-            samples = [GpuSample.from_json({**g, "ts": ts}) for g in gpus]
+            body = response.json()
+            samples = [GpuSample.from_json({**g, "ts": ts}) for g in body["gpus"]]
+            self._node = list(body.get("node_gpus") or [])
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
             self.reason = f"emulator power read failed: {type(exc).__name__}: {exc}"
             return []
         self.reason = None
         return samples
+
+    def node_gpus(self) -> list[dict[str, Any]]:
+        """The emulated node's GPUs as of the last sample (NvmlSampler.node_gpus' shape)."""
+        return self._node
 
     def close(self) -> None:
         self._client.close()
@@ -323,10 +363,10 @@ class TelemetryWindow:
         """Figures over (now - window_s, now], JSON-serialisable. Does not change the window.
 
         Keys: ts, window_s, span_s, first_ts, gpus (list of `_gpu_summary` dicts), engine
-        (EngineState JSON or None), engine_age_s, engine_down_in_window, tokens, tokens_total,
-        tokens_per_s, power_w (sum of the GPUs' mean power), j_per_token, telemetry_available,
-        telemetry_reason. `j_per_token` is the GPUs' energy over the window divided by the
-        tokens over it (mean W / tok/s); with tensor parallelism it covers the whole group.
+        (EngineState JSON or None), engine_age_s, engine_down_in_window, idle_in_window, tokens,
+        tokens_total, tokens_per_s, power_w (sum of the GPUs' mean power), j_per_token,
+        telemetry_available, telemetry_reason. `j_per_token` is the GPUs' energy over the
+        window over its tokens (mean W / tok/s); with tensor parallelism, the whole group's.
         """
         start = now - self.window_s
         with self._lock:
@@ -353,6 +393,9 @@ class TelemetryWindow:
             "engine_age_s": now - last[0] if last else None,
             "engine_down_in_window": any(
                 not st.up or st.restarting for ts, st in engine if ts > start
+            ),
+            "idle_in_window": any(  # nothing to send at some point: work began inside it
+                not (st.inflight or st.active_batches) for ts, st in engine if ts > start
             ),
             "tokens": tokens,
             "tokens_total": tokens_total,

@@ -19,6 +19,7 @@ from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.throughput import fleet_tokens_per_s
 from genfleet.workers.observe.diagnosis import verdicts
+from genfleet.workers.observe.node import node_rows
 from genfleet.workers.observe.power_watch import snapshot
 
 COLUMNS = (
@@ -51,6 +52,7 @@ def rows(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, float]]:
         settings.min_accept_length,
         stale_after_s=stale_after_s,
     )
+    data += [row for row, _ in node_rows(samples, fleet, now, stale_after_s)]
     # A worker younger than the window is averaged over its own life, not the whole window.
     since = {w: float(s["first_ts"]) for w, s in samples.items() if s.get("first_ts")}
     last_10m = fleet_tokens_per_s(client, now, 600.0, since)

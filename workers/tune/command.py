@@ -56,11 +56,11 @@ from genfleet.workers.observe.engine_state import enforced_cap
 from genfleet.workers.observe.sampler import make_sampler
 from genfleet.workers.tune.measure import EngineReader, Load, judge, measure
 from genfleet.workers.tune.plan import (
-    HEADERS,
     Options,
     Point,
     TuneConfig,
     best,
+    headers,
     markdown_table,
     settings_file_text,
     table_rows,
@@ -226,13 +226,19 @@ class Bar:
         self.progress.update(self.task, completed=self.done_s)
 
 
-def show(points: list[Point], to_stderr: bool = False) -> None:
+def show(
+    points: list[Point],
+    to_stderr: bool = False,
+    gpu_hour_cost: float | None = None,
+    gpus: int = 1,
+) -> None:
     """Print the table; a pipe or a log file gets it 160 columns wide, not rich's 80. With
-    `--json` stdout holds the JSON alone, and the table goes to stderr."""
+    `--json` stdout holds the JSON alone, and the table goes to stderr. With a GPU-hour price,
+    a cost-per-million-tokens column."""
     table = Table(title="genfleet tune", header_style="bold")
-    for header in HEADERS:
+    for header in headers(gpu_hour_cost):
         table.add_column(header, justify="right" if header not in {"MTP", "verdict"} else "left")
-    for row in table_rows(points):
+    for row in table_rows(points, gpu_hour_cost, gpus):
         table.add_row(*row)
     if to_stderr:
         (console if console.is_terminal else Console(width=160, stderr=True)).print(table)
@@ -279,7 +285,7 @@ def run_tune(options: Options, settings: Settings) -> None:
     except KeyboardInterrupt:
         console.print("interrupted")
         raise typer.Exit(130) from None
-    show(points, to_stderr=options.json_stdout)
+    show(points, options.json_stdout, settings.gpu_hour_cost, settings.tp_size)
     report(points, options, settings)
 
 
@@ -297,7 +303,8 @@ def report(points: list[Point], options: Options, settings: Settings) -> None:
             "points": [p.to_json() for p in points],
             "best_tokens_per_s": fastest.to_json() if fastest else None,
             "best_j_per_token": frugal.to_json() if frugal else None,
-            "markdown": markdown_table(points),
+            "gpu_hour_cost": settings.gpu_hour_cost,
+            "markdown": markdown_table(points, settings.gpu_hour_cost, settings.tp_size),
         }
         if options.json_path is not None:
             options.json_path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))

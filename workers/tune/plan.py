@@ -162,12 +162,34 @@ HEADERS = (
 )
 
 
+COST_HEADER = "USD/M tok"
+
+
+def headers(gpu_hour_cost: float | None = None) -> tuple[str, ...]:
+    """The table's columns; with a GPU-hour price, the cost per million tokens after J/token."""
+    if gpu_hour_cost is None:
+        return HEADERS
+    at = HEADERS.index("J/token") + 1
+    return (*HEADERS[:at], COST_HEADER, *HEADERS[at:])
+
+
+def cost_per_million(point: Point, gpu_hour_cost: float | None, gpus: int = 1) -> float | None:
+    """USD per million output tokens at this point: the `gpus` GPUs' hourly price over the
+    tokens they make in an hour (None without a price or without tokens)."""
+    if gpu_hour_cost is None or point.tokens_per_s <= 0:
+        return None
+    return gpu_hour_cost * gpus / (point.tokens_per_s * 3600) * 1e6
+
+
 def _num(value: float | None, fmt: str) -> str:
     return "–" if value is None else format(value, fmt)
 
 
-def table_rows(points: Sequence[Point]) -> list[list[str]]:
-    """The table as text cells, one row per point, `best` marking tok/s and J/token winners."""
+def table_rows(
+    points: Sequence[Point], gpu_hour_cost: float | None = None, gpus: int = 1
+) -> list[list[str]]:
+    """The table as text cells, one row per point, `best` marking tok/s and J/token winners;
+    with `gpu_hour_cost`, a cost column (see `headers`)."""
     fastest, frugal = best(points)
     rows = []
     for p in points:
@@ -182,6 +204,11 @@ def table_rows(points: Sequence[Point]) -> list[list[str]]:
                 _num(p.power_w, ".0f"),
                 _num(None if share is None else 100 * share, ".0f"),
                 _num(p.j_per_token, ".3g"),
+                *(
+                    [_num(cost_per_million(p, gpu_hour_cost, gpus), ".3g")]
+                    if gpu_hour_cost is not None
+                    else []
+                ),
                 _num(p.accept_length, ".2f"),
                 requests,
                 verdict_text(p),
@@ -191,10 +218,13 @@ def table_rows(points: Sequence[Point]) -> list[list[str]]:
     return rows
 
 
-def markdown_table(points: Sequence[Point]) -> str:
+def markdown_table(
+    points: Sequence[Point], gpu_hour_cost: float | None = None, gpus: int = 1
+) -> str:
     """The same table in Markdown, for bench/RESULTS.md and issue notes."""
-    lines = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
-    lines += ["| " + " | ".join(row) + " |" for row in table_rows(points)]
+    columns = headers(gpu_hour_cost)
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(row) + " |" for row in table_rows(points, gpu_hour_cost, gpus)]
     return "\n".join(lines)
 
 

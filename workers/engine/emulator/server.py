@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import time
 from typing import Any
 
@@ -21,7 +22,7 @@ from genfleet.workers.engine.emulator.args import EngineArgs, server_args_dict
 from genfleet.workers.engine.emulator.routes import chat, generate, metrics
 from genfleet.workers.engine.emulator.routes.errors import json_response
 from genfleet.workers.engine.emulator.sim.engine import TP0, Engine, Knobs
-from genfleet.workers.engine.emulator.sim.power import gpu_readings
+from genfleet.workers.engine.emulator.sim.power import NodeKnobs, gpu_readings
 
 log = logging.getLogger("genfleet.workers.engine.emulator")
 VERSION = "0.5.23+emulator"
@@ -170,6 +171,7 @@ async def power(request: web.Request) -> web.Response:
         max_running=engine.args.max_running_requests,
         mem_fraction_static=engine.args.mem_fraction_static,
         now=engine.clock(),
+        node=NodeKnobs(os.getpid(), engine.knobs.unclaimed_gpus, engine.knobs.foreign_process_mib),
     )
     return json_response(body)
 

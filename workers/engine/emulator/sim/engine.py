@@ -62,6 +62,8 @@ class Knobs:
     usage_shape: str = "sglang"
     effective_max_running_requests: int | None = None
     request_log: str | None = None
+    unclaimed_gpus: int = 0
+    foreign_process_mib: int = 0
 
     @classmethod
     def from_settings(cls, s: Settings) -> Knobs:
@@ -83,6 +85,8 @@ class Knobs:
             usage_shape=s.emulator_usage_shape,
             effective_max_running_requests=s.emulator_effective_max_running_requests,
             request_log=s.emulator_request_log,
+            unclaimed_gpus=s.emulator_unclaimed_gpus,
+            foreign_process_mib=s.emulator_foreign_process_mib,
         )
 
     @property

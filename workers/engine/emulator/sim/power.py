@@ -75,6 +75,7 @@ def gpu_readings(
     max_running: int,
     mem_fraction_static: float,
     now: float,
+    node: NodeKnobs | None = None,
 ) -> dict[str, Any]:
     """The body of GET /genfleet/power: `{"gpus": [...]}`, one entry per tensor-parallel rank."""
     load = model.load(running, max_running)
@@ -94,4 +95,46 @@ def gpu_readings(
         "running": running,
         "queued": queued,
     }
-    return {"gpus": [{"gpu_uuid": f"EMU-{port}-{rank}", **gpu} for rank in range(tp_size)]}
+    gpus = [{"gpu_uuid": f"EMU-{port}-{rank}", **gpu} for rank in range(tp_size)]
+    return {"gpus": gpus, "node_gpus": node_gpus(gpus, model, node or NodeKnobs())}
+
+
+@dataclass(frozen=True, slots=True)
+class NodeKnobs:
+    """The rest of the emulated node: `unclaimed` GPUs that no worker claims (idle, shared by
+    every emulator on the machine: the same UUIDs), and a process of `foreign_mib` MiB that is
+    not the engine on the engine's own GPUs (pid 1, never in the engine's process group)."""
+
+    engine_pid: int = 0
+    unclaimed: int = 0
+    foreign_mib: int = 0
+
+
+def node_gpus(
+    gpus: list[dict[str, Any]], model: PowerModel, node: NodeKnobs
+) -> list[dict[str, Any]]:
+    """Every GPU of the emulated node in NVML's node shape (`NvmlSampler.node_gpus`)."""
+    engine = [{"pid": node.engine_pid, "used_memory_mib": g["memory_used_mib"]} for g in gpus]
+    foreign = [{"pid": 1, "used_memory_mib": node.foreign_mib}] if node.foreign_mib else []
+    own = [
+        {**_node_fields(g), "index": i, "processes": [engine[i], *foreign]}
+        for i, g in enumerate(gpus)
+    ]
+    spare = [
+        {
+            "index": len(gpus) + i,
+            "gpu_uuid": f"EMU-UNCLAIMED-{i}",
+            "gpu_name": GPU_NAME,
+            "power_w": model.idle_power_w,
+            "power_limit_w": model.power_limit_w,
+            "memory_used_mib": 0,
+            "processes": [],
+        }
+        for i in range(node.unclaimed)
+    ]
+    return own + spare
+
+
+def _node_fields(gpu: dict[str, Any]) -> dict[str, Any]:
+    keep = ("gpu_uuid", "gpu_name", "power_w", "power_limit_w", "memory_used_mib")
+    return {k: gpu[k] for k in keep}

@@ -1,0 +1,121 @@
+"""Energy and cost per run: each batch's share of its GPUs' energy and time (a table), the
+run's figures (a table), and a real worker on the emulator's simulated GPU whose run shows
+kWh, J/token and cost per million tokens in `status` and `report`."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+
+from genfleet.common.settings import Settings
+from genfleet.common.store import open_store
+from genfleet.producer.enqueue import enqueue_run, reader_options
+from genfleet.producer.status import energy_figures, run_status
+from genfleet.workers.batch import batch_share
+from tests.conftest import ROOT, Worker, base_env, wait_for
+
+# name, (energy before, after), engine tokens, batch tokens, seconds, GPUs → (J, GPU-s)
+SHARES = [
+    ("alone on its engine", (1000.0, 4000.0), 500, 500, 10.0, 1, (3000.0, 10.0)),
+    ("a third of the engine's tokens", (1000.0, 4000.0), 600, 200, 10.0, 1, (1000.0, 10 / 3)),
+    ("tensor parallel: two GPUs' time", (0.0, 8000.0), 100, 100, 10.0, 2, (8000.0, 20.0)),
+    ("no energy counter", (None, None), 100, 100, 10.0, 1, (None, 10.0)),
+    ("counter reset mid-batch", (5000.0, 10.0), 100, 100, 10.0, 1, (None, 10.0)),
+    ("all resumed from a checkpoint", (0.0, 50.0), 0, 0, 1.0, 1, (0.0, 0.0)),
+    ("engine count lags the batch's", (0.0, 900.0), 50, 100, 9.0, 1, (900.0, 9.0)),
+]
+
+
+@pytest.mark.parametrize(
+    ("energy", "engine", "batch", "seconds", "gpus", "expected"),
+    [s[1:] for s in SHARES],
+    ids=[s[0] for s in SHARES],
+)
+def test_batch_share(
+    energy: tuple[float | None, float | None],
+    engine: int,
+    batch: int,
+    seconds: float,
+    gpus: int,
+    expected: tuple[float | None, float],
+) -> None:
+    energy_j, gpu_s = batch_share(energy, engine, batch, seconds, gpus)
+    assert gpu_s == pytest.approx(expected[1])
+    assert energy_j == (None if expected[0] is None else pytest.approx(expected[0]))
+
+
+def test_energy_figures() -> None:
+    counters = {
+        "energy_j": "7200000",
+        "energy_batches": "4",
+        "energy_batch_tokens": "2000000",
+        "energy_tokens": "2000000",
+        "gpu_s": "3600",
+    }
+    figures = energy_figures(counters, 2.5)
+    assert figures["energy_kwh"] == pytest.approx(2.0)
+    assert figures["j_per_token"] == pytest.approx(3.6)
+    assert figures["gpu_hours"] == pytest.approx(1.0)
+    assert figures["cost_per_million_tokens"] == pytest.approx(1.25)
+    assert energy_figures(counters, None)["cost_per_million_tokens"] is None
+    nothing = energy_figures({}, 2.5)
+    assert (nothing["energy_kwh"], nothing["j_per_token"], nothing["gpu_hours"]) == (None,) * 3
+    assert nothing["cost_per_million_tokens"] is None
+    # energy measured on half the batches only: J/token over those batches' tokens
+    half = energy_figures({**counters, "energy_batch_tokens": "1000000"}, None)
+    assert half["j_per_token"] == pytest.approx(7.2)
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_run_reports_its_energy_and_cost(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store = (tmp_path / "store").as_uri()
+    env = base_env(redis_url, store, emulator_time_scale=20, sample_interval_s=0.2)
+    worker = start_worker(env)
+    settings = Settings(redis_url=redis_url, store=store, batch_size=50)
+    source = tmp_path / "p.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(200)))
+    enqueue_run(settings, "watts", str(source), reader_options(settings))
+    worker.wait_ready()
+    wait_for(
+        lambda: run_status(open_store(store), redis_client, "watts")["state"] == "done",
+        120,
+        "the run",
+        0.3,
+    )
+    status = run_status(open_store(store), redis_client, "watts", gpu_hour_cost=3.0)
+    assert status["energy_batches"] == status["batches_total"] == 4
+    gpu_s = status["gpu_hours"] * 3600
+    joules = status["energy_kwh"] * 3.6e6
+    # the batches' energy over their GPU time is a mean power the simulated GPU can draw
+    assert 80.0 * 0.9 <= joules / gpu_s <= 700.0
+    assert status["j_per_token"] == pytest.approx(joules / status["completion_tokens"], rel=1e-3)
+    cost = gpu_s / 3600 * 3.0 / (status["completion_tokens"] / 1e6)
+    assert status["cost_per_million_tokens"] == pytest.approx(cost, rel=1e-3)
+
+    def cli(*args: str) -> str:
+        result = subprocess.run(
+            ["genfleet", *args, "--gpu-hour-cost", "3"],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=True,
+        )
+        return " ".join(result.stdout.split())
+
+    assert "kWh" in cli("status", "watts") and "USD per million tokens" in cli("status", "watts")
+    report = orjson.loads(cli("report", "watts", "--json"))
+    assert report["energy"]["cost_per_million_tokens"] == pytest.approx(cost, rel=1e-3)
+    assert "J/token" in cli("report", "watts")

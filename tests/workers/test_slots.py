@@ -1,0 +1,108 @@
+"""A batch whose prompts are all in the engine hands its slot on: the worker takes the next
+batch while the last one's stragglers run, so the engine does not drain waiting for them.
+
+A real worker with `worker_concurrency` 1: before, it held one batch at a time (the next was
+not even delivered until the first ended); now two batches run at once as soon as the first
+has sent every prompt, and the run still ends with every output exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import orjson
+import pytest
+import redis
+
+from genfleet.common import keys
+from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
+from genfleet.common.settings import Settings
+from genfleet.common.store import open_store
+from genfleet.producer.enqueue import enqueue_run, reader_options
+from genfleet.producer.status import run_status
+from genfleet.workers.feeder import Feeder
+from tests.conftest import Worker, base_env, wait_for
+
+
+class SlowClient:
+    """An engine client whose requests finish only when the test says so."""
+
+    model = "m"
+
+    def __init__(self) -> None:
+        self.release = asyncio.Event()
+
+    async def chat(self, record: PromptRecord, params: GenerationParams) -> object:
+        await self.release.wait()
+        raise asyncio.CancelledError  # never reached in this test: the batch is cancelled
+
+    async def aclose(self) -> None:
+        return None
+
+
+class Up:
+    state = "ready"
+
+    def wait_up(self, timeout_s: float) -> None:
+        return None
+
+
+def test_on_sent_fires_when_the_last_prompt_enters_and_waiting_counts_down() -> None:
+    client = SlowClient()
+    feeder = Feeder(lambda: client, Up(), max_inflight=3)  # type: ignore[arg-type,return-value]
+    sent = threading.Event()
+    params = GenerationParams(max_tokens=8, temperature=0.0, top_p=1.0, thinking=False)
+    records = [PromptRecord(f"p{i}", [{"role": "user", "content": "x"}]) for i in range(5)]
+    done: list[CompletionRecord] = []
+    try:
+        first = feeder.run_batch("r", "b0", records[:2], params, lambda i, r: done.append(r))
+        second = feeder.run_batch(
+            "r", "b1", records[2:], params, lambda i, r: done.append(r), on_sent=sent.set
+        )
+        # 3 slots: b0's two prompts and one of b1's run, b1's other two wait for a slot
+        wait_for(lambda: feeder.inflight == 3 and feeder.waiting == 2, 10, "a full limiter")
+        assert not sent.is_set()
+        first.cancel()  # frees two slots: b1's last prompts enter the engine
+        wait_for(sent.is_set, 10, "on_sent once every prompt of b1 is sent")
+        assert feeder.waiting == 0 and not second.done()
+        second.cancel()
+        wait_for(lambda: feeder.inflight == 0 and feeder.waiting == 0, 10, "an empty limiter")
+    finally:
+        feeder.close()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_next_batch_starts_while_stragglers_run(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store = (tmp_path / "store").as_uri()
+    knobs = {"worker_concurrency": 1, "emulator_time_scale": 2, "batch_size": 4}
+    worker = start_worker(base_env(redis_url, store, **knobs))
+    settings = Settings(redis_url=redis_url, store=store, batch_size=4)
+    source = tmp_path / "p.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(24)))
+    enqueue_run(settings, "slots", str(source), reader_options(settings))
+    worker.wait_ready()
+    most = [0]
+
+    def overlap() -> bool:
+        running = redis_client.hlen(keys.running_key())
+        most[0] = max(most[0], running)
+        return most[0] >= 2
+
+    wait_for(overlap, 60, "two batches running at once on a worker of concurrency 1", 0.02)
+    wait_for(
+        lambda: run_status(open_store(store), redis_client, "slots")["state"] == "done",
+        120,
+        "the run to finish",
+    )
+    status = run_status(open_store(store), redis_client, "slots")
+    assert status["prompts_done"] == 24 and status["batches_failed"] == 0
+    assert redis_client.hlen(keys.running_key()) == 0
