@@ -233,13 +233,7 @@ class NvmlSampler:
                             opt(nvml.nvmlDeviceGetEnforcedPowerLimit, h), 1e-3
                         ),
                         "memory_used_mib": _scaled(getattr(mem, "used", None), 1 / 2**20),
-                        "processes": [
-                            {
-                                "pid": int(p.pid),
-                                "used_memory_mib": _scaled(p.usedGpuMemory, 1 / 2**20),
-                            }
-                            for p in procs
-                        ],
+                        "processes": [_process(p) for p in procs],
                     }
                 )
             except nvml.NVMLError:  # a GPU that cannot answer is left out of this round
@@ -441,6 +435,10 @@ def _gpu_summary(samples: list[GpuSample]) -> dict[str, Any] | None:
         "temperature_c": last.temperature_c,
         "last_ts": last.ts,
     }
+
+
+def _process(proc: Any) -> dict[str, Any]:
+    return {"pid": int(proc.pid), "used_memory_mib": _scaled(proc.usedGpuMemory, 1 / 2**20)}
 
 
 def _text(value: str | bytes) -> str:
