@@ -120,7 +120,8 @@ def engine_command(env: dict[str, str]) -> list[str]:
         capture_output=True,
         text=True,
     ).stdout.strip()
-    words = shlex.split(out.splitlines()[-1])
+    command = [line for line in out.splitlines() if line and not line.startswith("#")][-1]
+    words = shlex.split(command)
     argv = [w for w in words if "=" not in w or w.startswith("-")]
     return argv[: argv.index("--port")] + argv[argv.index("--port") + 2 :]
 
