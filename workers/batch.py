@@ -446,30 +446,3 @@ def _progress(
     pipe.zadd(throughput, {member(now, order.batch, worker, tokens): now})
     pipe.zremrangebyscore(throughput, "-inf", now - 3600)
     pipe.execute()
-
-
-def batch_share(
-    energy_j: tuple[float | None, float | None],
-    engine_tokens: int,
-    batch_tokens: int,
-    duration_s: float,
-    gpus: int,
-) -> tuple[float | None, float]:
-    """The batch's energy (J) and GPU-seconds: the GPUs' energy-counter delta and time over
-    the batch, times the batch's share of the tokens the engine made meanwhile (batches of one
-    worker overlap, so each pays for what it generated).
-
-    None for energy when a counter is missing or went backwards (a driver reload): better no
-    figure than a wrong one. A batch that generated nothing (all resumed) costs nothing.
-
-        batch_share((1000.0, 4000.0), engine_tokens=600, batch_tokens=200, duration_s=10,
-                    gpus=1)  # → (1000.0, 3.33…)
-    """
-    if batch_tokens <= 0 or duration_s <= 0:
-        return (0.0 if None not in energy_j else None), 0.0
-    share = batch_tokens / max(engine_tokens, batch_tokens)
-    gpu_s = duration_s * max(gpus, 1) * share
-    start, end = energy_j
-    if start is None or end is None or end < start:
-        return None, gpu_s
-    return (end - start) * share, gpu_s

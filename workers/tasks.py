@@ -45,11 +45,11 @@ from genfleet.workers.batch import (
     BatchCancelled,
     BatchInputMissing,
     BatchInterrupted,
-    batch_share,
     execute,
 )
 from genfleet.workers.lifecycle import Lease, gate, is_cancelled, park
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
+from genfleet.workers.observe.sampler import batch_share
 from genfleet.workers.pool import BatchRequest
 from genfleet.workers.runtime import current
 

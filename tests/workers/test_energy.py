@@ -16,7 +16,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import energy_figures, run_status
-from genfleet.workers.batch import batch_share
+from genfleet.workers.observe.sampler import batch_share
 from tests.conftest import ROOT, Worker, base_env, wait_for
 
 # name, (energy before, after), engine tokens, batch tokens, seconds, GPUs → (J, GPU-s)
