@@ -104,6 +104,8 @@ class Settings(BaseSettings):
     speculative_num_steps: int = Field(default=3, ge=1)
     speculative_eagle_topk: int = Field(default=1, ge=1)
     speculative_num_draft_tokens: int = Field(default=4, ge=1)
+    # SGLang's --speculative-adaptive (0.5.12+): draft steps follow accept rate and batch size.
+    speculative_adaptive: bool = False
     startup_timeout_s: float = Field(default=3600.0, gt=0)
     stop_timeout_s: float = Field(default=30.0, gt=0)
     restart_budget: int = Field(default=5, ge=0)

@@ -18,6 +18,15 @@ and the mamba flag rename (#28151). Read from the wheels:
   and `--mamba-scheduler-strategy` is a deprecated alias (still in 0.5.15) until it is
   dropped altogether (0.5.23 has no such flag: an argparse error).
 
+`--speculative-adaptive` (adapt the draft steps at run time) is in every release from 0.5.11
+on, but 0.5.11's `adaptive_spec_params.adaptive_unsupported_reason` turns it off, with only a
+warning, whenever the overlap scheduler (spec v2) is on, which is SGLang's default: genfleet
+passes it from **0.5.12**, the first release whose spec-v2 worker implements it, and refuses it
+before. It needs EAGLE/EAGLE3 (NEXTN is EAGLE) and topk 1, else SGLang silently falls back to
+static steps. From 0.5.13.post1 the steps also follow the batch size (`DEFAULT_ADAPTIVE_CONFIG`:
+candidate steps [1,3,7] below 8 running requests, [0,1,3] from 8, [0,1] from 32, [0] from 64)
+and `--speculative-num-steps` must be one of the candidates.
+
 `sglang serve` (console script `sglang = sglang.cli.main:main`) exists from 0.5.5 on; older
 releases get `python -m sglang.launch_server`, which newer ones still accept with a warning.
 """
@@ -42,6 +51,12 @@ SUPPORTED_SGLANG = (OLDEST_SGLANG, NEWEST_SGLANG)
 RADIX_CACHE_ERA = (0, 5, 14)
 # First release that ships the `sglang serve` console script.
 SERVE_SINCE = (0, 5, 5)
+
+# First release whose default (spec-v2, overlap) scheduler runs --speculative-adaptive.
+ADAPTIVE_SINCE = (0, 5, 12)
+# Initial steps every adaptive release accepts (0.5.13–0.5.22 candidates: 0, 1, 3, 7).
+ADAPTIVE_STEPS = (1, 3, 7)
+ADAPTIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 
 LOOPBACK = "127.0.0.1"
 
@@ -115,7 +130,7 @@ def sglang_launch(
         argv += ["--tool-call-parser", settings.tool_call_parser]
     if settings.trust_remote_code:
         argv.append("--trust-remote-code")
-    argv += speculative_args(settings)
+    argv += speculative_args(settings, release)
     argv += mamba_args(settings, release, arch)
     if settings.attention_backend:
         argv += ["--attention-backend", settings.attention_backend]
@@ -138,10 +153,28 @@ def sglang_launch(
     )
 
 
-def speculative_args(settings: Settings) -> list[str]:
-    """MTP flags: all four knobs spelled out, so nothing depends on SGLang's auto-choice."""
+def speculative_args(settings: Settings, release: tuple[int, ...]) -> list[str]:
+    """MTP flags: all four knobs spelled out, so nothing depends on SGLang's auto-choice.
+
+    With `speculative_adaptive` also `--speculative-adaptive`, and the draft tokens are
+    steps + 1 (what SGLang sets under adaptive); `check_adaptive` refuses what SGLang would
+    silently run with static steps.
+    """
     if not settings.mtp:
         return []
+    if settings.speculative_adaptive:
+        check_adaptive(settings, release)
+        return [
+            "--speculative-algorithm",
+            settings.speculative_algorithm,
+            "--speculative-adaptive",
+            "--speculative-num-steps",
+            str(settings.speculative_num_steps),
+            "--speculative-eagle-topk",
+            "1",
+            "--speculative-num-draft-tokens",
+            str(settings.speculative_num_steps + 1),
+        ]
     return [
         "--speculative-algorithm",
         settings.speculative_algorithm,
@@ -152,6 +185,38 @@ def speculative_args(settings: Settings) -> list[str]:
         "--speculative-num-draft-tokens",
         str(settings.speculative_num_draft_tokens),
     ]
+
+
+def adaptive_supported(release: tuple[int, ...]) -> bool:
+    """True when this SGLang release runs `--speculative-adaptive` under its default scheduler."""
+    return release >= ADAPTIVE_SINCE
+
+
+def check_adaptive(settings: Settings, release: tuple[int, ...]) -> None:
+    """Raise ConfigError where SGLang would drop `--speculative-adaptive` or refuse to start."""
+    version = ".".join(map(str, release))
+    if not adaptive_supported(release):
+        raise ConfigError(
+            f"--speculative-adaptive needs SGLang 0.5.12 or later; {version} (0.5.11 and "
+            "before) runs it only with the overlap scheduler off and otherwise falls back to "
+            "static steps with a warning. Upgrade SGLang or drop --speculative-adaptive"
+        )
+    if settings.speculative_algorithm.upper() not in ADAPTIVE_ALGORITHMS:
+        raise ConfigError(
+            f"--speculative-adaptive works with EAGLE, EAGLE3 or NEXTN only, not "
+            f"{settings.speculative_algorithm}: SGLang would run static steps"
+        )
+    if settings.speculative_eagle_topk != 1:
+        raise ConfigError(
+            f"--speculative-adaptive needs --speculative-eagle-topk 1, got "
+            f"{settings.speculative_eagle_topk}: SGLang would run static steps"
+        )
+    if settings.speculative_num_steps not in ADAPTIVE_STEPS:
+        raise ConfigError(
+            f"--speculative-adaptive starts from --speculative-num-steps "
+            f"{'/'.join(map(str, ADAPTIVE_STEPS))}, got {settings.speculative_num_steps}: "
+            "SGLang refuses steps outside its adaptive candidates"
+        )
 
 
 def mamba_args(settings: Settings, release: tuple[int, ...], arch: str | None) -> list[str]:

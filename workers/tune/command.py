@@ -117,7 +117,7 @@ def load_prompts(dataset: str | None, settings: Settings, limit: int = 5000) -> 
 
 def start_engine(settings: Settings, config: TuneConfig) -> tuple[EngineSupervisor, Settings]:
     """The engine of one configuration, started through the worker's supervisor."""
-    update: dict[str, Any] = {"mtp": config.mtp}
+    update: dict[str, Any] = {"mtp": config.mtp, "speculative_adaptive": config.adaptive}
     if config.max_running_requests is not None:
         update["max_running_requests"] = config.max_running_requests
     each = settings.model_copy(update=update)

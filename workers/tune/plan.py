@@ -13,29 +13,41 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
+from genfleet.workers.engine.sglang_argv import (
+    check_adaptive,
+    parse_release,
+    resolve_sglang_version,
+)
 
 # SGLang's running-batch cap under speculative decoding when --max-running-requests is not
 # passed (`speculative_hook.py::_handle_eagle_family`); `on:48` reproduces it on purpose.
 SPEC_DEFAULT_CAP = 48
+MTP_NAMES = ("on", "adaptive", "off")
 
 
 @dataclass(frozen=True)
 class TuneConfig:
-    """One engine start of the sweep: MTP on or off, and the engine's running-batch cap.
+    """One engine start of the sweep: MTP on, adaptive or off, and the running-batch cap.
+
+    `adaptive` is MTP with SGLang's `--speculative-adaptive` (draft steps follow the accept
+    rate and the running batch; SGLang 0.5.12+ and the emulator).
 
     `max_running_requests` None means "what the worker would pass": the settings' value, else
     the argv builder's default (256).
 
         parse_configs("on,on:48,off")  # MTP default cap, MTP capped at 48, no MTP
+        parse_configs("adaptive")      # MTP with adaptive draft steps
     """
 
     mtp: bool
     max_running_requests: int | None = None
+    adaptive: bool = False
 
     @property
     def label(self) -> str:
-        name = "on" if self.mtp else "off"
+        name = "adaptive" if self.adaptive else "on" if self.mtp else "off"
         cap = self.max_running_requests
         return name if cap is None else f"{name}:{cap}"
 
@@ -91,20 +103,20 @@ def parse_concurrency(text: str) -> list[int]:
 
 
 def parse_configs(text: str) -> list[TuneConfig]:
-    """`"on,on:48,off"` → configurations; `on:N`/`off:N` also pin max_running_requests."""
+    """`"on,on:48,adaptive,off"` → configurations; `NAME:N` also pins max_running_requests."""
     out: list[TuneConfig] = []
     for part in text.split(","):
         part = part.strip().lower()
         if not part:
             continue
         name, _, cap = part.partition(":")
-        if name not in {"on", "off"} or (cap and not cap.isdigit()) or cap == "0":
-            raise ValueError(f"--mtp takes on, off, on:N or off:N, got {part!r}")
-        config = TuneConfig(name == "on", int(cap) if cap else None)
+        if name not in MTP_NAMES or (cap and not cap.isdigit()) or cap == "0":
+            raise ValueError(f"--mtp takes on, adaptive, off, or NAME:N, got {part!r}")
+        config = TuneConfig(name != "off", int(cap) if cap else None, name == "adaptive")
         if config not in out:
             out.append(config)
     if not out:
-        raise ValueError("--mtp needs at least one of on, off, on:N, off:N")
+        raise ValueError("--mtp needs at least one of on, adaptive, off (or NAME:N)")
     return out
 
 
@@ -242,7 +254,8 @@ def settings_file_text(
     (SGLang and the emulator), where it is what the point ran with.
     """
     stamp = (now or datetime.now(UTC)).strftime("%Y-%m-%d %H:%M UTC")
-    mtp = point.config.split(":", 1)[0] == "on"
+    name = point.config.split(":", 1)[0]
+    mtp = name in {"on", "adaptive"}
     lines = [
         f"# genfleet tune, {stamp}: engine {engine}, model {model or '-'}",
         f"# best by {objective}: MTP {point.config} at concurrency {point.concurrency}: "
@@ -252,6 +265,8 @@ def settings_file_text(
         "# use: genfleet worker --settings-file THIS  (flags on the command line still win)",
         f"GENFLEET_MTP={'true' if mtp else 'false'}",
     ]
+    if name == "adaptive":
+        lines.append("GENFLEET_SPECULATIVE_ADAPTIVE=true")
     if engine in {"sglang", "emulator"} and point.max_running_requests is not None:
         lines.append(f"GENFLEET_MAX_RUNNING_REQUESTS={point.max_running_requests}")
     lines.append(f"GENFLEET_MAX_INFLIGHT={point.concurrency}")
@@ -306,9 +321,12 @@ def tune_options(
         if seconds < 0:
             raise ValueError(f"--{name} must not be negative, got {seconds:g}")
     default_mtp = "on,on:48,off" if kind in {"sglang", "emulator"} else "off"
+    configs = parse_configs(mtp or default_mtp)
+    if any(config.adaptive for config in configs):
+        check_adaptive_engine(settings)
     return Options(
         concurrency=parse_concurrency(concurrency),
-        configs=parse_configs(mtp or default_mtp),
+        configs=configs,
         duration_s=duration_s,
         warmup_s=warmup_s,
         ramp_s=ramp_s,
@@ -319,3 +337,20 @@ def tune_options(
         json_stdout=json_stdout,
         pick=pick,
     )
+
+
+def check_adaptive_engine(settings: Settings) -> None:
+    """Raise ValueError unless the engine tune starts runs `--mtp adaptive` as asked.
+
+    The emulator models it; SGLang must be 0.5.12 or later (installed, or
+    `--sglang-version`) with EAGLE/EAGLE3/NEXTN and topk 1; a command engine has no MTP switch.
+    """
+    kind = settings.engine_kind
+    if kind == "emulator":
+        return
+    if kind != "sglang":
+        raise ValueError(f"--mtp adaptive needs --engine sglang or emulator, not {kind}")
+    try:
+        check_adaptive(settings, parse_release(resolve_sglang_version(settings)))
+    except ConfigError as exc:
+        raise ValueError(f"--mtp adaptive: {exc}") from exc

@@ -386,3 +386,39 @@ def test_print_engine_command_is_the_describe_text() -> None:
     assert "reasoning parser qwen3" in family and "enable_thinking" in family
     assert "s3cret" not in text
     assert print_engine_command(settings).count("--port 30000") == 1
+
+
+ADAPTIVE = [
+    "--speculative-algorithm", "EAGLE", "--speculative-adaptive", "--speculative-num-steps", "3",
+    "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "4",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("version", "supported"),
+    [("0.5.11", False), ("0.5.12", True), ("0.5.13.post1", True), ("0.5.23", True)],
+)
+def test_adaptive_flag_from_0_5_12(version: str, supported: bool) -> None:
+    settings = Settings(model=MODEL, speculative_adaptive=True)
+    if not supported:
+        with pytest.raises(ConfigError, match=r"SGLang 0\.5\.12 or later; 0\.5\.11"):
+            sglang_launch(settings, PORT, version, arch=QWEN35)
+        return
+    argv = sglang_launch(settings, PORT, version, arch=QWEN35).argv
+    assert argv[argv.index("--speculative-algorithm") :][: len(ADAPTIVE)] == ADAPTIVE
+    off = sglang_launch(settings.model_copy(update={"mtp": False}), PORT, version, arch=QWEN35)
+    assert "--speculative-adaptive" not in off.argv  # adaptive is a kind of MTP, not a switch
+
+
+@pytest.mark.parametrize(
+    ("update", "says"),
+    [
+        ({"speculative_algorithm": "STANDALONE"}, "EAGLE, EAGLE3 or NEXTN only"),
+        ({"speculative_eagle_topk": 4}, "topk 1"),
+        ({"speculative_num_steps": 5}, "num-steps 1/3/7"),
+    ],
+)
+def test_adaptive_refuses_what_sglang_would_run_static(update: dict[str, Any], says: str) -> None:
+    settings = Settings(model=MODEL, speculative_adaptive=True, **update)
+    with pytest.raises(ConfigError, match=says):
+        sglang_launch(settings, PORT, "0.5.23", arch=QWEN35)

@@ -278,3 +278,19 @@ def test_the_release_reads_the_api_key_from_the_config_file_genfleet_writes(
         ["--model-path", "/m", "--config", str(config)]
     )
     assert parser.parse_args(argv).api_key == "k"
+
+
+def test_adaptive_runs_under_the_default_scheduler_only_from_0_5_12() -> None:
+    """0.5.11 drops --speculative-adaptive when the overlap scheduler is on; 0.5.23 does not."""
+    adaptive = Settings(model="/m/q", speculative_adaptive=True)
+    argv = sglang_launch(adaptive, 30001, NEWEST_SGLANG, arch=QWEN35).argv
+    assert "--speculative-adaptive" in argv
+    assert not emitted_flags(argv) - wheel_flags(NEWEST_SGLANG)
+    assert "--speculative-adaptive" in wheel_flags(OLDEST_SGLANG)  # the flag exists there...
+    source = "sglang/srt/speculative/adaptive_spec_params.py"
+    with zipfile.ZipFile(wheel(OLDEST_SGLANG)) as archive:
+        old = archive.read(source).decode()
+    with zipfile.ZipFile(wheel(NEWEST_SGLANG)) as archive:
+        new = archive.read(source).decode()
+    assert "the overlap scheduler (spec v2) is enabled" in old  # ...but falls back to static
+    assert "overlap scheduler" not in new

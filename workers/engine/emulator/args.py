@@ -41,6 +41,10 @@ SELF_DRAFT_ARCH_PREFIXES = (
 )
 
 
+# `adaptive_spec_params.adaptive_unsupported_reason`: anything else runs static steps.
+ADAPTIVE_ALGORITHMS = ("EAGLE", "EAGLE3")
+
+
 class LaunchError(ValueError):
     """A flag combination SGLang itself refuses at start-up; the emulator exits non-zero."""
 
@@ -53,6 +57,7 @@ class SpecConfig:
     num_steps: int
     eagle_topk: int
     num_draft_tokens: int
+    adaptive: bool = False  # --speculative-adaptive: steps follow the running batch (model.py)
 
     @property
     def reserved_tokens(self) -> int:
@@ -132,6 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculative-num-steps", type=int, default=None)
     p.add_argument("--speculative-eagle-topk", type=int, default=None)
     p.add_argument("--speculative-num-draft-tokens", type=int, default=None)
+    p.add_argument("--speculative-adaptive", action="store_true")
     p.add_argument("--api-key", default=None)
     p.add_argument("--enable-metrics", action="store_true")
     p.add_argument("--log-level", default="info")
@@ -192,6 +198,8 @@ def resolve_spec(ns: argparse.Namespace, architecture: str) -> SpecConfig | None
         if algorithm == "STANDALONE":
             steps, topk, draft = 3, 1, 4
     topk = topk if topk is not None else 1
+    if ns.speculative_adaptive and adaptive_runs(algorithm, topk):
+        return SpecConfig(algorithm, steps, 1, steps + 1, adaptive=True)
     draft = draft if draft is not None else steps + 1
     if topk == 1 and draft != steps + 1:
         log.warning(
@@ -200,6 +208,19 @@ def resolve_spec(ns: argparse.Namespace, architecture: str) -> SpecConfig | None
         )
         draft = steps + 1
     return SpecConfig(algorithm, steps, topk, draft)
+
+
+def adaptive_runs(algorithm: str, topk: int) -> bool:
+    """Whether SGLang keeps `--speculative-adaptive`; it warns and runs static steps if not."""
+    if algorithm in ADAPTIVE_ALGORITHMS and topk == 1:
+        return True
+    log.warning(
+        "speculative_adaptive disabled: %s. Falling back to static speculative params.",
+        f"speculative_algorithm={algorithm} (only EAGLE/EAGLE3 are supported)"
+        if algorithm not in ADAPTIVE_ALGORITHMS
+        else f"speculative_eagle_topk={topk} (only topk=1 is supported)",
+    )
+    return False
 
 
 def config_argv(argv: list[str]) -> list[str]:
@@ -323,6 +344,7 @@ def server_args_dict(args: EngineArgs) -> dict[str, Any]:
         "speculative_num_steps": spec.num_steps if spec else None,
         "speculative_eagle_topk": spec.eagle_topk if spec else None,
         "speculative_num_draft_tokens": spec.num_draft_tokens if spec else None,
+        "speculative_adaptive": bool(spec and spec.adaptive),
         "speculative_accept_threshold_single": 1.0,
         "speculative_accept_threshold_acc": 1.0,
         **args.extra,

@@ -9,6 +9,12 @@ once per simulated decode iteration. The numbers (ms are divided by the time sca
   `base × 1.35 + per_request × running × 0.6 × num_draft_tokens` ms, and each request gains
   1..num_draft_tokens tokens per step, with a mean of `accept_length`.
 
+With `--speculative-adaptive` the draft steps follow the running batch as SGLang's default
+adaptive tiers settle at a steady accept rate (`adaptive_spec_params.DEFAULT_ADAPTIVE_CONFIG`):
+the launch's steps below 32 running requests, 1 step from 32, none (a plain decode step) from
+64. `accept_length` is the mean at the launch's steps; fewer steps accept
+`1 + p + … + p^steps` with the per-draft acceptance `p` that gives it.
+
 So MTP wins at low concurrency (≈ accept_length / 1.35 faster per request) and, with its
 48-request cap and the dearer verify, loses once a client can keep far more than 48 requests
 running: with the defaults (12 ms, 0.25 ms, 2.6) the crossover is near 110 concurrent requests.
@@ -28,7 +34,12 @@ from genfleet.workers.engine.emulator.args import SpecConfig
 SPEC_BASE_FACTOR = 1.35
 SPEC_VERIFY_COST_PER_DRAFT = 0.6
 COMPLETION_SIGMA = 0.9
-DECODE_LOG_INTERVAL = 40  # decode iterations between folds of throughput and accept length
+DECODE_LOG_INTERVAL = 40
+# (running requests from, draft steps) of the adaptive tiers; below the first: the launch's steps.
+ADAPTIVE_TIERS = (
+    (32, 1),
+    (64, 0),
+)  # decode iterations between folds of throughput and accept length
 
 FinishReason = Literal["stop", "length", "abort"]
 
@@ -55,12 +66,31 @@ class TimeModel:
             return 1.0
         return min(max(self.accept_length, 1.0), float(self.spec.num_draft_tokens))
 
+    def steps_for(self, running: int) -> int:
+        """Draft steps a decode step with `running` requests runs: fixed, or the adaptive tier."""
+        if self.spec is None:
+            return 0
+        steps = self.spec.num_draft_tokens - 1
+        if self.spec.adaptive:
+            for start, tier_steps in ADAPTIVE_TIERS:
+                if running >= start:
+                    steps = min(steps, tier_steps)
+        return steps
+
+    def accept_for(self, running: int) -> float:
+        """Mean tokens per request of a step with `running` requests (1.0 without drafts)."""
+        steps = self.steps_for(running)
+        if self.spec is None or steps == self.spec.num_draft_tokens - 1:
+            return self.mean_accept
+        return accept_at(self.mean_accept, self.spec.num_draft_tokens - 1, steps)
+
     def step_time_s(self, running: int) -> float:
         """Seconds (already time-scaled) one decode step takes with `running` requests."""
-        if self.spec is None:
+        steps = self.steps_for(running)
+        if self.spec is None or (self.spec.adaptive and steps == 0):
             ms = self.step_base_ms + self.step_per_request_ms * running
         else:
-            verify = SPEC_VERIFY_COST_PER_DRAFT * self.spec.num_draft_tokens
+            verify = SPEC_VERIFY_COST_PER_DRAFT * (steps + 1)
             ms = self.step_base_ms * SPEC_BASE_FACTOR + self.step_per_request_ms * running * verify
         return ms / 1000.0 / self.time_scale
 
@@ -70,7 +100,26 @@ class TimeModel:
         if running <= 0:
             return 0.0
         step = self.step_time_s(running)
-        return math.inf if step == 0 else running * self.mean_accept / step
+        return math.inf if step == 0 else running * self.accept_for(running) / step
+
+
+def accept_at(accept: float, steps: int, fewer: int) -> float:
+    """Mean accepted tokens with `fewer` draft steps, given `accept` at `steps`.
+
+    Drafts are accepted in order, each with probability p: accept = 1 + p + … + p^steps.
+    p is found by bisection (60 halvings: far below a token's precision).
+    """
+    if fewer <= 0 or steps <= 0:
+        return 1.0
+    target = min(max(accept, 1.0), steps + 1.0)
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        p = (low + high) / 2
+        if sum(p**i for i in range(steps + 1)) < target:
+            low = p
+        else:
+            high = p
+    return sum(low**i for i in range(fewer + 1))
 
 
 def natural_length(seed: int, mean_tokens: int) -> int:
@@ -204,8 +253,9 @@ class Scheduler:
         t = self.tallies
         tokens = 0
         finished: list[Sequence] = []
+        mean = self.model.accept_for(len(self.running))
         for seq in self.running:
-            take = self._draw() if spec is not None else 1
+            take = self._draw(mean) if spec is not None else 1
             take = min(take, seq.target_tokens - seq.generated)
             seq.generated += take
             tokens += take
@@ -287,9 +337,8 @@ class Scheduler:
             seq.admitted_s = now
             self.running.append(seq)
 
-    def _draw(self) -> int:
+    def _draw(self, mean: float) -> int:
         """Tokens one verify yields: floor or ceil of the mean accept, the mix giving the mean."""
         self._rng = (self._rng * 1103515245 + 12345) & 0x7FFFFFFF
-        mean = self.model.mean_accept
         base = int(mean)
         return base + 1 if self._rng / 0x80000000 < mean - base else base
