@@ -77,6 +77,7 @@ def test_parse_concurrency_refuses(text: str) -> None:
         ("on,on:48,off", ["on", "on:48", "off"]),
         ("OFF:128, on", ["off:128", "on"]),
         ("on,on", ["on"]),
+        ("on,Adaptive,adaptive:64,off", ["on", "adaptive", "adaptive:64", "off"]),
     ],
 )
 def test_parse_configs(text: str, labels: list[str]) -> None:
@@ -91,6 +92,25 @@ def test_parse_configs_refuses(text: str) -> None:
 
 def test_config_cap() -> None:
     assert parse_configs("on:48")[0] == TuneConfig(mtp=True, max_running_requests=48)
+    assert parse_configs("adaptive")[0] == TuneConfig(mtp=True, adaptive=True)
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["--engine", "sglang", "--model", "/m", "--sglang-version", "0.5.11"], "0.5.12 or later"),
+        (["--engine", "command", "--engine-command", "x --port {port}"], "sglang or emulator"),
+        (["--engine", "sglang", "--model", "/m", "--speculative-eagle-topk", "2"], "topk 1"),
+    ],
+)
+def test_adaptive_refused_where_the_engine_would_not_run_it(argv: list[str], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        parse_args(["--mtp", "on,adaptive", *argv])
+    options, _ = parse_args(["--mtp", "adaptive", "--engine", "emulator"])
+    assert options.configs == [TuneConfig(mtp=True, adaptive=True)]
+    options, _ = parse_args(["--mtp", "adaptive", "--engine", "sglang", "--model", "/m",
+                             "--sglang-version", "0.5.12"])  # fmt: skip
+    assert options.configs == [TuneConfig(mtp=True, adaptive=True)]
 
 
 @pytest.mark.parametrize(
@@ -183,6 +203,16 @@ def test_a_gpu_hour_price_adds_the_cost_per_million_tokens() -> None:
             point("on:48", 32, 900, max_running_requests=48),
             ["GENFLEET_MTP=true", "GENFLEET_MAX_RUNNING_REQUESTS=48", "GENFLEET_MAX_INFLIGHT=32"],
         ),
+        (
+            "emulator",
+            point("adaptive", 64, 2000, max_running_requests=256),
+            [
+                "GENFLEET_MTP=true",
+                "GENFLEET_SPECULATIVE_ADAPTIVE=true",
+                "GENFLEET_MAX_RUNNING_REQUESTS=256",
+                "GENFLEET_MAX_INFLIGHT=64",
+            ],
+        ),
     ],
 )
 def test_settings_file_round_trips(
@@ -196,7 +226,8 @@ def test_settings_file_round_trips(
     path.write_text(text)
     settings = Settings.from_overrides({"settings_file": str(path)})
     assert settings.max_inflight == chosen.concurrency
-    assert settings.mtp is chosen.config.startswith("on")
+    assert settings.mtp is (not chosen.config.startswith("off"))
+    assert settings.speculative_adaptive is chosen.config.startswith("adaptive")
 
 
 def test_parse_args_splits_tune_flags_from_settings() -> None:
@@ -277,3 +308,32 @@ def test_emulator_sweep_shows_the_mtp_trade_off(tmp_path: Path) -> None:
     assert "GENFLEET_MTP=false" in tuned.read_text()  # off at C=256 is the fastest point
     assert "genfleet tune" in done.stderr and "★ tok/s" in done.stderr  # the table
     assert json.loads(done.stdout) == json.loads(results.read_text())  # --json: stdout is JSON
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_emulator_sweep_shows_adaptive_as_its_own_point(tmp_path: Path) -> None:
+    """Adaptive drafts like MTP with one request in flight and not at all with 128 running."""
+    env = {
+        "PYTHONPATH": str(ROOT),
+        "PATH": "/usr/bin:/bin",
+        "GENFLEET_EMULATOR_TIME_SCALE": "10",
+        "GENFLEET_EMULATOR_LOAD_S": "0.2",
+        "GENFLEET_EMULATOR_WARMUP_S": "0.2",
+        "GENFLEET_EMULATOR_MEAN_COMPLETION_TOKENS": "300",
+        "GENFLEET_MAX_TOKENS": "1024",
+        "GENFLEET_LOG_DIR": str(tmp_path / "logs"),
+    }
+    results = tmp_path / "tune.json"
+    argv = [sys.executable, "-m", "genfleet.workers", "tune", "--engine", "emulator"]
+    argv += ["--mtp", "on,adaptive,off", "--concurrency", "1,128", "--duration-s", "3"]
+    argv += ["--warmup-s", "0.5", "--ramp-s", "3", "--drain-s", "20", "--json-out", str(results)]
+    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    points = {(p["config"], p["concurrency"]): p for p in json.loads(results.read_text())["points"]}
+    tps = {key: p["tokens_per_s"] for key, p in points.items()}
+    assert tps[("adaptive", 1)] > 1.4 * tps[("off", 1)]  # drafts at one request in flight
+    assert points[("adaptive", 1)]["accept_length"] > 2.0
+    assert tps[("adaptive", 128)] == pytest.approx(tps[("off", 128)], rel=0.1)  # none at 128
+    assert points[("adaptive", 128)]["accept_length"] == pytest.approx(1.0, abs=0.05)
+    assert points[("on", 128)]["accept_length"] > 2.0  # fixed MTP keeps drafting

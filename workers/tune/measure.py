@@ -120,13 +120,23 @@ class EngineReader:
 
 
 def sample_loop(
-    sampler: Sampler, reader: EngineReader, live: Live, interval_s: float, tick: Callable[[], None]
+    sampler: Sampler,
+    reader: EngineReader,
+    live: Live,
+    interval_s: float,
+    tick: Callable[[], None],
+    until: float = float("inf"),
 ) -> None:
-    """The point's sampling thread: GPU readings and engine state about every interval."""
+    """The point's sampling thread: GPU readings and engine state about every interval.
+
+    The engine state stops at the window's end (`until`): while the load drains the running
+    batch shrinks, and an adaptive engine's accept length with it.
+    """
     while not live.stop.wait(interval_s):
         live.samples.extend(sampler.sample())
-        with contextlib.suppress(httpx.HTTPError, ValueError):
-            live.engine = reader.read() or live.engine
+        if time.time() <= until:
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                live.engine = reader.read() or live.engine
         tick()
 
 
@@ -212,7 +222,7 @@ def measure(
 
     interval_s = min(1.0, load.seconds / 10)
     sampling = threading.Thread(
-        target=sample_loop, args=(sampler, reader, live, interval_s, tick), daemon=True
+        target=sample_loop, args=(sampler, reader, live, interval_s, tick, until), daemon=True
     )
     opening = threading.Thread(target=_sample_at, args=(sampler, live, t0, "start_ts"))
     closing = threading.Thread(target=_sample_at, args=(sampler, live, until, "end_ts"))

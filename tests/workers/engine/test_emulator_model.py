@@ -216,3 +216,41 @@ def test_synthetic_text_has_the_token_count(tokens: int) -> None:
     text = synth_text(12345, tokens)
     assert count_tokens(text) == tokens
     assert synth_text(12345, tokens + 3).startswith(text)
+
+
+@pytest.mark.parametrize(
+    ("argv", "adaptive"),
+    [
+        (["--speculative-algorithm", "NEXTN", "--speculative-adaptive"], True),
+        (["--speculative-algorithm", "STANDALONE", "--speculative-adaptive"], False),
+        (["--speculative-algorithm", "EAGLE", "--speculative-eagle-topk", "4",
+          "--speculative-num-steps", "3", "--speculative-adaptive"], False),
+    ],
+)  # fmt: skip
+def test_adaptive_only_where_sglang_keeps_it(argv: list[str], adaptive: bool) -> None:
+    spec = parse_args(["--model-path", "m", *argv]).spec
+    assert spec is not None and spec.adaptive is adaptive
+
+
+@pytest.mark.parametrize(
+    ("running", "steps", "accept"),
+    [(1, 3, 2.6), (31, 3, 2.6), (32, 1, 1.717), (63, 1, 1.717), (64, 0, 1.0), (256, 0, 1.0)],
+)
+def test_adaptive_steps_follow_the_running_batch(running: int, steps: int, accept: float) -> None:
+    adaptive = model(SpecConfig("EAGLE", 3, 1, 4, adaptive=True))
+    assert adaptive.steps_for(running) == steps
+    assert adaptive.accept_for(running) == pytest.approx(accept, abs=1e-3)
+    same_as = model(EAGLE) if steps == 3 else model(None) if steps == 0 else None
+    if same_as is not None:  # the full draft below 32 running; a plain decode step from 64
+        assert adaptive.step_time_s(running) == pytest.approx(same_as.step_time_s(running))
+    else:  # one draft step: cheaper than the full draft, dearer than none
+        assert model(None).step_time_s(running) < adaptive.step_time_s(running)
+        assert adaptive.step_time_s(running) < model(EAGLE).step_time_s(running)
+
+
+def test_adaptive_scheduler_draws_the_tier_accept_length() -> None:
+    s = Scheduler(model(SpecConfig("EAGLE", 3, 1, 4, adaptive=True)), max_running=64)
+    for i in range(64):
+        s.submit(Sequence(str(i), 1, 10_000, "length", i, 0.0), 0.0)
+    s.step(0.01)
+    assert s.tallies.spec_accept_tokens == 64  # 64 running: no drafts, one token each
