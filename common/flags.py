@@ -106,6 +106,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "speculative_num_steps": (MTP, "draft steps"),
     "speculative_eagle_topk": (MTP, "draft branching"),
     "speculative_num_draft_tokens": (MTP, "draft tokens verified per step"),
+    "speculative_adaptive": (
+        MTP,
+        "SGLang's --speculative-adaptive (0.5.12+): draft steps follow the batch",
+    ),
     "min_accept_length": (MTP, "warn below this accept length"),
     "worker_concurrency": (FEEDING, "batches in flight per worker"),
     "max_inflight": (FEEDING, "requests in flight per engine; unset: cap x 1.25 + 4"),
