@@ -206,7 +206,8 @@ def tune(
         str | None,
         typer.Option(
             "--mtp",
-            help="engine configurations: on, off, on:N / off:N pin --max-running-requests N",
+            help="engine configurations: on, adaptive (SGLang 0.5.12+), off; NAME:N pins "
+            "--max-running-requests N",
             show_default="on,on:48,off; off for --engine command",
         ),
     ] = None,
