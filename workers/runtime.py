@@ -329,7 +329,10 @@ class WorkerRuntime:
         length = accept_length_from_server_info(info)
         summary.accept_length = length
         spec = info.get("speculative_algorithm")
-        if spec and length is not None and length < self.settings.min_accept_length:
+        # The lifetime mean says nothing under adaptive drafting, which stops drafting at large
+        # batches; the power-watch judges it from the interval accept length at small ones.
+        judged = not info.get("speculative_adaptive")
+        if spec and judged and length is not None and length < self.settings.min_accept_length:
             finding = {
                 "worker": self.hostname,
                 "cause": "mtp_ineffective",

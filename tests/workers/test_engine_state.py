@@ -8,7 +8,11 @@ from typing import Any
 import pytest
 
 from genfleet.common.settings import Settings
-from genfleet.workers.observe.engine_state import EngineState, accept_length_from_server_info
+from genfleet.workers.observe.engine_state import (
+    EngineState,
+    accept_length_from_server_info,
+    accept_length_judges_mtp,
+)
 from genfleet.workers.observe.sampler import Monitor
 from genfleet.workers.observe.telemetry import GpuSample
 
@@ -114,3 +118,17 @@ def test_the_monitor_reports_the_runtimes_engine_state_and_tokens() -> None:
     report = monitor.report()
     assert report["engine"]["restarting"] and report["engine_down_in_window"]
     assert report["engine"]["runs"] == [] and report["tokens_total"] == 900
+
+
+@pytest.mark.parametrize(
+    ("adaptive", "running", "judged"),
+    [(False, 200, True), (False, None, True), (True, 4, True), (True, 8, False),
+     (True, 64, False), (True, None, False)],
+)  # fmt: skip
+def test_adaptive_accept_length_is_judged_only_where_sglang_always_drafts(
+    adaptive: bool, running: int | None, judged: bool
+) -> None:
+    info = {"speculative_algorithm": "EAGLE", "speculative_adaptive": adaptive}
+    state = EngineState.observe("ready", info)
+    assert state.speculative_adaptive is adaptive
+    assert accept_length_judges_mtp(state.speculative_adaptive, running) is judged

@@ -199,6 +199,22 @@ CASES: list[tuple[str, float, float, dict[str, Any], int, tuple[str, str | None]
     ),
     ("accept length at the minimum is fine", 690, 700, {"accept_length": 1.2}, 5, ("ok", None)),
     (
+        "adaptive MTP stops drafting at 64 running: 1.0 is its choice",
+        690,
+        700,
+        {"accept_length": 1.0, "speculative_adaptive": True, "running": 64},
+        5,
+        ("ok", None),
+    ),
+    (
+        "adaptive MTP drafts below 8 running: 1.0 there is broken MTP",
+        690,
+        700,
+        {"accept_length": 1.0, "speculative_adaptive": True, "running": 4},
+        5,
+        ("mtp_ineffective",) * 2,
+    ),
+    (
         "accept length not measured yet",
         300,
         700,

@@ -39,6 +39,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from genfleet.workers.observe.engine_state import accept_length_judges_mtp
 from genfleet.workers.observe.headlines import waiting_work
 
 CAUSES = (
@@ -169,9 +170,14 @@ def _causes(
     if engine.get("spec_reported", True) and not engine.get("speculative_algorithm"):
         found.append("mtp_off")
     accept = engine.get("accept_length")
-    if engine.get("speculative_algorithm") and accept is not None and accept < min_accept_length:
-        found.append("mtp_ineffective")
     running, cap = engine.get("running"), engine.get("max_running_requests")
+    if (
+        engine.get("speculative_algorithm")
+        and accept is not None
+        and accept < min_accept_length
+        and accept_length_judges_mtp(bool(engine.get("speculative_adaptive")), running)
+    ):
+        found.append("mtp_ineffective")
     if running is not None and cap is not None and running >= cap and (engine.get("queued") or 0):
         found.append("engine_capped")
     # Work waits for this GPU while the client holds back: orders in the queue, or its own

@@ -33,6 +33,7 @@ class EngineState:
     running: int | None = None
     queued: int | None = None
     speculative_algorithm: str | None = None
+    speculative_adaptive: bool = False  # SGLang's --speculative-adaptive: drafts shrink with load
     accept_length: float | None = None
     engine_tokens_per_s: float | None = None
     active_batches: int = 0
@@ -147,6 +148,8 @@ def engine_state_from_server_info(info: Mapping[str, Any]) -> dict[str, Any]:
     under spec happened.
     """
     out: dict[str, Any] = {"speculative_algorithm": info.get("speculative_algorithm") or None}
+    if info.get("speculative_adaptive"):
+        out["speculative_adaptive"] = True
     cap = enforced_cap(info)
     if cap is not None:
         out["max_running_requests"] = cap
@@ -167,3 +170,20 @@ def accept_length_from_server_info(info: Mapping[str, Any]) -> float | None:
     if isinstance(accept, int | float) and not isinstance(accept, bool) and accept > 0:
         return float(accept)
     return None
+
+
+# SGLang's default adaptive tiers (`adaptive_spec_params.DEFAULT_ADAPTIVE_CONFIG`) always draft
+# below 8 running requests (steps 1, 3, 7); from 8 they may stop drafting (step 0), and from 64
+# they never draft, so the accept length there falls to 1.0 by design.
+ADAPTIVE_ALWAYS_DRAFTS_BELOW = 8
+
+
+def accept_length_judges_mtp(adaptive: bool, running: int | None) -> bool:
+    """Whether a low accept length means broken MTP (missing draft weights).
+
+    Fixed MTP: always. Adaptive: only with fewer than 8 requests running, where SGLang still
+    drafts every step; at larger batches it may turn drafting off and 1.0 is what it chose.
+    """
+    if not adaptive:
+        return True
+    return running is not None and running < ADAPTIVE_ALWAYS_DRAFTS_BELOW
