@@ -337,4 +337,7 @@ def test_emulator_sweep_shows_adaptive_as_its_own_point(tmp_path: Path) -> None:
     assert tps[("adaptive", 128)] == pytest.approx(tps[("off", 128)], rel=0.1)  # none at 128
     assert points[("adaptive", 128)]["accept_length"] == pytest.approx(1.0, abs=0.05)
     assert points[("adaptive", 128)]["cause"] != "mtp_ineffective"  # its choice, not a fault
+    assert points[("adaptive", 128)]["power_w"] == pytest.approx(
+        points[("off", 128)]["power_w"], rel=0.05
+    )
     assert points[("on", 128)]["accept_length"] > 2.0  # fixed MTP keeps drafting

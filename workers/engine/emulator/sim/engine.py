@@ -15,7 +15,7 @@ import math
 import os
 import random
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -269,7 +269,13 @@ class Engine:
         self._power_changed(now)
 
     def power_w(self) -> float:
-        return self.power.power_w(len(self.scheduler.running), self.args.max_running_requests)
+        """Watts now; an adaptive engine that stopped drafting draws what a plain decode does."""
+        running = len(self.scheduler.running)
+        power = self.power
+        spec = self.model.spec
+        if spec is not None and spec.adaptive and self.model.steps_for(running) == 0:
+            power = replace(power, spec=False)
+        return power.power_w(running, self.args.max_running_requests)
 
     def _power_changed(self, now: float) -> None:
         self.meter.set_power(now, self.power_w())
