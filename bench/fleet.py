@@ -190,6 +190,11 @@ def run_genfleet(
             store=env["GENFLEET_STORE"],
             queue=run,
             batch_size=int(env["GENFLEET_BATCH_SIZE"]),
+            **(
+                {"batch_tail": int(env["GENFLEET_BATCH_TAIL"])}
+                if "GENFLEET_BATCH_TAIL" in env
+                else {}
+            ),
         )
         samplers = [Sampler(f"http://127.0.0.1:{port}", 0.1).start() for _, _, port in workers]
         started = time.time()
@@ -252,6 +257,7 @@ def one_size(args: argparse.Namespace, per_worker: int, redis_url: str) -> float
             "startup_timeout_s": 120,
             "batch_size": args.batch_size,
         }
+        knobs.update(dict(knob.split("=", 1) for knob in args.knob))
         env = emulator_env(knobs)
         argv = engine_command(env)
         source = tmp / "prompts.jsonl"
@@ -289,6 +295,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256, help="the default setting")
     parser.add_argument("--time-scale", type=float, default=20.0)
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/13")
+    parser.add_argument(
+        "--knob", action="append", default=[], help="SETTING=VALUE for the run (repeatable)"
+    )
     parser.add_argument("--timeline", action="store_true", help="requests per engine per second")
     args = parser.parse_args()
     global TIMELINE

@@ -53,6 +53,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "role": (STORE, "gpu: consume work with an engine; control: beat tasks only"),
     "batch_size": (GENERATION, "prompts per batch"),
     "batch_max_tokens": (GENERATION, "close a batch when prompts x max_tokens reach this"),
+    "batch_tail": (GENERATION, "the last N batches' prompts go out in shrinking batches"),
     "max_tokens": (GENERATION, "completion cap per prompt"),
     "temperature": (GENERATION, "sampling temperature"),
     "top_p": (GENERATION, "nucleus sampling"),

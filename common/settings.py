@@ -52,6 +52,10 @@ class Settings(BaseSettings):
     # A batch is also closed when its expected generation work reaches this many tokens
     # (prompts x max_tokens), so no batch outlives the visibility timeout.
     batch_max_tokens: int = Field(default=4_000_000, ge=1)
+    # The run's last this-many batches' worth of prompts go out in shrinking batches (0: every
+    # batch full). Off by default: workers take a run's batches as they start, so at a few
+    # batches per worker equal batches split the run most evenly (bench/RESULTS.md).
+    batch_tail: int = Field(default=0, ge=0)
     max_tokens: int = Field(default=8192, ge=1)
     temperature: float = Field(default=0.6, ge=0.0)
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)

@@ -1,16 +1,27 @@
-"""Cutting a stream of prompts into batches: by count and by expected work.
+"""Cutting a stream of prompts into batches: by count and by expected work, finer at the end.
 
 A batch closes when it holds `batch_size` prompts or when the tokens it may generate
 (the sum of each prompt's max_tokens) reach `batch_max_tokens`. The second rule bounds how long
-a batch can run, which must stay well under the broker's visibility timeout. Batch ids are the
-batch's index in input order, so the same input and sizes always give the same batches.
+a batch can run, which must stay well under the broker's visibility timeout.
+
+The run's last `tail` batches' worth of prompts are cut again into batches that shrink
+(each a `tail`-th of the prompts left, down to a sixteenth of `batch_size`): a worker whose
+engine drains at the end of a run takes a small batch instead of the fleet waiting on one
+worker's last full batch, so the fleet finishes together. This holds back `tail` batches
+until the source ends or more prompts arrive, a bounded lookahead.
+
+Batch ids are the batch's index in input order and the cut is a pure function of the input and
+these sizes, so the same input and settings always give the same batches (resume relies on it).
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
 
 from genfleet.common.records import PromptRecord
+
+TAIL_MIN_FRACTION = 16  # the smallest tail batch holds batch_size // 16 prompts (at least 1)
 
 
 def expected_tokens(record: PromptRecord, max_tokens: int) -> int:
@@ -22,12 +33,10 @@ def expected_tokens(record: PromptRecord, max_tokens: int) -> int:
     return max_tokens
 
 
-def make_batches(
+def _cut(
     records: Iterable[PromptRecord], batch_size: int, batch_max_tokens: int, max_tokens: int
 ) -> Iterator[list[PromptRecord]]:
-    """Consecutive, non-empty batches covering `records` exactly once, in order."""
-    if batch_size < 1 or batch_max_tokens < 1:
-        raise ValueError("batch_size and batch_max_tokens must be positive")
+    """Consecutive batches of at most `batch_size` prompts and `batch_max_tokens` of work."""
     batch: list[PromptRecord] = []
     work = 0
     for record in records:
@@ -39,3 +48,52 @@ def make_batches(
         work += cost
     if batch:
         yield batch
+
+
+def tail_sizes(prompts: int, batch_size: int, tail: int) -> list[int]:
+    """How many prompts each of the run's last batches may hold, for `prompts` left at the end.
+
+    Each takes a `tail`-th of what is left (rounded up), at most `batch_size` and at least
+    batch_size // 16, so the sizes shrink geometrically towards the end of the run.
+    """
+    sizes: list[int] = []
+    left = prompts
+    while left > 0:
+        sizes.append(_tail_size(left, batch_size, tail))
+        left -= sizes[-1]
+    return sizes
+
+
+def _tail_size(left: int, batch_size: int, tail: int) -> int:
+    smallest = max(1, batch_size // TAIL_MIN_FRACTION)
+    return min(left, batch_size, max(smallest, -(-left // max(1, tail))))
+
+
+def make_batches(
+    records: Iterable[PromptRecord],
+    batch_size: int,
+    batch_max_tokens: int,
+    max_tokens: int,
+    tail: int = 0,
+) -> Iterator[list[PromptRecord]]:
+    """Consecutive, non-empty batches covering `records` exactly once, in order; the last
+    `tail` batches' worth of prompts in shrinking batches (`tail` 0: all batches full)."""
+    if batch_size < 1 or batch_max_tokens < 1 or tail < 0:
+        raise ValueError("batch_size and batch_max_tokens must be positive, tail not negative")
+    full = _cut(records, batch_size, batch_max_tokens, max_tokens)
+    if tail == 0:
+        yield from full
+        return
+    window: deque[list[PromptRecord]] = deque()
+    for batch in full:
+        window.append(batch)
+        if len(window) > tail:
+            yield window.popleft()
+    rest = [record for batch in window for record in batch]
+    start = 0
+    while start < len(rest):
+        # The work rule still holds inside the tail: a size is a cap, never a minimum.
+        size = _tail_size(len(rest) - start, batch_size, tail)
+        batch = next(_cut(rest[start : start + size], size, batch_max_tokens, max_tokens))
+        yield batch
+        start += len(batch)

@@ -161,7 +161,10 @@ def stage(
     pending: list[WorkOrder] = []
     claim_run(store, run, params, ref, staging_params(settings))
     done = done_batches(store, run)  # a run staged before but never finished its manifest
-    batches = make_batches(split, settings.batch_size, settings.batch_max_tokens, params.max_tokens)
+    tail = settings.batch_tail
+    batches = make_batches(
+        split, settings.batch_size, settings.batch_max_tokens, params.max_tokens, tail
+    )
     last_send = time.monotonic()
     for index, records in enumerate(batches):
         batch = keys.batch_id(index)

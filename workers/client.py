@@ -229,7 +229,13 @@ class _AiohttpPost:
         try:
             async with session.post(self._url, data=body) as response:
                 payload = await response.read()
-                return response.status, payload, response.headers.get("Retry-After")
+                status = response.status
+                # Retry-After matters only on a refusal: no header lookup per completion.
+                return (
+                    status,
+                    payload,
+                    None if status == 200 else response.headers.get("Retry-After"),
+                )
         except TimeoutError as exc:
             raise EngineDown(f"request timed out: {exc.__class__.__name__}") from exc
         except aiohttp.ClientError as exc:

@@ -146,6 +146,9 @@ class InflightLimiter:
             self._wake()
 
     async def __aenter__(self) -> None:
+        if self.held < self.size and not self._waiters:  # the common case, without a coroutine
+            self.held += 1
+            return
         await self.acquire()
 
     async def __aexit__(self, *exc: object) -> None:

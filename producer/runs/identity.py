@@ -26,13 +26,16 @@ from genfleet.producer.readers import ReaderOptions, Reject, read_source
 def staging_params(settings: Settings) -> dict[str, Any]:
     """How prompts are read and cut into batches: part of a run's identity. (The prompts'
     fingerprint covers what these do to the prompts; naming them makes a refusal say why.)"""
-    return {
+    staging: dict[str, Any] = {
         "batch_size": settings.batch_size,
         "batch_max_tokens": settings.batch_max_tokens,
         "samples": settings.samples,
         "limit": settings.limit,
         "system_prompt": settings.system_prompt,
     }
+    if settings.batch_tail:  # named only when set: runs staged without it keep their identity
+        staging["batch_tail"] = settings.batch_tail
+    return staging
 
 
 def fingerprint_source(source: str, options: ReaderOptions) -> str:
