@@ -13,6 +13,7 @@ from typing import Any
 import orjson
 import redis
 from celery import Celery
+from kombu.exceptions import OperationalError
 
 from genfleet.common import keys
 from genfleet.common.celery_config import (
@@ -51,6 +52,27 @@ def send_orders(app: Celery, settings: Settings, orders: Iterable[WorkOrder]) ->
 
 
 _order_of = work_order_of
+
+# How long `worker_queues` waits for workers' replies: a broadcast always waits this long.
+INSPECT_TIMEOUT_S = 1.0
+
+
+def worker_queues(app: Celery, timeout_s: float = INSPECT_TIMEOUT_S) -> dict[str, list[str]] | None:
+    """The queues each live Celery worker consumes now, by worker: {} when none answers within
+    `timeout_s`, None when the broker could not be asked.
+
+    Asked after an enqueue and while a run waits, so that a run whose queue no worker consumes
+    (enqueued for another model than the fleet serves) is told at once, not left queued.
+    A worker answers only once it consumes: one still loading its engine is not listed.
+    """
+    try:
+        replies = app.control.inspect(timeout=timeout_s).active_queues() or {}
+    except (OSError, OperationalError, redis.RedisError):
+        return None
+    return {
+        str(worker): sorted(str(queue["name"]) for queue in queues or [] if "name" in queue)
+        for worker, queues in replies.items()
+    }
 
 
 def orders_in_broker(client: redis.Redis, queue: str, run: str) -> set[str]:

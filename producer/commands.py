@@ -13,8 +13,10 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 
 from genfleet.common import keys
+from genfleet.common.celery_config import ModelRef, work_queue
 from genfleet.common.errors import GenfleetError
 from genfleet.common.redis_conn import connect, text
+from genfleet.common.settings import Settings
 from genfleet.common.store import Store, open_store
 from genfleet.producer.console import (
     Json,
@@ -36,7 +38,13 @@ from genfleet.producer.status import (
     run_status,
     stall_facts,
     stall_reason,
+    unconsumed_queue,
 )
+
+# A run still this long is checked for a queue that no live worker consumes.
+QUEUE_CHECK_S = 5.0
+
+QueueCheck = Callable[[dict[str, Any]], dict[str, Any] | None]
 
 Run = Annotated[str, typer.Option("--run", help="run name: letters, digits, . _ -")]
 GpuHourCost = Annotated[
@@ -104,13 +112,46 @@ def enqueue(
         result = enqueue_run(settings, run, None if resume else source, options, verify=resume)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
-    _print_enqueue(result, json_out)
+    unconsumed = None
+    if result.batches_enqueued or result.batches_done < result.batches_total:
+        unconsumed = queue_check(settings)({"model": result.model, "engine": result.engine})
+    _print_enqueue(result, json_out, unconsumed)
 
 
-def _print_enqueue(result: EnqueueResult, json_out: bool) -> None:
-    if json_out:
-        out.print_json(orjson.dumps(result.to_json()).decode())
+def queue_check(settings: Settings) -> QueueCheck:
+    """A check, given a run's status (its `model` and `engine`), of whether a live worker
+    consumes the run's queue: None when one does (or the workers could not be asked), else
+    what `unconsumed_queue` says. Each call asks the workers (it waits INSPECT_TIMEOUT_S)."""
+    from genfleet.producer.broker import make_client_app, worker_queues
+
+    def check(report: dict[str, Any]) -> dict[str, Any] | None:
+        model, engine = report.get("model"), report.get("engine")
+        if model is None or engine is None:
+            return None
+        queue = work_queue(settings.queue, ModelRef(engine, model))
+        app = make_client_app(settings)
+        try:
+            consumers = worker_queues(app)
+        finally:
+            app.close()
+        return unconsumed_queue(queue, model, engine, settings.queue, consumers)
+
+    return check
+
+
+def warn_unconsumed(run: str, unconsumed: dict[str, Any] | None) -> None:
+    """The loud line on stderr for a run whose queue no live worker consumes."""
+    if unconsumed is not None:
+        console.print(f"[bold red]warning:[/] run {run}: {escape(unconsumed['message'])}")
+
+
+def _print_enqueue(
+    result: EnqueueResult, json_out: bool, unconsumed: dict[str, Any] | None = None
+) -> None:
+    if json_out:  # the warning is the JSON's `unconsumed`
+        out.print_json(orjson.dumps({**result.to_json(), "unconsumed": unconsumed}).decode())
         return
+    warn_unconsumed(result.run, unconsumed)
     verb = "staged" if result.staged else "found"
     console.print(
         f"run [bold]{result.run}[/]: {verb} {plural(result.prompts, 'prompt')} in "
@@ -144,14 +185,20 @@ def status(
     try:
         objects = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
         client = connect(settings)
+        check = queue_check(settings)
         if watch:
-            watch_run(objects, client, run, None, settings.engine_stall_timeout_s, settings.queue)
+            stall_s = settings.engine_stall_timeout_s
+            watch_run(objects, client, run, None, stall_s, settings.queue, check)
         report = run_status(objects, client, run, gpu_hour_cost=settings.gpu_hour_cost)
+        report["unconsumed"] = None
+        if report["state"] in {"queued", "running"}:
+            report["unconsumed"] = check(report)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
-    if json_out:
+    if json_out:  # the warning is the JSON's `unconsumed`
         out.print_json(orjson.dumps(report).decode())
         return
+    warn_unconsumed(run, report["unconsumed"])
     out.print(status_line(report), highlight=False)
     for batch, error in report["failed"].items():
         out.print(f"  failed {batch}: {escape(error)}", highlight=False)
@@ -182,10 +229,12 @@ def watch_run(
     check: Callable[[], None] | None = None,
     stall_s: float = 300.0,
     queue: str = "gpu",
+    queue_check: QueueCheck | None = None,
 ) -> None:
     """A progress bar with tok/s and ETA until the run is done or failed. When nothing has
     moved (prompts answered, batches done or failed) for `stall_s`, it says so and why, once
-    per still spell."""
+    per still spell. Sooner, after QUEUE_CHECK_S still, `queue_check` asks whether a live
+    worker consumes the run's queue and, when none does, says so at once."""
     with Progress(
         TextColumn("[bold]{task.fields[run]}"),
         BarColumn(),
@@ -195,7 +244,8 @@ def watch_run(
         console=console,
     ) as progress:
         task = progress.add_task("run", total=None, run=run, rate=0, eta="-")
-        moved_at, last, warned = time.monotonic(), None, False
+        moved_at, last, warned, asked = time.monotonic(), None, False, False
+        unconsumed: dict[str, Any] | None = None
         while True:
             report = run_status(objects, client, run)
             figures = (
@@ -204,11 +254,22 @@ def watch_run(
                 report["batches_failed"],
             )
             if figures != last:
-                moved_at, last, warned = time.monotonic(), figures, False
+                moved_at, last, warned, asked = time.monotonic(), figures, False, False
             still_s = time.monotonic() - moved_at
+            if queue_check is not None and still_s >= min(stall_s or QUEUE_CHECK_S, QUEUE_CHECK_S):
+                if not asked or (stall_s and still_s >= stall_s and not warned):
+                    unconsumed = queue_check(report)
+                # A worker loading its engine does not answer yet: that is said at stall_s.
+                if unconsumed is not None and unconsumed["workers_answering"] and not asked:
+                    progress.console.print(
+                        f"[bold red]{run}: {escape(unconsumed['message'])}[/]", highlight=False
+                    )
+                asked = True
             if stall_s and still_s >= stall_s and not warned:
-                facts = stall_facts(client, run, queue)
-                reason = stall_reason(report, still_s=still_s, now=time.time(), **facts)
+                facts = stall_facts(client, run, _run_queue(queue, report))
+                reason = stall_reason(
+                    report, still_s=still_s, now=time.time(), unconsumed=unconsumed, **facts
+                )
                 progress.console.print(f"[yellow]{run}: {reason}[/]", highlight=False)
                 warned = True
             progress.update(
@@ -223,6 +284,14 @@ def watch_run(
             if check is not None:
                 check()
             time.sleep(1.0)
+
+
+def _run_queue(prefix: str, report: dict[str, Any]) -> str:
+    """The run's work queue (`gpu.emulator`, `gpu.<model>`); the bare prefix for a run that
+    recorded no model."""
+    if report.get("model") is None or report.get("engine") is None:
+        return prefix
+    return work_queue(prefix, ModelRef(report["engine"], report["model"]))
 
 
 def retry(

@@ -29,7 +29,7 @@ from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
-from genfleet.producer.commands import Format, watch_run
+from genfleet.producer.commands import Format, queue_check, watch_run
 from genfleet.producer.console import Json, console, format_eta, out, plural, print_rejects
 from genfleet.producer.enqueue import enqueue_run, generation_params, reader_options
 from genfleet.producer.runs.identity import existing_run
@@ -107,7 +107,8 @@ def _wait(children: Children, settings: Settings, run: str) -> dict[str, Any]:
                 f"last lines of {children.log_dir}/worker.log:\n{children.tail('worker')}"
             )
 
-    watch_run(store, client, run, check, settings.engine_stall_timeout_s, settings.queue)
+    stall_s = settings.engine_stall_timeout_s
+    watch_run(store, client, run, check, stall_s, settings.queue, queue_check(settings))
     return run_status(store, client, run)
 
 

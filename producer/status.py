@@ -154,6 +154,47 @@ def read_findings(client: redis.Redis, run: str | None = None, count: int = 200)
 STALL_CAUSES = ("engine_stalled", "engine_down", "worker_unresponsive")
 
 
+def unconsumed_queue(
+    queue: str, model: str, engine: str, prefix: str, worker_queues: dict[str, list[str]] | None
+) -> dict[str, Any] | None:
+    """Why a run's orders sit unread, when no live worker consumes its `queue`; None when one
+    does, or when the workers could not be asked (`worker_queues` None).
+
+    Runs go to their model's queue (`gpu.emulator`, `gpu.<model>`): a run enqueued for a
+    model the fleet does not serve waits forever unless someone is told.
+
+        unconsumed_queue("gpu.q3", "q3", "sglang", "gpu", {"w@h": ["gpu.emulator"]})["message"]
+        # 'no live worker consumes queue gpu.q3 (model q3); workers consume: gpu.emulator. …'
+    """
+    if worker_queues is None:
+        return None
+    consumed = sorted(
+        {q for qs in worker_queues.values() for q in qs if q.startswith(f"{prefix}.")}
+    )
+    if queue in consumed:
+        return None
+    start = "--engine emulator" if engine == "emulator" else f"--model {model}"
+    if consumed:
+        seen = f"workers consume: {', '.join(consumed)}"
+        other = (
+            "enqueue for their model under a new --run (`--engine emulator` for "
+            f"{prefix}.emulator, `--model NAME` for a real model), or "
+        )
+    else:
+        seen = f"{'no worker answered' if not worker_queues else 'no worker consumes a work queue'}"
+        other = ""
+    return {
+        "queue": queue,
+        "model": model,
+        "worker_queues": consumed,
+        "workers_answering": len(worker_queues),
+        "message": (
+            f"no live worker consumes queue {queue} (model {model}); {seen}. Its orders wait "
+            f"until one does: {other}start a worker for it with `genfleet worker {start}`"
+        ),
+    }
+
+
 def stall_reason(
     report: dict[str, Any],
     *,
@@ -162,6 +203,7 @@ def stall_reason(
     findings: list[dict[str, Any]],
     queue_depth: int,
     now: float,
+    unconsumed: dict[str, Any] | None = None,
 ) -> str:
     """Why a run that has not moved for `still_s` is stuck, the most specific cause first.
 
@@ -177,6 +219,8 @@ def stall_reason(
                 f"{head}{finding['cause'].replace('_', ' ')} on {finding.get('worker')} "
                 f"({finding.get('suggestion')})"
             )
+    if unconsumed is not None:
+        return head + str(unconsumed["message"])
     alive = sorted(w for w, ts in workers_seen.items() if now - ts <= still_s)
     if not alive:
         return (

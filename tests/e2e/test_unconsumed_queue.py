@@ -1,0 +1,111 @@
+"""A run whose queue no live worker consumes is told at once (enqueue, status), naming its
+queue and model and the queues the workers do consume; a run the fleet serves is not."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+from typer.testing import CliRunner
+
+from genfleet.producer.cli import app
+from genfleet.producer.status import stall_reason, unconsumed_queue
+from tests.conftest import Worker, base_env, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.mark.parametrize(
+    ("queue", "engine", "consumers", "expected"),
+    [
+        ("gpu.emulator", "emulator", {"w@h": ["control", "gpu.emulator"]}, None),
+        ("gpu.q3", "sglang", None, None),  # the workers could not be asked: no claim
+        ("gpu.q3", "sglang", {"w@h": ["gpu.emulator"], "c@h": ["control"]}, ["gpu.emulator"]),
+        ("gpu.q3", "sglang", {}, []),
+        ("gpu.emulator", "emulator", {"w@h": ["gpu.q3"]}, ["gpu.q3"]),
+    ],
+)
+def test_unconsumed_queue(
+    queue: str,
+    engine: str,
+    consumers: dict[str, list[str]] | None,
+    expected: list[str] | None,
+) -> None:
+    model = "emulator" if engine == "emulator" else "q3"
+    found = unconsumed_queue(queue, model, engine, "gpu", consumers)
+    if expected is None:
+        assert found is None
+        return
+    assert found is not None
+    assert (found["queue"], found["model"], found["worker_queues"]) == (queue, model, expected)
+    assert queue in found["message"] and all(q in found["message"] for q in expected)
+    start = "--engine emulator" if engine == "emulator" else "--model q3"
+    assert f"genfleet worker {start}" in found["message"]
+
+
+def test_stall_reason_names_the_unconsumed_queue_first() -> None:
+    found = unconsumed_queue("gpu.q3", "q3", "sglang", "gpu", {"w@h": ["gpu.emulator"]})
+    reason = stall_reason(
+        {"batches_failed": 0},
+        still_s=300,
+        workers_seen={"w@h": 990.0},
+        findings=[],
+        queue_depth=3,
+        now=1000.0,
+        unconsumed=found,
+    )
+    assert "no live worker consumes queue gpu.q3" in reason
+
+
+def cli(*args: str, env: dict[str, str]) -> Any:
+    result = CliRunner().invoke(app, list(args), env=env)
+    assert result.exit_code == 0, result.output
+    return orjson.loads(result.stdout)
+
+
+def test_a_run_for_a_model_no_worker_serves_is_told(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store_url = (tmp_path / "store").as_uri()
+    source = tmp_path / "p.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(6)))
+    env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": store_url}
+    worker = start_worker(base_env(redis_url, store_url))  # the emulator: gpu.emulator
+    worker.wait_ready()
+
+    other = cli("enqueue", str(source), "--run", "other", "--model", "qwen3", "--json", env=env)
+    assert other["queue"] == "gpu.qwen3"
+    warning = other["unconsumed"]
+    assert warning is not None
+    assert (warning["queue"], warning["model"]) == ("gpu.qwen3", "qwen3")
+    assert warning["worker_queues"] == ["gpu.emulator"]
+    assert "gpu.qwen3" in warning["message"] and "gpu.emulator" in warning["message"]
+
+    status = cli("status", "other", "--json", env=env)
+    assert status["state"] == "queued"
+    assert status["unconsumed"]["queue"] == "gpu.qwen3"
+    assert status["unconsumed"]["worker_queues"] == ["gpu.emulator"]
+    assert redis_client.llen("gpu.qwen3") == 1  # its order waits, untouched
+    told = CliRunner().invoke(app, ["status", "other"], env=env)
+    assert told.exit_code == 0, told.output
+    line = " ".join(told.stderr.split())
+    assert "no live worker consumes queue gpu.qwen3 (model qwen3)" in line, line
+    assert "workers consume: gpu.emulator" in line, line
+
+    served = cli("enqueue", str(source), "--run", "served", "--json", env=env)
+    assert served["queue"] == "gpu.emulator"
+    assert served["unconsumed"] is None
+    wait_for(
+        lambda: cli("status", "served", "--json", env=env)["state"] == "done",
+        60,
+        "run served to finish",
+        0.5,
+    )
+    assert cli("status", "served", "--json", env=env)["unconsumed"] is None
