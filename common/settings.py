@@ -212,7 +212,7 @@ class Settings(BaseSettings):
     @classmethod
     def from_overrides(cls, overrides: dict[str, Any]) -> Settings:
         """Environment and defaults, overridden by a `--settings-file` (the `settings_file`
-        key, as `parse_setting_args` returns it), overridden by the CLI flags that were given
+        key), overridden by the CLI flags that were given
         (not None). Raises ValueError for a settings file that is missing or malformed."""
         given = {k: v for k, v in overrides.items() if v is not None}
         path = given.pop(SETTINGS_FILE, None)
@@ -306,45 +306,3 @@ def read_settings_file(path: str | Path) -> dict[str, str]:
             )
         values[binding.key.removeprefix("GENFLEET_").lower()] = binding.value
     return values
-
-
-def _is_bool_field(name: str) -> bool:
-    annotation = Settings.model_fields[name].annotation
-    return annotation is bool
-
-
-def parse_setting_args(args: list[str]) -> dict[str, Any]:
-    """`--max-inflight 8 --no-mtp --store=s3://b/p` → {"max_inflight": "8", "mtp": False, ...}.
-
-    Every setting is a flag of the same name (kebab-case); booleans take `--x` / `--no-x`.
-    `--settings-file PATH` is kept as the `settings_file` key for `Settings.from_overrides`.
-    Raises ValueError naming the flag that is unknown or lacks a value.
-    """
-    overrides: dict[str, Any] = {}
-    i = 0
-    while i < len(args):
-        arg = args[i]
-        if not arg.startswith("--"):
-            raise ValueError(f"unexpected argument {arg!r}")
-        flag, has_value, value = arg[2:].partition("=")
-        name = flag.replace("-", "_")
-        if name not in Settings.model_fields and name.startswith("no_"):
-            positive = name[3:]
-            if positive in Settings.model_fields and _is_bool_field(positive):
-                overrides[positive] = False
-                i += 1
-                continue
-        if name not in Settings.model_fields and name != SETTINGS_FILE:
-            raise ValueError(f"unknown option --{flag} (see `genfleet settings` for all)")
-        if name != SETTINGS_FILE and _is_bool_field(name) and not has_value:
-            overrides[name] = True
-            i += 1
-            continue
-        if not has_value:
-            if i + 1 >= len(args):
-                raise ValueError(f"option --{flag} needs a value")
-            value = args[i + 1]
-            i += 1
-        overrides[name] = value
-        i += 1
-    return overrides

@@ -18,7 +18,7 @@ from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import fail, with_settings
 from genfleet.common.settings import DEFAULT_STORE, Settings, store_url
 from genfleet.producer import commands, local_run
-from genfleet.producer.console import PASS_THROUGH, Json, out
+from genfleet.producer.console import Json, out
 from genfleet.producer.runs import commands as run_commands
 
 # The GPU side's commands, by name: `genfleet.workers.cli` defines them.
@@ -72,7 +72,7 @@ def show_settings(settings: Settings, json_out: Json = False) -> None:
 
 
 # Every command is registered here, explicitly: importing a module registers nothing.
-app.command(context_settings=PASS_THROUGH)(commands.enqueue)
+app.command()(commands.enqueue)
 app.command()(commands.status)
 app.command()(commands.retry)
 app.command()(commands.export)

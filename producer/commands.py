@@ -15,6 +15,7 @@ from rich.progress import BarColumn, Progress, TextColumn
 from genfleet.common import keys
 from genfleet.common.celery_config import ModelRef, work_queue
 from genfleet.common.errors import GenfleetError
+from genfleet.common.flags import with_settings
 from genfleet.common.redis_conn import connect, text
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, open_store
@@ -56,53 +57,30 @@ Format = Annotated[
 ]
 
 
+@with_settings(exclude={"role"})
 def enqueue(
-    ctx: typer.Context,
+    settings: Settings,
     source: Annotated[str | None, typer.Argument(help="dataset file or directory")] = None,
     run: Run = "",
-    batch_size: Annotated[int | None, typer.Option(help="prompts per batch")] = None,
-    max_tokens: Annotated[int | None, typer.Option(help="completion cap per prompt")] = None,
-    temperature: Annotated[float | None, typer.Option()] = None,
-    top_p: Annotated[float | None, typer.Option()] = None,
-    thinking: Annotated[bool | None, typer.Option("--thinking/--no-thinking")] = None,
     fmt: Format = None,
-    system_prompt: Annotated[str | None, typer.Option()] = None,
-    limit: Annotated[int | None, typer.Option(help="first N prompts only")] = None,
-    samples: Annotated[int | None, typer.Option(help="completions per prompt")] = None,
     messages_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
     prompt_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
     id_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="rebuild the queue of RUN from the store alone")
     ] = False,
-    redis_url: RedisUrl = None,
-    store: StoreUrl = None,
-    s3_endpoint_url: S3Endpoint = None,
     json_out: Json = False,
 ) -> None:
     """Stage SOURCE as RUN in the store and enqueue one work order per batch.
 
     Re-running it for a run that exists enqueues only batches without output (nothing, when
     the run is done). `--resume RUN` does that without a SOURCE, e.g. after Redis lost all.
+    The run goes to its model's queue (`--model`, `--engine`): the one its workers consume.
     """
     if resume and not run and source:
         run, source = source, None  # `genfleet enqueue --resume RUN`
     if not run:
         fail("--run RUN is required")
-    settings = build_settings(
-        ctx.args,
-        batch_size=batch_size,
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        thinking=thinking,
-        system_prompt=system_prompt,
-        limit=limit,
-        samples=samples,
-        redis_url=redis_url,
-        store=store,
-        s3_endpoint_url=s3_endpoint_url,
-    )
     if source is None and not resume:
         fail("give a SOURCE to stage, or --resume RUN to re-enqueue from the store")
     options = reader_options(

@@ -10,18 +10,13 @@ from rich.console import Console
 from rich.markup import escape
 
 from genfleet.common.flags import fail
-from genfleet.common.settings import Settings, parse_setting_args
+from genfleet.common.settings import Settings
 
-__all__ = ["PASS_THROUGH", "Json", "RedisUrl", "S3Endpoint", "StoreUrl", "build_settings"]
+__all__ = ["Json", "RedisUrl", "S3Endpoint", "StoreUrl", "build_settings"]
 __all__ += ["console", "fail", "format_eta", "out", "plural", "print_rejects"]
 
 console = Console(stderr=True)
 out = Console()
-
-PASS_THROUGH: dict[str, Any] = {
-    "allow_extra_args": True,
-    "ignore_unknown_options": True,
-}
 
 RedisUrl = Annotated[str | None, typer.Option("--redis-url", help="GENFLEET_REDIS_URL")]
 StoreUrl = Annotated[
@@ -54,11 +49,9 @@ def print_rejects(samples: list[str]) -> None:
         console.print(f"  [yellow]rejected[/] {escape(line)}", highlight=False)
 
 
-def build_settings(extra: list[str] | None = None, **flags: Any) -> Settings:
-    """Environment + defaults, overridden by the flags given (declared ones and `extra`)."""
+def build_settings(**flags: Any) -> Settings:
+    """Environment + defaults, overridden by the flags given (not None)."""
     try:
-        overrides = parse_setting_args(list(extra or []))
-        overrides.update({k: v for k, v in flags.items() if v is not None})
-        return Settings.from_overrides(overrides)
+        return Settings.from_overrides({k: v for k, v in flags.items() if v is not None})
     except ValueError as exc:
         fail(str(exc).replace("\n", " "))

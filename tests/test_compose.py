@@ -384,16 +384,16 @@ def test_gpu_worker_gets_models_cache_shared_memory_and_ulimits() -> None:
 
 def test_the_producer_sends_orders_to_the_queue_its_workers_consume() -> None:
     from genfleet.common.celery_config import model_ref, work_queue, worker_queue
-    from genfleet.common.settings import Settings, parse_setting_args
+    from genfleet.common.settings import Settings
 
     services = load_compose()["services"]
 
-    def settings(service: str, dotenv: dict[str, str], *flags: str) -> Settings:
+    def settings(service: str, dotenv: dict[str, str], **flags: str) -> Settings:
         secrets = {"REDIS_PASSWORD": "pw", "S3_ACCESS_KEY_ID": "k", "S3_SECRET_ACCESS_KEY": "s"}
         env = service_environment(services[service], {**secrets, **dotenv})
         values = {k.removeprefix("GENFLEET_").lower(): v for k, v in env.items()}
         values = {k: v for k, v in values.items() if k in Settings.model_fields}
-        return Settings.from_overrides({**values, **parse_setting_args(list(flags))})
+        return Settings.from_overrides({**values, **flags})
 
     def target(producer: Settings) -> str:
         return work_queue(producer.queue, model_ref(producer))
@@ -404,7 +404,7 @@ def test_the_producer_sends_orders_to_the_queue_its_workers_consume() -> None:
     # the dry run: the emulator's queue, with the model unset or --engine emulator
     dry = worker_queue(settings("worker-dry", gpu))
     assert target(settings("producer", {})) == dry
-    assert target(settings("producer", gpu, "--engine", "emulator")) == dry
+    assert target(settings("producer", gpu, engine="emulator")) == dry
 
 
 def test_producer_is_a_tool_run_on_demand() -> None:

@@ -162,10 +162,11 @@ def run_cli(args: list[str]) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize(
-    "command", ["worker", "control", "preflight", "top", "tune", "flower", "run"]
+    "command", ["worker", "control", "preflight", "top", "tune", "flower", "run", "enqueue"]
 )
 def test_an_unknown_flag_fails_naming_it(command: str) -> None:
-    args = [command, "--no-such-knob", "3"] + (["data.jsonl"] if command == "run" else [])
+    source = ["data.jsonl"] if command in {"run", "enqueue"} else []
+    args = [command, "--no-such-knob", "3", *source]
     code, output = run_cli(args)
     assert code == 2
     assert "No such option: --no-such-knob" in output
@@ -186,6 +187,10 @@ def test_an_unknown_flag_fails_naming_it(command: str) -> None:
         (["worker", "--settings-file", "/no/such.env"], "--settings-file /no/such.env"),
         (["worker", "--gpus", "0,1,2", "--tp-size", "2"], "not a multiple of --tp-size 2"),
         (["tune", "--pick", "speed"], "--pick takes throughput or energy"),
+        (
+            ["enqueue", "x.jsonl", "--run", "x", "--top-p", "2"],
+            "--top-p (GENFLEET_TOP_P): Input should be less than or equal to 1",
+        ),
     ],
 )
 def test_bad_settings_fail_through_the_one_error_exit(args: list[str], message: str) -> None:
@@ -209,7 +214,8 @@ def panels_in_help(text: str) -> dict[str, set[str]]:
 
 
 @pytest.mark.parametrize(
-    ("command", "excluded"), [("worker", {"role"}), ("run", {"role"}), ("tune", {"mtp"})]
+    ("command", "excluded"),
+    [("worker", {"role"}), ("run", {"role"}), ("tune", {"mtp"}), ("enqueue", {"role"})],
 )
 def test_help_lists_every_setting_in_its_panel(command: str, excluded: set[str]) -> None:
     code, output = run_cli([command, "--help"])

@@ -5,7 +5,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from genfleet.common.settings import Settings, parse_setting_args, redact_url, setting_names
+from genfleet.common.settings import Settings, redact_url, setting_names
 
 
 def test_environment_prefix_and_same_names(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -15,35 +15,7 @@ def test_environment_prefix_and_same_names(monkeypatch: pytest.MonkeyPatch) -> N
     assert settings.max_inflight == 17
     assert settings.mtp is False
     # a CLI flag of the same name wins over the environment
-    assert Settings.from_overrides(parse_setting_args(["--max-inflight", "5"])).max_inflight == 5
-
-
-@pytest.mark.parametrize(
-    ("args", "expected"),
-    [
-        (["--max-inflight", "8"], {"max_inflight": "8"}),
-        (["--max-inflight=8"], {"max_inflight": "8"}),
-        (["--no-mtp"], {"mtp": False}),
-        (["--trust-remote-code"], {"trust_remote_code": True}),
-        (["--thinking=false"], {"thinking": "false"}),
-        (["--store", "s3://b/p", "--tp-size", "2"], {"store": "s3://b/p", "tp_size": "2"}),
-    ],
-)
-def test_parse_setting_args(args: list[str], expected: dict[str, object]) -> None:
-    assert parse_setting_args(args) == expected
-
-
-@pytest.mark.parametrize(
-    ("args", "message"),
-    [
-        (["--no-such-thing", "1"], "unknown option --no-such-thing"),
-        (["--max-inflight"], "needs a value"),
-        (["positional"], "unexpected argument"),
-    ],
-)
-def test_parse_setting_args_errors(args: list[str], message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        parse_setting_args(args)
+    assert Settings.from_overrides({"max_inflight": "5"}).max_inflight == 5
 
 
 def test_engine_kind_defaults_to_emulator_without_a_model() -> None:
@@ -110,8 +82,8 @@ def test_settings_file_sits_between_environment_and_flags(
     )
     monkeypatch.setenv("GENFLEET_MAX_INFLIGHT", "17")
     monkeypatch.setenv("GENFLEET_BATCH_SIZE", "9")
-    args = ["--settings-file", str(tuned), "--max-running-requests", "96"]
-    settings = Settings.from_overrides(parse_setting_args(args))
+    overrides = {"settings_file": str(tuned), "max_running_requests": "96"}
+    settings = Settings.from_overrides(overrides)
     assert settings.mtp is False  # from the file
     assert settings.max_inflight == 64  # the file wins over the environment
     assert settings.max_running_requests == 96  # a flag wins over the file
@@ -119,7 +91,6 @@ def test_settings_file_sits_between_environment_and_flags(
     assert settings.system_prompt == "be brief"
     assert settings.engine_extra_args == "--foo #bar"
     assert settings.reasoning_parser == "deepseek-r1"
-    assert parse_setting_args([f"--settings-file={tuned}"]) == {"settings_file": str(tuned)}
 
 
 @pytest.mark.parametrize(

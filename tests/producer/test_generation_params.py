@@ -63,3 +63,33 @@ def test_chat_template_kwargs_must_be_an_object(value: str) -> None:
         Settings(chat_template_kwargs=value)
     with pytest.raises(ConfigError, match="not JSON"):
         generation_params(Settings(chat_template_kwargs="{oops"))
+
+
+@pytest.mark.parametrize(("flag", "thinking"), [("--thinking", True), ("--no-thinking", False)])
+def test_enqueue_takes_the_run_flags_from_the_settings_model(
+    tmp_path: Path, redis_url: str, flag: str, thinking: bool
+) -> None:
+    import orjson
+    from typer.testing import CliRunner
+
+    from genfleet.common.manifest import Manifest
+    from genfleet.common.store import open_store
+    from genfleet.producer.cli import app
+
+    source = tmp_path / "p.jsonl"
+    source.write_bytes(b'{"prompt": "a"}\n{"prompt": "b"}\n')
+    store_url = (tmp_path / "store").as_uri()
+    args = ["enqueue", str(source), "--run", "r", flag, "--top-k", "20", "--max-tokens", "64"]
+    args += ["--min-p", "0.1", "--redis-url", redis_url, "--store", store_url, "--json"]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    assert orjson.loads(result.stdout)["queue"] == "gpu.emulator"
+    manifest = Manifest.load(open_store(store_url), "r")
+    assert manifest is not None
+    recorded = manifest.params
+    assert (recorded.thinking, recorded.top_k, recorded.min_p, recorded.max_tokens) == (
+        thinking,
+        20,
+        0.1,
+        64,
+    )
