@@ -233,8 +233,10 @@ def watch_run(
             )
             if figures != last:
                 moved_at, last, warned, asked = time.monotonic(), figures, False, False
+                unconsumed = None
             still_s = time.monotonic() - moved_at
-            if queue_check is not None and still_s >= min(stall_s or QUEUE_CHECK_S, QUEUE_CHECK_S):
+            waiting = report["state"] in {"queued", "running"}
+            if queue_check and waiting and still_s >= min(stall_s or QUEUE_CHECK_S, QUEUE_CHECK_S):
                 if not asked or (stall_s and still_s >= stall_s and not warned):
                     unconsumed = queue_check(report)
                 # A worker loading its engine does not answer yet: that is said at stall_s.

@@ -3,6 +3,7 @@ queue and model and the queues the workers do consume; a run the fleet serves is
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -12,7 +13,10 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
+from genfleet.common.settings import Settings
+from genfleet.common.store import open_store
 from genfleet.producer.cli import app
+from genfleet.producer.commands import queue_check, watch_run
 from genfleet.producer.status import stall_reason, unconsumed_queue
 from tests.conftest import Worker, base_env, wait_for
 
@@ -61,6 +65,10 @@ def test_stall_reason_names_the_unconsumed_queue_first() -> None:
     assert "no live worker consumes queue gpu.q3" in reason
 
 
+class Told(Exception):
+    """The warning was given: ends the watch."""
+
+
 def cli(*args: str, env: dict[str, str]) -> Any:
     result = CliRunner().invoke(app, list(args), env=env)
     assert result.exit_code == 0, result.output
@@ -72,6 +80,7 @@ def test_a_run_for_a_model_no_worker_serves_is_told(
     redis_url: str,
     redis_client: redis.Redis,
     start_worker: Callable[..., Worker],
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     store_url = (tmp_path / "store").as_uri()
     source = tmp_path / "p.jsonl"
@@ -93,11 +102,26 @@ def test_a_run_for_a_model_no_worker_serves_is_told(
     assert status["unconsumed"]["queue"] == "gpu.qwen3"
     assert status["unconsumed"]["worker_queues"] == ["gpu.emulator"]
     assert redis_client.llen("gpu.qwen3") == 1  # its order waits, untouched
+    check = queue_check(Settings.from_overrides({"redis_url": redis_url, "store": store_url}))
     told = CliRunner().invoke(app, ["status", "other"], env=env)
     assert told.exit_code == 0, told.output
     line = " ".join(told.stderr.split())
     assert "no live worker consumes queue gpu.qwen3 (model qwen3)" in line, line
     assert "workers consume: gpu.emulator" in line, line
+
+    # `status --watch` (and `run`'s wait) says it within seconds of nothing moving
+    said: list[str] = []
+
+    def told_yet() -> None:
+        said.append(" ".join(capsys.readouterr().err.split()))
+        if "no live worker consumes queue gpu.qwen3 (model qwen3)" in "".join(said):
+            raise Told
+        assert time.monotonic() < deadline, said
+
+    deadline = time.monotonic() + 30
+    with pytest.raises(Told):
+        watch_run(open_store(store_url), redis_client, "other", told_yet, 300, "gpu", check)
+    assert "workers consume: gpu.emulator" in "".join(said)
 
     served = cli("enqueue", str(source), "--run", "served", "--json", env=env)
     assert served["queue"] == "gpu.emulator"
