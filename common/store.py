@@ -16,10 +16,13 @@ import secrets
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 from urllib.parse import unquote, urlparse
 
 from genfleet.common.errors import ConfigError, StoreError, StoreUnavailable
+
+if TYPE_CHECKING:
+    from genfleet.common.settings import Settings
 
 T = TypeVar("T")
 log = logging.getLogger("genfleet.store")
@@ -359,3 +362,9 @@ def open_store(
             raise ConfigError(f"s3 store URL needs a bucket: {url}")
         return S3Store(parsed.netloc, parsed.path, endpoint_url, region, deadline_s=deadline_s)
     raise ConfigError(f"store must be s3://bucket/prefix or file:///path, got {url!r}")
+
+
+def store_of(settings: Settings, deadline_s: float | None = None) -> Store:
+    """The store the settings name (`store`, `s3_endpoint_url`, `s3_region`): what every
+    command and worker opens."""
+    return open_store(settings.store, settings.s3_endpoint_url, settings.s3_region, deadline_s)

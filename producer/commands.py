@@ -18,7 +18,7 @@ from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import with_settings
 from genfleet.common.redis_conn import connect, text
 from genfleet.common.settings import Settings
-from genfleet.common.store import Store, open_store
+from genfleet.common.store import Store, store_of
 from genfleet.producer.console import (
     Json,
     RedisUrl,
@@ -161,7 +161,7 @@ def status(
         gpu_hour_cost=gpu_hour_cost,
     )
     try:
-        objects = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+        objects = store_of(settings)
         client = connect(settings)
         check = queue_check(settings)
         if watch:

@@ -27,7 +27,7 @@ from genfleet.common.errors import ConfigError, InputError, RunMismatch
 from genfleet.common.manifest import BatchEntry, Manifest
 from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, dumps_jsonl
 from genfleet.common.settings import Settings
-from genfleet.common.store import Store, open_store
+from genfleet.common.store import Store, store_of
 from genfleet.producer.batching import expected_tokens, make_batches
 from genfleet.producer.readers import ReaderOptions, Reject, read_source
 from genfleet.producer.runs.identity import check_identity, claim_run, run_model, staging_params
@@ -301,7 +301,7 @@ def enqueue_run(
     from genfleet.producer.broker import make_client_app, orders_in_broker, send_orders
 
     keys.validate_run(run)
-    store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+    store = store_of(settings)
     manifest = Manifest.load(store, run)
     if manifest is not None and source is not None:
         # before anything is touched

@@ -33,7 +33,7 @@ from genfleet.common import keys
 from genfleet.common.errors import ConfigError, GenfleetError, StoreError
 from genfleet.common.manifest import Manifest
 from genfleet.common.settings import Settings
-from genfleet.common.store import Store, new_temp_file, open_store, s3_client
+from genfleet.common.store import Store, new_temp_file, s3_client, store_of
 
 ExportFormat = Literal["jsonl", "parquet", "openai"]
 FORMATS: tuple[str, ...] = ("jsonl", "parquet", "openai")
@@ -115,7 +115,7 @@ def iter_output_lines(data: bytes) -> Iterator[dict[str, Any]]:
 def scan_run(settings: Settings, run: str) -> RunScan:
     """Open the run's store and split its manifest's batches into done and missing."""
     keys.validate_run(run)
-    store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+    store = store_of(settings)
     manifest = Manifest.load(store, run)
     if manifest is None:
         raise ConfigError(f"run {run!r} has no manifest in {store.url}: was it enqueued?")

@@ -28,7 +28,7 @@ from genfleet.common.flags import fail, with_settings
 from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
-from genfleet.common.store import open_store
+from genfleet.common.store import store_of
 from genfleet.producer.commands import Format, queue_check, watch_run
 from genfleet.producer.console import Json, console, format_eta, out, plural, print_rejects
 from genfleet.producer.enqueue import enqueue_run, generation_params, reader_options
@@ -96,7 +96,7 @@ class Children:
 
 
 def _wait(children: Children, settings: Settings, run: str) -> dict[str, Any]:
-    store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+    store = store_of(settings)
     client = connect(settings)
 
     def check() -> None:
@@ -192,7 +192,7 @@ def run_command(
 
 def _finished(settings: Settings, run: str) -> dict[str, Any] | None:
     """The run's status if it was staged before and every batch has its output, else None."""
-    store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+    store = store_of(settings)
     if Manifest.load(store, run) is None:
         return None
     report = run_status(store, connect(settings), run)

@@ -22,7 +22,7 @@ from genfleet.common.celery_config import worker_queue
 from genfleet.common.errors import EngineError
 from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
-from genfleet.common.store import Store, open_store
+from genfleet.common.store import Store, store_of
 from genfleet.workers.client import EngineClient, ThinkingSwitch
 from genfleet.workers.engine.external import ExternalEngine
 from genfleet.workers.engine.families import choose
@@ -65,12 +65,7 @@ class WorkerRuntime:
         self.queue = worker_queue(settings)  # the one queue (model) this worker serves
         # Every store call ends well inside the lease it runs under (a hung put cannot outlast
         # it); the lease heartbeat has a client of its own whose calls end inside one beat.
-        self.store: Store = open_store(
-            settings.store,
-            settings.s3_endpoint_url,
-            settings.s3_region,
-            deadline_s=settings.lease_ttl_s / 2,
-        )
+        self.store: Store = store_of(settings, deadline_s=settings.lease_ttl_s / 2)
         self.redis: redis.Redis = connect(settings)
         self.lease_redis: redis.Redis = connect(
             settings, check=False, timeout_s=max(settings.lease_ttl_s / 4, 0.5)

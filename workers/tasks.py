@@ -317,12 +317,12 @@ def reap_leases() -> dict[str, Any]:
     """Re-enqueue running batches whose lease expired and whose output does not exist; park
     those whose worker died `max_deliveries` times."""
     from genfleet.common.redis_conn import connect
-    from genfleet.common.store import open_store
+    from genfleet.common.store import store_of
 
     settings = settings_of(app)
     return reap(
         connect(settings),
-        open_store(settings.store, settings.s3_endpoint_url, settings.s3_region),
+        store_of(settings),
         settings.lease_ttl_s,
         time.time(),
         lambda order: generate_batch.apply_async(

@@ -10,7 +10,7 @@ import typer
 
 from genfleet.common.errors import GenfleetError
 from genfleet.common.redis_conn import connect
-from genfleet.common.store import open_store
+from genfleet.common.store import store_of
 from genfleet.producer.console import (
     Json,
     RedisUrl,
@@ -36,7 +36,7 @@ def runs(
     created."""
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
-        objects = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+        objects = store_of(settings)
         rows = list_runs(objects, connect(settings))
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
@@ -82,7 +82,7 @@ def cancel(
     """
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
-        objects = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+        objects = store_of(settings)
         result = cancel_run(objects, connect(settings), run)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
@@ -109,7 +109,7 @@ def delete(
     and its Redis keys. Running batches are cancelled and waited for first."""
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
-        objects = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+        objects = store_of(settings)
         client = connect(settings)
         what = describe(objects, client, run)
         if not yes and not typer.confirm(f"Delete {what}?", default=False, err=True):

@@ -19,7 +19,7 @@ from genfleet.common.errors import RunMismatch
 from genfleet.common.manifest import MANIFEST_VERSION, Manifest, RunIdentity
 from genfleet.common.records import GenerationParams
 from genfleet.common.settings import Settings
-from genfleet.common.store import Store, open_store
+from genfleet.common.store import Store, store_of
 from genfleet.producer.readers import ReaderOptions, Reject, read_source
 
 
@@ -98,7 +98,7 @@ def existing_run(
 ) -> Manifest | None:
     """The run's manifest when it exists and is what `source` with `settings` would make of it;
     None when there is no such run; RunMismatch when it differs. Reads the store only."""
-    store = open_store(settings.store, settings.s3_endpoint_url, settings.s3_region)
+    store = store_of(settings)
     manifest = Manifest.load(store, keys.validate_run(run))
     if manifest is not None:
         check_identity(manifest, settings, params, source, options)

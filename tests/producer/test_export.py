@@ -185,7 +185,7 @@ def test_output_vanishing_during_export_counts_as_missing(
         def get(self, key: str) -> bytes | None:
             return None if key == gone else real_get(key)
 
-    monkeypatch.setattr(export_module, "open_store", lambda *args: Vanishing())
+    monkeypatch.setattr(export_module, "store_of", lambda *args: Vanishing())
     with pytest.raises(RunIncomplete):
         export_run(settings, RUN, str(tmp_path / "x.jsonl"))
     assert not (tmp_path / "x.jsonl").exists()
