@@ -82,7 +82,7 @@ def test_enqueue_other_data_or_settings_into_a_run_is_refused_and_touches_nothin
     # The same again resumes: nothing is sent twice, nothing is staged again.
     again = enqueue(str(first), "--run", "x", "--batch-size", "10", "--json", env=env)
     assert again.exit_code == 0, again.output
-    report = orjson.loads(again.output)
+    report = orjson.loads(again.stdout)
     assert (report["staged"], report["batches_enqueued"]) == (False, 0)
     assert redis_client.llen("gpu.emulator") == 3
     assert store_snapshot(root) == store_before

@@ -16,6 +16,7 @@ import http.server
 import socket
 import struct
 import subprocess
+import sys
 import threading
 import uuid
 from pathlib import Path
@@ -214,6 +215,12 @@ class FakeEngine(http.server.ThreadingHTTPServer):
         self.broken = False
         self.failed_requests = 0
         self.url = f"http://127.0.0.1:{self.server_address[1]}"
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """A client that hung up before its answer is the client's business, not this
+        engine's: no traceback on stderr for it. Anything else is still printed."""
+        if not isinstance(sys.exc_info()[1], ConnectionError):
+            super().handle_error(request, client_address)
 
 
 class _FakeEngineHandler(http.server.BaseHTTPRequestHandler):

@@ -72,10 +72,8 @@ def test_a_broken_engine_parks_batches_in_the_failed_set_and_retry_completes_the
     flags = ["--redis-url", redis_url, "--store", store_url]
 
     def failed_report() -> dict[str, Any] | None:
-        # the report is the output's first JSON document: a log line another thread of this
-        # process writes meanwhile lands in the same captured output
-        output = cli("status", "poison", "--json", *flags).output
-        report: dict[str, Any] = json.JSONDecoder().raw_decode(output[output.index("{") :])[0]
+        # stdout only: what another thread of this process writes meanwhile goes to stderr
+        report: dict[str, Any] = json.loads(cli("status", "poison", "--json", *flags).stdout)
         return report if report["batches_failed"] == 2 else None
 
     report = wait_for(failed_report, 120, "both batches to land in the failed set", 0.5)

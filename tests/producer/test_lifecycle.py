@@ -66,7 +66,7 @@ def test_cancel_parks_running_batches_resume_finishes_and_delete_removes_everyth
     wait_for(midway, 120, "a batch done and others running with finished prompts", 0.2)
     cancelled = cli("cancel", "a", "--json")
     assert cancelled.exit_code == 0, cancelled.output
-    assert orjson.loads(cancelled.output)["running"]
+    assert orjson.loads(cancelled.stdout)["running"]
     wait_for(lambda: not running_batches(redis_client, "a"), 30, "running batches to stop")
     done_at_cancel = outputs(store, "a")
     assert len(done_at_cancel) < 10
@@ -84,7 +84,7 @@ def test_cancel_parks_running_batches_resume_finishes_and_delete_removes_everyth
 
     listed = cli("runs", "--json")
     assert listed.exit_code == 0, listed.output
-    rows = {row["run"]: row for row in orjson.loads(listed.output)}
+    rows = {row["run"]: row for row in orjson.loads(listed.stdout)}
     assert set(rows) == {"a", "b"}
     assert {k: rows["a"][k] for k in ("state", "model", "engine", "prompts", "done", "failed")} == {
         "state": "cancelled",
@@ -102,7 +102,7 @@ def test_cancel_parks_running_batches_resume_finishes_and_delete_removes_everyth
     # Resume: from the checkpoints, every prompt exactly once.
     resumed = cli("enqueue", "--resume", "a", "--json")
     assert resumed.exit_code == 0, resumed.output
-    assert orjson.loads(resumed.output)["uncancelled"] is True
+    assert orjson.loads(resumed.stdout)["uncancelled"] is True
     wait_run_done(settings, redis_client, "a", 180, store)
     assert_exactly_once(settings, "a", ids_a, redis_client, store)
 
@@ -112,11 +112,11 @@ def test_cancel_parks_running_batches_resume_finishes_and_delete_removes_everyth
     assert list(store.list("a/"))
     deleted = cli("delete", "a", "--yes", "--json")
     assert deleted.exit_code == 0, deleted.output
-    assert orjson.loads(deleted.output)["objects"] > 0
+    assert orjson.loads(deleted.stdout)["objects"] > 0
     assert list(store.list("a/")) == []
     left = [text(k) for k in redis_client.keys("*") if ":a:" in text(k) or ".a." in text(k)]
     assert left == []
     assert b"a" not in redis_client.smembers(keys.runs_key())
-    assert [row["run"] for row in orjson.loads(cli("runs", "--json").output)] == ["b"]
+    assert [row["run"] for row in orjson.loads(cli("runs", "--json").stdout)] == ["b"]
     assert cli("status", "a").exit_code == 2
     assert_exactly_once(settings, "b", ids_b, redis_client, store)
