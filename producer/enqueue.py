@@ -30,7 +30,13 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
 from genfleet.producer.batching import expected_tokens, make_batches
 from genfleet.producer.readers import ReaderOptions, Reject, read_source
-from genfleet.producer.runs.identity import check_identity, claim_run, run_model, staging_params
+from genfleet.producer.runs.identity import (
+    check_identity,
+    check_resumed,
+    claim_run,
+    run_model,
+    staging_params,
+)
 
 Sender = Callable[[list[WorkOrder]], int]
 
@@ -303,9 +309,12 @@ def enqueue_run(
     keys.validate_run(run)
     store = store_of(settings)
     manifest = Manifest.load(store, run)
-    if manifest is not None and source is not None:
-        # before anything is touched
-        check_identity(manifest, settings, generation_params(settings), source, options)
+    if manifest is not None:  # before anything is touched
+        params = generation_params(settings)
+        if source is not None:
+            check_identity(manifest, settings, params, source, options)
+        else:
+            check_resumed(manifest, settings, params)
     ref = run_model(manifest) if manifest is not None else model_ref(settings)
     queue = work_queue(settings.queue, ref)
     client = connect(settings)

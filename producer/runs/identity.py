@@ -62,8 +62,15 @@ def new_identity(
     )
 
 
-def mismatch_message(run: str, differences: list[str]) -> str:
+def mismatch_message(run: str, differences: list[str], resumed: bool = False) -> str:
     lines = "\n".join(f"  {line}" for line in differences)
+    if resumed:
+        return (
+            f"run {run!r} was staged with other settings than those given now:\n{lines}\n"
+            f"Nothing was enqueued. A run keeps the model and settings it was staged with: "
+            f"leave these unset (flag, GENFLEET_* variable or settings file) to go on with it, "
+            f"or stage the data as a new run (--run NEW)."
+        )
     return (
         f"run {run!r} exists with other inputs or settings:\n{lines}\n"
         f"Nothing was staged or enqueued. Give this data its own run (--run NEW), or remove the "
@@ -87,6 +94,42 @@ def check_identity(
         )
     if differences:
         raise RunMismatch(mismatch_message(manifest.run, differences))
+
+
+# Settings that choose the model a run's orders go to (see `model_ref`).
+_TARGET_SETTINGS = frozenset(
+    {"model", "served_model_name", "engine", "engine_url", "engine_command"}
+)
+# Generation parameters whose setting has another name.
+_PARAM_SETTINGS = {"response_format": "json_schema"}
+
+
+def check_resumed(manifest: Manifest, settings: Settings, params: GenerationParams) -> None:
+    """For an enqueue without a SOURCE (`--resume`, `retry`): raise RunMismatch when a setting
+    that was given (flag, environment or settings file) asks for another model, generation
+    parameter or batching than the run recorded. The run's orders always go out as recorded;
+    this refuses to let a user believe otherwise. Settings left at their defaults ask nothing.
+    """
+    given = settings.model_fields_set
+    recorded = manifest.identity()
+    params_asked = {
+        name: value
+        for name, value in params.model_dump().items()
+        if _PARAM_SETTINGS.get(name, name) in given
+    }
+    staging_asked = {k: v for k, v in staging_params(settings).items() if k in given}
+    ref = model_ref(settings) if given & _TARGET_SETTINGS else None
+    asked = RunIdentity(
+        fingerprint=recorded.fingerprint,
+        params={**recorded.params, **params_asked},
+        staging={**recorded.staging, **staging_asked},
+        model=recorded.model if ref is None else ref.model,
+        engine=recorded.engine if ref is None else ref.engine,
+        source=recorded.source,
+    )
+    differences = recorded.differences(asked)
+    if differences:
+        raise RunMismatch(mismatch_message(manifest.run, differences, resumed=True))
 
 
 def existing_run(

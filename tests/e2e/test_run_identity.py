@@ -88,6 +88,56 @@ def test_enqueue_other_data_or_settings_into_a_run_is_refused_and_touches_nothin
     assert store_snapshot(root) == store_before
 
 
+def test_resume_or_retry_asking_for_another_model_or_setting_is_refused_and_touches_nothing(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis
+) -> None:
+    root = tmp_path / "store"
+    env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": root.as_uri()}
+    source = write(tmp_path / "p.jsonl", [f"q{i}" for i in range(30)])
+    staged = enqueue(str(source), "--run", "x", "--batch-size", "10", env=env)
+    assert staged.exit_code == 0, staged.output
+    redis_client.delete("gpu.emulator")  # as if Redis lost the orders: a resume would resend
+    store_before, redis_before = store_snapshot(root), redis_snapshot(redis_client)
+
+    refusals: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
+        "resume, other model": (
+            ["enqueue", "--resume", "x", "--model", "/models/q"],
+            {},
+            ["engine: the run has 'emulator', now 'sglang'", "model: the run has 'emulator'"],
+        ),
+        "resume, other params": (
+            ["enqueue", "--resume", "x", "--max-tokens", "5", "--temperature", "0.1"],
+            {},
+            ["max_tokens: the run has 8192, now 5", "temperature: the run has"],
+        ),
+        "resume, other batching": (
+            ["enqueue", "--resume", "x", "--batch-size", "7"],
+            {},
+            ["batch_size: the run has 10, now 7"],
+        ),
+        "retry, model from the environment": (
+            ["retry", "x"],
+            {"GENFLEET_ENGINE": "external", "GENFLEET_ENGINE_URL": "http://h:1"},
+            ["engine: the run has 'emulator', now 'external'"],
+        ),
+    }
+    for what, (args, extra_env, expected) in refusals.items():
+        result = CliRunner().invoke(app, args, env={**env, **extra_env})
+        message = " ".join(result.output.split())
+        assert result.exit_code == 2, (what, result.output)
+        for text in expected:
+            assert text in message, (what, text, message)
+        assert "--run NEW" in message, message
+        assert store_snapshot(root) == store_before, what
+        assert redis_snapshot(redis_client) == redis_before, what
+
+    # The run's own settings, given or not, resume it: the three lost orders go out once.
+    for args in (["--resume", "x", "--batch-size", "10", "--json"], ["--resume", "x", "--json"]):
+        resumed = enqueue(*args, env=env)
+        assert resumed.exit_code == 0, resumed.output
+    assert redis_client.llen("gpu.emulator") == 3
+
+
 def test_an_interrupted_staging_is_not_finished_with_another_model(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
