@@ -17,13 +17,12 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from tests.conftest import Worker, base_env, free_port, wait_for
+from tests.conftest import Worker, base_env, engine_report, free_port, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
     engine_pid,
     fault_settings,
     leases_of,
-    log_count,
     open_run_store,
     outputs,
     pid_alive,
@@ -90,7 +89,12 @@ def test_frozen_engine_is_killed_restarted_and_the_run_finishes(
     assert worker.proc.poll() is None
     second = engine_pid(worker)
     assert second not in (None, frozen)
-    assert log_count(worker, "restarting engine (1 of") == 1
+    restarts = wait_for(
+        lambda: engine_report(worker.broker_url, worker.hostname).get("restarts"),
+        20,
+        "the worker's engine report",
+    )
+    assert restarts == 1
     found = stall_findings(redis_client)
     assert len(found) == 1 and found[0]["worker"] == worker.hostname
     numbers = found[0]["numbers"]
@@ -163,13 +167,8 @@ def test_frozen_external_engine_stops_the_worker_consuming(
         consumed = wait_for(queues, 30, "the worker's queues")
         os.kill(engines[0].pid, signal.SIGSTOP)
         wait_for(
-            lambda: "this worker stops taking work" in watched.log.read_text(errors="replace"),
-            90,
-            "the worker to say it stops taking work",
-        )
-        wait_for(
             lambda: (q := queues()) is not None and not set(q) & set(consumed),
-            30,
+            120,
             f"the worker to stop consuming {consumed}",
         )
         assert stall_findings(redis_client)[0]["worker"] == watched.hostname
