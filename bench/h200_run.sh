@@ -38,10 +38,13 @@ say "python $(python3 --version 2>&1); engine $ENGINE"
 if python3 -c 'import sys; sys.exit(sys.version_info[:2] != (3, 12))' && [ -d "$CARRY/wheels" ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$CARRY"/wheels/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$ROOT
+  export PYTHONPATH=/tmp/site:$WORK/py:$ROOT
 else
-  export PYTHONPATH=$ROOT
+  export PYTHONPATH=$WORK/py:$ROOT
 fi
+# The folders import as genfleet.common|producer|workers, as an install would name them.
+mkdir -p "$WORK/py/genfleet"
+for part in common producer workers; do ln -sfn "$ROOT/$part" "$WORK/py/genfleet/$part"; done
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,power.draw,power.limit,memory.used --format=csv 2>/dev/null
 
