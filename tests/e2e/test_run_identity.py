@@ -88,14 +88,21 @@ def test_enqueue_other_data_or_settings_into_a_run_is_refused_and_touches_nothin
     assert store_snapshot(root) == store_before
 
 
+def stage_x(tmp_path: Path, redis_url: str, prompts: int) -> tuple[Path, dict[str, str], Path]:
+    """Run x: `prompts` prompts staged in batches of 10 into a file store; (store root, the
+    CLI's environment, the source)."""
+    root = tmp_path / "store"
+    env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": root.as_uri()}
+    source = write(tmp_path / "p.jsonl", [f"q{i}" for i in range(prompts)])
+    staged = enqueue(str(source), "--run", "x", "--batch-size", "10", env=env)
+    assert staged.exit_code == 0, staged.output
+    return root, env, source
+
+
 def test_resume_or_retry_asking_for_another_model_or_setting_is_refused_and_touches_nothing(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
-    root = tmp_path / "store"
-    env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": root.as_uri()}
-    source = write(tmp_path / "p.jsonl", [f"q{i}" for i in range(30)])
-    staged = enqueue(str(source), "--run", "x", "--batch-size", "10", env=env)
-    assert staged.exit_code == 0, staged.output
+    root, env, _source = stage_x(tmp_path, redis_url, 30)
     redis_client.delete("gpu.emulator")  # as if Redis lost the orders: a resume would resend
     store_before, redis_before = store_snapshot(root), redis_snapshot(redis_client)
 
@@ -141,10 +148,7 @@ def test_resume_or_retry_asking_for_another_model_or_setting_is_refused_and_touc
 def test_an_interrupted_staging_is_not_finished_with_another_model(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
-    root = tmp_path / "store"
-    env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": root.as_uri()}
-    source = write(tmp_path / "p.jsonl", [f"q{i}" for i in range(20)])
-    assert enqueue(str(source), "--run", "x", "--batch-size", "10", env=env).exit_code == 0
+    root, env, source = stage_x(tmp_path, redis_url, 20)
     (root / keys.manifest_key("x")).unlink()  # as if staging stopped before its manifest
     result = enqueue(str(source), "--run", "x", "--batch-size", "10", "--model", "/m/q", env=env)
     assert result.exit_code == 2, result.output
