@@ -93,6 +93,7 @@ class FlakyProxy:
     def __init__(self, upstream: tuple[str, int]) -> None:
         self.upstream = upstream
         self.refused = 0
+        self.held = 0  # chunks that arrived while hung: calls that felt the hang
         self._up = threading.Event()
         self._up.set()
         self._flowing = threading.Event()
@@ -163,6 +164,9 @@ class FlakyProxy:
         with contextlib.suppress(OSError):
             src.settimeout(None)
             while data := src.recv(65536):
+                if not self._flowing.is_set():
+                    with self._lock:
+                        self.held += 1
                 while not self._flowing.wait(0.2):
                     if self._closed.is_set():
                         return
