@@ -16,6 +16,7 @@ from genfleet.common import keys
 from genfleet.common.celery_config import ModelRef, work_queue
 from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import with_settings
+from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import connect, text
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
@@ -32,7 +33,13 @@ from genfleet.producer.console import (
     plural,
     print_rejects,
 )
-from genfleet.producer.enqueue import EnqueueResult, enqueue_run, reader_options
+from genfleet.producer.enqueue import (
+    EnqueueResult,
+    enqueue_run,
+    generation_params,
+    reader_options,
+)
+from genfleet.producer.runs.identity import check_resumed
 from genfleet.producer.status import (
     energy_text,
     read_findings,
@@ -284,6 +291,9 @@ def retry(
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
         keys.validate_run(run)  # before any key is built from it
+        manifest = Manifest.load(store_of(settings), run)
+        if manifest is not None:  # before the failed set is cleared: a refusal touches nothing
+            check_resumed(manifest, settings, generation_params(settings))
         client = connect(settings)
         failed = [text(b) for b in client.hkeys(keys.failed_key(run))]
         pipe = client.pipeline()

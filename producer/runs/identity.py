@@ -8,6 +8,7 @@ The prompts' fingerprint is the sha256 of the staged records as JSON lines in in
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from typing import Any
 
@@ -118,15 +119,14 @@ def check_resumed(manifest: Manifest, settings: Settings, params: GenerationPara
         if _PARAM_SETTINGS.get(name, name) in given
     }
     staging_asked = {k: v for k, v in staging_params(settings).items() if k in given}
-    ref = model_ref(settings) if given & _TARGET_SETTINGS else None
-    asked = RunIdentity(
-        fingerprint=recorded.fingerprint,
+    asked = dataclasses.replace(
+        recorded,
         params={**recorded.params, **params_asked},
         staging={**recorded.staging, **staging_asked},
-        model=recorded.model if ref is None else ref.model,
-        engine=recorded.engine if ref is None else ref.engine,
-        source=recorded.source,
     )
+    if given & _TARGET_SETTINGS:
+        ref = model_ref(settings)
+        asked = dataclasses.replace(asked, model=ref.model, engine=ref.engine)
     differences = recorded.differences(asked)
     if differences:
         raise RunMismatch(mismatch_message(manifest.run, differences, resumed=True))

@@ -104,6 +104,8 @@ def test_resume_or_retry_asking_for_another_model_or_setting_is_refused_and_touc
 ) -> None:
     root, env, _source = stage_x(tmp_path, redis_url, 30)
     redis_client.delete("gpu.emulator")  # as if Redis lost the orders: a resume would resend
+    # a failed batch: a refused retry must leave it in the failed set, not clear it
+    redis_client.hset(keys.failed_key("x"), keys.batch_id(1), "EngineDown: gone")
     store_before, redis_before = store_snapshot(root), redis_snapshot(redis_client)
 
     refusals: dict[str, tuple[list[str], dict[str, str], list[str]]] = {
