@@ -32,6 +32,7 @@ COPY README.md ./
 COPY common ./common
 COPY producer ./producer
 COPY workers ./workers
+COPY genfleet ./genfleet
 RUN python3 -m pip install ".[worker,formats,flower]" --no-deps \
  && genfleet --help >/dev/null \
  && useradd --create-home --uid 1000 --user-group genfleet \
@@ -55,8 +56,9 @@ COPY pyproject.toml README.md ./
 COPY common ./common
 COPY producer ./producer
 COPY workers ./workers
+COPY genfleet ./genfleet
 RUN python3 -m pip install ".[worker,formats]" \
- && python3 -c "import genfleet.workers.app, genfleet.producer.cli" \
+ && python3 -c "import genfleet.workers.app, genfleet.cli" \
  && genfleet --help >/dev/null
 ENTRYPOINT ["genfleet"]
 CMD ["worker"]

@@ -56,7 +56,7 @@ REDIS_CLI="$CARRY/redis/usr/bin/redis-cli -p $REDIS_PORT"
 for _ in $(seq 50); do $REDIS_CLI ping >/dev/null 2>&1 && break; sleep 0.1; done
 $REDIS_CLI flushall
 
-genfleet() { python3 -c 'import sys; from genfleet.producer.cli import main; sys.argv[0] = "genfleet"; main()' "$@"; }
+genfleet() { python3 -c 'import sys; from genfleet.cli import main; sys.argv[0] = "genfleet"; main()' "$@"; }
 
 export GENFLEET_REDIS_URL=redis://127.0.0.1:$REDIS_PORT/0
 export GENFLEET_STORE=file://$WORK/store

@@ -83,7 +83,7 @@ class WorkOrder(BaseModel):
 
     It carries the run's sampling parameters so a worker never reads the manifest, and the
     model (with the engine kind) it must be generated with: a worker serving another model
-    hands it back to its own queue (`genfleet.common.celery_config.order_queue`).
+    hands it back to its own queue (`genfleet.common.routing.order_queue`).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

@@ -16,15 +16,10 @@ from celery import Celery
 from kombu.exceptions import OperationalError
 
 from genfleet.common import keys
-from genfleet.common.celery_config import (
-    GENERATE_TASK,
-    ModelRef,
-    celery_config,
-    work_order_of,
-    work_queue,
-)
+from genfleet.common.celery_config import GENERATE_TASK, celery_config, work_order_of
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import text
+from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
 
 

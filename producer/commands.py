@@ -13,11 +13,11 @@ from rich.markup import escape
 from rich.progress import BarColumn, Progress, TextColumn
 
 from genfleet.common import keys
-from genfleet.common.celery_config import ModelRef, work_queue
 from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import with_settings
 from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import connect, text
+from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
 from genfleet.producer.console import (

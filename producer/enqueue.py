@@ -22,14 +22,14 @@ from typing import Any
 import orjson
 
 from genfleet.common import keys
-from genfleet.common.celery_config import ModelRef, model_ref, work_queue
 from genfleet.common.errors import ConfigError, InputError, RunMismatch
 from genfleet.common.manifest import BatchEntry, Manifest
+from genfleet.common.readers import ReaderOptions, Reject, read_source
 from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, dumps_jsonl
+from genfleet.common.routing import ModelRef, model_ref, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
 from genfleet.producer.batching import expected_tokens, make_batches
-from genfleet.producer.readers import ReaderOptions, Reject, read_source
 from genfleet.producer.runs.identity import (
     check_identity,
     check_resumed,

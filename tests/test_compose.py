@@ -128,7 +128,7 @@ def ours(service: Mapping[str, Any]) -> bool:
 def genfleet_commands() -> set[str]:
     import typer
 
-    from genfleet.producer.cli import app
+    from genfleet.cli import app
 
     return set(typer.main.get_command(app).list_commands(None))  # type: ignore[attr-defined]
 
@@ -383,7 +383,7 @@ def test_gpu_worker_gets_models_cache_shared_memory_and_ulimits() -> None:
 
 
 def test_the_producer_sends_orders_to_the_queue_its_workers_consume() -> None:
-    from genfleet.common.celery_config import model_ref, work_queue, worker_queue
+    from genfleet.common.routing import model_ref, work_queue, worker_queue
     from genfleet.common.settings import Settings
 
     services = load_compose()["services"]

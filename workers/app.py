@@ -86,7 +86,7 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.runtime: Any = None
 
     def start(self, parent: Any) -> None:
-        from genfleet.common.celery_config import worker_queue
+        from genfleet.common.routing import worker_queue
         from genfleet.workers.runtime import WorkerRuntime
 
         settings = settings_of(parent.app)

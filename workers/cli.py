@@ -19,9 +19,9 @@ from typing import Annotated, Any
 import orjson
 import typer
 
-from genfleet.common.celery_config import worker_queue
 from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import fail, settings_from, with_settings
+from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.workers.tune.plan import Options, tune_options
 

@@ -18,9 +18,9 @@ import orjson
 import redis
 
 from genfleet.common import keys
-from genfleet.common.celery_config import worker_queue
 from genfleet.common.errors import EngineError
 from genfleet.common.redis_conn import connect
+from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
 from genfleet.workers.client import EngineClient, ThinkingSwitch

@@ -33,12 +33,12 @@ from genfleet.common.celery_config import (
     GENERATE_TASK,
     POWER_WATCH_TASK,
     REAPER_TASK,
-    order_queue,
     work_order_of,
 )
 from genfleet.common.errors import EngineConfigError, EngineError, StoreError
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import RedisCommands, text
+from genfleet.common.routing import order_queue
 from genfleet.common.store import Store
 from genfleet.workers.app import app, settings_of
 from genfleet.workers.batch import (

@@ -15,13 +15,13 @@ from typing import Any
 import orjson
 
 from genfleet.common import keys
-from genfleet.common.celery_config import ModelRef, model_ref
 from genfleet.common.errors import RunMismatch
 from genfleet.common.manifest import MANIFEST_VERSION, Manifest, RunIdentity
+from genfleet.common.readers import ReaderOptions, Reject, read_source
 from genfleet.common.records import GenerationParams
+from genfleet.common.routing import ModelRef, model_ref
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
-from genfleet.producer.readers import ReaderOptions, Reject, read_source
 
 
 def staging_params(settings: Settings) -> dict[str, Any]:

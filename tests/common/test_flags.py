@@ -14,6 +14,7 @@ import pytest
 import typer
 from typer.testing import CliRunner
 
+from genfleet.cli import app as root
 from genfleet.common.flags import (
     EMULATOR,
     ENGINE,
@@ -27,7 +28,6 @@ from genfleet.common.flags import (
     with_settings,
 )
 from genfleet.common.settings import Settings
-from genfleet.producer.cli import app as root
 
 ROOT = Path(__file__).resolve().parents[2]
 WIDE = {"COLUMNS": "400"}  # rich cuts long option names to fit 80 columns

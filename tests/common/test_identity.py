@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from genfleet.common.celery_config import (
+from genfleet.common.manifest import RunIdentity
+from genfleet.common.routing import (
     ModelRef,
     model_ref,
     order_queue,
@@ -16,7 +17,6 @@ from genfleet.common.celery_config import (
     work_queue,
     worker_queue,
 )
-from genfleet.common.manifest import RunIdentity
 from genfleet.common.settings import Settings
 from genfleet.producer.local_run import default_run_name
 

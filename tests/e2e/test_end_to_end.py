@@ -111,7 +111,7 @@ def test_bad_lines_are_rejected_and_the_rest_runs(
     store_url = (tmp_path / "store").as_uri()
     worker = start_worker(base_env(redis_url, store_url))
     runner = CliRunner()
-    from genfleet.producer.cli import app
+    from genfleet.cli import app
 
     result = runner.invoke(
         app,
@@ -144,7 +144,7 @@ def test_bad_lines_are_rejected_and_the_rest_runs(
 def test_file_with_no_valid_line_exits_non_zero(tmp_path: Path, redis_url: str) -> None:
     source = tmp_path / "bad.jsonl"
     source.write_bytes(b'nope\n{"x": 1}\n')
-    from genfleet.producer.cli import app
+    from genfleet.cli import app
 
     result = CliRunner().invoke(
         app,

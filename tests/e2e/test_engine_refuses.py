@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from genfleet.common.celery_config import worker_queue
+from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.workers.app import app

@@ -14,9 +14,9 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
+from genfleet.cli import app
 from genfleet.common.manifest import Manifest
 from genfleet.common.store import open_store
-from genfleet.producer.cli import app
 from genfleet.producer.status import run_status
 from tests.conftest import Worker, base_env, wait_for
 

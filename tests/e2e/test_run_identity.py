@@ -12,8 +12,8 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
+from genfleet.cli import app
 from genfleet.common import keys
-from genfleet.producer.cli import app
 from tests.conftest import ROOT, base_env
 
 pytestmark = pytest.mark.integration

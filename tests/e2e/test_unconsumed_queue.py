@@ -13,9 +13,9 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
+from genfleet.cli import app
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
-from genfleet.producer.cli import app
 from genfleet.producer.commands import queue_check, watch_run
 from genfleet.producer.status import stall_reason, unconsumed_queue
 from tests.conftest import Worker, base_env, wait_for

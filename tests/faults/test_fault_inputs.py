@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
 
 def cli(*args: str) -> Any:
-    from genfleet.producer.cli import app
+    from genfleet.cli import app
 
     result = CliRunner().invoke(app, list(args))
     assert result.exit_code == 0, result.output

@@ -52,7 +52,7 @@ def every_batch(count: int) -> list[str]:
 
 def resume(redis_url: str, store_url: str, run: str) -> dict[str, Any]:
     """`genfleet enqueue --resume RUN --json`, as a user would type it."""
-    from genfleet.producer.cli import app
+    from genfleet.cli import app
 
     result = CliRunner().invoke(
         app,

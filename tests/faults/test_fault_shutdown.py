@@ -15,7 +15,7 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from genfleet.common.celery_config import worker_queue
+from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.producer.status import run_status
 from genfleet.workers.observe.power_watch import queue_depth

@@ -6,12 +6,12 @@ import orjson
 import pytest
 
 from genfleet.common.errors import RunMismatch
+from genfleet.common.readers import ReaderOptions
 from genfleet.common.records import PromptRecord
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.batching import make_batches, tail_sizes
 from genfleet.producer.enqueue import stage
-from genfleet.producer.readers import ReaderOptions
 
 
 def records(n: int, max_tokens: list[int | None] | None = None) -> list[PromptRecord]:

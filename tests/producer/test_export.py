@@ -15,6 +15,7 @@ import pytest
 from genfleet.common import keys
 from genfleet.common.errors import ConfigError
 from genfleet.common.manifest import BatchEntry, Manifest
+from genfleet.common.readers import ReaderOptions
 from genfleet.common.records import (
     CompletionRecord,
     GenerationParams,
@@ -29,7 +30,6 @@ from genfleet.producer import export as export_module
 from genfleet.producer.batching import make_batches
 from genfleet.producer.enqueue import stage
 from genfleet.producer.export import RunIncomplete, export_run
-from genfleet.producer.readers import ReaderOptions
 
 RUN = "run-1"
 

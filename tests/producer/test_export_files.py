@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 import pytest
 from typer.testing import CliRunner
 
+from genfleet.cli import app
 from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
-from genfleet.producer.cli import app
 from genfleet.producer.export import export_run, shard_name
 from tests.conftest import new_bucket
 from tests.producer.test_export import RUN, finish, prompts, read_jsonl, stage_prompts

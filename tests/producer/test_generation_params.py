@@ -72,9 +72,9 @@ def test_enqueue_takes_the_run_flags_from_the_settings_model(
     import orjson
     from typer.testing import CliRunner
 
+    from genfleet.cli import app
     from genfleet.common.manifest import Manifest
     from genfleet.common.store import open_store
-    from genfleet.producer.cli import app
 
     source = tmp_path / "p.jsonl"
     source.write_bytes(b'{"prompt": "a"}\n{"prompt": "b"}\n')

@@ -11,11 +11,11 @@ import pytest
 import redis
 from typer.testing import CliRunner
 
+from genfleet.cli import app
 from genfleet.common import keys
 from genfleet.common.redis_conn import text
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
-from genfleet.producer.cli import app
 from genfleet.producer.runs.lifecycle import running_batches
 from genfleet.producer.status import run_status
 from tests.conftest import Worker, base_env, wait_for

@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from genfleet.common.errors import InputError
+from genfleet.common.readers import ReaderOptions, Reject, detect_format, read_source
 from genfleet.common.records import PromptRecord
-from genfleet.producer.readers import ReaderOptions, Reject, detect_format, read_source
 
 
 def lines(path: Path, rows: list[Any]) -> Path:

@@ -18,12 +18,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from genfleet.common.errors import InputError
+from genfleet.common.readers import ReaderOptions, read_source
+from genfleet.common.readers.jsonl import read_jsonl
+from genfleet.common.readers.s3source import CHUNK_BYTES, s3_source
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
-from genfleet.producer.readers import ReaderOptions, read_source
-from genfleet.producer.readers.jsonl import read_jsonl
-from genfleet.producer.readers.s3source import CHUNK_BYTES, s3_source
 from tests.conftest import new_bucket
 
 pytestmark = pytest.mark.integration

@@ -17,7 +17,7 @@ from tests.conftest import ROOT
 
 def genfleet(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-c", "from genfleet.producer.cli import main; main()", *args],
+        [sys.executable, "-c", "from genfleet.cli import main; main()", *args],
         env=env,
         cwd=ROOT,
         capture_output=True,

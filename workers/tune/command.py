@@ -106,7 +106,7 @@ def load_prompts(dataset: str | None, settings: Settings, limit: int = 5000) -> 
             PromptRecord(f"tune-{i}", [{"role": "user", "content": text}])
             for i, text in enumerate(BUILTIN_PROMPTS)
         ]
-    from genfleet.producer.readers import ReaderOptions, read_source
+    from genfleet.common.readers import ReaderOptions, read_source
 
     options = ReaderOptions(system_prompt=settings.system_prompt, limit=limit)
     prompts = [item for item in read_source(dataset, options) if isinstance(item, PromptRecord)]

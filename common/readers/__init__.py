@@ -14,9 +14,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from genfleet.common.errors import InputError
+from genfleet.common.readers.fields import Item, Located, ReaderOptions, Reject
+from genfleet.common.readers.s3source import S3Path, SourcePath, s3_source
 from genfleet.common.records import PromptRecord
-from genfleet.producer.readers.fields import Item, Located, ReaderOptions, Reject
-from genfleet.producer.readers.s3source import S3Path, SourcePath, s3_source
 
 __all__ = ["Item", "ReaderOptions", "Reject", "detect_format", "read_source"]
 
@@ -43,15 +43,15 @@ def detect_format(path: SourcePath) -> str:
 def _format_items(path: SourcePath, options: ReaderOptions) -> Iterator[Located]:
     fmt = options.format or detect_format(path)
     if fmt in {"jsonl", "chat", "prompt", "openai"}:
-        from genfleet.producer.readers.jsonl import read_jsonl
+        from genfleet.common.readers.jsonl import read_jsonl
 
         return read_jsonl(path, options)
     if fmt == "parquet":
-        from genfleet.producer.readers.parquet import read_parquet
+        from genfleet.common.readers.parquet import read_parquet
 
         return read_parquet(path, options)
     if fmt == "hf":
-        from genfleet.producer.readers.hf_disk import read_hf_disk
+        from genfleet.common.readers.hf_disk import read_hf_disk
 
         if isinstance(path, S3Path):
             raise InputError(f"{path}: a dataset saved with save_to_disk is read from disk only")

@@ -21,8 +21,8 @@ from typing import Any
 
 import orjson
 
-from genfleet.producer.readers.fields import Located, ReaderOptions, Reject
-from genfleet.producer.readers.parquet import import_pyarrow, resolve_columns, rows_from_batches
+from genfleet.common.readers.fields import Located, ReaderOptions, Reject
+from genfleet.common.readers.parquet import import_pyarrow, resolve_columns, rows_from_batches
 
 
 def dataset_dir(path: Path) -> Path | Reject:

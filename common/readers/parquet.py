@@ -23,8 +23,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from genfleet.common.errors import ConfigError
-from genfleet.common.records import PromptRecord
-from genfleet.producer.readers.fields import (
+from genfleet.common.readers.fields import (
     BadRecord,
     Located,
     ReaderOptions,
@@ -34,7 +33,8 @@ from genfleet.producer.readers.fields import (
     check_prompt,
     default_id_base,
 )
-from genfleet.producer.readers.s3source import SourcePath
+from genfleet.common.readers.s3source import SourcePath
+from genfleet.common.records import PromptRecord
 
 if TYPE_CHECKING:
     import pyarrow as pa

@@ -16,8 +16,7 @@ from typing import IO, Any
 
 import orjson
 
-from genfleet.common.records import PromptRecord
-from genfleet.producer.readers.fields import (
+from genfleet.common.readers.fields import (
     BadRecord,
     Located,
     ReaderOptions,
@@ -28,7 +27,8 @@ from genfleet.producer.readers.fields import (
     check_prompt,
     default_id_base,
 )
-from genfleet.producer.readers.s3source import SourcePath
+from genfleet.common.readers.s3source import SourcePath
+from genfleet.common.records import PromptRecord
 
 
 def _open(path: SourcePath) -> IO[bytes]:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from genfleet.common.readers.s3source import SourcePath
 from genfleet.common.records import ROLES, PromptRecord
-from genfleet.producer.readers.s3source import SourcePath
 
 
 @dataclass(slots=True)
