@@ -17,6 +17,7 @@ from genfleet.common.settings import Settings
 GENERATE_TASK = "genfleet.generate_batch"
 POWER_WATCH_TASK = "genfleet.power_watch"
 REAPER_TASK = "genfleet.reap_leases"
+RECONCILE_TASK = "genfleet.reconcile_progress"
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

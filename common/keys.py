@@ -117,6 +117,19 @@ def counters_key(run: str) -> str:
     return f"{PREFIX}:run:{run}:counters"
 
 
+def done_key(run: str) -> str:
+    """Hash batch → prompts of the batches whose output object exists, written by the worker
+    that confirmed it and repaired from the store's listing (common/progress.py): `status`
+    reads its length instead of listing the outputs."""
+    return f"{PREFIX}:run:{run}:done"
+
+
+def summary_key(run: str) -> str:
+    """Hash: the manifest's summary (batches and prompts total, model, engine) and when the
+    done hash was last reconciled with the store; absent = reconcile before trusting it."""
+    return f"{PREFIX}:run:{run}:summary"
+
+
 def queued_key(run: str) -> str:
     """Set of batches with a work order outstanding, so a re-run does not send it twice."""
     return f"{PREFIX}:run:{run}:queued"

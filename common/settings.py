@@ -144,6 +144,9 @@ class Settings(BaseSettings):
     # (a batch that crashes its worker would otherwise travel the fleet forever).
     max_deliveries: int = Field(default=3, ge=1)
     reaper_interval_s: float = Field(default=30.0, gt=0)
+    # How often the control worker lists running runs' outputs and repairs Redis's progress
+    # copy from them (what `status` reads): a lost count is right again within this long.
+    reconcile_interval_s: float = Field(default=120.0, gt=0)
 
     # --- watching ---------------------------------------------------------------------------
     # One power-watch round per power window: each round judges a fresh minute, and in Flower

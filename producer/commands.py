@@ -159,8 +159,14 @@ def status(
     store: StoreUrl = None,
     s3_endpoint_url: S3Endpoint = None,
     gpu_hour_cost: GpuHourCost = None,
+    verify: Annotated[
+        bool, typer.Option("--verify", help="list the store's outputs first (O(batches))")
+    ] = False,
 ) -> None:
-    """Progress of RUN: batches and prompts done, failed batches, tok/s, ETA, energy."""
+    """Progress of RUN: batches and prompts done, failed batches, tok/s, ETA, energy.
+
+    Read from Redis's progress copy whatever the run's size; `--verify` lists the store's
+    outputs (the truth) first and repairs the copy from them."""
     settings = build_settings(
         redis_url=redis_url,
         store=store,
@@ -174,7 +180,9 @@ def status(
         if watch:
             stall_s = settings.engine_stall_timeout_s
             watch_run(objects, client, run, None, stall_s, settings.queue, check)
-        report = run_status(objects, client, run, gpu_hour_cost=settings.gpu_hour_cost)
+        report = run_status(
+            objects, client, run, gpu_hour_cost=settings.gpu_hour_cost, verify=verify
+        )
         report["unconsumed"] = None
         if report["state"] in {"queued", "running"}:
             report["unconsumed"] = check(report)
@@ -187,6 +195,8 @@ def status(
     out.print(status_line(report), highlight=False)
     for batch, error in report["failed"].items():
         out.print(f"  failed {batch}: {escape(error)}", highlight=False)
+    if report["batches_failed"] > len(report["failed"]):
+        out.print(f"  … and {report['batches_failed'] - len(report['failed']):,} more failed")
     if energy := energy_text(report):
         out.print(f"  energy: {energy}", highlight=False)
 

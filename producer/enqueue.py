@@ -354,6 +354,10 @@ def enqueue_run(
             client.delete(staging)
     else:
         result = enqueue_missing(store, manifest, send, outstanding, only)
+        if verify:  # resume and retry list the store: the progress copy is repaired too
+            from genfleet.common.progress import verify as verify_progress
+
+            verify_progress(store, client, run)
     result.model, result.engine, result.queue = ref.model, ref.engine, queue
     result.uncancelled = uncancelled
     return result

@@ -1,24 +1,26 @@
-"""Where a run stands: the store says what is done, Redis says how fast it is going.
+"""Where a run stands: Redis's progress copy says what is done, and how fast it goes.
 
-Batches done = output objects in the store (the truth, even after Redis lost everything);
-failed batches, token counters and the throughput window come from Redis.
+The store is the truth (a batch is done when its output object exists), Redis holds a copy
+kept by the workers and repaired from the store's listing (`common/progress.py`): `status`
+reads the copy in O(1); `status --verify` lists the store first. Failed batches, token
+counters and the throughput window come from Redis.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections.abc import Iterable
 from typing import Any
 
 import orjson
 import redis
 
-from genfleet.common import keys
+from genfleet.common import keys, progress
 from genfleet.common.errors import InputError
-from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import text
 from genfleet.common.store import Store
 from genfleet.common.throughput import run_tokens_per_s
-from genfleet.producer.enqueue import done_batches
 
 WINDOW_S = 120.0
 
@@ -72,42 +74,51 @@ def run_status(
     run: str,
     now: float | None = None,
     gpu_hour_cost: float | None = None,
+    verify: bool = False,
 ) -> dict[str, Any]:
+    """Where `run` stands, from Redis's progress copy in a few round trips, whatever the run's
+    size; with `verify` (or when Redis holds no reconciled copy) the store's outputs are
+    listed first and the copy repaired from them (`common/progress.py`)."""
     keys.validate_run(run)
     now = time.time() if now is None else now
-    manifest = Manifest.load(store, run)
-    if manifest is None:
-        raise InputError(f"no run {run!r} in {store.url} (no manifest): enqueue it first")
-    done = done_batches(store, run) & set(manifest.batch_ids())
-    failed = {text(k): text(v) for k, v in client.hgetall(keys.failed_key(run)).items()}
-    failed = {batch: error for batch, error in failed.items() if batch not in done}
-    counters = {text(k): text(v) for k, v in client.hgetall(keys.counters_key(run)).items()}
-    prompts_done = sum(entry.prompts for entry in manifest.batches if entry.batch in done)
-    total = len(manifest.batches)
+    snap = None if verify else progress.snapshot(client, run)
+    if snap is None:
+        verified = progress.verify(store, client, run, now)
+        if verified is None:
+            raise InputError(f"no run {run!r} in {store.url} (no manifest): enqueue it first")
+        snap = verified[0]
+    summary = snap.summary
+    failed, failed_n = _failed(client, run)
+    finished = progress.done_among(client, run, failed)
+    failed = {batch: error for batch, error in failed.items() if batch not in finished}
+    failed_n -= len(finished)
+    counters = snap.counters
+    prompts_done = snap.prompts_done
+    done_n = snap.batches_done
+    total = int(summary["batches_total"])
+    prompts_total = int(summary["prompts_total"])
     started_at = float(counters["started_at"]) if "started_at" in counters else None
-    if len(done) == total:
+    if done_n == total:
         state = "done"
     elif client.exists(keys.cancelled_key(run)):
         state = "cancelled"
-    elif failed and len(done) + len(failed) == total:
+    elif failed_n and done_n + failed_n == total:
         state = "failed"
-    elif done or started_at:
+    elif done_n or started_at:
         state = "running"
     else:
         state = "queued"
     rate = run_tokens_per_s(client, run, now, WINDOW_S, started_at) if state == "running" else 0.0
     completion_tokens = int(counters.get("completion_tokens", 0))
     # generated: prompts answered so far, running batches included (live, from the workers)
-    generated = min(
-        max(int(counters.get("prompts_generated", 0)), prompts_done), manifest.prompts_total
-    )
+    generated = min(max(int(counters.get("prompts_generated", 0)), prompts_done), prompts_total)
     eta_s: float | None = None
     answered = int(counters.get("prompts_generated", 0))
     if state == "done":
         eta_s = 0.0
     elif rate > 0 and answered:
         tokens_per_prompt = int(counters.get("tokens_generated", 0)) / answered
-        eta_s = round((manifest.prompts_total - generated) * tokens_per_prompt / rate, 1)
+        eta_s = round((prompts_total - generated) * tokens_per_prompt / rate, 1)
     duration_s = None
     if started_at and "last_done_at" in counters:
         end = float(counters["last_done_at"]) if state in {"done", "failed"} else now
@@ -118,17 +129,17 @@ def run_status(
     return {
         "run": run,
         "state": state,
-        "model": manifest.model,
-        "engine": manifest.engine,
-        "created_at": manifest.created_at,
+        "model": summary["model"],
+        "engine": summary["engine"],
+        "created_at": summary["created_at"],
         "batches_total": total,
-        "batches_done": len(done),
-        "batches_failed": len(failed),
-        "prompts_total": manifest.prompts_total,
+        "batches_done": done_n,
+        "batches_failed": failed_n,
+        "prompts_total": prompts_total,
         "prompts_done": prompts_done,
         "prompts_generated": generated,
         "errors": int(counters.get("errors", 0)),
-        "rejects": manifest.rejects,
+        "rejects": summary["rejects"],
         "completion_tokens": completion_tokens,
         "reasoning_tokens": int(counters.get("reasoning_tokens", 0)),
         "tokens_per_s": round(rate, 1),
@@ -137,8 +148,26 @@ def run_status(
         "eta_s": eta_s,
         "failed": failed,
         "store": store.url,
+        "reconciled_at": snap.reconciled_at,
         **energy_figures(counters, gpu_hour_cost),
     }
+
+
+# A run's failed batches shown by `status`: their count is exact, their errors a sample, so
+# that a run with 4,000 failed batches answers as fast as one with four.
+FAILED_SHOWN = 100
+
+
+def _failed(client: redis.Redis, run: str) -> tuple[dict[str, str], int]:
+    """Up to FAILED_SHOWN failed batches with their errors, and how many there are."""
+    name = keys.failed_key(run)
+    count = int(client.hlen(name))
+    raw: Iterable[tuple[Any, Any]]
+    if count <= FAILED_SHOWN:
+        raw = client.hgetall(name).items()
+    else:
+        raw = itertools.islice(client.hscan_iter(name, count=FAILED_SHOWN), FAILED_SHOWN)
+    return {text(k): text(v) for k, v in raw}, count
 
 
 def read_findings(client: redis.Redis, run: str | None = None, count: int = 200) -> list[Any]:

@@ -20,7 +20,12 @@ from typing import Any
 from celery import Celery, bootsteps
 from celery.worker.control import inspect_command
 
-from genfleet.common.celery_config import POWER_WATCH_TASK, REAPER_TASK, celery_config
+from genfleet.common.celery_config import (
+    POWER_WATCH_TASK,
+    REAPER_TASK,
+    RECONCILE_TASK,
+    celery_config,
+)
 from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
 
@@ -67,9 +72,15 @@ def _defaults() -> dict[str, Any]:
             "schedule": settings.reaper_interval_s,
             "options": {"expires": settings.reaper_interval_s * 0.8, "queue": "control"},
         },
+        "reconcile-progress": {
+            "task": RECONCILE_TASK,
+            "schedule": settings.reconcile_interval_s,
+            "options": {"expires": settings.reconcile_interval_s * 0.8, "queue": "control"},
+        },
     }
     config["task_routes"][POWER_WATCH_TASK] = {"queue": "control"}
     config["task_routes"][REAPER_TASK] = {"queue": "control"}
+    config["task_routes"][RECONCILE_TASK] = {"queue": "control"}
     return config
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from genfleet.common import keys
+from genfleet.common import keys, progress
 from genfleet.common.errors import StoreError, StoreUnavailable
 from genfleet.common.records import (
     CompletionRecord,
@@ -407,11 +407,12 @@ def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float
 
 
 def _mark_done(client: RedisCommands, order: WorkOrder) -> None:
-    """The batch's output exists: no work order outstanding, not failed. (Which batches are
-    done is read from the store's outputs, never from Redis.)"""
+    """The batch's output exists: no work order outstanding, not failed, done (another copy
+    wrote it and counted its prompts; the store's listing repairs a count that was lost)."""
     pipe = client.pipeline()
     pipe.srem(keys.queued_key(order.run), order.batch)
     pipe.hdel(keys.failed_key(order.run), order.batch)
+    progress.mark_seen(pipe, order.run, order.batch, order.prompts)
     pipe.execute()
 
 
@@ -425,6 +426,7 @@ def _count(client: RedisCommands, order: WorkOrder, summary: BatchSummary) -> No
     pipe.hincrby(counters, "completion_tokens", summary.completion_tokens)
     pipe.hincrby(counters, "reasoning_tokens", summary.reasoning_tokens)
     pipe.hset(counters, "last_done_at", time.time())
+    progress.mark_written(pipe, order.run, order.batch, summary.prompts)
     pipe.execute()
 
 

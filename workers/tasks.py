@@ -13,6 +13,8 @@
   so a SIGKILLed worker's batch finishes elsewhere in minutes, not after the visibility timeout;
   a batch whose worker died `max_deliveries` times is parked in the failed set as poison (it
   would otherwise crash the fleet one worker at a time, forever).
+- reconcile_progress (beat): repairs Redis's progress copy (what `status` reads) from the
+  store's listing of each running run's outputs (genfleet.common.progress.reconcile_runs).
 - power_watch (beat): see genfleet.workers.observe.power_watch.
 """
 
@@ -33,6 +35,7 @@ from genfleet.common.celery_config import (
     GENERATE_TASK,
     POWER_WATCH_TASK,
     REAPER_TASK,
+    RECONCILE_TASK,
     work_order_of,
 )
 from genfleet.common.errors import EngineConfigError, EngineError, StoreError
@@ -442,3 +445,18 @@ def power_watch() -> dict[str, Any]:
     from genfleet.workers.observe.power_watch import run_power_watch
 
     return run_power_watch(app, settings_of(app))
+
+
+@app.task(name=RECONCILE_TASK)  # type: ignore[untyped-decorator]
+def reconcile_progress() -> dict[str, Any]:
+    """Repair every running run's progress copy in Redis from its outputs in the store."""
+    from genfleet.common.progress import reconcile_runs
+    from genfleet.common.redis_conn import connect
+    from genfleet.common.store import store_of
+
+    settings = settings_of(app)
+    now = time.time()
+    repairs = reconcile_runs(store_of(settings), connect(settings), now)
+    for repair in repairs:
+        log.warning("progress of %s repaired from the store: %s", repair.run, repair.to_json())
+    return {"ts": now, "repaired": [repair.to_json() for repair in repairs]}

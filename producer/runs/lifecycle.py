@@ -35,22 +35,22 @@ def list_runs(store: Store, client: redis.Redis) -> list[dict[str, Any]]:
             keys.validate_run(name)
         except ValueError:
             continue  # not a run folder
-        manifest = Manifest.load(store, name)
-        if manifest is None:
+        try:
+            report = run_status(store, client, name)  # O(1) once Redis holds its progress
+        except InputError:  # no manifest: staging, or not a run
             if store.exists(keys.claim_key(name)):
                 rows.append(_row(name, "staging", None, None, None, 0, 0, None))
             continue
-        report = run_status(store, client, name)
         rows.append(
             _row(
                 name,
                 report["state"],
-                manifest.model,
-                manifest.engine,
-                manifest.prompts_total,
+                report["model"],
+                report["engine"],
+                report["prompts_total"],
                 report["prompts_done"],
                 report["batches_failed"],
-                manifest.created_at,
+                report["created_at"],
             )
         )
     return rows

@@ -293,3 +293,18 @@ def test_a_batch_counts_even_when_its_parts_cannot_be_deleted(
 
     assert summary.completions == 3 and store.exists(keys.output_key(RUN, BATCH))
     assert counters(db)["completion_tokens"] == 21
+
+
+def test_a_confirmed_output_marks_the_batch_done_and_counts_its_prompts_once(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    """The progress copy `status` reads (common/progress.py): the writer adds the batch and
+    its prompts; a later delivery that finds the output marks it done without counting again."""
+    store = MemoryStore()
+    order = stage(store, 4)
+
+    run(order, store, db, feeders(FakeChat()))
+    run(order, store, db, feeders(FakeChat()))  # a duplicate delivery: skipped
+
+    assert db.hgetall(keys.done_key(RUN)) == {BATCH.encode(): b"4"}
+    assert counters(db)["prompts_done"] == 4

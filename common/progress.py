@@ -1,0 +1,234 @@
+"""A run's progress in Redis: which batches are done and how many prompts that is, in O(1).
+
+The store is the truth (a batch is done when its output object exists), but listing it costs
+one LIST page per thousand batches: `status` every second of a 390K-batch run cannot. So
+Redis keeps a copy, written where the truth changes and repaired from the truth:
+
+- `mark_written` (in the pipeline of the worker that wrote the output object: exactly one per
+  object, since outputs are write-once) adds the batch to the run's done hash (batch →
+  prompts) and its prompts to the `prompts_done` counter; `mark_seen` (a worker that found
+  the output already there) adds it to the hash only.
+- `snapshot` reads what `status` needs (the manifest's summary, batches and prompts done) in
+  one round trip; None when Redis holds no reconciled copy (never reconciled, or Redis lost
+  everything), and the caller reconciles from the store first.
+- `reconcile`, given the store's listing, repairs the hash (missing batches added, batches
+  without output removed, prompt counts from the manifest) and recomputes `prompts_done`
+  from it atomically: run by `status --verify`, by a status that finds no copy, on resume, and
+  by the control worker's beat, never by a plain `status`.
+
+Between reconciles the copy can only lag the truth (a counter lost to a Redis failure after
+the output was written): it never counts a batch whose output does not exist.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+import redis
+
+from genfleet.common import keys
+from genfleet.common.manifest import Manifest
+from genfleet.common.redis_conn import RedisPipeline, text
+from genfleet.common.store import Store
+
+PROMPTS_DONE = "prompts_done"  # the counters hash field (keys.counters_key)
+
+# Recomputed server-side so that no worker's HSET + HINCRBY lands between the sum and the set.
+_RESUM = """
+local total = 0
+for _, value in ipairs(redis.call('HVALS', KEYS[1])) do total = total + tonumber(value) end
+redis.call('HSET', KEYS[2], ARGV[1], total)
+return total
+"""
+
+_CHUNK = 1000
+
+
+def mark_written(pipe: RedisPipeline, run: str, batch: str, prompts: int) -> None:
+    """Queue, in the pipeline of the worker whose `put_if_absent` wrote the output: the batch
+    is done with `prompts` prompts."""
+    pipe.hset(keys.done_key(run), batch, prompts)
+    pipe.hincrby(keys.counters_key(run), PROMPTS_DONE, prompts)
+
+
+def mark_seen(pipe: RedisPipeline, run: str, batch: str, prompts: int) -> None:
+    """Queue: the batch's output exists (written by another copy, which counted it)."""
+    pipe.hset(keys.done_key(run), batch, prompts)
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What Redis knows of a run's progress, read in one round trip."""
+
+    run: str
+    summary: dict[str, Any]  # Manifest.summary() plus created_at
+    batches_done: int
+    prompts_done: int
+    reconciled_at: float
+    counters: dict[str, str] = field(default_factory=dict)
+
+
+def snapshot(client: redis.Redis, run: str) -> Snapshot | None:
+    """The run's progress from Redis, or None when no reconciled copy is there."""
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(keys.summary_key(run))
+    pipe.hlen(keys.done_key(run))
+    pipe.hgetall(keys.counters_key(run))
+    raw_summary, done, raw_counters = pipe.execute()
+    fields = {text(k): v for k, v in raw_summary.items()}
+    if "manifest" not in fields or "reconciled_at" not in fields:
+        return None
+    counters = {text(k): text(v) for k, v in raw_counters.items()}
+    summary = orjson.loads(fields["manifest"])
+    return Snapshot(
+        run=run,
+        summary=summary,
+        batches_done=min(int(done), int(summary["batches_total"])),
+        prompts_done=min(int(counters.get(PROMPTS_DONE, 0)), int(summary["prompts_total"])),
+        reconciled_at=float(fields["reconciled_at"]),
+        counters=counters,
+    )
+
+
+def done_among(client: redis.Redis, run: str, batches: Iterable[str]) -> set[str]:
+    """Those of `batches` the done hash holds (a failed batch retried and finished)."""
+    wanted = list(batches)
+    if not wanted:
+        return set()
+    found = client.hmget(keys.done_key(run), wanted)
+    return {batch for batch, value in zip(wanted, found, strict=True) if value is not None}
+
+
+@dataclass
+class Repair:
+    """What a reconcile changed: an honest copy changes nothing."""
+
+    run: str
+    added: list[str] = field(default_factory=list)  # outputs the hash lacked
+    removed: list[str] = field(default_factory=list)  # hash entries without an output
+    recounted: list[str] = field(default_factory=list)  # entries with the wrong prompt count
+    unfailed: list[str] = field(default_factory=list)  # in the failed set, yet written
+    prompts_done_was: int = 0
+    prompts_done: int = 0
+
+    @property
+    def changed(self) -> bool:
+        return bool(
+            self.added
+            or self.removed
+            or self.recounted
+            or self.prompts_done_was != self.prompts_done
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "run": self.run,
+            "added": len(self.added),
+            "removed": len(self.removed),
+            "recounted": len(self.recounted),
+            "unfailed": len(self.unfailed),
+            "prompts_done_was": self.prompts_done_was,
+            "prompts_done": self.prompts_done,
+        }
+
+
+def reconcile(
+    client: redis.Redis,
+    manifest: Manifest,
+    listed: set[str],
+    now: float | None = None,
+    still_absent: Any = None,
+) -> Repair:
+    """Make Redis's copy agree with the store's listing `listed` (batches with an output).
+
+    A batch in the hash but not in the listing may have finished after the listing was taken:
+    it is removed only when `still_absent(batch)` (a fresh existence check) says so; without
+    that check it is kept. Workers may write while this runs: their entries are only added,
+    and `prompts_done` is recomputed from the hash atomically at the end.
+    """
+    run = manifest.run
+    repair = Repair(run=run)
+    prompts = {entry.batch: entry.prompts for entry in manifest.batches}
+    done = keys.done_key(run)
+    held = {text(k): int(v) for k, v in client.hscan_iter(done, count=_CHUNK)}
+    pipe = client.pipeline(transaction=False)
+    for batch in sorted(listed):
+        if batch not in prompts:
+            continue  # an output of no batch of this manifest: not this run's progress
+        if batch not in held:
+            repair.added.append(batch)
+        elif held[batch] != prompts[batch]:
+            repair.recounted.append(batch)
+        else:
+            continue
+        pipe.hset(done, batch, prompts[batch])
+        if len(pipe) >= _CHUNK:
+            pipe.execute()
+    for batch in sorted(held.keys() - listed):
+        if batch in prompts and (still_absent is None or not still_absent(batch)):
+            continue
+        repair.removed.append(batch)
+        pipe.hdel(done, batch)
+    for raw, _error in client.hscan_iter(keys.failed_key(run), count=_CHUNK):
+        if text(raw) in listed:  # failed by one copy, written by another: done
+            repair.unfailed.append(text(raw))
+            pipe.hdel(keys.failed_key(run), text(raw))
+    pipe.execute()
+    repair.prompts_done_was = int(client.hget(keys.counters_key(run), PROMPTS_DONE) or 0)
+    repair.prompts_done = int(client.eval(_RESUM, 2, done, keys.counters_key(run), PROMPTS_DONE))
+    summary = {**manifest.summary(), "created_at": manifest.created_at}
+    client.hset(
+        keys.summary_key(run),
+        mapping={
+            "manifest": orjson.dumps(summary),
+            "reconciled_at": time.time() if now is None else now,
+        },
+    )
+    return repair
+
+
+def listed_done(store: Store, run: str) -> set[str]:
+    """Batches whose output object exists: the store's word on what is finished."""
+    return {keys.batch_from_output_key(k) for k in store.list(keys.outputs_prefix(run))}
+
+
+def verify(
+    store: Store, client: redis.Redis, run: str, now: float | None = None
+) -> tuple[Snapshot, Repair] | None:
+    """List the run's outputs (the truth), repair Redis's copy from them and return it with
+    what was repaired; None when the run has no manifest. O(batches)."""
+    manifest = Manifest.load(store, run)
+    if manifest is None:
+        return None
+    repair = reconcile(
+        client,
+        manifest,
+        listed_done(store, run),
+        now,
+        still_absent=lambda batch: not store.exists(keys.output_key(run, batch)),
+    )
+    snap = snapshot(client, run)
+    assert snap is not None  # written just above
+    return snap, repair
+
+
+def reconcile_runs(store: Store, client: redis.Redis, now: float | None = None) -> list[Repair]:
+    """One background pass (the control worker's beat): reconcile every known run that is
+    not yet complete in Redis's copy; returns the repairs that changed something.
+
+    A run whose copy says complete was verified at that moment (its last batch's reconcile)
+    and is skipped: a finished run costs nothing, a running one a listing per pass."""
+    repairs: list[Repair] = []
+    for member in sorted(client.smembers(keys.runs_key())):
+        run = text(member)
+        snap = snapshot(client, run)
+        if snap is not None and snap.batches_done >= int(snap.summary["batches_total"]):
+            continue
+        found = verify(store, client, run, now)
+        if found is not None and found[1].changed:
+            repairs.append(found[1])
+    return repairs
