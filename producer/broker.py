@@ -6,6 +6,7 @@ JSON, so a producer-only install needs neither SGLang nor NVML.
 
 from __future__ import annotations
 
+import hashlib
 import uuid
 from collections.abc import Iterable
 from typing import Any
@@ -108,10 +109,7 @@ def purge_orders(client: redis.Redis, queue: str, run: str, unacked: bool = Fals
     """
     removed: set[str] = set()
     for name in keys.broker_queue_keys(queue):
-        for raw in client.lrange(name, 0, -1):
-            hit = _order_of(raw)
-            if hit and hit[0] == run and client.lrem(name, 0, raw):  # type: ignore[arg-type]
-                removed.add(hit[1])
+        removed |= purge_waiting(client, name, run)
     if unacked:
         for tag, raw in client.hgetall(keys.UNACKED).items():
             try:
@@ -122,4 +120,68 @@ def purge_orders(client: redis.Redis, queue: str, run: str, unacked: bool = Fals
             if hit and hit[0] == run and client.hdel(keys.UNACKED, tag):
                 client.zrem(keys.UNACKED_INDEX, tag)
                 removed.add(hit[1])
+    return removed
+
+
+# One pass over a queue list, atomic: survivors are copied, in order, to a new list that then
+# replaces it; a message goes when the SHA-1 of its bytes is in the set of those to remove.
+# Windows of LRANGE keep the script's memory bounded; it runs for O(queue) on Redis's thread
+# once, where one LREM per message cost O(queue) each.
+_FILTER = """
+local total, removed, step = redis.call('LLEN', KEYS[1]), 0, 1000
+for start = 0, total - 1, step do
+  for _, value in ipairs(redis.call('LRANGE', KEYS[1], start, start + step - 1)) do
+    if redis.call('SISMEMBER', KEYS[2], redis.sha1hex(value)) == 1 then
+      removed = removed + 1
+    else
+      redis.call('RPUSH', KEYS[3], value)
+    end
+  end
+end
+if removed > 0 then
+  if redis.call('EXISTS', KEYS[3]) == 1 then
+    redis.call('RENAME', KEYS[3], KEYS[1])
+  else
+    redis.call('DEL', KEYS[1])
+  end
+end
+redis.call('DEL', KEYS[2], KEYS[3])
+return removed
+"""
+
+_WINDOW = 1000
+
+
+def purge_waiting(client: redis.Redis, name: str, run: str) -> set[str]:
+    """Remove `run`'s work orders from the queue list `name` in O(queue) once; returns their
+    batches.
+
+    The messages are told apart here, exactly (`work_order_of`), window by window; then one
+    script drops those whose bytes match, by SHA-1, in a single atomic pass. A message a worker
+    took in between is simply not found (the worker finds the run cancelled and parks it).
+    """
+    removed: set[str] = set()
+    digests: list[str] = []
+    start = 0
+    while True:
+        window = client.lrange(name, start, start + _WINDOW - 1)
+        for raw in window:
+            hit = _order_of(raw)
+            if hit and hit[0] == run:
+                removed.add(hit[1])
+                data = raw if isinstance(raw, bytes) else raw.encode()
+                digests.append(hashlib.sha1(data).hexdigest())  # a match, not a secret
+        if len(window) < _WINDOW:
+            break
+        start += _WINDOW
+    if not digests:
+        return set()
+    tag = uuid.uuid4().hex
+    doomed, rebuilt = f"{name}{keys.PRIORITY_SEP}purge-{tag}", f"{name}{keys.PRIORITY_SEP}new-{tag}"
+    pipe = client.pipeline(transaction=False)
+    for i in range(0, len(digests), _WINDOW):
+        pipe.sadd(doomed, *digests[i : i + _WINDOW])
+    pipe.expire(doomed, 3600)  # never left behind by a producer that died here
+    pipe.execute()
+    client.eval(_FILTER, 3, name, doomed, rebuilt)
     return removed
