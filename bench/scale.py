@@ -270,7 +270,7 @@ def _build_workers(client: Any, settings: Any, now: float) -> None:
             "max_inflight": 72,
             "queues": [settings.queue + ".emulator"],
         }
-        pushed.push(pipe, worker, summary, ttl_s=settings.summary_ttl_s, now=now)
+        pushed.push(pipe, worker, summary)
     pipe.execute()
 
 

@@ -218,3 +218,16 @@ def alerted_key() -> str:
 def workers_key() -> str:
     """Hash worker → last time it answered the power-watch; a silent one is a finding."""
     return f"{PREFIX}:workers"
+
+
+def summaries_key() -> str:
+    """Hash worker → its last pushed GPU summary (what `gpu_report` returns), read by the
+    power-watch instead of a broadcast; pruned with `pushed_key` (workers/observe/pushed.py).
+    Expires FORGET_S after the last push of any worker."""
+    return f"{PREFIX}:summaries"
+
+
+def pushed_key() -> str:
+    """Sorted set worker → when it last pushed its summary, by Redis's clock: past the TTL a
+    worker is silent (a finding), after FORGET_S it is pruned."""
+    return f"{PREFIX}:pushed"

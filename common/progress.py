@@ -216,19 +216,35 @@ def verify(
     return snap, repair
 
 
-def reconcile_runs(store: Store, client: redis.Redis, now: float | None = None) -> list[Repair]:
-    """One background pass (the control worker's beat): reconcile every known run that is
-    not yet complete in Redis's copy; returns the repairs that changed something.
+@dataclass
+class Pass:
+    """What one reconcile pass did: the repairs that changed something, and the runs it took
+    out of the registry (`keys.runs_key`) because they are complete."""
 
-    A run whose copy says complete was verified at that moment (its last batch's reconcile)
-    and is skipped: a finished run costs nothing, a running one a listing per pass."""
-    repairs: list[Repair] = []
+    repairs: list[Repair] = field(default_factory=list)
+    retired: list[str] = field(default_factory=list)
+
+
+def reconcile_runs(store: Store, client: redis.Redis, now: float | None = None) -> Pass:
+    """One background pass (the control worker's beat) over the registry of runs.
+
+    A run whose copy is incomplete is reconciled from its listing (a running run costs one
+    listing per pass). A complete one (verified complete by an earlier pass, nothing queued,
+    not staging) leaves the registry, which the power-watch and `top` read every round: a
+    registry that only grew would cost them more each week. Enqueueing the run again (retry,
+    resume) puts it back; `genfleet runs` lists runs from the store, not from here."""
+    done = Pass()
     for member in sorted(client.smembers(keys.runs_key())):
         run = text(member)
         snap = snapshot(client, run)
         if snap is not None and snap.batches_done >= int(snap.summary["batches_total"]):
+            if not client.scard(keys.queued_key(run)) and not client.exists(
+                keys.staging_key(run)
+            ):
+                client.srem(keys.runs_key(), run)
+                done.retired.append(run)
             continue
         found = verify(store, client, run, now)
         if found is not None and found[1].changed:
-            repairs.append(found[1])
-    return repairs
+            done.repairs.append(found[1])
+    return done

@@ -95,6 +95,7 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def __init__(self, parent: Any, **kwargs: Any) -> None:
         super().__init__(parent, **kwargs)
         self.runtime: Any = None
+        self.pusher: Any = None
 
     def start(self, parent: Any) -> None:
         from genfleet.common.routing import worker_queue
@@ -116,11 +117,14 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
         self.runtime = WorkerRuntime(settings, hostname, on_exhausted=exhausted)
         self.runtime.celery_worker = parent
+        self.pusher = _pusher(settings, hostname, self.runtime.report)
         try:
             self.runtime.start()
         except Exception:
             self.runtime.stop()
+            self.pusher.stop()
             raise
+        self.pusher.push_now()  # the engine is up: its first window, not in a while
 
     def stop(self, parent: Any) -> None:
         runtime = self.runtime
@@ -137,6 +141,9 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
             _wait_for_running_tasks(15.0)
         runtime.stop()
         self.runtime = None
+        if self.pusher is not None:
+            self.pusher.stop()  # withdrawn: a worker that stopped is not silent
+            self.pusher = None
 
     def shutdown(self, parent: Any) -> None:
         self.stop(parent)
@@ -168,6 +175,21 @@ def _wait_for_running_tasks(timeout_s: float, poll_s: float = 0.2) -> bool:
 
 
 app.steps["worker"].add(EngineStep)
+
+
+def _pusher(settings: Settings, hostname: str, report: Any) -> Any:
+    """The thread that pushes this worker's GPU summary for the power-watch, started before
+    the engine (while it loads, the summary says so: its node's GPUs are not unclaimed)."""
+    from genfleet.common.redis_conn import connect
+    from genfleet.workers.observe.pushed import Pusher, push_interval_s
+
+    client = connect(settings, check=False, timeout_s=5.0)
+    interval_s = push_interval_s(
+        settings.power_watch_interval_s, settings.power_window_s, settings.sample_interval_s
+    )
+    pusher = Pusher(client, hostname, report, interval_s)
+    pusher.start()
+    return pusher
 
 
 @inspect_command()  # type: ignore[untyped-decorator]

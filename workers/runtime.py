@@ -7,6 +7,7 @@ when it stops. Tasks reach it through `current()`.
 from __future__ import annotations
 
 import logging
+import socket
 import tempfile
 import threading
 import time
@@ -265,7 +266,12 @@ class WorkerRuntime:
     def report(self) -> dict[str, Any]:
         """The recent GPU + engine window (the `gpu_report` inspect command's reply)."""
         if self.monitor is None:
-            return {"worker": self.hostname, "ok": False, "reason": "engine not started"}
+            return {
+                "worker": self.hostname,
+                "ok": False,
+                "reason": "engine not started",
+                "node": socket.gethostname(),
+            }
         report = self.monitor.report()
         report["findings"] = self.findings[-5:]
         return report

@@ -456,7 +456,11 @@ def reconcile_progress() -> dict[str, Any]:
 
     settings = settings_of(app)
     now = time.time()
-    repairs = reconcile_runs(store_of(settings), connect(settings), now)
-    for repair in repairs:
+    done = reconcile_runs(store_of(settings), connect(settings), now)
+    for repair in done.repairs:
         log.warning("progress of %s repaired from the store: %s", repair.run, repair.to_json())
-    return {"ts": now, "repaired": [repair.to_json() for repair in repairs]}
+    return {
+        "ts": now,
+        "repaired": [repair.to_json() for repair in done.repairs],
+        "retired": done.retired,
+    }

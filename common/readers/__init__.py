@@ -4,8 +4,8 @@ A source is a local file or folder, or the same in S3 (`s3://bucket/key`, `s3://
 
 Each format lives in its own module and yields `PromptRecord | Reject`; this module picks the
 format from the path (or `--format`) and applies what every format shares: the system prompt,
-`--samples`, `--limit` and duplicate-id detection. A reject names the file, the line (or row),
-the field and the reason; the valid rest goes on.
+`--samples`, `--limit` and duplicate-id detection (in bounded memory: `seen.SeenIds`). A
+reject names the file, the line (or row), the field and the reason; the valid rest goes on.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 from genfleet.common.errors import InputError
 from genfleet.common.readers.fields import Item, Located, ReaderOptions, Reject
 from genfleet.common.readers.s3source import S3Path, SourcePath, s3_source
+from genfleet.common.readers.seen import SeenIds
 from genfleet.common.records import PromptRecord
 
 __all__ = ["Item", "ReaderOptions", "Reject", "detect_format", "read_source"]
@@ -67,23 +68,42 @@ def read_source(source: str | Path, options: ReaderOptions | None = None) -> Ite
         path = s3_source(str(source), options.s3_endpoint_url, options.s3_region)
     if not path.exists():
         raise InputError(f"{path}: no such file or directory")
-    seen: set[str] = set()
+    seen = SeenIds()
     taken = 0
-    for located in _format_items(path, options):
-        if isinstance(located, Reject):
-            yield located
-            continue
-        file, line, item = located
-        if item.id in seen:
-            yield Reject(file, line, "id", f"duplicate id {item.id!r}")
-            continue
-        seen.add(item.id)
-        if options.limit is not None and taken >= options.limit:
-            return
-        taken += 1
-        if options.system_prompt and item.messages[0].get("role") != "system":
-            item.messages = [{"role": "system", "content": options.system_prompt}, *item.messages]
-        yield from _samples(item, options.samples)
+    try:
+        for chunk in _chunks(_format_items(path, options)):
+            duplicate = iter(seen.check([c[2].id for c in chunk if not isinstance(c, Reject)]))
+            for located in chunk:
+                if isinstance(located, Reject):
+                    yield located
+                    continue
+                file, line, item = located
+                if next(duplicate):
+                    yield Reject(file, line, "id", f"duplicate id {item.id!r}")
+                    continue
+                if options.limit is not None and taken >= options.limit:
+                    return
+                taken += 1
+                if options.system_prompt and item.messages[0].get("role") != "system":
+                    system = {"role": "system", "content": options.system_prompt}
+                    item.messages = [system, *item.messages]
+                yield from _samples(item, options.samples)
+    finally:
+        seen.close()
+
+
+def _chunks(items: Iterator[Located], first: int = 64, most: int = 4096) -> Iterator[list[Located]]:
+    """`items` in lists, for the duplicate check to take ids a chunk at a time: small at
+    first (the first batch goes out at once), then up to `most`."""
+    size = first
+    chunk: list[Located] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) >= size:
+            yield chunk
+            chunk, size = [], min(size * 2, most)
+    if chunk:
+        yield chunk
 
 
 def _samples(item: PromptRecord, samples: int) -> Iterator[PromptRecord]:

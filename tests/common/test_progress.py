@@ -109,7 +109,7 @@ def test_a_copy_wrong_on_purpose_is_repaired_by_the_reconcile_pass(
     wrong = run_status(store, redis_client, RUN)
     assert (wrong["batches_done"], wrong["prompts_done"]) == (3, sum(PROMPTS))  # capped 999
 
-    repairs = progress.reconcile_runs(store, redis_client)
+    repairs = progress.reconcile_runs(store, redis_client).repairs
 
     assert [r.to_json() for r in repairs] == [
         {
@@ -125,7 +125,7 @@ def test_a_copy_wrong_on_purpose_is_repaired_by_the_reconcile_pass(
     report = run_status(store, redis_client, RUN)
     assert (report["batches_done"], report["prompts_done"], report["state"]) == (3, 30, "running")
     assert report["batches_failed"] == 0
-    assert progress.reconcile_runs(store, redis_client) == []  # an honest copy: no change
+    assert progress.reconcile_runs(store, redis_client).repairs == []  # honest: no change
 
 
 def test_status_verify_repairs_the_copy(redis_client: redis.Redis, tmp_path: Path) -> None:
@@ -193,3 +193,19 @@ def test_status_counts_every_failed_batch_and_shows_a_sample(
 
     assert report["batches_failed"] == FAILED_SHOWN + 4
     assert len(report["failed"]) == FAILED_SHOWN and set(report["failed"]) <= set(failed)
+
+
+def test_a_complete_run_leaves_the_registry_and_a_running_one_stays(
+    redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    store = FileStore(tmp_path)
+    make_run(store, done=len(PROMPTS))
+    redis_client.sadd(keys.runs_key(), RUN, "other")
+    redis_client.sadd(keys.queued_key("other"), "batch-000000")
+
+    first = progress.reconcile_runs(store, redis_client)  # verifies RUN complete
+    second = progress.reconcile_runs(store, redis_client)
+
+    assert first.retired == [] and second.retired == [RUN]
+    assert redis_client.smembers(keys.runs_key()) == {b"other"}  # no manifest, still queued
+    assert run_status(store, redis_client, RUN)["state"] == "done"

@@ -1,5 +1,5 @@
-"""The power-watch end to end: real workers with the emulator's simulated GPU, real inspect
-broadcast, the real beat-task function, findings in the Redis stream.
+"""The power-watch end to end: real workers with the emulator's simulated GPU pushing their
+summaries, the real beat-task function, findings in the Redis stream.
 
 A run fed one request at a time with MTP off is flagged underused because MTP is off; the
 same with MTP on is flagged client-limited; a saturated run with MTP on is not flagged.
@@ -125,15 +125,22 @@ def test_a_worker_that_stops_answering_is_a_finding(
     from genfleet.workers.app import app
 
     store = (tmp_path / "store").as_uri()
-    worker = start_worker(base_env(redis_url, store, **WATCH))
+    watch = {**WATCH, "power_watch_interval_s": 1}  # its summaries' TTL: 3 s
+    worker = start_worker(base_env(redis_url, store, **watch))
     worker.wait_ready()
-    settings = Settings(redis_url=redis_url, store=store, **WATCH)
+    settings = Settings(redis_url=redis_url, store=store, **watch)
     seen = wait_for(
-        lambda: worker.hostname in run_power_watch(app, settings)["workers"], 30, "a first reply"
+        lambda: worker.hostname in run_power_watch(app, settings)["workers"], 30, "a first push"
     )
     assert seen
-    worker.kill()
+    worker.kill()  # no clean stop: its last summary stays until the TTL says it is silent
     worker.proc.wait(timeout=10)
-    report = run_power_watch(app, settings)
-    finding = next(f for f in report["findings"] if f["worker"] == worker.hostname)
+
+    def silent() -> dict[str, Any] | None:
+        report = run_power_watch(app, settings)
+        mine = [f for f in report["findings"] if f["worker"] == worker.hostname]
+        return mine[0] if mine else None
+
+    finding = wait_for(silent, 20, "the killed worker to be found silent", 0.5)
     assert (finding["verdict"], finding["cause"]) == ("unresponsive", "worker_unresponsive")
+    assert finding["numbers"]["summary_age_s"] >= 3

@@ -30,7 +30,8 @@ MTP off is blamed whenever spec is off, even when feeding is also short: the oth
 that apply are listed in `numbers["other_causes"]`. An accept length below the minimum is a
 finding even when power is fine (verdict "mtp_ineffective"): the checkpoint lacks its MTP
 weights and SGLang does not say so. Underused with no work waiting is "idle", not a finding.
-An expected worker with no summary, or a stale one, is `worker_unresponsive`.
+An expected worker with no summary, or a stale one, is `worker_unresponsive` (a silent one's
+`summary_age_s`: how long since it last pushed its summary).
 """
 
 from __future__ import annotations
@@ -102,6 +103,8 @@ class FleetState:
     expected_workers: frozenset[str] = frozenset()
     staging: Mapping[str, float] = field(default_factory=dict)
     starting_nodes: frozenset[str] = frozenset()
+    # Expected workers whose pushed summary is older than its TTL: how long (Redis's clock).
+    silent_s: Mapping[str, float] = field(default_factory=dict)
 
     @classmethod
     def coerce(cls, value: FleetState | Mapping[str, Any]) -> FleetState:
@@ -114,6 +117,7 @@ class FleetState:
             expected_workers=frozenset(value.get("expected_workers", ())),
             staging={str(k): float(v) for k, v in dict(value.get("staging", {})).items()},
             starting_nodes=frozenset(value.get("starting_nodes", ())),
+            silent_s={str(k): float(v) for k, v in dict(value.get("silent_s", {})).items()},
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -123,6 +127,7 @@ class FleetState:
             "expected_workers": sorted(self.expected_workers),
             "staging": dict(self.staging),
             "starting_nodes": sorted(self.starting_nodes),
+            "silent_s": dict(self.silent_s),
         }
 
     def staging_for(self, now: float, at_least_s: float) -> list[str]:
@@ -351,7 +356,7 @@ def _judge(
     total_backlog = sum(backlog.values())
     out: list[tuple[dict[str, Any], Finding | None]] = []
     for worker in sorted(fleet.expected_workers - set(samples)):
-        out.append(_unresponsive(worker, None, now))
+        out.append(_unresponsive(worker, fleet.silent_s.get(worker), now))
     for worker in sorted(samples):
         summary = samples[worker]
         age = now - float(summary.get("ts", now))

@@ -1,8 +1,8 @@
 """The power-watch beat task's edges: gather every worker's window, join the queue, diagnose.
 
 The diagnosis itself is the pure `observe.diagnosis.diagnose`; this module only collects its
-inputs (a `gpu_report` broadcast, queue depth and pending batches from Redis, the workers seen
-before) and sends its output to the log, a bounded Redis stream and the task result (Flower).
+inputs (the summaries workers push, `observe.pushed`; queue depth and pending batches from
+Redis) and sends its output to the log, a bounded Redis stream and the task result (Flower).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from celery import Celery
 from genfleet.common import keys
 from genfleet.common.redis_conn import connect, text
 from genfleet.common.settings import Settings
+from genfleet.workers.observe import pushed
 from genfleet.workers.observe.diagnosis import FleetState, dedupe, diagnose, verdicts
 from genfleet.workers.observe.headlines import watch_headlines
 from genfleet.workers.observe.node import node_rows
@@ -58,36 +59,43 @@ def fleet_state(client: redis.Redis, settings: Settings, now: float) -> FleetSta
     )
 
 
-def gather(app: Celery, timeout_s: float = 3.0) -> tuple[dict[str, dict[str, Any]], set[str]]:
-    """Every GPU worker's `gpu_report`, and the nodes of workers whose engine is not started
-    yet (they answer ok: False)."""
-    replies = app.control.inspect(timeout=timeout_s)._request("gpu_report") or {}
-    samples, starting = {}, set()
-    for worker, reply in replies.items():
-        if not isinstance(reply, dict):
-            continue
-        if reply.get("ok", True) is not False:
-            samples[worker] = reply
-        elif reply.get("node"):
-            starting.add(str(reply["node"]))
-    return samples, starting
+def stale_after(settings: Settings) -> float:
+    """How old a worker's summary may be: its pushes' TTL, about three power-watch rounds."""
+    return max(3 * settings.power_watch_interval_s, 10 * settings.sample_interval_s)
 
 
 def snapshot(
-    app: Celery, settings: Settings, client: redis.Redis, now: float
+    settings: Settings, client: redis.Redis, now: float
 ) -> tuple[dict[str, dict[str, Any]], FleetState]:
-    samples, starting = gather(app)
-    if samples:
-        client.hset(keys.workers_key(), mapping={w: now for w in samples})
+    """Every worker's pushed summary and the fleet's queue state. The workers expected are
+    those the registry holds (heard within FORGET_S); a silent one is expected, unsampled."""
+    found = pushed.read(client, stale_after(settings))
+    pipe = client.pipeline()
+    if found.samples:
+        pipe.hset(keys.workers_key(), mapping={w: now for w in found.samples})
+    seen = {text(k): float(v) for k, v in client.hgetall(keys.workers_key()).items()}
+    forgotten = [w for w, ts in seen.items() if now - ts >= FORGET_WORKER_S]
+    if forgotten:
+        pipe.hdel(keys.workers_key(), *forgotten)  # seen by this beat's clock only
+    pipe.execute()
     fleet = fleet_state(client, settings, now)
-    return samples, replace(fleet, starting_nodes=frozenset(starting))
+    return found.samples, replace(
+        fleet,
+        expected_workers=frozenset(found.samples) | frozenset(found.silent_s),
+        starting_nodes=frozenset(found.starting_nodes),
+        silent_s=found.silent_s,
+    )
 
 
 def run_power_watch(app: Celery, settings: Settings) -> dict[str, Any]:
-    now = time.time()
-    client = connect(settings)
-    samples, fleet = snapshot(app, settings, client, now)
-    stale_after_s = max(3 * settings.power_watch_interval_s, 10 * settings.sample_interval_s)
+    """The beat task's body (`app` is the Celery app it runs in; nothing is broadcast)."""
+    return watch_pass(connect(settings), settings, time.time())
+
+
+def watch_pass(client: redis.Redis, settings: Settings, now: float) -> dict[str, Any]:
+    """One power-watch round over the pushed summaries: diagnose, dedupe, record findings."""
+    samples, fleet = snapshot(settings, client, now)
+    stale_after_s = stale_after(settings)
     args = (samples, fleet, now, settings.underuse_threshold, settings.min_accept_length)
     nodes = node_rows(samples, fleet, now, stale_after_s)
     findings = diagnose(*args, stale_after_s=stale_after_s) + [f for _, f in nodes]

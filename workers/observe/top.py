@@ -1,7 +1,8 @@
 """`genfleet top`: one row per GPU of the fleet, live: power against its limit, tok/s, verdict.
 
-It asks every worker for its window (the `gpu_report` inspect command) and judges it with the
-same pure rules as the power-watch, so what `top` shows is what the watch alerts on.
+It reads every worker's pushed window (what the `gpu_report` inspect command returns) and
+judges it with the same pure rules as the power-watch, so what `top` shows is what the watch
+alerts on.
 """
 
 from __future__ import annotations
@@ -38,11 +39,9 @@ COLUMNS = (
 
 def rows(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """One verdict row per GPU (with its worker's 10-minute tok/s), and fleet tok/s."""
-    from genfleet.workers.app import app
-
     client = connect(settings)
     now = time.time()
-    samples, fleet = snapshot(app, settings, client, now)
+    samples, fleet = snapshot(settings, client, now)
     stale_after_s = max(3 * settings.power_watch_interval_s, 10 * settings.sample_interval_s)
     data = verdicts(
         samples,
