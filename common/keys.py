@@ -162,9 +162,10 @@ def lost_key(run: str) -> str:
     return f"{PREFIX}:run:{run}:lost"
 
 
-def throughput_key(run: str) -> str:
-    """Sorted set of `ts:tokens` samples for tok/s over a window; trimmed to one hour."""
-    return f"{PREFIX}:run:{run}:throughput"
+def throughput_bucket_key(run: str, bucket: int) -> str:
+    """Hash "" → the run's tokens, worker → its tokens, generated in ten-second bucket
+    `bucket` (common/throughput.py); expires an hour after."""
+    return f"{PREFIX}:run:{run}:throughput:{bucket}"
 
 
 def cancelled_key(run: str) -> str:

@@ -238,9 +238,7 @@ def reconcile_runs(store: Store, client: redis.Redis, now: float | None = None) 
         run = text(member)
         snap = snapshot(client, run)
         if snap is not None and snap.batches_done >= int(snap.summary["batches_total"]):
-            if not client.scard(keys.queued_key(run)) and not client.exists(
-                keys.staging_key(run)
-            ):
+            if not client.scard(keys.queued_key(run)) and not client.exists(keys.staging_key(run)):
                 client.srem(keys.runs_key(), run)
                 done.retired.append(run)
             continue

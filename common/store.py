@@ -130,9 +130,10 @@ class FileStore:
         yield from sorted(keys)
 
     def delete_prefix(self, prefix: str) -> int:
+        self._path(prefix)  # the prefix is checked; the keys listed under it are the root's
         count = 0
         for key in list(self.list(prefix)):
-            self._path(key).unlink(missing_ok=True)
+            (self.root / key).unlink(missing_ok=True)
             count += 1
         return count
 

@@ -269,9 +269,11 @@ def enqueue_missing(
     send: Sender,
     outstanding: set[str],
     only: set[str] | None = None,
+    done: set[str] | None = None,
 ) -> EnqueueResult:
-    """Send orders for the manifest's batches that have no output and no outstanding order."""
-    done = done_batches(store, manifest.run)
+    """Send orders for the manifest's batches that have no output and no outstanding order
+    (`done`: the store's listing, when the caller has it already)."""
+    done = done_batches(store, manifest.run) if done is None else done
     result = EnqueueResult(
         run=manifest.run,
         prompts=manifest.prompts_total,
@@ -353,11 +355,17 @@ def enqueue_run(
             staging_now.clear()
             client.delete(staging)
     else:
-        result = enqueue_missing(store, manifest, send, outstanding, only)
-        if verify:  # resume and retry list the store: the progress copy is repaired too
-            from genfleet.common.progress import verify as verify_progress
+        listed = done_batches(store, run)
+        result = enqueue_missing(store, manifest, send, outstanding, only, listed)
+        if verify:  # resume and retry list the store: the progress copy is repaired from it
+            from genfleet.common import progress
 
-            verify_progress(store, client, run)
+            progress.reconcile(
+                client,
+                manifest,
+                listed,
+                still_absent=lambda batch: not store.exists(keys.output_key(run, batch)),
+            )
     result.model, result.engine, result.queue = ref.model, ref.engine, queue
     result.uncancelled = uncancelled
     return result

@@ -24,7 +24,7 @@ from typing import Any
 
 import redis
 
-from genfleet.common import keys, progress
+from genfleet.common import keys, progress, throughput
 from genfleet.common.errors import StoreError, StoreUnavailable
 from genfleet.common.records import (
     CompletionRecord,
@@ -35,7 +35,6 @@ from genfleet.common.records import (
 )
 from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.store import Store
-from genfleet.common.throughput import member
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.lifecycle import Lease
 
@@ -440,11 +439,8 @@ def _progress(
     """
     if not prompts:
         return
-    now = time.time()
-    throughput = keys.throughput_key(order.run)
     pipe = client.pipeline()
     pipe.hincrby(keys.counters_key(order.run), "prompts_generated", prompts)
     pipe.hincrby(keys.counters_key(order.run), "tokens_generated", tokens)
-    pipe.zadd(throughput, {member(now, order.batch, worker, tokens): now})
-    pipe.zremrangebyscore(throughput, "-inf", now - 3600)
+    throughput.add(pipe, order.run, worker, tokens, time.time())
     pipe.execute()

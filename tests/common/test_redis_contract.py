@@ -36,6 +36,16 @@ def test_set_with_px_expires(db: Any) -> None:
     assert db.exists("lease") == 0
 
 
+def test_pexpire_sets_an_expiry_on_a_hash_that_exists(db: Any) -> None:
+    pipe = db.pipeline()
+    pipe.hincrby("bucket", "", 5)
+    pipe.pexpire("bucket", 100)
+    pipe.pexpire("no such key", 100)
+    assert pipe.execute() == [5, True, False]
+    assert db.hget("bucket", "") == b"5"
+    wait_for(lambda: db.exists("bucket") == 0, 5, "a 100 ms hash to expire", 0.02)
+
+
 def test_set_overwrites_and_drops_an_old_expiry(db: Any) -> None:
     db.set("k", "a", px=100)
     db.set("k", 1.5)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import pytest
+import redis
 
+from genfleet.common import keys, throughput
 from genfleet.common.throughput import spread
 
 NOW = 1_000.0
@@ -45,3 +47,31 @@ def test_spread(
     points: list[tuple[float, str, int]], since: dict[str, float], rates: dict[str, float]
 ) -> None:
     assert spread(points, NOW, 600.0, since) == pytest.approx(rates)
+
+
+@pytest.mark.integration
+def test_tokens_go_into_buckets_read_in_a_few_calls(redis_client: redis.Redis) -> None:
+    """Reports add to ten-second buckets (real Redis): a window's tok/s counts the buckets
+    inside it, the oldest one for its share, and each bucket expires by itself."""
+    now = 10_000.0  # a bucket boundary
+    pipe = redis_client.pipeline()
+    for ts, worker, tokens in [
+        (now - 125, "a", 9000),  # before a 120 s window
+        (now - 115, "a", 1200),  # its bucket [now-120, now-110) is wholly inside
+        (now - 15, "b", 600),
+        (now - 1, "a", 600),
+        (now - 1, "b", 600),
+    ]:
+        throughput.add(pipe, "r", worker, tokens, ts)
+    pipe.execute()
+    redis_client.sadd(keys.runs_key(), "r")
+
+    assert throughput.run_tokens_per_s(redis_client, "r", now, 120.0) == pytest.approx(25.0)
+    # 5 s later: the oldest bucket (now-115's) half inside the window, the newest whole
+    assert throughput.run_tokens_per_s(redis_client, "r", now + 5, 120.0) == pytest.approx(
+        (1200 * 0.5 + 600 + 1200) / 120
+    )
+    rates = throughput.fleet_tokens_per_s(redis_client, now, 120.0)
+    assert rates == pytest.approx({"a": 15.0, "b": 10.0, "": 25.0})
+    bucket = keys.throughput_bucket_key("r", throughput.bucket_of(now - 1))
+    assert 0 < redis_client.pttl(bucket) <= (throughput.KEEP_S + throughput.BUCKET_S) * 1000

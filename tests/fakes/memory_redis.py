@@ -46,7 +46,8 @@ WRONGTYPE = "WRONGTYPE Operation against a key holding the wrong kind of value"
 
 
 class MemoryRedis:
-    """One Redis database in memory (strings, hashes, sets, sorted sets; PX expiry)."""
+    """One Redis database in memory (strings, hashes, sets, sorted sets; PX and PEXPIRE
+    expiry)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -108,6 +109,16 @@ class MemoryRedis:
             if px <= 0:
                 raise redis.ResponseError("invalid expire time in 'set' command")
             self._expires[key] = self.clock() + px / 1000
+        return True
+
+    def pexpire(self, name: Value, time: int) -> Any:
+        return self._run("pexpire", name, time)
+
+    def _pexpire(self, name: Value, time: int) -> bool:
+        key = self._live(name)
+        if key not in self._data:
+            return False
+        self._expires[key] = self.clock() + time / 1000
         return True
 
     def get(self, name: Value) -> Any:
@@ -339,6 +350,9 @@ class MemoryPipeline:
 
     def zremrangebyscore(self, name: Value, min: float | str, max: float | str) -> MemoryPipeline:
         return self._queue("zremrangebyscore", name, min, max)
+
+    def pexpire(self, name: Value, time: int) -> MemoryPipeline:
+        return self._queue("pexpire", name, time)
 
     def execute(self) -> list[Any]:
         """Run every queued command; like MULTI/EXEC, one that fails does not stop the others,

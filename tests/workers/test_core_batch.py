@@ -9,12 +9,14 @@ reads, and which prompts the engine was asked again on a retry.
 from __future__ import annotations
 
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
-from genfleet.common import keys
+from genfleet.common import keys, throughput
 from genfleet.common.errors import EngineDown, StoreUnavailable
 from genfleet.common.records import (
     GenerationParams,
@@ -107,6 +109,7 @@ def test_a_batch_writes_its_output_in_input_order_and_counts_after(
     store = MemoryStore()
     order = stage(store, 6)
     chat = FakeChat(tokens=5)
+    started = time.time()
 
     summary = run(order, store, db, feeders(chat))
 
@@ -123,7 +126,13 @@ def test_a_batch_writes_its_output_in_input_order_and_counts_after(
     assert db.smembers(keys.queued_key(RUN)) == set()
     assert db.exists(keys.lease_key(RUN, BATCH)) == 0
     assert list(store.list(keys.parts_prefix(RUN, BATCH))) == []
-    assert db.zrange(keys.throughput_key(RUN), 0, -1)  # a tok/s sample for status
+    # status's tok/s: the run's tokens and this worker's, in the ten-second buckets it ran in
+    buckets = range(throughput.bucket_of(started), throughput.bucket_of(time.time()) + 1)
+    counted = Counter[bytes]()
+    for bucket in buckets:
+        for field, value in db.hgetall(keys.throughput_bucket_key(RUN, bucket)).items():
+            counted[field] += int(value)
+    assert counted == {b"": 30, WORKER.encode(): 30}
 
 
 def test_a_batch_whose_output_exists_is_skipped_without_asking_the_engine(
