@@ -79,6 +79,12 @@ def parts_prefix(run: str, batch: str) -> str:
     return f"{run}/parts/{batch}/"
 
 
+def response_format_key(run: str, sha256: str) -> str:
+    """The run's `response_format` (`--json-schema`), stored once by its content hash: work
+    orders carry this key and the hash, not the schema (schema × batches in Redis)."""
+    return f"{run}/params/response_format-{sha256[:16]}.json"
+
+
 def rejects_key(run: str) -> str:
     """Input lines that were refused, with file, line, field and reason."""
     return f"{run}/rejects.jsonl"

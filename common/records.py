@@ -96,6 +96,10 @@ class WorkOrder(BaseModel):
     engine: str
     prompts: int = 0
     enqueued_at: float = 0.0
+    # The run's response_format, stored once in the store (keys.response_format_key) in place
+    # of `params.response_format`; the worker reads it and checks its sha256.
+    response_format_key: str | None = None
+    response_format_sha256: str | None = None
 
     @field_validator("run")
     @classmethod
@@ -148,6 +152,11 @@ class CompletionRecord:
         data = dict(data)
         data["usage"] = Usage(**(data.get("usage") or {}))
         return cls(**data)
+
+
+def response_format_bytes(response_format: dict[str, Any]) -> bytes:
+    """A response format as the store holds it, and as its hash is taken (sorted keys)."""
+    return orjson.dumps(response_format, option=orjson.OPT_SORT_KEYS)
 
 
 def dumps_jsonl(rows: Iterable[dict[str, Any]]) -> bytes:

@@ -25,7 +25,13 @@ from genfleet.common import keys
 from genfleet.common.errors import ConfigError, InputError, RunMismatch
 from genfleet.common.manifest import BatchEntry, Manifest
 from genfleet.common.readers import ReaderOptions, Reject, read_source
-from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, dumps_jsonl
+from genfleet.common.records import (
+    GenerationParams,
+    PromptRecord,
+    WorkOrder,
+    dumps_jsonl,
+    response_format_bytes,
+)
 from genfleet.common.routing import ModelRef, model_ref, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
@@ -166,6 +172,7 @@ def stage(
     entries: list[BatchEntry] = []
     pending: list[WorkOrder] = []
     claim_run(store, run, params, ref, staging_params(settings))
+    stored = store_response_format(store, run, params)
     done = done_batches(store, run)  # a run staged before but never finished its manifest
     tail = settings.batch_tail
     batches = make_batches(
@@ -185,7 +192,7 @@ def stage(
         entries.append(BatchEntry(batch=batch, key=key, prompts=len(records), expected_tokens=work))
         result.prompts += len(records)
         if batch not in done:
-            pending.append(_order(run, batch, key, len(records), params, ref))
+            pending.append(_order(run, batch, key, len(records), params, ref, stored))
         # Send in chunks that grow from one batch to 64 (the first batch goes out at once, so
         # GPUs start while staging goes on), and at least once a second: a slow source must
         # not hold back batches that are staged already while GPUs wait.
@@ -234,8 +241,18 @@ def _interrupted(run: str, batch: str, url: str) -> str:
 
 
 def _order(
-    run: str, batch: str, key: str, prompts: int, params: GenerationParams, ref: ModelRef
+    run: str,
+    batch: str,
+    key: str,
+    prompts: int,
+    params: GenerationParams,
+    ref: ModelRef,
+    stored: tuple[str, str] | None = None,
 ) -> WorkOrder:
+    """A batch's work order; with `stored` (the key and sha256 `store_response_format`
+    returned) the order names the run's response format instead of carrying it."""
+    if stored is not None:
+        params = params.model_copy(update={"response_format": None})
     return WorkOrder(
         run=run,
         batch=batch,
@@ -245,7 +262,23 @@ def _order(
         engine=ref.engine,
         prompts=prompts,
         enqueued_at=time.time(),
+        response_format_key=stored[0] if stored else None,
+        response_format_sha256=stored[1] if stored else None,
     )
+
+
+def store_response_format(
+    store: Store, run: str, params: GenerationParams
+) -> tuple[str, str] | None:
+    """Store the run's response format once (by its content hash); its key and sha256, or
+    None when the run has none. Idempotent: a resume writes the same object again."""
+    if params.response_format is None:
+        return None
+    data = response_format_bytes(params.response_format)
+    sha256 = hashlib.sha256(data).hexdigest()
+    key = keys.response_format_key(run, sha256)
+    store.put(key, data)
+    return key, sha256
 
 
 def _send(send: Sender, pending: list[WorkOrder], outstanding: set[str]) -> int:
@@ -283,8 +316,9 @@ def enqueue_missing(
     )
     ref = run_model(manifest)
     result.model, result.engine = ref.model, ref.engine
+    stored = store_response_format(store, manifest.run, manifest.params)
     pending = [
-        _order(manifest.run, entry.batch, entry.key, entry.prompts, manifest.params, ref)
+        _order(manifest.run, entry.batch, entry.key, entry.prompts, manifest.params, ref, stored)
         for entry in manifest.batches
         if entry.batch not in done and (only is None or entry.batch in only)
     ]

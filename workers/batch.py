@@ -13,6 +13,7 @@ The order of things is what makes "nothing lost, nothing doubled" hold:
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -22,12 +23,14 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import redis
 
 from genfleet.common import keys, progress, throughput
 from genfleet.common.errors import StoreError, StoreUnavailable
 from genfleet.common.records import (
     CompletionRecord,
+    GenerationParams,
     PromptRecord,
     WorkOrder,
     decode_jsonl_gz,
@@ -155,6 +158,24 @@ def write_part(store: Store, run: str, batch: str, part: int, rows: list[Complet
     return part + 1
 
 
+def order_params(store: Store, order: WorkOrder) -> GenerationParams:
+    """The order's parameters with the run's response format read back from the store when
+    the order names it (and checked against its sha256: another schema is never sent)."""
+    if order.response_format_key is None:
+        return order.params
+    data = store.get(order.response_format_key)
+    if data is None:
+        raise BatchInputMissing(
+            f"the run's response format {order.response_format_key} is missing from {store.url}"
+        )
+    if hashlib.sha256(data).hexdigest() != order.response_format_sha256:
+        raise BatchInputMissing(
+            f"the run's response format {order.response_format_key} in {store.url} is not the "
+            f"one its work orders name (sha256 {order.response_format_sha256}): not sent"
+        )
+    return order.params.model_copy(update={"response_format": orjson.loads(data)})
+
+
 def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
     """The first leaf of an exception group: the failure that stopped the batch."""
     error: BaseException = group
@@ -230,6 +251,7 @@ def execute(
     if data is None:
         raise BatchInputMissing(f"staged input {order.key} is missing from {store.url}")
     records = [PromptRecord.from_json(row) for row in decode_jsonl_gz(data)]
+    params = order_params(store, order)
     summary.prompts = len(records)
     previous, next_part = load_parts(store, order.run, order.batch)
     todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
@@ -245,7 +267,7 @@ def execute(
             order.run,
             order.batch,
             [r for _, r in todo],
-            order.params,
+            params,
             lambda j, rec: collector.add(todo[j][0], rec),
             on_sent=on_sent,
         )

@@ -25,6 +25,7 @@ from genfleet.common.records import (
     decode_jsonl_gz,
     encode_jsonl_gz,
 )
+from genfleet.common.routing import ModelRef
 from genfleet.workers.batch import BatchInputMissing, BatchInterrupted, BatchSummary, execute
 from genfleet.workers.feeder import Feeder
 from tests.conftest import wait_for
@@ -317,3 +318,49 @@ def test_a_confirmed_output_marks_the_batch_done_and_counts_its_prompts_once(
 
     assert db.hgetall(keys.done_key(RUN)) == {BATCH.encode(): b"4"}
     assert counters(db)["prompts_done"] == 4
+
+
+SCHEMA_FORMAT = {
+    "type": "json_schema",
+    "json_schema": {"name": "answer", "schema": {"type": "object", "required": ["a"]}},
+}
+
+
+def schema_order(store: MemoryStore, count: int) -> WorkOrder:
+    """An order as the producer sends it for a run with `--json-schema`: the schema stored
+    once, the order naming it."""
+    from genfleet.producer.enqueue import _order, store_response_format
+
+    base = stage(store, count)
+    params = base.params.model_copy(update={"response_format": SCHEMA_FORMAT})
+    stored = store_response_format(store, RUN, params)
+    ref = ModelRef("emulator", "emulator")
+    return _order(RUN, BATCH, base.key, count, params, ref, stored)
+
+
+def test_an_order_names_the_runs_schema_and_the_engine_gets_it(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    store = MemoryStore()
+    order = schema_order(store, 3)
+    assert order.params.response_format is None
+    assert "required" not in order.model_dump_json()  # the schema is not in the message
+    chat = FakeChat()
+
+    run(order, store, db, feeders(chat))
+
+    assert [p.response_format for p in chat.params] == [SCHEMA_FORMAT] * 3
+
+
+def test_a_schema_that_is_not_the_one_the_order_names_is_never_sent(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    store = MemoryStore()
+    order = schema_order(store, 3)
+    assert order.response_format_key is not None
+    store.put(order.response_format_key, b'{"type": "json_object"}')  # replaced under it
+    chat = FakeChat()
+
+    with pytest.raises(BatchInputMissing, match="not the one"):
+        run(order, store, db, feeders(chat))
+    assert sum(chat.calls.values()) == 0
