@@ -22,6 +22,7 @@ the output was written): it never counts a batch whose output does not exist.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -31,9 +32,12 @@ import orjson
 import redis
 
 from genfleet.common import keys
+from genfleet.common.errors import GenfleetError
 from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import RedisPipeline, text
 from genfleet.common.store import Store
+
+log = logging.getLogger("genfleet.progress")
 
 PROMPTS_DONE = "prompts_done"  # the counters hash field (keys.counters_key)
 
@@ -223,6 +227,7 @@ class Pass:
 
     repairs: list[Repair] = field(default_factory=list)
     retired: list[str] = field(default_factory=list)
+    failed: list[str] = field(default_factory=list)  # runs that could not be read: next pass
 
 
 def reconcile_runs(store: Store, client: redis.Redis, now: float | None = None) -> Pass:
@@ -242,7 +247,12 @@ def reconcile_runs(store: Store, client: redis.Redis, now: float | None = None) 
                 client.srem(keys.runs_key(), run)
                 done.retired.append(run)
             continue
-        found = verify(store, client, run, now)
+        try:
+            found = verify(store, client, run, now)
+        except (GenfleetError, ValueError) as exc:  # one run's bad manifest or store
+            log.warning("progress of %s not reconciled: %s", run, exc)
+            done.failed.append(run)
+            continue
         if found is not None and found[1].changed:
             done.repairs.append(found[1])
     return done

@@ -463,4 +463,5 @@ def reconcile_progress() -> dict[str, Any]:
         "ts": now,
         "repaired": [repair.to_json() for repair in done.repairs],
         "retired": done.retired,
+        "failed": done.failed,
     }

@@ -209,3 +209,18 @@ def test_a_complete_run_leaves_the_registry_and_a_running_one_stays(
     assert first.retired == [] and second.retired == [RUN]
     assert redis_client.smembers(keys.runs_key()) == {b"other"}  # no manifest, still queued
     assert run_status(store, redis_client, RUN)["state"] == "done"
+
+
+def test_a_run_that_cannot_be_read_does_not_stop_the_pass(
+    redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    store = FileStore(tmp_path)
+    make_run(store, done=3)
+    store.put(keys.manifest_key("broken"), b'{"run": "broken"}')  # not a manifest
+    redis_client.sadd(keys.runs_key(), "broken", RUN)
+
+    done = progress.reconcile_runs(store, redis_client)
+
+    assert done.failed == ["broken"]
+    assert [r.run for r in done.repairs] == [RUN]  # no copy yet: written from the listing
+    assert run_status(store, redis_client, RUN)["batches_done"] == 3
