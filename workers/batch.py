@@ -26,6 +26,7 @@ import redis
 
 from genfleet.common import keys
 from genfleet.common.errors import StoreError, StoreUnavailable
+from genfleet.common.ledger import Ledger, Tally
 from genfleet.common.records import (
     CompletionRecord,
     PromptRecord,
@@ -35,7 +36,6 @@ from genfleet.common.records import (
 )
 from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.store import Store
-from genfleet.common.throughput import member
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.lifecycle import Lease
 
@@ -409,23 +409,13 @@ def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float
 def _mark_done(client: RedisCommands, order: WorkOrder) -> None:
     """The batch's output exists: no work order outstanding, not failed. (Which batches are
     done is read from the store's outputs, never from Redis.)"""
-    pipe = client.pipeline()
-    pipe.srem(keys.queued_key(order.run), order.batch)
-    pipe.hdel(keys.failed_key(order.run), order.batch)
-    pipe.execute()
+    Ledger(client).done(order.run, order.batch)
 
 
 def _count(client: RedisCommands, order: WorkOrder, summary: BatchSummary) -> None:
     """Live counters, after the output is in the store (the store is the truth)."""
-    pipe = client.pipeline()
-    pipe.srem(keys.queued_key(order.run), order.batch)
-    pipe.hdel(keys.failed_key(order.run), order.batch)
-    counters = keys.counters_key(order.run)
-    pipe.hincrby(counters, "errors", summary.errors)
-    pipe.hincrby(counters, "completion_tokens", summary.completion_tokens)
-    pipe.hincrby(counters, "reasoning_tokens", summary.reasoning_tokens)
-    pipe.hset(counters, "last_done_at", time.time())
-    pipe.execute()
+    tally = Tally(summary.errors, summary.completion_tokens, summary.reasoning_tokens, time.time())
+    Ledger(client).done(order.run, order.batch, tally)
 
 
 def _progress(
@@ -438,11 +428,4 @@ def _progress(
     """
     if not prompts:
         return
-    now = time.time()
-    throughput = keys.throughput_key(order.run)
-    pipe = client.pipeline()
-    pipe.hincrby(keys.counters_key(order.run), "prompts_generated", prompts)
-    pipe.hincrby(keys.counters_key(order.run), "tokens_generated", tokens)
-    pipe.zadd(throughput, {member(now, order.batch, worker, tokens): now})
-    pipe.zremrangebyscore(throughput, "-inf", now - 3600)
-    pipe.execute()
+    Ledger(client).progress(order.run, order.batch, worker, prompts, tokens, time.time())

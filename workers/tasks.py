@@ -23,21 +23,16 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-import orjson
 import redis
 from celery import Task
 from celery.exceptions import Reject, Retry
 
 from genfleet.common import keys
-from genfleet.common.celery_config import (
-    GENERATE_TASK,
-    POWER_WATCH_TASK,
-    REAPER_TASK,
-    work_order_of,
-)
+from genfleet.common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK
 from genfleet.common.errors import EngineConfigError, EngineError, StoreError
+from genfleet.common.ledger import Ledger, Running, running_field
 from genfleet.common.records import WorkOrder
-from genfleet.common.redis_conn import RedisCommands, text
+from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.routing import order_queue
 from genfleet.common.store import Store
 from genfleet.workers.app import app, settings_of
@@ -47,7 +42,7 @@ from genfleet.workers.batch import (
     BatchInterrupted,
     execute,
 )
-from genfleet.workers.lifecycle import Lease, gate, is_cancelled, park
+from genfleet.workers.lifecycle import Lease, gate, is_cancelled
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.observe.sampler import batch_share
 from genfleet.workers.pool import BatchRequest
@@ -62,10 +57,6 @@ class BatchFailed(Exception):
     """A batch that exhausted its tries or cannot succeed; it is in the run's failed set."""
 
 
-def running_field(run: str, batch: str) -> str:
-    return f"{run}/{batch}"
-
-
 @app.task(name=GENERATE_TASK, bind=True, Request=BatchRequest)  # type: ignore[untyped-decorator]
 def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     work = WorkOrder.model_validate(order)
@@ -74,6 +65,7 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     client = runtime.redis
     assert runtime.feeder is not None
     field = running_field(work.run, work.batch)
+    ledger = Ledger(client)
     worker = self.request.hostname or runtime.hostname
     early = _admit(runtime, work, order, worker)
     if early is not None:
@@ -98,8 +90,8 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
         )
     except BatchCancelled as exc:
         log.warning("%s", exc)
-        park(client, work)
-        _safe_hdel(client, field)
+        ledger.park(work.run, work.batch)
+        _safe_release(ledger, work)
         parked = {"run": work.run, "batch": work.batch, "cancelled": True}
         return {"summary": not_generated_headline(parked), **parked}
     except BatchInputMissing as exc:
@@ -108,7 +100,7 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     except EngineConfigError as exc:
         # Every prompt would get the same answer: spend no try, hand the order back for a
         # worker that is configured right, and stop this one taking more.
-        _safe_hdel(client, field)
+        _safe_release(ledger, work)
         runtime.refuse_work(f"{work.run}/{work.batch} handed back: {exc}")
         raise Reject(str(exc), requeue=True) from exc
     except BatchInterrupted as exc:
@@ -120,7 +112,7 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
         # Shutting down: put the message back for another worker (or this one, restarted);
         # the retry skips the prompts the checkpoint holds. Not a try, not a failure.
         log.warning("%s", exc)
-        _safe_hdel(client, field)
+        _safe_release(ledger, work)
         raise Reject(str(exc), requeue=True) from exc
     except RETRYABLE as exc:
         attempts = _attempt(client, work)
@@ -129,7 +121,7 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
             raise BatchFailed(f"{work.run}/{work.batch} failed {attempts} times: {exc}") from exc
         log.warning("%s/%s try %d failed: %s", work.run, work.batch, attempts, exc)
         _back_off(runtime.lease_redis, work, worker, settings.lease_ttl_s, attempts)
-        _safe_hdel(client, field)
+        _safe_release(ledger, work)
         _retry_or_requeue(self, field, exc, countdown=0, queue=runtime.queue)
     except Exception as exc:
         # Unforeseen means permanent until someone looks: park it in the failed set, where
@@ -142,7 +134,7 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
         slot.restore()
         if monitor is not None:
             monitor.batch_finished(work.run)
-    _safe_hdel(client, field)
+    _safe_release(ledger, work)
     spend.settle(summary, client, work)
     runtime.after_batch(summary)
     figures = summary.to_json()
@@ -158,28 +150,24 @@ def _admit(
     recorded: the message goes back to the queue, never acked."""
     client, settings = runtime.redis, runtime.settings
     field = running_field(work.run, work.batch)
+    ledger = Ledger(client)
     try:
         turned_away = gate(client, work, runtime.queue, order_queue(settings.queue, order))
         if turned_away is not None:
             if turned_away.get("handed_back"):
                 generate_batch.apply_async(kwargs={"order": order}, queue=turned_away["queue"])
             return {"summary": not_generated_headline(turned_away), **turned_away}
-        if _parked(client, work, settings.max_deliveries):
+        if ledger.is_poison(work.run, work.batch, settings.max_deliveries):
             # A stale copy (the broker's redelivery after its visibility timeout) of a batch
             # parked as poison: running it would crash one more worker.
             log.error("%s/%s is parked as poison: not running it", work.run, work.batch)
             return {"run": work.run, "batch": work.batch, "worker": worker, "parked": True}
-        entry = {**order, "claimed_at": time.time(), "worker": worker}
-        client.hset(keys.running_key(), field, orjson.dumps(entry))
+        ledger.claim(order, worker, time.time())
     except redis.RedisError as exc:
         raise Reject(
             f"{field}: Redis failed before the batch started: {exc}", requeue=True
         ) from exc
     return None
-
-
-def _parked(client: RedisCommands, work: WorkOrder, max_deliveries: int) -> bool:
-    return int(client.hget(keys.lost_key(work.run), work.batch) or 0) >= max_deliveries
 
 
 class _Slot:
@@ -244,7 +232,7 @@ def _count_energy(client: RedisCommands, work: WorkOrder, summary: Any) -> None:
 
 def _attempt(client: RedisCommands, work: WorkOrder) -> int:
     try:
-        return int(client.hincrby(keys.attempts_key(work.run), work.batch, 1))
+        return Ledger(client).tried(work.run, work.batch)
     except redis.RedisError:
         return 1
 
@@ -295,21 +283,17 @@ def _fail(client: RedisCommands, work: WorkOrder, exc: BaseException) -> None:
     When that cannot be recorded the message goes back to the queue: acking it would lose the
     order with no trace in the failed set."""
     try:
-        pipe = client.pipeline()
-        pipe.hset(keys.failed_key(work.run), work.batch, f"{type(exc).__name__}: {exc}"[:2000])
-        pipe.srem(keys.queued_key(work.run), work.batch)
-        pipe.hdel(keys.running_key(), running_field(work.run, work.batch))
-        pipe.execute()
+        Ledger(client).fail(work.run, work.batch, f"{type(exc).__name__}: {exc}")
     except redis.RedisError as error:
         log.exception("could not record failed batch %s/%s: requeued", work.run, work.batch)
         raise Reject(f"failed set not written ({error}): requeued", requeue=True) from exc
 
 
-def _safe_hdel(client: RedisCommands, field: str) -> None:
+def _safe_release(ledger: Ledger, work: WorkOrder) -> None:
     try:
-        client.hdel(keys.running_key(), field)
+        ledger.release(work.run, work.batch)
     except redis.RedisError:
-        log.warning("could not clear running entry %s", field)
+        log.warning("could not clear running entry %s", running_field(work.run, work.batch))
 
 
 @app.task(name=REAPER_TASK)  # type: ignore[untyped-decorator]
@@ -344,88 +328,60 @@ def reap(
     its output exists (its entry is dropped), else `requeue`d with its work order, once; or
     parked in the failed set when its worker died `max_deliveries` times."""
     found: dict[str, list[str]] = {"requeued": [], "finished": [], "parked": []}
-    for field, raw in client.hgetall(keys.running_key()).items():
-        entry = orjson.loads(raw)
-        run, batch = entry["run"], entry["batch"]
+    ledger = Ledger(client)
+    for claimed in ledger.running():
+        run, batch = claimed.run, claimed.batch
         if client.exists(keys.lease_key(run, batch)):
             continue
-        if now - float(entry.get("claimed_at", 0)) < lease_ttl_s:
+        if now - claimed.claimed_at < lease_ttl_s:
             continue  # claimed but the first lease write may not have landed yet
         if store.exists(keys.output_key(run, batch)):
-            client.hdel(keys.running_key(), field)
-            found["finished"].append(text(field))
+            ledger.release(run, batch)
+            found["finished"].append(claimed.field)
             continue
         if client.exists(keys.cancelled_key(run), keys.deleted_key(run)):
-            order = {k: v for k, v in entry.items() if k not in ("claimed_at", "worker")}
-            park(client, WorkOrder.model_validate(order))  # nothing to redo: parked
+            ledger.park(run, batch)  # nothing to redo: parked
             continue
-        if not client.hdel(keys.running_key(), field):
+        if not ledger.release(run, batch):
             continue  # another reaper won this one
-        outcome = _lost(client, entry, requeue, max_deliveries)
-        found[outcome].append(text(field))
+        outcome = _lost(ledger, claimed, requeue, max_deliveries)
+        found[outcome].append(claimed.field)
     return {**found, "ts": now}
 
 
-def _dead_deliveries(client: RedisCommands, run: str, batch: str) -> list[str]:
-    """The broker's unacked copies of this order: the dead worker's delivery.
-
-    The broker would deliver them again after its visibility timeout (hours later), a copy
-    the reaper has replaced; and `retry` takes an unacked copy for an outstanding order, so it
-    would not resend a parked batch. They are dropped (`_drop`) once the outcome is recorded;
-    an ack for a dropped tag is a no-op.
-    """
-    tags: list[str] = []
-    for tag, raw in client.hgetall(keys.UNACKED).items():
-        try:
-            message = orjson.loads(raw)[0]
-        except (ValueError, IndexError, TypeError):
-            continue
-        if work_order_of(orjson.dumps(message)) == (run, batch):
-            tags.append(text(tag))
-    return tags
-
-
-def _drop(client: RedisCommands, tags: list[str]) -> None:
-    if tags:
-        pipe = client.pipeline()
-        pipe.hdel(keys.UNACKED, *tags)
-        pipe.zrem(keys.UNACKED_INDEX, *tags)
-        pipe.execute()
-
-
 def _lost(
-    client: RedisCommands,
-    entry: dict[str, Any],
+    ledger: Ledger,
+    claimed: Running,
     requeue: Callable[[dict[str, Any]], object],
     max_deliveries: int,
 ) -> str:
     """A delivery ended with its worker dead or vanished: re-enqueue it, or park it as poison
-    once that has happened `max_deliveries` times. Returns "requeued" or "parked"."""
-    run, batch = entry["run"], entry["batch"]
-    lost = int(client.hincrby(keys.lost_key(run), batch, 1))
-    dead = _dead_deliveries(client, run, batch)
+    once that has happened `max_deliveries` times. Returns "requeued" or "parked".
+
+    The broker's unacked copies of the order (the dead worker's delivery) would be delivered
+    again after its visibility timeout, hours later, a copy the reaper has replaced; and
+    `retry` takes an unacked copy for an outstanding order, so it would not resend a parked
+    batch. They are dropped once the outcome is recorded; an ack for a dropped tag is a no-op.
+    """
+    run, batch = claimed.run, claimed.batch
+    lost = ledger.lost(run, batch)
+    dead = ledger.unacked_copies(run, batch)
     if lost >= max_deliveries:
         reason = (
             f"poison batch: its worker died or vanished in {lost} deliveries (the last on "
-            f"{entry.get('worker', 'an unknown worker')}); parked, `genfleet retry {run}` "
-            "resends it"
+            f"{claimed.worker}); parked, `genfleet retry {run}` resends it"
         )
-        pipe = client.pipeline()
-        pipe.hset(keys.failed_key(run), batch, reason)
-        pipe.srem(keys.queued_key(run), batch)
-        pipe.execute()
-        _drop(client, dead)
+        ledger.poison(run, batch, reason)
+        ledger.drop_unacked(dead)
         log.error("%s/%s: %s", run, batch, reason)
         return "parked"
-    order = {k: v for k, v in entry.items() if k not in ("claimed_at", "worker")}
     try:
-        requeue(order)
+        requeue(claimed.order())
     except Exception:
         # Not sent: give the entry back so the next round tries again (never lose the order).
-        client.hincrby(keys.lost_key(run), batch, -1)
-        client.hset(keys.running_key(), running_field(run, batch), orjson.dumps(entry))
+        ledger.unlose(claimed)
         raise
-    _drop(client, dead)
+    ledger.drop_unacked(dead)
     log.warning(
         "lease of %s/%s expired without output: re-enqueued (delivery %d of at most %d ended "
         "with its worker gone)",

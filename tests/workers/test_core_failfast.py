@@ -14,8 +14,9 @@ from celery.exceptions import Reject
 from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.errors import EngineDown
+from genfleet.common.ledger import running_field
 from genfleet.workers import tasks as tasks_module
-from genfleet.workers.tasks import BatchFailed, generate_batch, reap, running_field
+from genfleet.workers.tasks import BatchFailed, generate_batch, reap
 from tests.conftest import wait_for
 from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis

@@ -20,6 +20,7 @@ from celery.exceptions import Reject
 
 from genfleet.common import keys
 from genfleet.common.errors import EngineBusy, EngineConfigError, EngineDown, RequestFailed
+from genfleet.common.ledger import running_field
 from genfleet.common.records import (
     GenerationParams,
     PromptRecord,
@@ -32,7 +33,7 @@ from genfleet.workers import runtime as runtime_module
 from genfleet.workers import tasks as tasks_module
 from genfleet.workers.batch import BatchSummary
 from genfleet.workers.feeder import Feeder
-from genfleet.workers.tasks import BatchFailed, generate_batch, reap, running_field
+from genfleet.workers.tasks import BatchFailed, generate_batch, reap
 from tests.conftest import wait_for
 from tests.fakes.engine import FakeChat, FakeEngine
 from tests.fakes.memory_redis import MemoryRedis
