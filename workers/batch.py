@@ -25,7 +25,15 @@ from typing import Any
 import redis
 
 from genfleet.common import keys
-from genfleet.common.errors import StoreError, StoreUnavailable
+from genfleet.common.backoff import BOOKKEEPING, OUTPUT_WRITE
+from genfleet.common.errors import (
+    BatchCancelled,
+    BatchInputMissing,
+    BatchInterrupted,
+    BatchTerminated,
+    StoreError,
+    StoreUnavailable,
+)
 from genfleet.common.ledger import Ledger, Tally
 from genfleet.common.records import (
     CompletionRecord,
@@ -40,19 +48,6 @@ from genfleet.workers.feeder import Feeder
 from genfleet.workers.lifecycle import Lease
 
 log = logging.getLogger("genfleet.batch")
-
-
-class BatchInputMissing(StoreError):
-    """The staged input object is gone: retrying cannot help."""
-
-
-class BatchInterrupted(Exception):
-    """The worker is shutting down and cancelled the batch; what finished is checkpointed."""
-
-
-class BatchCancelled(Exception):
-    """The run was cancelled (`genfleet cancel`) while the batch ran; what finished is
-    checkpointed and the batch is parked."""
 
 
 @dataclass
@@ -166,6 +161,11 @@ def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 def _why(exc: BaseException, order: WorkOrder, finished: int, todo: int) -> BaseException:
     """The error a failed try reports: what the task can map to requeue, retry or failure."""
+    if isinstance(exc, BatchTerminated):
+        return BatchTerminated(
+            f"{order.run}/{order.batch} terminated by an operator (revoke) after {finished} of "
+            f"{todo} prompts (checkpointed)"
+        )
     if isinstance(exc, CancelledError):
         return BatchInterrupted(
             f"{order.run}/{order.batch} interrupted by shutdown after {finished} of {todo} "
@@ -370,7 +370,7 @@ def _with_retries(what: str, fn: Callable[..., Any], *args: Any, tries: int = 4)
             if attempt == tries:
                 raise
             log.warning("could not record %s (%s): retry %d", what, exc, attempt)
-            time.sleep(0.5 * 2**attempt)
+            time.sleep(BOOKKEEPING.delay_s(attempt))
 
 
 def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
@@ -386,7 +386,7 @@ def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
             if attempt == tries:
                 raise
             log.warning("output %s not written (%s): retry %d", key, exc, attempt)
-            time.sleep(min(2.0**attempt, 30.0))
+            time.sleep(OUTPUT_WRITE.delay_s(attempt))
     raise AssertionError("unreachable")
 
 

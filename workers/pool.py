@@ -27,6 +27,8 @@ from typing import Any
 from celery.concurrency.thread import TaskPool as ThreadTaskPool
 from celery.worker.request import Request
 
+from genfleet.common.backoff import Backoff
+
 log = logging.getLogger("genfleet.worker")
 
 
@@ -97,7 +99,7 @@ def restart_delay_s(
     """
     if stopping or code == 0 or restarts >= budget:
         return None
-    return backoff_s * 2.0**restarts
+    return Backoff(base_s=backoff_s).delay_s(restarts)
 
 
 @dataclass

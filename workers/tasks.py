@@ -28,33 +28,24 @@ from celery import Task
 from celery.exceptions import Reject, Retry
 
 from genfleet.common import keys
+from genfleet.common.backoff import BATCH_RETRY
 from genfleet.common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK
-from genfleet.common.errors import EngineConfigError, EngineError, StoreError
+from genfleet.common.errors import BatchFailed
 from genfleet.common.ledger import Ledger, Running, running_field
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.routing import order_queue
 from genfleet.common.store import Store
 from genfleet.workers.app import app, settings_of
-from genfleet.workers.batch import (
-    BatchCancelled,
-    BatchInputMissing,
-    BatchInterrupted,
-    execute,
-)
+from genfleet.workers.batch import execute
 from genfleet.workers.lifecycle import Lease, gate, is_cancelled
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.observe.sampler import batch_share
+from genfleet.workers.outcome import Outcome, counts_a_try, outcome
 from genfleet.workers.pool import BatchRequest
 from genfleet.workers.runtime import current
 
 log = logging.getLogger("genfleet.tasks")
-
-RETRYABLE = (EngineError, StoreError, redis.RedisError, ConnectionError, TimeoutError)
-
-
-class BatchFailed(Exception):
-    """A batch that exhausted its tries or cannot succeed; it is in the run's failed set."""
 
 
 @app.task(name=GENERATE_TASK, bind=True, Request=BatchRequest)  # type: ignore[untyped-decorator]
@@ -88,48 +79,10 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
             lease_client=runtime.lease_redis,
             on_sent=slot.release,
         )
-    except BatchCancelled as exc:
-        log.warning("%s", exc)
-        ledger.park(work.run, work.batch)
-        _safe_release(ledger, work)
-        parked = {"run": work.run, "batch": work.batch, "cancelled": True}
-        return {"summary": not_generated_headline(parked), **parked}
-    except BatchInputMissing as exc:
-        _fail(client, work, exc)
-        raise BatchFailed(str(exc)) from exc
-    except EngineConfigError as exc:
-        # Every prompt would get the same answer: spend no try, hand the order back for a
-        # worker that is configured right, and stop this one taking more.
-        _safe_release(ledger, work)
-        runtime.refuse_work(f"{work.run}/{work.batch} handed back: {exc}")
-        raise Reject(str(exc), requeue=True) from exc
-    except BatchInterrupted as exc:
-        if (work.run, work.batch) in runtime.feeder.terminated:
-            runtime.feeder.terminated.discard((work.run, work.batch))
-            reason = BatchInterrupted(f"terminated by an operator (revoke): {exc}")
-            _fail(client, work, reason)
-            raise BatchFailed(str(reason)) from exc
-        # Shutting down: put the message back for another worker (or this one, restarted);
-        # the retry skips the prompts the checkpoint holds. Not a try, not a failure.
-        log.warning("%s", exc)
-        _safe_release(ledger, work)
-        raise Reject(str(exc), requeue=True) from exc
-    except RETRYABLE as exc:
-        attempts = _attempt(client, work)
-        if attempts > settings.batch_retries:
-            _fail(client, work, exc)
-            raise BatchFailed(f"{work.run}/{work.batch} failed {attempts} times: {exc}") from exc
-        log.warning("%s/%s try %d failed: %s", work.run, work.batch, attempts, exc)
-        _back_off(runtime.lease_redis, work, worker, settings.lease_ttl_s, attempts)
-        _safe_release(ledger, work)
-        _retry_or_requeue(self, field, exc, countdown=0, queue=runtime.queue)
     except Exception as exc:
-        # Unforeseen means permanent until someone looks: park it in the failed set, where
-        # status shows it and `genfleet retry` re-runs it, rather than leave a running entry
-        # whose lease is gone, which the reaper would re-enqueue forever.
-        log.exception("%s/%s failed unexpectedly", work.run, work.batch)
-        _fail(client, work, exc)
-        raise BatchFailed(f"{work.run}/{work.batch}: {type(exc).__name__}: {exc}") from exc
+        attempts = _attempt(client, work) if counts_a_try(exc) else 0
+        verdict = outcome(exc, field, attempts, settings.batch_retries, BATCH_RETRY)
+        return _apply(self, runtime, work, worker, verdict, exc)
     finally:
         slot.restore()
         if monitor is not None:
@@ -140,6 +93,42 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     figures = summary.to_json()
     # The line first: Flower shows it; every figure stays in the result after it.
     return {"summary": batch_headline(figures), **figures}
+
+
+def _apply(
+    task: Task, runtime: Any, work: WorkOrder, worker: str, verdict: Outcome, exc: Exception
+) -> dict[str, Any]:
+    """Do what `verdict` says with the failed try: the task's result (parked) or the error
+    that tells Celery what follows (Reject: back to the queue; Retry; BatchFailed: acked,
+    in the failed set)."""
+    ledger = Ledger(runtime.redis)
+    if verdict.action == "park":
+        log.warning("%s", exc)
+        ledger.park(work.run, work.batch)
+        parked = {"run": work.run, "batch": work.batch, "cancelled": True}
+        return {"summary": not_generated_headline(parked), **parked}
+    if verdict.action == "hand_back":
+        # Every prompt would get the same answer: spend no try, hand the order back for a
+        # worker that is configured right, and stop this one taking more.
+        _safe_release(ledger, work)
+        runtime.refuse_work(f"{work.run}/{work.batch} handed back: {exc}")
+        raise Reject(verdict.message, requeue=True) from exc
+    if verdict.action == "requeue":
+        # Shutting down: put the message back for another worker (or this one, restarted);
+        # the retry skips the prompts the checkpoint holds. Not a try, not a failure.
+        log.warning("%s", exc)
+        _safe_release(ledger, work)
+        raise Reject(verdict.message, requeue=True) from exc
+    field = running_field(work.run, work.batch)
+    if verdict.action == "retry":
+        log.warning("%s", verdict.message)
+        _back_off(runtime.lease_redis, work, worker, runtime.settings.lease_ttl_s, verdict.delay_s)
+        _safe_release(ledger, work)
+        _retry_or_requeue(task, field, exc, countdown=0, queue=runtime.queue)
+    if verdict.unforeseen:
+        log.exception("%s failed unexpectedly", field)
+    _fail(runtime.redis, work, verdict.failed_reason, exc)
+    raise BatchFailed(verdict.message) from exc
 
 
 def _admit(
@@ -237,13 +226,8 @@ def _attempt(client: RedisCommands, work: WorkOrder) -> int:
         return 1
 
 
-def retry_backoff_s(attempts: int) -> float:
-    """How long a failed try waits before its retry is sent (a seam for tests)."""
-    return min(2.0**attempts, 60.0)
-
-
 def _back_off(
-    client: RedisCommands, work: WorkOrder, worker: str, lease_ttl_s: float, attempts: int
+    client: RedisCommands, work: WorkOrder, worker: str, lease_ttl_s: float, delay_s: float
 ) -> None:
     """Wait out the retry's backoff here, holding the lease, then send the retry due now.
 
@@ -252,7 +236,6 @@ def _back_off(
     broker's visibility timeout, hours later. Waiting here keeps the batch in the running hash
     under a live lease instead, so a death during the wait is reaped like any other.
     """
-    delay_s = retry_backoff_s(attempts)
     if delay_s <= 0:
         return
     try:
@@ -277,13 +260,13 @@ def _retry_or_requeue(
         raise Reject(f"{field}: retry not sent ({error}): requeued", requeue=True) from exc
 
 
-def _fail(client: RedisCommands, work: WorkOrder, exc: BaseException) -> None:
+def _fail(client: RedisCommands, work: WorkOrder, reason: str, exc: BaseException) -> None:
     """Park the batch in the failed set with its last error; `genfleet retry` re-enqueues.
 
     When that cannot be recorded the message goes back to the queue: acking it would lose the
     order with no trace in the failed set."""
     try:
-        Ledger(client).fail(work.run, work.batch, f"{type(exc).__name__}: {exc}")
+        Ledger(client).fail(work.run, work.batch, reason)
     except redis.RedisError as error:
         log.exception("could not record failed batch %s/%s: requeued", work.run, work.batch)
         raise Reject(f"failed set not written ({error}): requeued", requeue=True) from exc

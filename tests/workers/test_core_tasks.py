@@ -19,6 +19,7 @@ import pytest
 from celery.exceptions import Reject
 
 from genfleet.common import keys
+from genfleet.common.backoff import Backoff
 from genfleet.common.errors import EngineBusy, EngineConfigError, EngineDown, RequestFailed
 from genfleet.common.ledger import running_field
 from genfleet.common.records import (
@@ -86,7 +87,7 @@ def make_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Fake
         settings = Settings(batch_retries=batch_retries, lease_ttl_s=30, checkpoint_interval_s=60)
         fake = FakeRuntime(feeder=feeder, settings=settings)
         monkeypatch.setattr(runtime_module, "_current", fake)
-        monkeypatch.setattr(tasks_module, "retry_backoff_s", lambda attempts: 0.0)
+        monkeypatch.setattr(tasks_module, "BATCH_RETRY", Backoff(base_s=0.0))
         return fake
 
     yield make
