@@ -215,7 +215,6 @@ def execute(
     cancelled: Callable[[], bool] | None = None,
     lease_client: RedisCommands | None = None,
     output_tries: int = 5,
-    on_sent: Callable[[], None] | None = None,
 ) -> BatchSummary:
     """Run one work order to its output object. `cancelled()` is polled while it runs and
     stops it; `lease_client` (default `client`) keeps the lease alive from a heartbeat thread,
@@ -248,7 +247,6 @@ def execute(
             [r for _, r in todo],
             order.params,
             lambda j, rec: collector.add(todo[j][0], rec),
-            on_sent=on_sent,
         )
         try:
             next_part = _follow(

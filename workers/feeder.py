@@ -174,13 +174,17 @@ class Feeder:
         busy_timeout_s: float = 1800.0,
         identity: dict[str, Any] | None = None,
         backoff_s: Callable[[int], float] = retry_backoff_s,
+        on_batch_sent: Callable[[str, str], None] | None = None,
     ) -> None:
+        """`on_batch_sent(run, batch)` fires (on the feeder's loop) once every prompt of a
+        batch is in the engine: the worker hands that batch's slot to the next one."""
         self.max_inflight = max_inflight
         self.retries = retries
         self.engine_wait_s = engine_wait_s
         self.busy_timeout_s = busy_timeout_s
         self.identity = identity or {}
         self.backoff_s = backoff_s
+        self.on_batch_sent = on_batch_sent
         self.inflight = 0
         self.waiting = 0  # prompts submitted that do not hold a limiter slot yet
         self.tokens_total = 0
@@ -279,7 +283,13 @@ class Feeder:
             terminated = name in self._terminating
         unsent = [len(records)]  # this batch's share of self.waiting
         self.waiting += len(records)
-        sent: Callable[[], None] = on_sent or (lambda: None)
+
+        def sent() -> None:
+            if on_sent is not None:
+                on_sent()
+            if self.on_batch_sent is not None:
+                self.on_batch_sent(run, batch)
+
         try:
             if terminated:
                 raise asyncio.CancelledError

@@ -38,20 +38,20 @@ from genfleet.common.routing import order_queue
 from genfleet.common.store import Store
 from genfleet.workers.app import app, settings_of
 from genfleet.workers.batch import execute
+from genfleet.workers.context import BatchTask, TaskRuntime
 from genfleet.workers.lifecycle import Lease, gate, is_cancelled
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.observe.sampler import batch_share
 from genfleet.workers.outcome import Outcome, counts_a_try, outcome
 from genfleet.workers.pool import BatchRequest
-from genfleet.workers.runtime import current
 
 log = logging.getLogger("genfleet.tasks")
 
 
-@app.task(name=GENERATE_TASK, bind=True, Request=BatchRequest)  # type: ignore[untyped-decorator]
-def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
+@app.task(name=GENERATE_TASK, bind=True, base=BatchTask, Request=BatchRequest)  # type: ignore[untyped-decorator]
+def generate_batch(self: BatchTask, order: dict[str, Any]) -> dict[str, Any]:
     work = WorkOrder.model_validate(order)
-    runtime = current()
+    runtime = self.worker_runtime()
     settings = runtime.settings
     client = runtime.redis
     assert runtime.feeder is not None
@@ -64,7 +64,7 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     monitor = runtime.monitor
     if monitor is not None:
         monitor.batch_started(work.run)
-    slot, spend = _Slot(runtime), _Spend(runtime)
+    spend = _Spend(runtime)
     try:
         summary = execute(
             work,
@@ -77,14 +77,13 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
             gpus=settings.gpus,
             cancelled=lambda: is_cancelled(client, work.run),
             lease_client=runtime.lease_redis,
-            on_sent=slot.release,
         )
     except Exception as exc:
         attempts = _attempt(client, work) if counts_a_try(exc) else 0
         verdict = outcome(exc, field, attempts, settings.batch_retries, BATCH_RETRY)
         return _apply(self, runtime, work, worker, verdict, exc)
     finally:
-        slot.restore()
+        runtime.batch_ended(work.run, work.batch)
         if monitor is not None:
             monitor.batch_finished(work.run)
     _safe_release(ledger, work)
@@ -96,7 +95,7 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
 
 
 def _apply(
-    task: Task, runtime: Any, work: WorkOrder, worker: str, verdict: Outcome, exc: Exception
+    task: Task, runtime: TaskRuntime, work: WorkOrder, worker: str, verdict: Outcome, exc: Exception
 ) -> dict[str, Any]:
     """Do what `verdict` says with the failed try: the task's result (parked) or the error
     that tells Celery what follows (Reject: back to the queue; Retry; BatchFailed: acked,
@@ -132,7 +131,7 @@ def _apply(
 
 
 def _admit(
-    runtime: Any, work: WorkOrder, order: dict[str, Any], worker: str
+    runtime: TaskRuntime, work: WorkOrder, order: dict[str, Any], worker: str
 ) -> dict[str, Any] | None:
     """Claim the batch (its running entry), or say why it is not generated here (the task's
     result). A Redis failure here comes after the message was taken and before anything is
@@ -159,27 +158,13 @@ def _admit(
     return None
 
 
-class _Slot:
-    """The batch's slot: released (from the feeder's loop) once every prompt is in the
-    engine, so the worker takes its next batch; taken back when the batch ends."""
-
-    def __init__(self, runtime: Any) -> None:
-        self.runtime = runtime
-        self.released = False
-
-    def release(self) -> None:
-        self.released = bool(self.runtime.release_slot())
-
-    def restore(self) -> None:
-        if self.released:
-            self.runtime.restore_slot()
-
-
 class _Spend:
     """The batch's GPU energy and time: readings when it starts, its share when it ends."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: TaskRuntime) -> None:
+        assert runtime.feeder is not None
         self.runtime = runtime
+        self.feeder = runtime.feeder
         self.energy = self._energy()
         self.tokens = runtime.feeder.tokens_total
         self.started = time.monotonic()
@@ -194,7 +179,7 @@ class _Spend:
         energy, gpus = self._energy()
         summary.energy_j, summary.gpu_s = batch_share(
             (self.energy[0], energy),
-            self.runtime.feeder.tokens_total - self.tokens,
+            self.feeder.tokens_total - self.tokens,
             summary.generated_tokens,
             time.monotonic() - self.started,
             gpus or len((self.runtime.settings.gpus or "0").split(",")),
