@@ -245,13 +245,17 @@ class Feeder:
             for name, running in list(self._by_batch.items()):
                 if running is future:
                     del self._by_batch[name]
+                    # Here, not when the coroutine ends: `cancel_batch` may still see the
+                    # batch until now, and must not leave a mark for its next delivery.
+                    self._terminating.discard(name)
 
     def cancel_batch(self, run: str, batch: str) -> bool:
         """Stop one running batch because an operator terminated its task: its requests are
         cancelled and its future raises BatchTerminated (so the task parks it in the failed
         set instead of handing it back to the queue). False when it does not run here."""
         with self._batches_lock:
-            if (run, batch) not in self._by_batch:
+            future = self._by_batch.get((run, batch))
+            if future is None or future.done():
                 return False
             self._terminating.add((run, batch))
             task = self._tasks.get((run, batch))
@@ -309,8 +313,8 @@ class Feeder:
         finally:
             self.waiting -= unsent[0]  # prompts cancelled before they were ever sent
             with self._batches_lock:
-                self._tasks.pop(name, None)
-                self._terminating.discard(name)
+                if self._tasks.get(name) is task:
+                    del self._tasks[name]
 
     async def _one(
         self,
