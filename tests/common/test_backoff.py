@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import re
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +16,7 @@ from genfleet.common.backoff import (
     PROMPT_RETRY,
     Backoff,
 )
+from tests.conftest import ROOT
 
 
 @pytest.mark.parametrize(
@@ -36,3 +39,17 @@ def test_jitter_scales_within_its_band_and_a_huge_attempt_does_not_overflow() ->
     assert all(8.0 <= BUSY.delay_s(n) <= 12.0 for n in (6, 100, 5000))
     assert Backoff(base_s=1.0).delay_s(10_000) == 2.0**64 < math.inf
     assert Backoff(base_s=0.0).delay_s(3) == 0.0
+
+
+def test_no_module_computes_a_backoff_of_its_own() -> None:
+    """Every doubling wait goes through Backoff: `2 ** attempt` anywhere else is a second rule."""
+    doubling = re.compile(r"\b2(\.0)?\s*\*\*\s*\(?\s*(min\()?[A-Za-z_]")
+    hits = [
+        f"{path.relative_to(ROOT)}:{number}: {line.strip()}"
+        for top in ("common", "producer", "workers")
+        for path in sorted((ROOT / top).rglob("*.py"))
+        if path.relative_to(ROOT) != Path("common/backoff.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if doubling.search(line)
+    ]
+    assert hits == [], "use genfleet.common.backoff.Backoff:\n" + "\n".join(hits)
