@@ -16,7 +16,7 @@ from genfleet.common.backoff import (
     PROMPT_RETRY,
     Backoff,
 )
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 
 @pytest.mark.parametrize(
