@@ -25,8 +25,10 @@ The keys (names and reasons in common/keys.py) and who else may touch them — n
   `work_order_of` is the one parser of a kombu message on Redis.
 
 The run's live counters (`counters_key`, `throughput_key`) are written here too where they
-move with a batch's state (`done`, `progress`). An operation that writes several keys sends
-them in one MULTI/EXEC pipeline. Redis errors propagate: what a failure to record means is
+move with a batch's state (`done`, `progress`). `done`, `progress`, `fail`, `park`, `poison`,
+`clear_failed` and `drop_unacked` send their commands as one MULTI/EXEC pipeline; the others
+are one command, or (`set_queued`, `unlose`, `purge_unacked`) a few in a row. Redis errors
+propagate: what a failure to record means is
 the caller's decision (the task requeues its message, the reaper tries again at its next beat,
 the CLI says so), never this module's.
 
