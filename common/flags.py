@@ -123,6 +123,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "lease_ttl_s": (FEEDING, "a batch without lease for this long is re-enqueued"),
     "max_deliveries": (FEEDING, "a batch whose worker died this often is parked as poison"),
     "reaper_interval_s": (FEEDING, "how often expired leases are looked for"),
+    "reconcile_interval_s": (
+        FEEDING,
+        "how often the control worker repairs the progress copy status reads from the store",
+    ),
     "power_watch_interval_s": (WATCH, "how often the fleet is judged"),
     "power_window_s": (WATCH, "the window a verdict looks at"),
     "underuse_threshold": (WATCH, "share of the power limit below which a GPU is underused"),

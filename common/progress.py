@@ -14,7 +14,7 @@ Redis keeps a copy, written where the truth changes and repaired from the truth:
 - `reconcile`, given the store's listing, repairs the hash (missing batches added, batches
   without output removed, prompt counts from the manifest) and recomputes `prompts_done`
   from it atomically: run by `status --verify`, by a status that finds no copy, on resume, and
-  by the control worker's beat, never by a plain `status`.
+  by the control worker's beat (`common/reconcile.py`), never by a plain `status`.
 
 Between reconciles the copy can only lag the truth (a counter lost to a Redis failure after
 the output was written): it never counts a batch whose output does not exist.
@@ -22,7 +22,6 @@ the output was written): it never counts a batch whose output does not exist.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -32,12 +31,9 @@ import orjson
 import redis
 
 from genfleet.common import keys
-from genfleet.common.errors import GenfleetError
 from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import RedisPipeline, text
 from genfleet.common.store import Store
-
-log = logging.getLogger("genfleet.progress")
 
 PROMPTS_DONE = "prompts_done"  # the counters hash field (keys.counters_key)
 
@@ -115,7 +111,8 @@ class Repair:
     added: list[str] = field(default_factory=list)  # outputs the hash lacked
     removed: list[str] = field(default_factory=list)  # hash entries without an output
     recounted: list[str] = field(default_factory=list)  # entries with the wrong prompt count
-    unfailed: list[str] = field(default_factory=list)  # in the failed set, yet written
+    unfailed: list[str] = field(default_factory=list)  # in the failed set, yet written (the
+    # ledger's repair, `Ledger.unfail_done`, recorded here by the caller)
     prompts_done_was: int = 0
     prompts_done: int = 0
 
@@ -177,10 +174,6 @@ def reconcile(
             continue
         repair.removed.append(batch)
         pipe.hdel(done, batch)
-    for raw, _error in client.hscan_iter(keys.failed_key(run), count=_CHUNK):
-        if text(raw) in listed:  # failed by one copy, written by another: done
-            repair.unfailed.append(text(raw))
-            pipe.hdel(keys.failed_key(run), text(raw))
     pipe.execute()
     repair.prompts_done_was = int(client.hget(keys.counters_key(run), PROMPTS_DONE) or 0)
     repair.prompts_done = int(client.eval(_RESUM, 2, done, keys.counters_key(run), PROMPTS_DONE))
@@ -200,59 +193,32 @@ def listed_done(store: Store, run: str) -> set[str]:
     return {keys.batch_from_output_key(k) for k in store.list(keys.outputs_prefix(run))}
 
 
+@dataclass(frozen=True)
+class Verified:
+    """A copy repaired from the store: the copy, what changed, and the listing it came from
+    (for the ledger's own repair: a failed batch whose output exists is done)."""
+
+    snapshot: Snapshot
+    repair: Repair
+    listed: set[str]
+
+
 def verify(
     store: Store, client: redis.Redis, run: str, now: float | None = None
-) -> tuple[Snapshot, Repair] | None:
-    """List the run's outputs (the truth), repair Redis's copy from them and return it with
-    what was repaired; None when the run has no manifest. O(batches)."""
+) -> Verified | None:
+    """List the run's outputs (the truth) and repair Redis's copy from them; None when the
+    run has no manifest. O(batches)."""
     manifest = Manifest.load(store, run)
     if manifest is None:
         return None
+    listed = listed_done(store, run)
     repair = reconcile(
         client,
         manifest,
-        listed_done(store, run),
+        listed,
         now,
         still_absent=lambda batch: not store.exists(keys.output_key(run, batch)),
     )
     snap = snapshot(client, run)
     assert snap is not None  # written just above
-    return snap, repair
-
-
-@dataclass
-class Pass:
-    """What one reconcile pass did: the repairs that changed something, and the runs it took
-    out of the registry (`keys.runs_key`) because they are complete."""
-
-    repairs: list[Repair] = field(default_factory=list)
-    retired: list[str] = field(default_factory=list)
-    failed: list[str] = field(default_factory=list)  # runs that could not be read: next pass
-
-
-def reconcile_runs(store: Store, client: redis.Redis, now: float | None = None) -> Pass:
-    """One background pass (the control worker's beat) over the registry of runs.
-
-    A run whose copy is incomplete is reconciled from its listing (a running run costs one
-    listing per pass). A complete one (verified complete by an earlier pass, nothing queued,
-    not staging) leaves the registry, which the power-watch and `top` read every round: a
-    registry that only grew would cost them more each week. Enqueueing the run again (retry,
-    resume) puts it back; `genfleet runs` lists runs from the store, not from here."""
-    done = Pass()
-    for member in sorted(client.smembers(keys.runs_key())):
-        run = text(member)
-        snap = snapshot(client, run)
-        if snap is not None and snap.batches_done >= int(snap.summary["batches_total"]):
-            if not client.scard(keys.queued_key(run)) and not client.exists(keys.staging_key(run)):
-                client.srem(keys.runs_key(), run)
-                done.retired.append(run)
-            continue
-        try:
-            found = verify(store, client, run, now)
-        except (GenfleetError, ValueError) as exc:  # one run's bad manifest or store
-            log.warning("progress of %s not reconciled: %s", run, exc)
-            done.failed.append(run)
-            continue
-        if found is not None and found[1].changed:
-            done.repairs.append(found[1])
-    return done
+    return Verified(snap, repair, listed)

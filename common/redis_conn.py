@@ -1,16 +1,16 @@
 """The Redis seam: one connection helper that maps connection failures to a clear error, and
 the commands the worker's batch path uses, as a protocol.
 
-`RedisCommands` is what `workers.batch.execute`, the generate task and the lease reaper need
-from Redis. `redis.Redis` satisfies it; so does the in-memory fake the unit tests use, and one
-contract test (tests/common/test_redis_contract.py) runs against both, so the fake is trusted
-only as far as it behaves like the real server. A command the batch path starts using is added
-here, to the fake and to the contract test.
+`RedisCommands` is what the ledger (common/ledger.py), `workers.batch.execute`, the generate
+task and the lease reaper need from Redis. `redis.Redis` satisfies it; so does the in-memory
+fake the unit tests use, and one contract test (tests/common/test_redis_contract.py) runs
+against both, so the fake is trusted only as far as it behaves like the real server. A command the
+batch path starts using is added here, to the fake and to the contract test.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any, Protocol
 
 import redis
@@ -46,7 +46,8 @@ class RedisPipeline(Protocol):
 
 
 class RedisCommands(Protocol):
-    """The Redis commands of the batch path; replies are bytes, as from a default client."""
+    """The Redis commands of the batch path and the ledger; replies are bytes, as from a
+    default client."""
 
     def set(self, name: str, value: Value, /, *, px: int | None = None) -> Any: ...
 
@@ -67,6 +68,22 @@ class RedisCommands(Protocol):
     def hget(self, name: str, key: str, /) -> Any: ...
 
     def hgetall(self, name: str, /) -> Any: ...
+
+    def hkeys(self, name: str, /) -> Any: ...
+
+    def hlen(self, name: str, /) -> Any: ...
+
+    def hscan_iter(self, name: str, /, *, count: int | None = None) -> Iterator[Any]: ...
+
+    def sadd(self, name: str, /, *values: str) -> Any: ...
+
+    def srem(self, name: str, /, *values: str) -> Any: ...
+
+    def smembers(self, name: str, /) -> Any: ...
+
+    def scard(self, name: str, /) -> Any: ...
+
+    def zrem(self, name: str, /, *values: Value) -> Any: ...
 
     def pipeline(self) -> RedisPipeline: ...
 

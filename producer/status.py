@@ -8,9 +8,7 @@ counters and the throughput window come from Redis.
 
 from __future__ import annotations
 
-import itertools
 import time
-from collections.abc import Iterable
 from typing import Any
 
 import orjson
@@ -18,6 +16,7 @@ import redis
 
 from genfleet.common import keys, progress
 from genfleet.common.errors import InputError
+from genfleet.common.ledger import Ledger
 from genfleet.common.redis_conn import text
 from genfleet.common.store import Store
 from genfleet.common.throughput import run_tokens_per_s
@@ -82,13 +81,15 @@ def run_status(
     keys.validate_run(run)
     now = time.time() if now is None else now
     snap = None if verify else progress.snapshot(client, run)
+    ledger = Ledger(client)
     if snap is None:
         verified = progress.verify(store, client, run, now)
         if verified is None:
             raise InputError(f"no run {run!r} in {store.url} (no manifest): enqueue it first")
-        snap = verified[0]
+        ledger.unfail_done(run, verified.listed)
+        snap = verified.snapshot
     summary = snap.summary
-    failed, failed_n = _failed(client, run)
+    failed, failed_n = ledger.failed_sample(run, FAILED_SHOWN)
     finished = progress.done_among(client, run, failed)
     failed = {batch: error for batch, error in failed.items() if batch not in finished}
     failed_n -= len(finished)
@@ -156,18 +157,6 @@ def run_status(
 # A run's failed batches shown by `status`: their count is exact, their errors a sample, so
 # that a run with 4,000 failed batches answers as fast as one with four.
 FAILED_SHOWN = 100
-
-
-def _failed(client: redis.Redis, run: str) -> tuple[dict[str, str], int]:
-    """Up to FAILED_SHOWN failed batches with their errors, and how many there are."""
-    name = keys.failed_key(run)
-    count = int(client.hlen(name))
-    raw: Iterable[tuple[Any, Any]]
-    if count <= FAILED_SHOWN:
-        raw = client.hgetall(name).items()
-    else:
-        raw = itertools.islice(client.hscan_iter(name, count=FAILED_SHOWN), FAILED_SHOWN)
-    return {text(k): text(v) for k, v in raw}, count
 
 
 def read_findings(client: redis.Redis, run: str | None = None, count: int = 200) -> list[Any]:

@@ -26,8 +26,17 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import keys, progress, throughput
-from genfleet.common.errors import StoreError, StoreUnavailable
+from genfleet.common import keys
+from genfleet.common.backoff import BOOKKEEPING, OUTPUT_WRITE
+from genfleet.common.errors import (
+    BatchCancelled,
+    BatchInputMissing,
+    BatchInterrupted,
+    BatchTerminated,
+    StoreError,
+    StoreUnavailable,
+)
+from genfleet.common.ledger import Ledger, Tally
 from genfleet.common.records import (
     CompletionRecord,
     GenerationParams,
@@ -42,19 +51,6 @@ from genfleet.workers.feeder import Feeder
 from genfleet.workers.lifecycle import Lease
 
 log = logging.getLogger("genfleet.batch")
-
-
-class BatchInputMissing(StoreError):
-    """The staged input object is gone: retrying cannot help."""
-
-
-class BatchInterrupted(Exception):
-    """The worker is shutting down and cancelled the batch; what finished is checkpointed."""
-
-
-class BatchCancelled(Exception):
-    """The run was cancelled (`genfleet cancel`) while the batch ran; what finished is
-    checkpointed and the batch is parked."""
 
 
 @dataclass
@@ -186,6 +182,11 @@ def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 def _why(exc: BaseException, order: WorkOrder, finished: int, todo: int) -> BaseException:
     """The error a failed try reports: what the task can map to requeue, retry or failure."""
+    if isinstance(exc, BatchTerminated):
+        return BatchTerminated(
+            f"{order.run}/{order.batch} terminated by an operator (revoke) after {finished} of "
+            f"{todo} prompts (checkpointed)"
+        )
     if isinstance(exc, CancelledError):
         return BatchInterrupted(
             f"{order.run}/{order.batch} interrupted by shutdown after {finished} of {todo} "
@@ -235,7 +236,6 @@ def execute(
     cancelled: Callable[[], bool] | None = None,
     lease_client: RedisCommands | None = None,
     output_tries: int = 5,
-    on_sent: Callable[[], None] | None = None,
 ) -> BatchSummary:
     """Run one work order to its output object. `cancelled()` is polled while it runs and
     stops it; `lease_client` (default `client`) keeps the lease alive from a heartbeat thread,
@@ -269,7 +269,6 @@ def execute(
             [r for _, r in todo],
             params,
             lambda j, rec: collector.add(todo[j][0], rec),
-            on_sent=on_sent,
         )
         try:
             next_part = _follow(
@@ -391,7 +390,7 @@ def _with_retries(what: str, fn: Callable[..., Any], *args: Any, tries: int = 4)
             if attempt == tries:
                 raise
             log.warning("could not record %s (%s): retry %d", what, exc, attempt)
-            time.sleep(0.5 * 2**attempt)
+            time.sleep(BOOKKEEPING.delay_s(attempt))
 
 
 def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
@@ -407,7 +406,7 @@ def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
             if attempt == tries:
                 raise
             log.warning("output %s not written (%s): retry %d", key, exc, attempt)
-            time.sleep(min(2.0**attempt, 30.0))
+            time.sleep(OUTPUT_WRITE.delay_s(attempt))
     raise AssertionError("unreachable")
 
 
@@ -430,25 +429,13 @@ def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float
 def _mark_done(client: RedisCommands, order: WorkOrder) -> None:
     """The batch's output exists: no work order outstanding, not failed, done (another copy
     wrote it and counted its prompts; the store's listing repairs a count that was lost)."""
-    pipe = client.pipeline()
-    pipe.srem(keys.queued_key(order.run), order.batch)
-    pipe.hdel(keys.failed_key(order.run), order.batch)
-    progress.mark_seen(pipe, order.run, order.batch, order.prompts)
-    pipe.execute()
+    Ledger(client).done(order.run, order.batch, prompts=order.prompts)
 
 
 def _count(client: RedisCommands, order: WorkOrder, summary: BatchSummary) -> None:
     """Live counters, after the output is in the store (the store is the truth)."""
-    pipe = client.pipeline()
-    pipe.srem(keys.queued_key(order.run), order.batch)
-    pipe.hdel(keys.failed_key(order.run), order.batch)
-    counters = keys.counters_key(order.run)
-    pipe.hincrby(counters, "errors", summary.errors)
-    pipe.hincrby(counters, "completion_tokens", summary.completion_tokens)
-    pipe.hincrby(counters, "reasoning_tokens", summary.reasoning_tokens)
-    pipe.hset(counters, "last_done_at", time.time())
-    progress.mark_written(pipe, order.run, order.batch, summary.prompts)
-    pipe.execute()
+    tally = Tally(summary.errors, summary.completion_tokens, summary.reasoning_tokens, time.time())
+    Ledger(client).done(order.run, order.batch, tally, prompts=summary.prompts)
 
 
 def _progress(
@@ -461,8 +448,4 @@ def _progress(
     """
     if not prompts:
         return
-    pipe = client.pipeline()
-    pipe.hincrby(keys.counters_key(order.run), "prompts_generated", prompts)
-    pipe.hincrby(keys.counters_key(order.run), "tokens_generated", tokens)
-    throughput.add(pipe, order.run, worker, tokens, time.time())
-    pipe.execute()
+    Ledger(client).progress(order.run, order.batch, worker, prompts, tokens, time.time())

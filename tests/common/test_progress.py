@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from genfleet.common import keys, progress
+from genfleet.common import keys, progress, reconcile
 from genfleet.common.manifest import BatchEntry, Manifest
 from genfleet.common.records import GenerationParams
 from genfleet.common.store import FileStore, Store
@@ -109,7 +109,7 @@ def test_a_copy_wrong_on_purpose_is_repaired_by_the_reconcile_pass(
     wrong = run_status(store, redis_client, RUN)
     assert (wrong["batches_done"], wrong["prompts_done"]) == (3, sum(PROMPTS))  # capped 999
 
-    repairs = progress.reconcile_runs(store, redis_client).repairs
+    repairs = reconcile.reconcile_runs(store, redis_client).repairs
 
     assert [r.to_json() for r in repairs] == [
         {
@@ -125,7 +125,7 @@ def test_a_copy_wrong_on_purpose_is_repaired_by_the_reconcile_pass(
     report = run_status(store, redis_client, RUN)
     assert (report["batches_done"], report["prompts_done"], report["state"]) == (3, 30, "running")
     assert report["batches_failed"] == 0
-    assert progress.reconcile_runs(store, redis_client).repairs == []  # honest: no change
+    assert reconcile.reconcile_runs(store, redis_client).repairs == []  # honest: no change
 
 
 def test_status_verify_repairs_the_copy(redis_client: redis.Redis, tmp_path: Path) -> None:
@@ -203,8 +203,8 @@ def test_a_complete_run_leaves_the_registry_and_a_running_one_stays(
     redis_client.sadd(keys.runs_key(), RUN, "other")
     redis_client.sadd(keys.queued_key("other"), "batch-000000")
 
-    first = progress.reconcile_runs(store, redis_client)  # verifies RUN complete
-    second = progress.reconcile_runs(store, redis_client)
+    first = reconcile.reconcile_runs(store, redis_client)  # verifies RUN complete
+    second = reconcile.reconcile_runs(store, redis_client)
 
     assert first.retired == [] and second.retired == [RUN]
     assert redis_client.smembers(keys.runs_key()) == {b"other"}  # no manifest, still queued
@@ -219,7 +219,7 @@ def test_a_run_that_cannot_be_read_does_not_stop_the_pass(
     store.put(keys.manifest_key("broken"), b'{"run": "broken"}')  # not a manifest
     redis_client.sadd(keys.runs_key(), "broken", RUN)
 
-    done = progress.reconcile_runs(store, redis_client)
+    done = reconcile.reconcile_runs(store, redis_client)
 
     assert done.failed == ["broken"]
     assert [r.run for r in done.repairs] == [RUN]  # no copy yet: written from the listing

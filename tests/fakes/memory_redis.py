@@ -12,7 +12,7 @@ from __future__ import annotations
 import builtins
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import redis
@@ -218,6 +218,22 @@ class MemoryRedis:
     def _hgetall(self, name: Value) -> dict[bytes, bytes]:
         return dict(self._get(name, dict) or {})
 
+    def hkeys(self, name: Value) -> Any:
+        return self._run("hkeys", name)
+
+    def _hkeys(self, name: Value) -> list[bytes]:
+        return list(self._get(name, dict) or {})
+
+    def hlen(self, name: Value) -> Any:
+        return self._run("hlen", name)
+
+    def _hlen(self, name: Value) -> int:
+        return len(self._get(name, dict) or {})
+
+    def hscan_iter(self, name: Value, count: int | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """Every field once, as SCAN promises for a hash not changed meanwhile."""
+        yield from self._run("hgetall", name).items()
+
     # --- sets and sorted sets ---------------------------------------------------------------
 
     def sadd(self, name: Value, *values: Value) -> Any:
@@ -246,6 +262,12 @@ class MemoryRedis:
 
     def _smembers(self, name: Value) -> builtins.set[bytes]:
         return set(self._get(name, set) or set())
+
+    def scard(self, name: Value) -> Any:
+        return self._run("scard", name)
+
+    def _scard(self, name: Value) -> int:
+        return len(self._get(name, set) or ())
 
     def zadd(self, name: Value, mapping: Mapping[Any, float]) -> Any:
         return self._run("zadd", name, mapping)

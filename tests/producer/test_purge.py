@@ -15,12 +15,12 @@ import redis
 from pydantic import SecretStr
 
 from genfleet.common import keys
-from genfleet.common.celery_config import work_order_of
+from genfleet.common.ledger import work_order_of
 from genfleet.common.records import GenerationParams, WorkOrder
 from genfleet.common.settings import Settings
 from genfleet.producer.broker import make_client_app, purge_orders, send_orders
-from tests.conftest import free_port
 from tests.faults.services import RedisServer
+from tests.support import free_port
 
 pytestmark = pytest.mark.integration
 
