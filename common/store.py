@@ -120,11 +120,15 @@ class FileStore:
         if not directory.is_dir():
             return
         keys = []
+        root = str(self.root)
         for dirpath, _dirnames, filenames in os.walk(directory):
+            # String work, not a Path per file: a run's outputs are 100,000s of files.
+            folder = os.path.relpath(dirpath, root).replace(os.sep, "/")
+            head = "" if folder == "." else f"{folder}/"
             for name in filenames:
                 if name.startswith(".tmp-"):
                     continue
-                rel = Path(dirpath, name).relative_to(self.root).as_posix()
+                rel = head + name
                 if rel.startswith(prefix):
                     keys.append(rel)
         yield from sorted(keys)
