@@ -7,7 +7,7 @@ of its batches failed, the rest as work orders in the broker's queue, up to 1,00
 delivered (kombu's `unacked` hash, the running hash, a live lease each), and the progress
 keys workers write as outputs are confirmed (`common/progress.py`). Then each command runs in
 a fresh child process, which reports its own wall time (the best of three for a command that
-changes nothing) and peak RSS above the imports:
+changes nothing, of 100 for `status` and `runs`) and peak RSS above the imports:
 
     status, status --verify, runs, enqueue --resume, retry, cancel, delete, export --partial,
     the reaper pass, and the power-watch pass over 1,000 simulated workers' pushed summaries.
@@ -60,6 +60,8 @@ COMMANDS = (
     "delete",  # last: it removes the run
 )
 MUTATES = {"resume", "retry", "cancel", "reaper", "delete"}
+# Commands of a millisecond: the best of 100, or one scheduler hiccup decides their k.
+REPEAT = {"status": 100, "runs": 100}
 
 
 def settings_for(redis_url: str, store: str) -> Any:
@@ -299,7 +301,9 @@ def child(command: str, redis_url: str, store_url: str, out_dir: str) -> dict[st
     elapsed = math.inf
     # The shared machine's load only ever adds: the best of three of a command that changes
     # nothing (once for one that does).
-    for _ in range(1 if command in MUTATES or command == "export_partial" else 3):
+    for _ in range(
+        1 if command in MUTATES or command == "export_partial" else REPEAT.get(command, 3)
+    ):
         started = time.perf_counter()
         fn()
         elapsed = min(elapsed, time.perf_counter() - started)
@@ -427,8 +431,8 @@ def measure(n: int, redis_url: str, only: list[str]) -> dict[str, dict[str, Any]
 
 
 def growth(t_small: float, t_big: float, n_small: int, n_big: int) -> float:
-    """k of time ∝ batches^k between two sizes (floored at 1 ms: noise below that)."""
-    a, b = max(t_small, 1e-3), max(t_big, 1e-3)
+    """k of time ∝ batches^k between two sizes (floored at 0.1 ms: noise below that)."""
+    a, b = max(t_small, 1e-4), max(t_big, 1e-4)
     return math.log(b / a) / math.log(n_big / n_small)
 
 
@@ -467,7 +471,7 @@ def main() -> None:
     head = ["command", *[f"{n:,} batches" for n in sizes], f"RSS @{big:,}", "k"]
     print(" | ".join(head))
     for row in rows:
-        cells = [row["command"], *[f"{row[f'time_s_{n}']:.3f} s" for n in sizes]]
+        cells = [row["command"], *[f"{row[f'time_s_{n}']:.4f} s" for n in sizes]]
         cells += [f"{row[f'rss_mb_{big}']:.0f} MB", f"{row['k']}"]
         print(" | ".join(cells))
 
