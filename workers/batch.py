@@ -1,11 +1,12 @@
 """Running one work order: staged input in, one write-once output object out.
 
 The order of things is what makes "nothing lost, nothing doubled" hold:
+0. the batch's lease is taken first, before any store read (a heartbeat thread keeps it,
+   whatever this thread waits on): a slow store must not let the reaper take a live batch;
 1. the output exists → the batch is done (a duplicate delivery); skip;
 2. read the staged input and any checkpoint parts; only prompts without a result are sent;
-3. while prompts run: a heartbeat thread keeps the batch's lease (whatever this thread waits
-   on); finished completions are flushed as a part every checkpoint_interval_s, so a crash
-   loses at most that much work; a failed flush or progress report is tried again later;
+3. while prompts run, finished completions are flushed as a part every checkpoint_interval_s,
+   so a crash loses at most that much work; a failed flush or progress report is tried again;
 4. merge parts and new results in input order, `put_if_absent` the output — only then does
    the batch count as done (Redis counters follow the store, never lead it);
 5. delete the parts, best effort: once the output exists they are garbage.
@@ -223,25 +224,27 @@ def execute(
     started = time.monotonic()
     summary = BatchSummary(run=order.run, batch=order.batch, worker=worker, gpus=gpus)
     output_key = keys.output_key(order.run, order.batch)
-    if store.exists(output_key):
-        summary.skipped = True
-        _mark_done(client, order)
-        return summary
-    data = store.get(order.key)
-    if data is None:
-        raise BatchInputMissing(f"staged input {order.key} is missing from {store.url}")
-    records = [PromptRecord.from_json(row) for row in decode_jsonl_gz(data)]
-    summary.prompts = len(records)
-    previous, next_part = load_parts(store, order.run, order.batch)
-    todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
-    summary.resumed = len(records) - len(todo)
-
-    _telemetry(
-        "the start time", client.hsetnx, keys.counters_key(order.run), "started_at", time.time()
-    )
-    collector = _Collector()
     lease_key = keys.lease_key(order.run, order.batch)
+    # The lease from admission on, before the first store read: with a slow store the reads
+    # alone can outlast a lease, and a batch without one is reaped and run a second time.
     with Lease(lease_client or client, lease_key, worker, lease_ttl_s):
+        if store.exists(output_key):
+            summary.skipped = True
+            _mark_done(client, order)
+            return summary
+        data = store.get(order.key)
+        if data is None:
+            raise BatchInputMissing(f"staged input {order.key} is missing from {store.url}")
+        records = [PromptRecord.from_json(row) for row in decode_jsonl_gz(data)]
+        summary.prompts = len(records)
+        previous, next_part = load_parts(store, order.run, order.batch)
+        todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
+        summary.resumed = len(records) - len(todo)
+
+        _telemetry(
+            "the start time", client.hsetnx, keys.counters_key(order.run), "started_at", time.time()
+        )
+        collector = _Collector()
         future = feeder.run_batch(
             order.run,
             order.batch,
