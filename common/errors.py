@@ -12,6 +12,7 @@ GenfleetError
 │   ├── PreflightError     the checkpoint or command would not run (before any GPU time)
 │   ├── EngineStartError   it did not become ready; carries the last log lines
 │   ├── EngineDown         it died or stopped answering: retryable
+│   │   └── RequestTimedOut  one request outlived its deadline: that prompt's error record
 │   ├── EngineBusy         429 or "queue full": backpressure, wait and send again
 │   └── RestartBudgetExhausted  it kept dying: the worker stops taking work
 ├── RequestRejected        the engine refused one prompt (HTTP 400): an error record
@@ -73,6 +74,12 @@ class EngineStartError(EngineError):
 
 class EngineDown(EngineError):
     pass
+
+
+class RequestTimedOut(EngineDown):
+    """One request outlived its own deadline (`workers/deadline`, from its max_tokens) while
+    the engine answered connections: that prompt's failure, an error record, never its
+    batch's. An EngineDown for whoever does not tell them apart."""
 
 
 class EngineBusy(EngineError):

@@ -42,6 +42,7 @@ from genfleet.producer.enqueue import (
 from genfleet.producer.runs.identity import check_resumed
 from genfleet.producer.status import (
     energy_text,
+    engine_alarm_text,
     read_findings,
     run_status,
     stall_facts,
@@ -174,7 +175,9 @@ def status(
         if watch:
             stall_s = settings.engine_stall_timeout_s
             watch_run(objects, client, run, None, stall_s, settings.queue, check)
-        report = run_status(objects, client, run, gpu_hour_cost=settings.gpu_hour_cost)
+        report = run_status(
+            objects, client, run, gpu_hour_cost=settings.gpu_hour_cost, queue_prefix=settings.queue
+        )
         report["unconsumed"] = None
         if report["state"] in {"queued", "running"}:
             report["unconsumed"] = check(report)
@@ -187,6 +190,8 @@ def status(
     out.print(status_line(report), highlight=False)
     for batch, error in report["failed"].items():
         out.print(f"  failed {batch}: {escape(error)}", highlight=False)
+    for alarm in report["engine_alarms"]:
+        out.print(f"  engine {escape(engine_alarm_text(alarm, time.time()))}", highlight=False)
     if energy := energy_text(report):
         out.print(f"  energy: {energy}", highlight=False)
 

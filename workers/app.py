@@ -103,7 +103,16 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
             except Exception:  # noqa: BLE001 - broker may be gone too; the state says why
                 log.exception("could not stop consuming from %s", queue)
 
-        self.runtime = WorkerRuntime(settings, hostname, on_exhausted=exhausted)
+        def recovered() -> None:
+            log.warning("%s: engine back after its cool-down, consuming %s again", hostname, queue)
+            try:
+                parent.app.control.add_consumer(queue, destination=[hostname])
+            except Exception:  # noqa: BLE001 - broker may be gone; the next cool-down tries
+                log.exception("could not consume from %s again", queue)
+
+        self.runtime = WorkerRuntime(
+            settings, hostname, on_exhausted=exhausted, on_recovered=recovered
+        )
         self.runtime.celery_worker = parent
         try:
             self.runtime.start()

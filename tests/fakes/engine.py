@@ -55,7 +55,9 @@ class FakeChat:
         self.closed = False
         self._lock = threading.Lock()
 
-    async def chat(self, record: PromptRecord, params: GenerationParams) -> ChatResult:
+    async def chat(
+        self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
+    ) -> ChatResult:
         with self._lock:
             self.calls[record.id] += 1
             self.inflight += 1
@@ -91,6 +93,8 @@ class FakeEngine:
         self.state = "ready"
         self.down = down
         self.waits = 0
+        self.deaths = 0
+        self.last_error: str | None = None
 
     def wait_up(self, timeout_s: float) -> None:
         self.waits += 1

@@ -93,6 +93,8 @@ class ScriptedEngine:
 
 class AlwaysUp:
     state = "ready"
+    deaths = 0
+    last_error = None
 
     def wait_up(self, timeout_s: float) -> None:
         return None
