@@ -12,6 +12,7 @@ GenfleetError
 │   ├── PreflightError     the checkpoint or command would not run (before any GPU time)
 │   ├── EngineStartError   it did not become ready; carries the last log lines
 │   ├── EngineDown         it died or stopped answering: retryable
+│   │   ├── EngineUnreachable  a request could not even connect: it was never in flight
 │   │   └── RequestTimedOut  one request outlived its deadline: that prompt's error record
 │   ├── EngineBusy         429 or "queue full": backpressure, wait and send again
 │   └── RestartBudgetExhausted  it kept dying: the worker stops taking work
@@ -74,6 +75,11 @@ class EngineStartError(EngineError):
 
 class EngineDown(EngineError):
     pass
+
+
+class EngineUnreachable(EngineDown):
+    """A request could not connect to the engine (refused, connect timeout): the engine
+    never saw it, so whatever the engine died of, it was not this prompt."""
 
 
 class RequestTimedOut(EngineDown):

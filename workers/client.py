@@ -32,6 +32,7 @@ from genfleet.common.errors import (
     EngineBusy,
     EngineConfigError,
     EngineDown,
+    EngineUnreachable,
     RequestFailed,
     RequestRejected,
     RequestTimedOut,
@@ -241,8 +242,8 @@ class _AiohttpPost:
                     payload,
                     None if status == 200 else response.headers.get("Retry-After"),
                 )
-        except aiohttp.ConnectionTimeoutError as exc:
-            raise EngineDown(f"engine unreachable: connect timed out: {exc}") from exc
+        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
+            raise EngineUnreachable(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
         except TimeoutError as exc:
             raise RequestTimedOut(
                 f"request timed out after {timeout.total:.0f} s: {exc.__class__.__name__}"

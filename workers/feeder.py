@@ -47,6 +47,7 @@ from typing import Any, Protocol, TypeVar
 from genfleet.common.errors import (
     EngineBusy,
     EngineDown,
+    EngineUnreachable,
     RequestFailed,
     RequestRejected,
     RequestTimedOut,
@@ -61,7 +62,8 @@ T = TypeVar("T")
 
 class EngineHandle(Protocol):
     """The supervisor (or an external engine) as the feeder sees it: wait for it to be up;
-    `deaths` counts the exits a prompt in flight may have caused, `last_error` the latest."""
+    `deaths` counts the exits a prompt in flight may have caused, `last_error` the latest,
+    `alive()` whether its process runs (True when it cannot tell)."""
 
     @property
     def state(self) -> str: ...
@@ -71,6 +73,8 @@ class EngineHandle(Protocol):
 
     @property
     def last_error(self) -> str | None: ...
+
+    def alive(self) -> bool: ...
 
     def wait_up(self, timeout_s: float) -> None: ...
 
@@ -264,6 +268,7 @@ class _Tries:
     deaths: int = 0  # engine deaths while it was in flight
     first_death_s: float | None = None
     alone: bool = False  # its last send was alone among suspects
+    in_lane: bool = False  # it holds its lane slot until the engine it failed on is back
 
 
 class Feeder:
@@ -457,6 +462,8 @@ class Feeder:
                     unsent[0] -= 1
                     if unsent[0] == 0:
                         on_sent()
+                if not self._engine.alive():  # dead, its exit not seen yet: never sent
+                    raise EngineUnreachable("the engine process is not running")
                 self.inflight += 1
                 tries.sent_at = time.monotonic()
                 tries.deaths_at_send = self._engine.deaths
@@ -466,6 +473,14 @@ class Feeder:
                     self.inflight -= 1
             ok = True
             return result
+        except EngineDown as exc:
+            if suspect and not isinstance(exc, RequestTimedOut):
+                # Alone if no other suspect is in the engine as it fails. And it may be dying:
+                # no other suspect goes until `_down` has seen it back (else one sent into
+                # the dying engine would look as if it had been in flight at the death).
+                tries.alone = tries.alone or self._lane.held == 1
+                tries.in_lane, suspect = True, False
+            raise
         finally:
             if suspect:
                 self._lane.leave(ok)
@@ -519,19 +534,32 @@ class Feeder:
         """The engine went down: wait until it is back, count the death if the prompt was in
         flight at it, and blame the prompt (its error record) when the engine died again
         with it alone among suspects while other prompts succeeded."""
+        held, tries.in_lane = tries.in_lane, False
+        try:
+            return await self._down_counted(run, batch, record, exc, tries)
+        finally:
+            if held:
+                self._lane.leave(ok=False)
+
+    async def _down_counted(
+        self, run: str, batch: str, record: PromptRecord, exc: EngineDown, tries: _Tries
+    ) -> RequestFailed | None:
+        """`_down` with the lane slot, if any, still held."""
         tries.busy_since, tries.refusals = None, 0
         tries.attempt += 1
         if tries.attempt > self.retries:
             raise exc
         log.warning("%s/%s %s: %s; retry %d", run, batch, record.id, exc, tries.attempt)
         await asyncio.sleep(self.backoff_s(tries.attempt))
+        await self._settle(tries.deaths_at_send)
         await asyncio.to_thread(self._engine.wait_up, self.engine_wait_s)
-        if self._engine.deaths > tries.deaths_at_send:
+        reached = not isinstance(exc, EngineUnreachable)  # else never in flight
+        if reached and self._engine.deaths > tries.deaths_at_send:
             tries.deaths += 1
             self._lane.died()
             if tries.first_death_s is None:
                 tries.first_death_s = time.monotonic()
-            elif tries.alone and self.last_success_s > tries.first_death_s:
+            elif tries.alone and await self._serves_others(tries.first_death_s):
                 self.crashes_total += 1
                 log.error(
                     "%s/%s %s: the engine died %d times with it in flight: an error record, "
@@ -549,6 +577,16 @@ class Feeder:
                     "sent again",
                 )
         return None
+
+    async def _settle(self, deaths: int, within_s: float = 2.0) -> None:
+        """A connection failed while the engine still reads ready: give its supervisor a
+        moment to see the exit, so the death is counted before the prompt is sent again."""
+        deadline = time.monotonic() + within_s
+        engine = self._engine
+        while engine.state == "ready" and engine.deaths == deaths and not engine.alive():
+            if time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.1)
 
     def _deadline_s(self, record: PromptRecord, params: GenerationParams) -> float | None:
         """This request's deadline: its token budget at the engine's measured pace."""

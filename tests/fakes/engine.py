@@ -96,6 +96,9 @@ class FakeEngine:
         self.deaths = 0
         self.last_error: str | None = None
 
+    def alive(self) -> bool:
+        return True
+
     def wait_up(self, timeout_s: float) -> None:
         self.waits += 1
         if self.down is not None:

@@ -49,6 +49,9 @@ class ExternalEngine:
             return False
         return response.status_code == 200
 
+    def alive(self) -> bool:
+        return True  # not ours to watch: its failures are seen as connection errors
+
     def start(self, timeout_s: float = 60.0) -> dict[str, Any]:
         self.state = "starting"
         self.wait_up(timeout_s)

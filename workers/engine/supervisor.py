@@ -124,6 +124,11 @@ class EngineSupervisor:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    def alive(self) -> bool:
+        """Whether the engine process runs now (a dead one's exit may not be seen yet)."""
+        proc = self._proc
+        return proc is not None and proc.poll() is None
+
     def start(self) -> dict[str, Any]:
         """Spawn the engine and wait until it serves; returns its /server_info (or {})."""
         with self._lock:
@@ -333,6 +338,7 @@ class EngineSupervisor:
             if self._stopping.is_set():
                 return
             reason, self._kill_reason = self._kill_reason, None
+            self._set_state("restarting")  # callers wait from now on, and see the death counted
             line = self._record_death(proc)
             self.last_error = reason or f"engine exited with code {code}"
             if line and not reason:
