@@ -92,6 +92,8 @@ def engine_alarm_text(alarm: dict[str, Any], now: float) -> str:
         head = f"crash loop, the same error {crash.get('repeats')} times: {error}{fix}"
         if not fix:
             head += " — a restart will not fix it: read the engine log"
+    elif crash.get("flaky"):
+        head = f"flaky, a different error on each of its last deaths, the last: {error}{fix}"
     else:
         head = f"{error}{fix}"
     if alarm.get("exhausted"):

@@ -242,10 +242,7 @@ class WorkerRuntime:
         if alarm is not None:
             crash = alarm["crash"] or {}
             suggestion = (
-                crash_suggestion(crash)
-                if crash.get("loop")
-                else "the engine keeps dying: read its log; the worker takes work again after "
-                "its cool-down"
+                f"{crash_suggestion(crash)}; the worker takes work again after its cool-down"
             )
             self._finding("restart_budget_spent", alarm, suggestion, "underused")
         self._publish_alarm(alarm)

@@ -76,8 +76,9 @@ def crash_report(lines: Sequence[str | None], repeats: int = CRASH_LOOP_REPEATS)
     """What the engine's recent deaths say, oldest first (each its last error line, or None):
 
     `loop` when the last `repeats` deaths ended on the same error line (a crash loop: a
-    restart will not fix it), `error` the latest line, `repeats` how many deaths in a row
-    ended on it, `known`/`what`/`workaround` when it is a known engine crash.
+    restart will not fix it), `flaky` when the last two differ (a node, a driver, a prompt:
+    a restart may), `error` the latest line, `repeats` how many deaths in a row ended on it,
+    `known`/`what`/`workaround` when it is a known engine crash.
     """
     latest = lines[-1] if lines else None
     same = 0
@@ -90,6 +91,7 @@ def crash_report(lines: Sequence[str | None], repeats: int = CRASH_LOOP_REPEATS)
         "error": latest,
         "repeats": same,
         "loop": latest is not None and same >= repeats,
+        "flaky": len(lines) >= 2 and lines[-1] != lines[-2],
         "known": signature.name if signature else None,
         "what": signature.what if signature else None,
         "workaround": signature.workaround if signature else None,
@@ -105,6 +107,8 @@ def crash_suggestion(crash: dict[str, Any]) -> str:
             f"the engine dies the same way on every restart ({crash['repeats']} times): a "
             "restart will not fix it; read the engine log for the cause"
         )
+    if crash.get("flaky"):
+        return "flaky: a different error on each of its last deaths (a node, a driver, a prompt)"
     return "the engine died: read its log; a different error each time is a flaky node"
 
 

@@ -71,6 +71,7 @@ def test_crash_loop_is_the_same_error_on_consecutive_deaths(
 ) -> None:
     report = crash_report(deaths)
     assert (report["loop"], report["repeats"], report["known"]) == (loop, repeats, known)
+    assert report["flaky"] == (len(deaths) >= 2 and deaths[-1] != deaths[-2])
     assert report["error"] == deaths[-1]
 
 
@@ -79,6 +80,7 @@ def test_crash_suggestion_names_the_workaround_or_says_where_to_look() -> None:
     looping = crash_suggestion(crash_report(["KeyError: x"] * 3))
     assert "3 times" in looping and "will not fix" in looping
     assert "flaky" in crash_suggestion(crash_report(["KeyError: x"]))
+    assert crash_suggestion(crash_report(["KeyError: x", "OSError: y"])).startswith("flaky")
 
 
 @pytest.mark.parametrize(
