@@ -232,7 +232,11 @@ class WorkerRuntime:
         alarm = self.engine_alarm()
         crash = alarm["crash"] if alarm is not None else None
         if crash and crash["loop"] and crash["repeats"] == CRASH_LOOP_REPEATS:
-            self._finding("crash_loop", alarm or {}, crash_suggestion(crash), "underused")
+            suggestion = (
+                f"crash loop, the same error {crash['repeats']} times: {crash['error']} — "
+                f"{crash_suggestion(crash)}"
+            )
+            self._finding("crash_loop", alarm or {}, suggestion, "underused")
         self._publish_alarm(alarm)
 
     def _engine_exhausted(self, message: str) -> None:
@@ -242,7 +246,10 @@ class WorkerRuntime:
         if alarm is not None:
             crash = alarm["crash"] or {}
             suggestion = (
-                f"{crash_suggestion(crash)}; the worker takes work again after its cool-down"
+                f"restart budget spent ({alarm['restarts_in_window']} restarts in "
+                f"{alarm['restart_window_s']:.0f} s); last error: "
+                f"{crash.get('error') or alarm['last_error']} — {crash_suggestion(crash)}; "
+                f"the worker takes work again in {alarm['cooldown_left_s'] or 0:.0f} s"
             )
             self._finding("restart_budget_spent", alarm, suggestion, "underused")
         self._publish_alarm(alarm)

@@ -120,8 +120,11 @@ def test_an_engine_dying_the_same_way_each_restart_is_named_and_comes_back_after
     assert "restart budget spent" in line and "crash loop" in line
     assert CUDA_GRAPH_CRASH in line and "--disable-cuda-graph" in line
     # the findings: the worker's own, for `genfleet findings` and `status --watch`
-    causes = {f["cause"] for f in read_findings(redis_client) if f["worker"] == worker.hostname}
-    assert {"crash_loop", "restart_budget_spent"} <= causes
+    found = {f["cause"]: f for f in read_findings(redis_client) if f["worker"] == worker.hostname}
+    assert {"crash_loop", "restart_budget_spent"} <= set(found)
+    for cause in ("crash_loop", "restart_budget_spent"):
+        said = found[cause]["suggestion"]
+        assert CUDA_GRAPH_CRASH in said and "--disable-cuda-graph" in said, said
 
     # top (and the power-watch, same rules): the row's cause and why, with the workaround
     from genfleet.workers.observe.top import rows
