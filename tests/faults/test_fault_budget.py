@@ -15,7 +15,6 @@ from pydantic import SecretStr
 
 from genfleet.common.settings import Settings
 from genfleet.producer.status import read_findings, run_status
-from tests.conftest import Worker, base_env, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
     fault_settings,
@@ -23,6 +22,7 @@ from tests.faults.helpers import (
     stage,
     write_prompts,
 )
+from tests.support import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

@@ -35,6 +35,7 @@ from typing import Any, Literal
 import httpx
 import orjson
 
+from genfleet.common.backoff import Backoff
 from genfleet.common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
 from genfleet.workers.engine.crashes import (
     crash_report,
@@ -378,8 +379,11 @@ class EngineSupervisor:
             self._restart_times.append(now)
             self.restarts += 1
             self._set_state("restarting")
+            # Doubling with the restarts in the window, not over the worker's life.
             recent = self.budget(now)["restarts_in_window"]
-            backoff = self.restart_backoff_s * (2 ** min(recent - 1, 6))
+            backoff = Backoff(
+                base_s=self.restart_backoff_s, cap_s=self.restart_backoff_s * 64
+            ).delay_s(recent - 1)
             log.warning(
                 "restarting engine (%d of %d in %.0f s) in %.1f s",
                 recent,
