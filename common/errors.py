@@ -16,7 +16,7 @@ GenfleetError
 │   │   ├── EngineUnreachable  a request could not even connect: it was never in flight
 │   │   └── RequestTimedOut  one request outlived its deadline: that prompt's error record
 │   ├── EngineBusy         429 or "queue full": backpressure, wait and send again
-│   └── RestartBudgetExhausted  it kept dying: the worker stops taking work
+│   └── RestartBudgetExhausted  its restart budget (a rate) is spent: no work for a cool-down
 ├── RequestRejected        the engine refused one prompt (HTTP 400): an error record
 ├── RequestFailed          one try of one prompt failed (abort, 5xx): retried, then an error record
 └── BatchError             a batch stopped before its output (workers/outcome says what follows)

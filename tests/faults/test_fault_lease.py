@@ -70,12 +70,14 @@ def test_store_hanging_longer_than_the_lease_does_not_run_a_batch_twice(
     for worker in (control, *workers):
         worker.wait_ready()
     stage(settings, "hang", tmp_path / "prompts.jsonl")
-    running = wait_for(
-        lambda: held_leases(redis_client, "hang") - outputs(store, "hang"),
-        60,
-        "a batch to be running",
-        0.05,
-    )
+
+    def generating() -> set[str]:
+        """Batches past their store reads: leased (the lease comes first), no output, and a
+        checkpoint part written, so their only store calls left are puts."""
+        held = held_leases(redis_client, "hang") - outputs(store, "hang")
+        return {b for b in held if any(True for _ in store.list(keys.parts_prefix("hang", b)))}
+
+    running = wait_for(generating, 60, "a batch to be generating", 0.05)
 
     flaky_s3.proxy.hang()
     hung_at = time.monotonic()
