@@ -101,6 +101,7 @@ class EngineSupervisor:
         self.deaths = 0
         self.crash_lines: collections.deque[str | None] = collections.deque(maxlen=20)
         self.cooldown_until: float | None = None  # monotonic; while exhausted
+        self._last_death_s: float | None = None
         self._restart_times: collections.deque[float] = collections.deque(maxlen=1000)
         self.server_info: dict[str, Any] = {}
         self.last_error: str | None = None
@@ -159,8 +160,15 @@ class EngineSupervisor:
 
     @property
     def crash(self) -> dict[str, Any] | None:
-        """What the recent deaths say (`crashes.crash_report`); None before the first."""
-        return crash_report(list(self.crash_lines)) if self.crash_lines else None
+        """What the recent deaths say (`crashes.crash_report`): None before the first, and
+        once the last is older than the restart window (an engine serving for that long is
+        no longer in a crash loop)."""
+        last = self._last_death_s
+        if not self.crash_lines or last is None:
+            return None
+        if time.monotonic() - last >= self.restart_window_s:
+            return None
+        return crash_report(list(self.crash_lines))
 
     def budget(self, now: float | None = None) -> dict[str, Any]:
         """The restart budget now: restarts in the window, the rate, the cool-down left."""
@@ -361,6 +369,7 @@ class EngineSupervisor:
             if known_crash(line) is None:
                 self.deaths += 1
             self.crash_lines.append(line)
+            self._last_death_s = time.monotonic()
         return line
 
     def _restart(self) -> bool:
@@ -403,6 +412,7 @@ class EngineSupervisor:
                 if isinstance(exc, EngineStartError):
                     with self._lock:
                         self.crash_lines.append(last_error_line(exc.log_tail))
+                        self._last_death_s = time.monotonic()
                 log.error("engine restart failed: %s", self.last_error)
                 continue
             if exhausted and self.on_recovered:

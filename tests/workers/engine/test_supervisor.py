@@ -338,5 +338,8 @@ def test_restart_budget_counts_over_a_window_not_a_lifetime() -> None:
             wait_for(lambda p=pid: sup.pid != p and sup.state == "ready", 20, "a restart")
             assert sup.restarts == crash and not exhausted.is_set()
         assert sup.exits == 3 and sup.deaths == 3
+        assert sup.crash is not None  # the last death is recent
+        # serving for a whole window: no crash to report any more
+        wait_for(lambda: sup.crash is None, 10, "the last death to leave the window")
     finally:
         sup.stop()
