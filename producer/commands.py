@@ -38,6 +38,7 @@ from genfleet.producer.enqueue import (
     enqueue_run,
     generation_params,
     reader_options,
+    regenerate_advice,
 )
 from genfleet.producer.runs.identity import check_resumed
 from genfleet.producer.status import (
@@ -70,9 +71,13 @@ def enqueue(
     source: Annotated[str | None, typer.Argument(help="dataset file or directory")] = None,
     run: Run = "",
     fmt: Format = None,
-    messages_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
-    prompt_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
-    id_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
+    messages_col: Annotated[
+        str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
+    ] = None,
+    prompt_col: Annotated[
+        str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
+    ] = None,
+    id_col: Annotated[str | None, typer.Option(help="field or column (jsonl, parquet, hf)")] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="rebuild the queue of RUN from the store alone")
     ] = False,
@@ -149,6 +154,9 @@ def _print_enqueue(
     print_rejects(result.reject_samples)
     if result.rejects > len(result.reject_samples):
         console.print(f"  … all {result.rejects} rejects are in {result.run}/rejects.jsonl")
+    if result.ends_with_answer:
+        advice = regenerate_advice(result.ends_with_answer)
+        console.print(f"  [yellow]{escape(advice)}[/] (as a new run: --run NEW)", highlight=False)
 
 
 def status(

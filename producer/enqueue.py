@@ -25,6 +25,7 @@ from genfleet.common import keys
 from genfleet.common.errors import ConfigError, InputError, RunMismatch
 from genfleet.common.manifest import BatchEntry, Manifest
 from genfleet.common.readers import ReaderOptions, Reject, read_source
+from genfleet.common.readers.fields import REGENERATE_HINT
 from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, dumps_jsonl
 from genfleet.common.routing import ModelRef, model_ref, work_queue
 from genfleet.common.settings import Settings
@@ -55,6 +56,8 @@ class EnqueueResult:
     engine: str | None = None
     queue: str | None = None
     uncancelled: bool = False  # the run was cancelled; this enqueue resumed it
+    # lines refused because they end with an assistant answer (see --regenerate)
+    ends_with_answer: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +72,7 @@ class EnqueueResult:
             "rejects": self.rejects,
             "staged": self.staged,
             "uncancelled": self.uncancelled,
+            "ends_with_answer": self.ends_with_answer,
         }
 
 
@@ -84,6 +88,7 @@ def reader_options(
         messages_col=columns.get("messages_col"),
         prompt_col=columns.get("prompt_col"),
         id_col=columns.get("id_col"),
+        regenerate=settings.regenerate,
         s3_endpoint_url=settings.s3_endpoint_url,
         s3_region=settings.s3_region,
     )
@@ -196,6 +201,7 @@ def stage(
     result.batches_enqueued += _send(send, pending, outstanding)
     result.rejects = len(split.rejects)
     result.reject_samples = [str(reject) for reject in split.rejects[:20]]
+    result.ends_with_answer = sum(1 for r in split.rejects if r.reason == REGENERATE_HINT)
     if split.rejects:
         store.put(
             keys.rejects_key(run),
@@ -205,6 +211,11 @@ def stage(
         reason = f"{source}: no valid prompt"
         if split.rejects:
             reason += f" ({len(split.rejects)} rejected; first: {split.rejects[0]})"
+        if result.ends_with_answer:
+            reason += f"; {regenerate_advice(result.ends_with_answer)}"
+        # Nothing was staged: the claim binds no batch, so the same run may be staged again
+        # with other settings (typically --regenerate).
+        store.delete_prefix(keys.claim_key(run))
         raise InputError(reason)
     manifest = Manifest(
         run=run,
@@ -224,6 +235,15 @@ def stage(
     result.batches_total = len(entries)
     result.batches_done = len(done)
     return manifest, result
+
+
+def regenerate_advice(lines: int) -> str:
+    """What to do about lines refused for ending with an assistant answer."""
+    what = "line ends" if lines == 1 else "lines end"
+    return (
+        f"{lines:,} {what} with an assistant answer: to replace those answers (kept in each "
+        "record as `previous`), stage the data with --regenerate"
+    )
 
 
 def _interrupted(run: str, batch: str, url: str) -> str:
