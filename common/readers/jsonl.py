@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import gzip
 import io
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
@@ -40,18 +41,72 @@ from genfleet.common.readers.fields import (
 from genfleet.common.readers.s3source import SourcePath
 from genfleet.common.records import PromptRecord
 
+try:
+    from zstandard import ZstdError as _ZstdError
+except ImportError:  # pragma: no cover - a dependency of genfleet
+
+    class _ZstdError(Exception):  # type: ignore[no-redef]
+        """Stands in when zstandard is missing (reading a .zst then fails with a hint)."""
+
+
 # The names of JSON lines files in a folder source.
 PATTERNS = ("*.jsonl", "*.jsonl.gz", "*.jsonl.zst")
 
 
+class _ZstdStream(io.RawIOBase):
+    """A zstd file decompressed as it is read, every frame of it (the zstd CLI and pzstd
+    write several). A stream that ends inside a frame raises: a cut file must never read as
+    a shorter dataset (zstandard's own stream reader ends quietly there)."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, raw: IO[bytes], zstandard: Any) -> None:
+        self._raw, self._zstd = raw, zstandard
+        self._frame = zstandard.ZstdDecompressor().decompressobj()
+        self._fed = False  # the current frame has input
+        self._out = b""
+        self._pos = 0  # how much of _out was read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self._pos >= len(self._out):
+            chunk = self._raw.read(self.CHUNK)
+            if not chunk:
+                if self._fed and not self._frame.eof:
+                    raise self._zstd.ZstdError("the file ends inside a zstd frame (truncated)")
+                return 0
+            self._out, self._pos = self._feed(chunk), 0
+        size = min(len(buffer), len(self._out) - self._pos)
+        buffer[:size] = memoryview(self._out)[self._pos : self._pos + size]
+        self._pos += size
+        return size
+
+    def _feed(self, chunk: bytes) -> bytes:
+        out = b""
+        while chunk:
+            self._fed = True
+            out += self._frame.decompress(chunk)
+            if not self._frame.eof:
+                break
+            chunk = self._frame.unused_data  # the next frame starts here
+            self._frame = self._zstd.ZstdDecompressor().decompressobj()
+            self._fed = False
+        return out
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
 def _zstd_reader(raw: IO[bytes]) -> IO[bytes]:
-    """A zstd stream read as lines, every frame of it (zstd's CLI and pzstd write several)."""
+    """A zstd file read as lines."""
     try:
         import zstandard
     except ImportError as exc:  # pragma: no cover - a dependency of genfleet
         raise ConfigError(".jsonl.zst sources need zstandard: pip install zstandard") from exc
-    reader = zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
-    return io.BufferedReader(reader)
+    return io.BufferedReader(_ZstdStream(raw, zstandard), buffer_size=_ZstdStream.CHUNK)
 
 
 def _open(path: SourcePath) -> IO[bytes]:
@@ -126,31 +181,41 @@ def _read_file(path: SourcePath, base: str, options: ReaderOptions) -> Iterator[
         yield from _read_array(path, base, options)
         return
     name = str(path)
-    with _open(path) as handle:
-        for lineno, raw in _lines(handle, options.max_line_bytes):
-            if raw is None:
-                yield Reject(name, lineno, None, f"line over {options.max_line_bytes} bytes")
-                continue
-            if lineno == 1:
-                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield Reject(name, lineno, None, f"not UTF-8 (byte {exc.start})")
-                continue
-            try:
-                data = orjson.loads(text)
-            except orjson.JSONDecodeError as exc:
-                yield Reject(name, lineno, None, f"not JSON: {exc}")
-                continue
-            try:
-                record = parse_line(data, f"{base}:{lineno}", options.format, options)
-            except BadRecord as exc:
-                yield Reject(name, lineno, exc.field, str(exc))
-                continue
-            yield (name, lineno, record)
+    lineno = 0
+    try:
+        with _open(path) as handle:
+            for lineno, raw in _lines(handle, options.max_line_bytes):
+                item = _line_item(name, lineno, raw, base, options)
+                if item is not None:
+                    yield item
+    except (EOFError, OSError, zlib.error, _ZstdError) as exc:
+        # The rest of the file cannot be read: the lines before it stand, and this says so.
+        yield Reject(name, lineno + 1, None, f"compressed data is corrupt from here on: {exc}")
+
+
+def _line_item(
+    name: str, lineno: int, raw: bytes | None, base: str, options: ReaderOptions
+) -> Located | None:
+    """One line as a record or a reject; None for a blank line."""
+    if raw is None:
+        return Reject(name, lineno, None, f"line over {options.max_line_bytes} bytes")
+    if lineno == 1:
+        raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
+    if not raw.strip():
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Reject(name, lineno, None, f"not UTF-8 (byte {exc.start})")
+    try:
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        return Reject(name, lineno, None, f"not JSON: {exc}")
+    try:
+        record = parse_line(data, f"{base}:{lineno}", options.format, options)
+    except BadRecord as exc:
+        return Reject(name, lineno, exc.field, str(exc))
+    return (name, lineno, record)
 
 
 def parse_line(
