@@ -329,6 +329,9 @@ def export(
     shard_size: Annotated[
         int | None, typer.Option("--shard-size", help="N records per file: OUT-00000.jsonl, …")
     ] = None,
+    previous: Annotated[
+        bool, typer.Option("--previous/--no-previous", help="keep --regenerate's old answers")
+    ] = True,
     redis_url: RedisUrl = None,
     store: StoreUrl = None,
     s3_endpoint_url: S3Endpoint = None,
@@ -338,7 +341,7 @@ def export(
 
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
-        result = export_run(settings, run, out_path, fmt, partial, shard_size)
+        result = export_run(settings, run, out_path, fmt, partial, shard_size, previous)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     missing = len(result.missing_batches)
