@@ -101,3 +101,44 @@ def test_regenerate_end_to_end_through_the_cli(tmp_path: Path, redis_url: str) -
     assert previous["content_chars"]["previous"]["max"] < previous["content_chars"]["new"]["max"]
     table_text = genfleet(["report", "regen"], env).stdout
     assert "previous vs new" in table_text
+
+
+def test_enqueue_says_how_many_lines_end_with_an_answer_and_stages_the_rest(
+    tmp_path: Path, redis_url: str
+) -> None:
+    from tests.e2e.test_run_identity import enqueue
+
+    source = tmp_path / "mixed.jsonl"
+    rows = [
+        {"prompt": "fine"},
+        {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]},
+        {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]},
+    ]
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
+    env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": (tmp_path / "store").as_uri()}
+    result = enqueue(str(source), "--run", "mixed", env=env)
+    message = " ".join(result.output.split())
+    assert result.exit_code == 0, result.output
+    assert "staged 1 prompt" in message and "rejected 2 lines" in message
+    assert f"{source}:2 [messages[-1]]: ends with an assistant answer" in message
+    assert f"{source}:3 [conversations[-1]]: ends with an assistant answer" in message
+    assert "2 lines end with an assistant answer" in message and "--regenerate" in message
+    rejects = (tmp_path / "store/mixed/rejects.jsonl").read_bytes().splitlines()
+    assert [orjson.loads(r)["field"] for r in rejects] == ["messages[-1]", "conversations[-1]"]
+
+    as_json = enqueue(str(source), "--run", "mixed2", "--json", env=env)
+    assert orjson.loads(as_json.stdout)["ends_with_answer"] == 2
+
+
+def test_regenerate_is_part_of_the_run_identity(tmp_path: Path, redis_url: str) -> None:
+    from tests.e2e.test_run_identity import enqueue, write
+
+    source = write(tmp_path / "p.jsonl", ["a", "b"])  # nothing to replace: same prompts
+    env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": (tmp_path / "store").as_uri()}
+    assert enqueue(str(source), "--run", "r", "--regenerate", env=env).exit_code == 0
+    manifest = orjson.loads((tmp_path / "store/r/manifest.json").read_bytes())
+    assert manifest["staging"]["regenerate"] is True
+    refused = enqueue(str(source), "--run", "r", env=env)
+    assert refused.exit_code == 2, refused.output
+    assert "regenerate: the run has True" in " ".join(refused.output.split())
+    assert enqueue(str(source), "--run", "r", "--regenerate", env=env).exit_code == 0
