@@ -65,6 +65,9 @@ class BatchEntry(BaseModel):
     key: str  # the staged input object
     prompts: int
     expected_tokens: int = 0  # prompts x max_tokens: the work it may take
+    # --regenerate: the work its old answers' lengths hint at (None: no hints); the run's
+    # orders go out longest-hinted first
+    hinted_tokens: int | None = None
 
 
 class Manifest(BaseModel):

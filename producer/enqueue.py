@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import heapq
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +31,7 @@ from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, d
 from genfleet.common.routing import ModelRef, model_ref, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
-from genfleet.producer.batching import expected_tokens, make_batches
+from genfleet.producer.batching import expected_tokens, hinted_tokens, make_batches
 from genfleet.producer.runs.identity import (
     check_identity,
     check_resumed,
@@ -40,6 +41,10 @@ from genfleet.producer.runs.identity import (
 )
 
 Sender = Callable[[list[WorkOrder]], int]
+
+# With length hints, this many staged batches wait, so that the shortest-hinted go out last
+# (longest first in between): the run ends on short batches, not on one worker's long one.
+HELD_BATCHES = 64
 
 
 @dataclass
@@ -170,6 +175,7 @@ def stage(
     ref = model_ref(settings)
     entries: list[BatchEntry] = []
     pending: list[WorkOrder] = []
+    held = _Held()
     claim_run(store, run, params, ref, staging_params(settings))
     done = done_batches(store, run)  # a run staged before but never finished its manifest
     tail = settings.batch_tail
@@ -187,10 +193,23 @@ def stage(
             raise RunMismatch(_interrupted(run, batch, store.url))
         store.put(key, data)
         work = sum(expected_tokens(record, params.max_tokens) for record in records)
-        entries.append(BatchEntry(batch=batch, key=key, prompts=len(records), expected_tokens=work))
+        hinted = batch_hint(records, params.max_tokens)
+        entries.append(
+            BatchEntry(
+                batch=batch,
+                key=key,
+                prompts=len(records),
+                expected_tokens=work,
+                hinted_tokens=hinted,
+            )
+        )
         result.prompts += len(records)
         if batch not in done:
-            pending.append(_order(run, batch, key, len(records), params, ref))
+            order = _order(run, batch, key, len(records), params, ref)
+            if hinted is None:
+                pending.append(order)
+            else:
+                held.hold(order, hinted, pending)
         # Send in chunks that grow from one batch to 64 (the first batch goes out at once, so
         # GPUs start while staging goes on), and at least once a second: a slow source must
         # not hold back batches that are staged already while GPUs wait.
@@ -198,6 +217,7 @@ def stage(
         if len(pending) >= chunk or (pending and time.monotonic() - last_send >= 1.0):
             result.batches_enqueued += _send(send, pending, outstanding)
             last_send = time.monotonic()
+    held.release(pending)
     result.batches_enqueued += _send(send, pending, outstanding)
     result.rejects = len(split.rejects)
     result.reject_samples = [str(reject) for reject in split.rejects[:20]]
@@ -235,6 +255,31 @@ def stage(
     result.batches_total = len(entries)
     result.batches_done = len(done)
     return manifest, result
+
+
+def batch_hint(records: list[PromptRecord], max_tokens: int) -> int | None:
+    """The work a batch's old answers hint at; None when none of its prompts has one."""
+    hints = [hinted_tokens(record, max_tokens) for record in records]
+    if all(hint is None for hint in hints):
+        return None
+    return sum(hint or 0 for hint in hints)
+
+
+class _Held:
+    """Hinted batches waiting to be sent: the longest goes on as soon as more than
+    HELD_BATCHES wait; at the end of staging the rest go, longest first."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, WorkOrder]] = []  # (-hinted work, index, order)
+
+    def hold(self, order: WorkOrder, hinted: int, pending: list[WorkOrder]) -> None:
+        heapq.heappush(self._heap, (-hinted, keys.batch_index(order.batch), order))
+        if len(self._heap) > HELD_BATCHES:
+            pending.append(heapq.heappop(self._heap)[2])
+
+    def release(self, pending: list[WorkOrder]) -> None:
+        while self._heap:
+            pending.append(heapq.heappop(self._heap)[2])
 
 
 def regenerate_advice(lines: int) -> str:
@@ -301,10 +346,16 @@ def enqueue_missing(
     )
     ref = run_model(manifest)
     result.model, result.engine = ref.model, ref.engine
-    pending = [
-        _order(manifest.run, entry.batch, entry.key, entry.prompts, manifest.params, ref)
+    entries = [
+        entry
         for entry in manifest.batches
         if entry.batch not in done and (only is None or entry.batch in only)
+    ]
+    # Longest-hinted first, as staging sent them (stable: in batch order without hints).
+    entries.sort(key=lambda entry: -(entry.hinted_tokens or 0))
+    pending = [
+        _order(manifest.run, entry.batch, entry.key, entry.prompts, manifest.params, ref)
+        for entry in entries
     ]
     result.batches_enqueued = _send(send, pending, outstanding)
     return result
