@@ -42,8 +42,9 @@ from genfleet.producer.runs.identity import (
 
 Sender = Callable[[list[WorkOrder]], int]
 
-# With length hints, this many staged batches wait, so that the shortest-hinted go out last
-# (longest first in between): the run ends on short batches, not on one worker's long one.
+# With length hints, up to this many staged batches wait (half of those staged so far, so the
+# first goes out at once), so that the shortest-expected go out last (longest first in
+# between): the run ends on short batches, not on one worker's long one.
 HELD_BATCHES = 64
 
 
@@ -193,14 +194,14 @@ def stage(
             raise RunMismatch(_interrupted(run, batch, store.url))
         store.put(key, data)
         work = sum(expected_tokens(record, params.max_tokens) for record in records)
-        hinted = batch_hint(records, params.max_tokens)
+        hinted = longest_hint(records, params.max_tokens)
         entries.append(
             BatchEntry(
                 batch=batch,
                 key=key,
                 prompts=len(records),
                 expected_tokens=work,
-                hinted_tokens=hinted,
+                longest_hint_tokens=hinted,
             )
         )
         result.prompts += len(records)
@@ -257,24 +258,26 @@ def stage(
     return manifest, result
 
 
-def batch_hint(records: list[PromptRecord], max_tokens: int) -> int | None:
-    """The work a batch's old answers hint at; None when none of its prompts has one."""
-    hints = [hinted_tokens(record, max_tokens) for record in records]
-    if all(hint is None for hint in hints):
-        return None
-    return sum(hint or 0 for hint in hints)
+def longest_hint(records: list[PromptRecord], max_tokens: int) -> int | None:
+    """The longest answer a batch's old answers hint at: how long the batch is expected to
+    run, its prompts running side by side. None when none of its prompts has a hint."""
+    hints = [hint for r in records if (hint := hinted_tokens(r, max_tokens)) is not None]
+    return max(hints) if hints else None
 
 
 class _Held:
-    """Hinted batches waiting to be sent: the longest goes on as soon as more than
-    HELD_BATCHES wait; at the end of staging the rest go, longest first."""
+    """Hinted batches waiting to be sent: the longest-expected goes on as soon as more wait
+    than half the batches staged so far (at most HELD_BATCHES); at the end of staging the rest
+    go, longest first."""
 
     def __init__(self) -> None:
-        self._heap: list[tuple[int, int, WorkOrder]] = []  # (-hinted work, index, order)
+        self._heap: list[tuple[int, int, WorkOrder]] = []  # (-longest hint, index, order)
+        self._staged = 0
 
     def hold(self, order: WorkOrder, hinted: int, pending: list[WorkOrder]) -> None:
+        self._staged += 1
         heapq.heappush(self._heap, (-hinted, keys.batch_index(order.batch), order))
-        if len(self._heap) > HELD_BATCHES:
+        while len(self._heap) > min(HELD_BATCHES, self._staged // 2):
             pending.append(heapq.heappop(self._heap)[2])
 
     def release(self, pending: list[WorkOrder]) -> None:
@@ -352,7 +355,7 @@ def enqueue_missing(
         if entry.batch not in done and (only is None or entry.batch in only)
     ]
     # Longest-hinted first, as staging sent them (stable: in batch order without hints).
-    entries.sort(key=lambda entry: -(entry.hinted_tokens or 0))
+    entries.sort(key=lambda entry: -(entry.longest_hint_tokens or 0))
     pending = [
         _order(manifest.run, entry.batch, entry.key, entry.prompts, manifest.params, ref)
         for entry in entries

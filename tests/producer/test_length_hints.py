@@ -71,22 +71,25 @@ def test_the_longest_hinted_batches_go_out_first(tmp_path: Path) -> None:
     hints = [40, 400, 4, 4000, 400, 40]
     manifest, sent = stage(tmp_path, hints)
     assert manifest.batch_ids() == [f"batch-{i:06d}" for i in range(6)]  # ids: input order
-    assert [e.hinted_tokens for e in manifest.batches] == [h // 4 for h in hints]
+    assert [e.longest_hint_tokens for e in manifest.batches] == [h // 4 for h in hints]
+    # The first at once; then, holding half of those staged, the longest waiting goes on; at
+    # the end the held ones, longest first.
     assert [o.batch for o in sent] == [
-        "batch-000003", "batch-000001", "batch-000004", "batch-000000", "batch-000005",
+        "batch-000000", "batch-000001", "batch-000003", "batch-000004", "batch-000005",
         "batch-000002",
     ]  # fmt: skip
 
 
 def test_past_the_held_window_the_longest_waiting_goes_on(tmp_path: Path) -> None:
-    hints = [(i * 37) % 101 * 4 + 4 for i in range(enqueue.HELD_BATCHES + 30)]
+    hints = [(i * 37) % 101 * 4 + 4 for i in range(enqueue.HELD_BATCHES * 2 + 30)]
     manifest, sent = stage(tmp_path, hints)
-    work = {e.batch: e.hinted_tokens or 0 for e in manifest.batches}
+    work = {e.batch: e.longest_hint_tokens or 0 for e in manifest.batches}
     assert sorted(o.batch for o in sent) == manifest.batch_ids()  # every batch once
     tail = [work[o.batch] for o in sent[-enqueue.HELD_BATCHES :]]
     assert tail == sorted(tail, reverse=True)
-    first_seen = hints[: enqueue.HELD_BATCHES + 1]
-    assert work[sent[0].batch] == max(first_seen) // 4
+    assert sent[0].batch == "batch-000000"  # GPUs start while staging goes on
+    # what waited to the end is the short end of the run
+    assert max(tail) <= sorted(work.values())[len(work) // 2]
 
 
 def test_resume_sends_the_longest_hinted_first(tmp_path: Path) -> None:
@@ -100,3 +103,21 @@ def test_resume_sends_the_longest_hinted_first(tmp_path: Path) -> None:
 
     enqueue.enqueue_missing(store, manifest, send, set())
     assert [o.batch for o in resent] == ["batch-000001", "batch-000002", "batch-000000"]
+
+
+def test_a_batch_is_as_long_as_its_longest_hinted_answer(tmp_path: Path) -> None:
+    # four mid-length answers, then short ones and one very long one: the long one is cut
+    # into a batch of its own (hinted work), and goes first
+    settings = Settings(batch_size=4, regenerate=True, store=str(tmp_path / "unused"))
+    sent: list[WorkOrder] = []
+    source = write_source(tmp_path / "d.jsonl", [400, 400, 400, 400, 4, 4, 4, 2000])
+
+    def send(orders: list[WorkOrder]) -> int:
+        sent.extend(orders)
+        return len(orders)
+
+    options = ReaderOptions(regenerate=True)
+    manifest, _ = enqueue.stage(settings, MemoryStore(), "r", str(source), options, send, set())
+    assert [e.prompts for e in manifest.batches] == [4, 3, 1]
+    assert [e.longest_hint_tokens for e in manifest.batches] == [100, 1, 500]
+    assert [o.batch for o in sent] == ["batch-000000", "batch-000002", "batch-000001"]
