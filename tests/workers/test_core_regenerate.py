@@ -54,25 +54,3 @@ def test_old_answers_never_reach_the_engine_and_come_back_on_the_records() -> No
             assert "previous" not in row
         else:
             assert row["previous"] == {"content": old, "reasoning": "old thoughts"}
-
-
-def test_without_old_answers_a_batch_goes_out_in_input_order() -> None:
-    from genfleet.workers.batch import execute
-
-    store, db, chat = MemoryStore(), MemoryRedis(), FakeChat()
-    records = [
-        PromptRecord(id=f"p{i}", messages=[{"role": "user", "content": "q"}]) for i in range(5)
-    ]
-    key = keys.input_key(RUN, BATCH)
-    store.put(key, encode_jsonl_gz(r.to_json() for r in records))
-    order = WorkOrder(
-        run=RUN, batch=BATCH, key=key, params=PARAMS, model="emulator", engine="emulator"
-    )
-    feeder = Feeder(lambda: chat, FakeEngine(), 1, retries=0, backoff_s=lambda _: 0.0)
-    try:
-        execute(order, store=store, client=db, feeder=feeder, worker=WORKER, lease_ttl_s=30,
-                checkpoint_interval_s=60)  # fmt: skip
-    finally:
-        feeder.close()
-    assert [r.id for r in chat.sent] == [f"p{i}" for i in range(5)]
-    assert all("previous" not in row for row in output_rows(store))
