@@ -9,7 +9,7 @@ from genfleet.workers.feeder import Feeder
 from tests.fakes.engine import FakeChat, FakeEngine
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
-from tests.workers.test_core_batch import BATCH, PARAMS, RUN, WORKER, output_rows
+from tests.workers.test_core_batch import BATCH, PARAMS, RUN, output_rows, run
 
 # (id, old answer's content or None): hints of 3, 1, none, 250 and 25 tokens
 OLD = [("a", "x" * 12), ("b", "OK."), ("c", None), ("d", "y" * 1000), ("e", "z" * 100)]
@@ -32,15 +32,12 @@ def stage(store: MemoryStore) -> WorkOrder:
 
 
 def test_old_answers_never_reach_the_engine_and_come_back_on_the_records() -> None:
-    from genfleet.workers.batch import execute
-
     store, db, chat = MemoryStore(), MemoryRedis(), FakeChat()
     order = stage(store)
     # One request at a time, so the order the engine is asked in is the batch's send order.
     feeder = Feeder(lambda: chat, FakeEngine(), 1, retries=0, backoff_s=lambda _: 0.0)
     try:
-        execute(order, store=store, client=db, feeder=feeder, worker=WORKER, lease_ttl_s=30,
-                checkpoint_interval_s=60)  # fmt: skip
+        run(order, store, db, feeder)
     finally:
         feeder.close()
     assert [r.id for r in chat.sent] == ["d", "e", "a", "b", "c"]  # longest-expected first
