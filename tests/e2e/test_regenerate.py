@@ -11,8 +11,8 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import ROOT, base_env
 from tests.e2e.test_local_run import genfleet
+from tests.support import ROOT, base_env
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
