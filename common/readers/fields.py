@@ -130,7 +130,10 @@ def sharegpt_turns(value: Any, field: str) -> Any:
         if role is None:
             known = ", ".join(SPEAKERS)
             raise BadRecord(f"{field}[{i}].from", f"unknown speaker {speaker!r} (known: {known})")
-        messages.append({"role": role, "content": turn.get("value")})
+        text = turn.get("value")
+        if not isinstance(text, str) or (not text.strip() and role != "assistant"):
+            raise BadRecord(f"{field}[{i}].value", "is missing, empty or not a string")
+        messages.append({"role": role, "content": text})
     return messages
 
 

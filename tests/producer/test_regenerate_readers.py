@@ -45,6 +45,17 @@ def test_sharegpt_speakers_become_roles(tmp_path: Path, speaker: str, role: str)
     ]
 
 
+def test_a_turn_without_text_rejects_the_line_naming_its_value(tmp_path: Path) -> None:
+    bad = {"conversations": [{"from": "human", "value": None}]}
+    path = lines(tmp_path / "s.jsonl", [bad, sharegpt(("human", "  "))])
+    records, rejects = split(read_source(path))
+    assert records == []
+    assert [(r.line, r.field) for r in rejects] == [
+        (1, "conversations[0].value"),
+        (2, "conversations[0].value"),
+    ]
+
+
 @pytest.mark.parametrize("speaker", ["bing", "Human", "tool", None])
 def test_an_unknown_speaker_rejects_the_line_naming_turn_and_value(
     tmp_path: Path, speaker: str | None
