@@ -282,7 +282,7 @@ class WorkerRuntime:
             "run": None,
         }
         log.error(
-            "ENGINE %s on %s: %s — %s",
+            "%s on %s: %s — %s",
             cause.upper().replace("_", " "),
             self.hostname,
             suggestion,
