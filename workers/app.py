@@ -30,6 +30,10 @@ app = Celery("genfleet", include=["genfleet.workers.tasks"])
 
 SETTINGS_KEY = "genfleet_settings"
 _given: list[Settings] = []  # what configure() handed over, read once when the conf loads
+# Why this process's engine step could not start (preflight refused the checkpoint, the engine
+# never became ready): Celery logs it and returns an exit code that `worker_main` drops, so
+# `run_celery` reads it here to exit non-zero with the reason.
+startup_failures: list[str] = []
 
 
 def configure(settings: Settings) -> None:
@@ -107,7 +111,8 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
         self.runtime.celery_worker = parent
         try:
             self.runtime.start()
-        except Exception:
+        except Exception as exc:
+            startup_failures.append(f"{type(exc).__name__}: {exc}")
             self.runtime.stop()
             raise
 
