@@ -60,6 +60,30 @@ def watch_health(url: str, stop: threading.Event, seen: list[dict[str, Any]]) ->
         stop.wait(0.25)
 
 
+def hold_stream(
+    url: str, auth: dict[str, str], body: dict[str, Any], stop: threading.Event
+) -> None:
+    """Keep one streamed request open (reading it) until `stop` is set or it ends."""
+    try:
+        with httpx.stream(
+            "POST", f"{url}/v1/chat/completions", json=body, headers=auth, timeout=300
+        ) as r:
+            for _ in r.iter_bytes():
+                if stop.is_set():
+                    return
+    except httpx.HTTPError as exc:
+        print(f"a load stream ended: {exc!r}")
+
+
+def gauge(metrics: str, name: str) -> float:
+    """The sum of `sglang:<name>` over its label sets in a /metrics text (0 when absent)."""
+    total = 0.0
+    for line in metrics.splitlines():
+        if line.startswith((f"sglang:{name}{{", f"sglang:{name} ")):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 def chat_body(content: str = "Explain hash maps in 20 words.", **extra: Any) -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": content}], "max_tokens": 48, **extra}
 
@@ -127,21 +151,23 @@ def record(url: str, model: str, out: Path) -> None:
         errors[f"{name}_health"] = answer(httpx.get(f"{url}/health", headers=headers))
         errors[f"{name}_metrics"] = answer(httpx.get(f"{url}/metrics", headers=headers))
 
-    # A full queue: CAP running + QUEUE waiting long streams, then one more of each kind.
+    # A full queue: CAP running + QUEUE waiting long streams (each read in a thread of its
+    # own until told to stop), then one more request of each kind.
     long_stream = chat_body(stream=True, max_tokens=4000, ignore_eos=True)
-    busy: list[Any] = []
     health_under_load: list[Any] = []
-    load = httpx.Client(
-        base_url=url, headers=auth, timeout=300, limits=httpx.Limits(max_connections=64)
-    )
+    stop = threading.Event()
+    readers = [
+        threading.Thread(target=hold_stream, args=(url, auth, long_stream, stop), daemon=True)
+        for _ in range(CAP + QUEUE)
+    ]
     try:
-        for _ in range(CAP + QUEUE):
-            busy.append(load.stream("POST", "/v1/chat/completions", json=long_stream).__enter__())
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            info = c.get("/server_info").json()["internal_states"][0]
-            if info.get("num_running_reqs", CAP) >= CAP or "num_running_reqs" not in info:
-                break
+        for reader in readers:
+            reader.start()
+            time.sleep(0.3)  # in order: the first CAP run, the rest wait
+        deadline = time.monotonic() + 60
+        while (
+            time.monotonic() < deadline and gauge(c.get("/metrics").text, "num_queue_reqs") < QUEUE
+        ):
             time.sleep(0.2)
         metrics_busy = c.get("/metrics").text
         errors["queue_full"] = answer(
@@ -156,9 +182,9 @@ def record(url: str, model: str, out: Path) -> None:
             health_under_load.append([r.status_code, r.text])
         files["server_info_busy"] = c.get("/server_info").json()
     finally:
-        for s in busy:
-            s.close()
-        load.close()
+        stop.set()
+        for reader in readers:
+            reader.join(timeout=30)
     (out / "metrics_busy.prom").write_text(metrics_busy)
     time.sleep(2)
     (out / "metrics.prom").write_text(c.get("/metrics").text)

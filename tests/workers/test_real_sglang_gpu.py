@@ -24,6 +24,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -95,6 +96,13 @@ def engine_pids(worker: Worker) -> list[int]:
             if b"sglang" in Path(f"/proc/{pid}/cmdline").read_bytes() and pid_alive(pid):
                 found.append(pid)
     return found
+
+
+def queued(base_url: str) -> float:
+    """`sglang:num_queue_reqs` from the engine's /metrics (summed over its label sets)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    lines = [line for line in text.splitlines() if line.startswith("sglang:num_queue_reqs{")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
 
 
 @dataclass
@@ -210,18 +218,29 @@ def test_a_full_queue_answers_as_sglang_does(tmp_path: Path) -> None:
         "ignore_eos": True,
         "stream": True,
     }
-    streams: list[Any] = []
+    stop = threading.Event()
+
+    def hold() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            with httpx.stream("POST", f"{launch.base_url}/v1/chat/completions", json=body) as r:
+                for _ in r.iter_bytes():
+                    if stop.is_set():
+                        return
+
+    holders = [threading.Thread(target=hold, daemon=True) for _ in range(2)]
     try:
-        with httpx.Client(base_url=launch.base_url, timeout=60) as c:
-            for _ in range(2):  # one running, one queued
-                streams.append(c.stream("POST", "/v1/chat/completions", json=body).__enter__())
-                time.sleep(0.5)
-            r = c.post("/v1/chat/completions", json=body | {"stream": False})
-            assert r.status_code == 503, r.text
-            assert "queue" in r.json()["message"].lower()
+        for holder in holders:  # one running, one queued
+            holder.start()
+        wait_for(lambda: queued(launch.base_url) >= 1, 60, "one request queued", 0.2)
+        r = httpx.post(
+            f"{launch.base_url}/v1/chat/completions", json=body | {"stream": False}, timeout=60
+        )
+        assert r.status_code == 503, r.text
+        assert r.json()["message"] == "The request queue is full."
     finally:
-        for s in streams:
-            s.close()
+        stop.set()
+        for holder in holders:
+            holder.join(timeout=30)
         engine.stop()
 
 
