@@ -203,13 +203,14 @@ def main() -> None:
     parser.add_argument("--model", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--port", type=int, default=30400)
+    parser.add_argument("--engine", default="sglang", help="emulator: try the recorder here")
     parser.add_argument("--extra-args", default="--sampling-backend pytorch --grammar-backend none")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     settings = Settings(
         model=args.model,
-        engine="sglang",
+        engine=args.engine,
         attention_backend="triton",
         mem_fraction_static=0.6,
         max_running_requests=CAP,
