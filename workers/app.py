@@ -107,13 +107,14 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
             except Exception:  # noqa: BLE001 - broker may be gone too; the state says why
                 log.exception("could not stop consuming from %s", queue)
 
-        self.runtime = WorkerRuntime(settings, hostname, on_exhausted=exhausted)
-        self.runtime.celery_worker = parent
         try:
+            self.runtime = WorkerRuntime(settings, hostname, on_exhausted=exhausted)
+            self.runtime.celery_worker = parent
             self.runtime.start()
         except Exception as exc:
             startup_failures.append(f"{type(exc).__name__}: {exc}")
-            self.runtime.stop()
+            if self.runtime is not None:
+                self.runtime.stop()
             raise
 
     def stop(self, parent: Any) -> None:

@@ -132,7 +132,7 @@ step_tests() {
   say "tests: pytest -m gpu"
   mkdir -p /tmp/gpu-out
   (cd "$GF" && GENFLEET_GPU_OUT=/tmp/gpu-out timeout $(( $(left) - 15 )) python3 -m pytest -q -m gpu \
-    -p no:cacheprovider -o addopts="" -rA tests/workers/test_real_sglang_gpu.py ${TESTS_K:+-k "$TESTS_K"} \
+    -p no:cacheprovider -p no:unraisableexception -o addopts="" -rA tests/workers/test_real_sglang_gpu.py ${TESTS_K:+-k "$TESTS_K"} \
     --basetemp=/tmp/gpu-tests 2>&1 | tee "$OUT/gpu_tests.txt")
   cp /tmp/gpu-out/*.json "$OUT/" 2>/dev/null
   tar -C /tmp -czf "$OUT/gpu_logs.tar.gz" --exclude='*.safetensors' --exclude='store' gpu-tests 2>/dev/null

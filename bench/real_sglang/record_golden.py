@@ -44,6 +44,31 @@ def answer(response: httpx.Response) -> dict[str, Any]:
     }
 
 
+class Recorded(dict[str, Any]):
+    """Written to disk as each entry is set: a probe that fails later loses nothing before it.
+
+    Without `name` every entry is its own `<key>.json`; with it the whole dict is `<name>.json`.
+    """
+
+    def __init__(self, out: Path, name: str | None = None) -> None:
+        super().__init__()
+        self.out, self.name = out, name
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        super().__setitem__(key, value)
+        target, data = (key, value) if self.name is None else (self.name, dict(self))
+        text = json.dumps(data, indent=1, sort_keys=True, default=str) + "\n"
+        (self.out / f"{target}.json").write_text(text)
+
+
+def attempt(call: Any) -> dict[str, Any]:
+    """`answer(call())`, or what went wrong instead (a timeout is a finding too)."""
+    try:
+        return answer(call())
+    except httpx.HTTPError as exc:
+        return {"exception": f"{type(exc).__name__}: {exc}"}
+
+
 def watch_health(url: str, stop: threading.Event, seen: list[dict[str, Any]]) -> None:
     """Every change of /health (None: connection refused), with seconds since the start."""
     started = time.monotonic()
@@ -91,13 +116,13 @@ def chat_body(content: str = "Explain hash maps in 20 words.", **extra: Any) -> 
 def record(url: str, model: str, out: Path) -> None:
     auth = {"Authorization": f"Bearer {API_KEY}"}
     c = httpx.Client(base_url=url, headers=auth, timeout=120)
-    files: dict[str, Any] = {}
+    files = Recorded(out)
     files["server_info"] = c.get("/server_info").json()
     files["models"] = {
         "v1_models": answer(c.get("/v1/models")),
         "model_info": answer(c.get("/model_info")),
+        "v1_models_missing": answer(c.get("/v1/models/nope")),
     }
-    files["models"]["v1_models_missing"] = answer(c.get("/v1/models/nope"))
     files["chat"] = answer(c.post("/v1/chat/completions", json=chat_body(model=model)))
     files["chat_length"] = answer(
         c.post("/v1/chat/completions", json=chat_body(model=model, max_completion_tokens=3))
@@ -120,7 +145,7 @@ def record(url: str, model: str, out: Path) -> None:
     with c.stream("POST", "/generate", json=gen | {"stream": True}) as r:
         (out / "generate_stream.sse").write_text(r.read().decode())
 
-    errors: dict[str, Any] = {}
+    errors = Recorded(out, "errors")
     raw_json = {"Content-Type": "application/json", **auth}
     errors["bad_json"] = answer(
         c.post("/v1/chat/completions", content=b"{not json", headers=raw_json)
@@ -158,44 +183,41 @@ def record(url: str, model: str, out: Path) -> None:
     stop = threading.Event()
     readers = [
         threading.Thread(target=hold_stream, args=(url, auth, long_stream, stop), daemon=True)
-        for _ in range(CAP + QUEUE)
+        for _ in range(CAP + QUEUE + 2)
     ]
     try:
         for reader in readers:
             reader.start()
             time.sleep(0.3)  # in order: the first CAP run, the rest wait
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 20
         while (
             time.monotonic() < deadline and gauge(c.get("/metrics").text, "num_queue_reqs") < QUEUE
         ):
             time.sleep(0.2)
-        metrics_busy = c.get("/metrics").text
-        errors["queue_full"] = answer(
-            c.post("/v1/chat/completions", json=long_stream | {"stream": False})
-        )
-        errors["queue_full_stream"] = answer(c.post("/v1/chat/completions", json=long_stream))
-        errors["queue_full_generate"] = answer(
-            c.post("/generate", json={"text": "x", "sampling_params": {"max_new_tokens": 8}})
-        )
-        for _ in range(3):
-            r = httpx.get(f"{url}/health", timeout=30)
-            health_under_load.append([r.status_code, r.text])
+        (out / "metrics_busy.prom").write_text(c.get("/metrics").text)
         files["server_info_busy"] = c.get("/server_info").json()
+        quick = httpx.Client(base_url=url, headers=auth, timeout=20)
+        errors["queue_full"] = attempt(
+            lambda: quick.post("/v1/chat/completions", json=long_stream | {"stream": False})
+        )
+        errors["queue_full_stream"] = attempt(
+            lambda: quick.post("/v1/chat/completions", json=long_stream)
+        )
+        gen_body = {"text": "x", "sampling_params": {"max_new_tokens": 8}}
+        errors["queue_full_generate"] = attempt(lambda: quick.post("/generate", json=gen_body))
+        for _ in range(3):
+            health_under_load.append(attempt(lambda: quick.get("/health")))
+        files["health_under_load"] = health_under_load
     finally:
         stop.set()
         for reader in readers:
             reader.join(timeout=30)
-    (out / "metrics_busy.prom").write_text(metrics_busy)
     time.sleep(2)
     (out / "metrics.prom").write_text(c.get("/metrics").text)
-    files["health_under_load"] = health_under_load
     files["health_after"] = {
         "health": answer(httpx.get(f"{url}/health")),
         "health_generate": answer(httpx.get(f"{url}/health_generate", timeout=60)),
     }
-    files["errors"] = errors
-    for name, value in files.items():
-        (out / f"{name}.json").write_text(json.dumps(value, indent=1, sort_keys=True) + "\n")
 
 
 def main() -> None:

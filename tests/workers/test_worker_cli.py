@@ -223,6 +223,16 @@ def test_worker_refused_by_preflight_exits_non_zero_with_the_reason(
     assert not list((tmp_path / "logs").glob("engine-*.log"))  # no engine was started
 
 
+def test_worker_without_redis_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    env = base_env(dead, f"file://{tmp_path / 'store'}")
+    worker = subprocess.run(
+        ["genfleet", "worker"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
+    )
+    assert worker.returncode == 1
+    assert "BrokerUnavailable" in worker.stderr and dead in worker.stderr
+
+
 def test_flags_reach_the_engine_step_and_tasks_without_the_environment(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
