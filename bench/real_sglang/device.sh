@@ -27,6 +27,9 @@ GF=$(cd "$HERE/../.." && pwd)
 PAYLOAD=${PAYLOAD:-$(pwd)/.carry/sgl}
 OUT=${OUT:-/tmp/real-sglang-out}
 mkdir -p "$OUT"
+# `python3 -m` puts the working directory first on sys.path: run from this checkout, so the
+# genfleet that runs is the one carried here, not the one the call's working tree holds.
+cd "$GF" || exit 1
 exec > >(tee -a "$OUT/log.txt") 2>&1
 T0=$(date +%s)
 BUDGET_S=${BUDGET_S:-570}
