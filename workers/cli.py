@@ -139,6 +139,9 @@ def control(settings: Settings, hostname: Hostname = None) -> None:
     """Start the one control worker: beat (power-watch, lease reaper) with no engine."""
     settings = settings.model_copy(update={"role": "control"})
     schedule = Path(settings.log_dir or tempfile.gettempdir()) / "genfleet-beat-schedule"
+    # Beat cannot open its schedule in a folder that does not exist yet (a fresh --log-dir the
+    # GPU workers would create later): it logs the error and no power-watch ever runs.
+    schedule.parent.mkdir(parents=True, exist_ok=True)
     args = ["--beat", "--schedule", str(schedule), "--queues", "control", "--concurrency", "2"]
     run_celery(settings, args, hostname or f"control@{socket.gethostname()}")
 

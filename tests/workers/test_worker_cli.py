@@ -233,6 +233,16 @@ def test_worker_without_redis_exits_non_zero_with_the_reason(tmp_path: Path) -> 
     assert "BrokerUnavailable" in worker.stderr and dead in worker.stderr
 
 
+def test_control_beat_runs_with_a_log_dir_not_made_yet(
+    tmp_path: Path, redis_url: str, start_worker: Callable[..., Worker]
+) -> None:
+    logs = tmp_path / "not-yet" / "logs"
+    env = base_env(redis_url, f"file://{tmp_path / 'store'}", log_dir=logs)
+    control = start_worker(env, role="control")
+    wait_for(lambda: any(logs.glob("genfleet-beat-schedule*")), 60, "beat's schedule file", 0.2)
+    assert control.proc.poll() is None
+
+
 def test_flags_reach_the_engine_step_and_tasks_without_the_environment(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
