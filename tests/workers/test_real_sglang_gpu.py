@@ -39,7 +39,6 @@ from genfleet.common.settings import Settings
 from genfleet.producer.status import read_findings, run_status
 from genfleet.workers.engine.kinds import engine_launch
 from genfleet.workers.engine.supervisor import EngineSupervisor
-from tests.conftest import ROOT, Worker, base_env, free_port, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
     child_pids,
@@ -50,6 +49,7 @@ from tests.faults.helpers import (
     write_prompts,
 )
 from tests.faults.services import RedisServer
+from tests.support import ROOT, Worker, base_env, free_port, wait_for
 
 MODELS = Path(os.environ.get("GENFLEET_GPU_MODELS", "/tmp/m"))
 Q35, Q35_NOMTP, DENSE = MODELS / "q35", MODELS / "q35_nomtp", MODELS / "dense"

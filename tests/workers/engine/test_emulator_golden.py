@@ -19,7 +19,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import Emulator, StartEmulator
+
+from tests.support import Emulator, StartEmulator
 
 pytestmark = pytest.mark.integration
 
