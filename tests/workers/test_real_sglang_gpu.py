@@ -137,7 +137,6 @@ class Stack:
 def worker_stack(tmp: Path, model: Path, hostname: str, port: int, **extra: str) -> Iterator[Stack]:
     server = RedisServer(tmp, free_port(), "gpu-tests")
     server.start()
-    (tmp / "logs").mkdir(exist_ok=True)  # the control worker's beat schedule lives there
     store = f"file://{tmp / 'store'}"
     env = base_env(server.url, store, log_dir=tmp / "logs")
     env["PYTHONPATH"] = os.environ.get("PYTHONPATH", str(ROOT))
