@@ -16,8 +16,9 @@
 #   golden   record_golden.py against q35 -> $OUT/golden.tar.gz (tests/golden/sglang-0.5.15)
 #   crash    crash_probe.py: CUDA-graph variants under genfleet's load -> $OUT/crash.tar.gz
 #   tests    python3 -m pytest -q -m gpu tests/workers/test_real_sglang_gpu.py -> $OUT/gpu_tests.txt
-#   bench    genfleet vs a saturating direct client on one engine, then `genfleet tune`
-#            (BENCH_MODELS, default "q35 dense") -> $OUT/bench.tar.gz
+#   bench    per model (BENCH_MODELS, default "q35 dense"): one engine with genfleet's argv, a
+#            saturating direct client, then genfleet's worker + control on the same engine
+#            (enqueue, wait, export, findings); then `genfleet tune` -> $OUT/bench.tar.gz
 #   harvest  the JIT caches -> $OUT/jitcache.tar.xz (carry it back to save ~40 s a start)
 # Env: BUDGET_S (570), OUT, PAYLOAD, BENCH_PROMPTS (2000), BENCH_MAX_TOKENS (128),
 #      TUNE_CONCURRENCY (16,64,256), TUNE_DURATION_S (10), CRASH_VARIANTS, CRASH_LOAD_S (30).
@@ -183,6 +184,8 @@ PY
   setsid python3 -m genfleet.workers worker --engine external --engine-url "http://127.0.0.1:$port" \
     --model "$model" --hostname "bench-$name@h200" >"$work/logs/worker.txt" 2>&1 &
   local wpg=$!; PGIDS+=("$wpg")
+  setsid python3 -m genfleet.workers control --hostname "control-$name@h200" >"$work/logs/control.txt" 2>&1 &
+  local cpg=$!; PGIDS+=("$cpg")
   for _ in $(seq 120); do grep -q "feeding http" "$work/logs/worker.txt" && break; sleep 0.5; done
   local t_enq; t_enq=$(python3 -c 'import time; print(time.time())')
   genfleet enqueue "$work/prompts.jsonl" --run "bench-$name" --model "$model" >/dev/null || return 1
@@ -194,6 +197,8 @@ PY
   done
   local t_done; t_done=$(python3 -c 'import time; print(time.time())')
   genfleet status "bench-$name" --json >"$work/genfleet_status.json" 2>/dev/null
+  genfleet export "bench-$name" --out "$work/outputs.jsonl" && wc -l "$work/outputs.jsonl"
+  genfleet findings --json >"$work/findings.json" 2>/dev/null
   python3 - "$work" "$t_enq" "$t_done" "$state" <<'PY'
 import json, sys
 work, t_enq, t_done, state = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
@@ -208,7 +213,7 @@ ratio = g["tokens_per_s"] / direct["tokens_per_s"] if direct["tokens_per_s"] els
 json.dump({"direct": direct, "genfleet": g, "genfleet_vs_direct": ratio}, open(f"{work}/vs.json", "w"), indent=1)
 print("direct", direct, "\ngenfleet", g, "\ngenfleet_vs_direct", round(ratio or 0, 3))
 PY
-  kill -TERM -- "-$wpg" 2>/dev/null; sleep 3; kill -KILL -- "-$wpg" 2>/dev/null
+  kill -TERM -- "-$wpg" "-$cpg" 2>/dev/null; sleep 3; kill -KILL -- "-$wpg" "-$cpg" 2>/dev/null
   redis-cli -p $rport shutdown nosave >/dev/null 2>&1
   kill -TERM -- "-$pgid" 2>/dev/null
   for _ in $(seq 30); do kill -0 -- "-$pgid" 2>/dev/null || break; sleep 0.5; done
