@@ -48,9 +48,10 @@ KNOWN_CRASHES: tuple[CrashSignature, ...] = (
         ),
         what="SGLang crashes once the running batch reaches its largest captured CUDA graph "
         "(EAGLE verify buffers, hybrid model)",
-        workaround="--disable-cuda-graph avoids it (--engine-extra-args --disable-cuda-graph), "
-        "or keep the running batch below the largest captured graph (--cuda-graph-max-bs "
-        "above --max-running-requests)",
+        workaround="--disable-cuda-graph avoids it (--engine-extra-args --disable-cuda-graph; "
+        "genfleet's argv adds it on that configuration unless a --cuda-graph-* flag is "
+        "given), or, untested, keep the running batch below the largest captured graph "
+        "(--cuda-graph-max-bs above --max-running-requests)",
     ),
 )
 
