@@ -161,9 +161,10 @@ def cancelled_key(run: str) -> str:
 
 
 def deleted_key(run: str) -> str:
-    """Tombstone left by `genfleet delete` (value: when), so that a stray work order of the
-    deleted run (enqueued before that time) is dropped even if a run of the same name is
-    staged again. TTL: the visibility timeout, after which no such order can come back."""
+    """Tombstone left by `genfleet delete` (value: the staging id it deleted), so that a stray
+    work order of that staging is dropped even if a run of the same name is staged again (no
+    time in it: comparing it with an order's would compare two hosts' clocks). TTL: the
+    visibility timeout, after which no such order can come back."""
     return f"{PREFIX}:deleted:{run}"
 
 

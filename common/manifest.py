@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict
 
-from genfleet.common.keys import manifest_key
+from genfleet.common.keys import claim_key, manifest_key
 from genfleet.common.records import GenerationParams
 from genfleet.common.store import Store
 
@@ -65,6 +65,7 @@ class BatchEntry(BaseModel):
     key: str  # the staged input object
     prompts: int
     expected_tokens: int = 0  # prompts x max_tokens: the work it may take
+    sha256: str = ""  # `batch_digest` of the staged lines; "" in runs of an older genfleet
 
 
 class Manifest(BaseModel):
@@ -82,6 +83,7 @@ class Manifest(BaseModel):
     model: str | None = None
     engine: str | None = None
     staging: dict[str, Any] = {}  # batch_size, batch_max_tokens: how batches were cut
+    staging_id: str = ""  # the claim's: every work order of this staging carries it
     prompts_total: int
     rejects: int
     batches: list[BatchEntry]
@@ -120,3 +122,18 @@ class Manifest(BaseModel):
             "batches_total": len(self.batches),
             "rejects": self.rejects,
         }
+
+
+def current_staging(store: Store, run: str) -> str | None:
+    """The staging id of `run`'s claim (`RUN/claim.json`), read from the store: the one
+    staging whose work orders may still write into the run. None when the run has no claim
+    (deleted, or never staged); "" for a claim of an older genfleet, which has none.
+
+    A worker reads it when a batch starts and before each write, so an order of a staging
+    that was superseded (the run deleted, maybe staged anew under the same name) never
+    writes into the run that replaced it. No clock is compared: ids are random.
+    """
+    raw = store.get(claim_key(run))
+    if raw is None:
+        return None
+    return str(orjson.loads(raw).get("staging_id") or "")

@@ -25,7 +25,14 @@ from genfleet.common import keys
 from genfleet.common.errors import ConfigError, InputError, RunMismatch
 from genfleet.common.manifest import BatchEntry, Manifest
 from genfleet.common.readers import ReaderOptions, Reject, read_source
-from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, dumps_jsonl
+from genfleet.common.records import (
+    GenerationParams,
+    PromptRecord,
+    WorkOrder,
+    batch_digest,
+    dumps_jsonl,
+    line_digests,
+)
 from genfleet.common.routing import ModelRef, model_ref, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
@@ -34,6 +41,7 @@ from genfleet.producer.runs.identity import (
     check_identity,
     check_resumed,
     claim_run,
+    fingerprint_source,
     run_model,
     staging_params,
 )
@@ -157,7 +165,13 @@ def stage(
     send: Sender,
     outstanding: set[str],
 ) -> tuple[Manifest, EnqueueResult]:
-    """Read `source`, stage its batches, send their orders, write rejects and the manifest."""
+    """Read `source`, stage its batches, send their orders, write rejects and the manifest.
+
+    The source is read twice: once for its fingerprint, which the claim records before any
+    batch is staged (an interrupted staging is finished only with the same data), then to
+    stage it; a source that changed between the two is refused before the manifest is
+    written, so the run never says it holds prompts it does not.
+    """
     result = EnqueueResult(run=run, staged=True)
     split = _Split(read_source(source, options))
     digest = hashlib.sha256()
@@ -165,7 +179,10 @@ def stage(
     ref = model_ref(settings)
     entries: list[BatchEntry] = []
     pending: list[WorkOrder] = []
-    claim_run(store, run, params, ref, staging_params(settings))
+    fingerprint = fingerprint_source(source, options)
+    staging_id = claim_run(
+        store, run, params, ref, staging_params(settings), fingerprint, str(source)
+    )
     done = done_batches(store, run)  # a run staged before but never finished its manifest
     tail = settings.batch_tail
     batches = make_batches(
@@ -177,15 +194,22 @@ def stage(
         key = keys.input_key(run, batch)
         raw = dumps_jsonl(record.to_json() for record in records)
         digest.update(raw)
+        sha256 = batch_digest(line_digests(raw))
         data = gzip.compress(raw, compresslevel=6, mtime=0)
         if batch in done and store.get(key) != data:
             raise RunMismatch(_interrupted(run, batch, store.url))
         store.put(key, data)
         work = sum(expected_tokens(record, params.max_tokens) for record in records)
-        entries.append(BatchEntry(batch=batch, key=key, prompts=len(records), expected_tokens=work))
+        entries.append(
+            BatchEntry(
+                batch=batch, key=key, prompts=len(records), expected_tokens=work, sha256=sha256
+            )
+        )
         result.prompts += len(records)
         if batch not in done:
-            pending.append(_order(run, batch, key, len(records), params, ref))
+            pending.append(
+                _order(run, batch, len(records), params, ref, sha256=sha256, staging=staging_id)
+            )
         # Send in chunks that grow from one batch to 64 (the first batch goes out at once, so
         # GPUs start while staging goes on), and at least once a second: a slow source must
         # not hold back batches that are staged already while GPUs wait.
@@ -206,6 +230,12 @@ def stage(
         if split.rejects:
             reason += f" ({len(split.rejects)} rejected; first: {split.rejects[0]})"
         raise InputError(reason)
+    if digest.hexdigest() != fingerprint:
+        raise InputError(
+            f"{source} changed while it was staged (fingerprint {fingerprint[:12]} when the "
+            f"run was claimed, {digest.hexdigest()[:12]} as staged): no manifest written; "
+            f"`genfleet delete {run}` and stage it again once it no longer changes"
+        )
     manifest = Manifest(
         run=run,
         source=str(source),
@@ -216,6 +246,7 @@ def stage(
         model=ref.model,
         engine=ref.engine,
         staging=staging_params(settings),
+        staging_id=staging_id,
         prompts_total=result.prompts,
         rejects=result.rejects,
         batches=entries,
@@ -234,12 +265,20 @@ def _interrupted(run: str, batch: str, url: str) -> str:
 
 
 def _order(
-    run: str, batch: str, key: str, prompts: int, params: GenerationParams, ref: ModelRef
+    run: str,
+    batch: str,
+    prompts: int,
+    params: GenerationParams,
+    ref: ModelRef,
+    *,
+    sha256: str,
+    staging: str,
 ) -> WorkOrder:
     return WorkOrder(
         run=run,
         batch=batch,
-        key=key,
+        input_sha256=sha256,
+        staging=staging,
         params=params,
         model=ref.model,
         engine=ref.engine,
@@ -282,7 +321,15 @@ def enqueue_missing(
     ref = run_model(manifest)
     result.model, result.engine = ref.model, ref.engine
     pending = [
-        _order(manifest.run, entry.batch, entry.key, entry.prompts, manifest.params, ref)
+        _order(
+            manifest.run,
+            entry.batch,
+            entry.prompts,
+            manifest.params,
+            ref,
+            sha256=entry.sha256,
+            staging=manifest.staging_id,
+        )
         for entry in manifest.batches
         if entry.batch not in done and (only is None or entry.batch in only)
     ]

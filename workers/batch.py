@@ -28,7 +28,6 @@ from genfleet.common import keys
 from genfleet.common.errors import StoreError, StoreUnavailable
 from genfleet.common.records import (
     CompletionRecord,
-    PromptRecord,
     WorkOrder,
     decode_jsonl_gz,
     encode_jsonl_gz,
@@ -38,6 +37,12 @@ from genfleet.common.store import Store
 from genfleet.common.throughput import member
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.lifecycle import Lease
+from genfleet.workers.provenance import (
+    BatchSuperseded,
+    ensure_current,
+    kept_parts,
+    read_staged,
+)
 
 log = logging.getLogger("genfleet.batch")
 
@@ -197,8 +202,9 @@ def _save_finished(store: Store, order: WorkOrder, part: int, rows: list[Complet
     if not rows:
         return
     try:
+        ensure_current(store, order)
         write_part(store, order.run, order.batch, part, rows)
-    except StoreError as exc:
+    except (StoreError, BatchSuperseded) as exc:
         log.warning("could not checkpoint %s/%s: %s", order.run, order.batch, exc)
 
 
@@ -230,9 +236,12 @@ def execute(
     data = store.get(order.key)
     if data is None:
         raise BatchInputMissing(f"staged input {order.key} is missing from {store.url}")
-    records = [PromptRecord.from_json(row) for row in decode_jsonl_gz(data)]
+    ensure_current(store, order)
+    staged = read_staged(order, data)
+    records = staged.records
     summary.prompts = len(records)
-    previous, next_part = load_parts(store, order.run, order.batch)
+    checkpointed, next_part = load_parts(store, order.run, order.batch)
+    previous = kept_parts(staged, checkpointed)
     todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
     summary.resumed = len(records) - len(todo)
 
@@ -247,7 +256,7 @@ def execute(
             order.batch,
             [r for _, r in todo],
             order.params,
-            lambda j, rec: collector.add(todo[j][0], rec),
+            lambda j, rec: collector.add(todo[j][0], _staged_as(rec, staged.digests[todo[j][0]])),
             on_sent=on_sent,
         )
         try:
@@ -281,7 +290,10 @@ def execute(
         summary.generated_tokens = sum(
             r.usage.completion_tokens for r in collector.results.values()
         )
+        ensure_current(store, order)
         wrote = _put_output(store, output_key, encode_jsonl_gz(rows_out), output_tries)
+        if wrote:
+            _unless_superseded(store, order, output_key)
         summary.duplicate = not wrote
         _summarise(summary, rows_out, started)
         _report(client, order, worker, collector)
@@ -331,6 +343,7 @@ def _follow(
             rows = collector.take_unflushed()
             if rows:
                 try:
+                    ensure_current(store, order)
                     next_part = write_part(store, order.run, order.batch, next_part, rows)
                 except StoreError as exc:
                     collector.give_back_rows(rows)
@@ -341,6 +354,22 @@ def _follow(
                         exc,
                     )
             last_flush = time.monotonic()
+
+
+def _staged_as(record: CompletionRecord, digest: str) -> CompletionRecord:
+    """The record names the staged prompt it answers (checked on resume and export)."""
+    record.prompt_sha256 = digest
+    return record
+
+
+def _unless_superseded(store: Store, order: WorkOrder, output_key: str) -> None:
+    """The output was written: if the run's staging changed while it was (a deletion and a
+    new staging within that put), take it back, so the new run never holds this answer."""
+    try:
+        ensure_current(store, order)
+    except BatchSuperseded:
+        store.delete_prefix(output_key)
+        raise
 
 
 def _report(client: RedisCommands, order: WorkOrder, worker: str, collector: _Collector) -> None:

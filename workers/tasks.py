@@ -51,6 +51,7 @@ from genfleet.workers.lifecycle import Lease, gate, is_cancelled, park
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.observe.sampler import batch_share
 from genfleet.workers.pool import BatchRequest
+from genfleet.workers.provenance import BatchInputMismatch, BatchSuperseded
 from genfleet.workers.runtime import current
 
 log = logging.getLogger("genfleet.tasks")
@@ -102,9 +103,16 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
         _safe_hdel(client, field)
         parked = {"run": work.run, "batch": work.batch, "cancelled": True}
         return {"summary": not_generated_headline(parked), **parked}
-    except BatchInputMissing as exc:
+    except (BatchInputMissing, BatchInputMismatch) as exc:
         _fail(client, work, exc)
         raise BatchFailed(str(exc)) from exc
+    except BatchSuperseded as exc:
+        # Not this run's order any more: its batch's state (queued, failed) belongs to the
+        # staging that replaced it, so only this delivery's running entry goes.
+        log.error("%s", exc)
+        _safe_hdel(client, field)
+        dropped = {"run": work.run, "batch": work.batch, "drop": True, "superseded": True}
+        return {"summary": not_generated_headline(dropped), **dropped}
     except EngineConfigError as exc:
         # Every prompt would get the same answer: spend no try, hand the order back for a
         # worker that is configured right, and stop this one taking more.

@@ -451,6 +451,15 @@ def test_n_becomes_samples_each_with_its_own_seed(tmp_path: Path) -> None:
     assert all(r.params is None for r in records[3:])
 
 
+def test_samples_of_a_seeded_body_each_get_their_own_seed(tmp_path: Path) -> None:
+    path = lines(tmp_path / "b.jsonl", [openai_line("r1", seed=5), openai_line("r2", n=2, seed=9)])
+    records, rejects = split(read_source(path, ReaderOptions(samples=3)))
+    assert rejects == []
+    seeds = [(r.id, r.sample, (r.params or {})["seed"]) for r in records]
+    assert seeds[:3] == [("r1", 0, 5), ("r1", 1, 6), ("r1", 2, 7)]  # not three equal answers
+    assert [seed for _, _, seed in seeds[3:]] == [9, 10, 11, 12, 13, 14]
+
+
 @pytest.mark.parametrize(
     ("body", "field", "reason"),
     [

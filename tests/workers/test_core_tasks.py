@@ -27,7 +27,9 @@ from genfleet.common.records import (
     decode_jsonl_gz,
     encode_jsonl_gz,
 )
+from genfleet.common.routing import ModelRef
 from genfleet.common.settings import Settings
+from genfleet.producer.runs.identity import claim_run
 from genfleet.workers import runtime as runtime_module
 from genfleet.workers import tasks as tasks_module
 from genfleet.workers.batch import BatchSummary
@@ -374,3 +376,55 @@ def test_backpressure_and_a_failing_prompt_never_fail_the_batch(
     # p3 failed right after p2 succeeded: p2 sent again (the canary) said the engine serves
     assert chat.calls["p2"] == 2
     assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": False}
+
+
+def test_an_order_naming_another_runs_input_is_refused_not_generated(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    chat = FakeChat()
+    runtime = make_runtime(chat)
+    order = stage(runtime, 3)
+    # Run "b"'s prompts, and an order of run "r" that names them (anyone who can send a task
+    # can write one): r's output must never be built from b's prompts.
+    foreign = keys.input_key("b", BATCH)
+    runtime.store.put(foreign, runtime.store.get(keys.input_key(RUN, BATCH)) or b"")
+    runtime.store.delete_prefix(keys.input_key(RUN, BATCH))
+
+    with pytest.raises(ValueError, match="is not the staged input"):
+        generate_batch({**order, "key": foreign})
+    assert sum(chat.calls.values()) == 0
+    assert not runtime.store.exists(keys.output_key(RUN, BATCH))
+    assert WorkOrder.model_validate({**order, "key": ""}).key == keys.input_key(RUN, BATCH)
+
+
+def test_an_order_of_a_deleted_staging_is_dropped_whatever_the_clocks_say(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    chat = FakeChat()
+    runtime = make_runtime(chat)
+    # The producer's clock runs an hour ahead of the host that deleted the run.
+    order = {**stage(runtime, 3), "enqueued_at": 1_700_003_600.0, "staging": "s-old"}
+    runtime.redis.set(keys.deleted_key(RUN), b"s-old")
+
+    assert generate_batch(order)["drop"] is True
+    assert sum(chat.calls.values()) == 0
+    assert not runtime.store.exists(keys.output_key(RUN, BATCH))
+
+
+def test_an_order_of_a_superseded_staging_is_dropped_and_leaves_the_new_ones_state(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    chat = FakeChat()
+    runtime = make_runtime(chat)
+    order = {**stage(runtime, 3), "staging": "s-old"}
+    staging = claim_run(
+        runtime.store, RUN, PARAMS, ModelRef("emulator", "emulator"), {}, "f", "src"
+    )
+    assert staging != "s-old"  # the run was staged anew: its own order is the queued one
+
+    result = generate_batch(order)
+
+    assert result["superseded"] is True
+    assert sum(chat.calls.values()) == 0
+    assert not runtime.store.exists(keys.output_key(RUN, BATCH))
+    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": True}

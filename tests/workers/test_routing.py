@@ -14,32 +14,40 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.broker import orders_in_broker
 from genfleet.producer.enqueue import enqueue_run, reader_options
-from genfleet.workers.lifecycle import decide
+from genfleet.workers.lifecycle import decide, deleted_staging
 from tests.conftest import Worker, base_env, wait_for
 from tests.faults.helpers import assert_exactly_once, wait_run_done, write_prompts
 
 
 @pytest.mark.parametrize(
-    ("my_queue", "its_queue", "enqueued_at", "deleted_at", "cancelled", "verdict"),
+    ("my_queue", "its_queue", "deleted", "cancelled", "verdict"),
     [
-        ("gpu.emulator", "gpu.emulator", 10.0, None, False, "generate"),
-        ("gpu.emulator", "gpu.q", 10.0, None, False, "hand_back"),
-        ("gpu.emulator", "gpu.q", 10.0, 20.0, True, "hand_back"),  # its own workers decide
-        ("gpu.q", "gpu.q", 10.0, 20.0, False, "drop"),  # enqueued before the run was deleted
-        ("gpu.q", "gpu.q", 30.0, 20.0, False, "generate"),  # a new run of the same name
-        ("gpu.q", "gpu.q", 30.0, 20.0, True, "park"),
-        ("gpu.q", "gpu.q", 30.0, None, True, "park"),
+        ("gpu.emulator", "gpu.emulator", False, False, "generate"),
+        ("gpu.emulator", "gpu.q", False, False, "hand_back"),
+        ("gpu.emulator", "gpu.q", True, True, "hand_back"),  # its own workers decide
+        ("gpu.q", "gpu.q", True, False, "drop"),  # an order of the deleted staging
+        ("gpu.q", "gpu.q", True, True, "drop"),
+        ("gpu.q", "gpu.q", False, True, "park"),
     ],
 )
 def test_decide(
-    my_queue: str,
-    its_queue: str,
-    enqueued_at: float,
-    deleted_at: float | None,
-    cancelled: bool,
-    verdict: str,
+    my_queue: str, its_queue: str, deleted: bool, cancelled: bool, verdict: str
 ) -> None:
-    assert decide(my_queue, its_queue, enqueued_at, deleted_at, cancelled) == verdict
+    assert decide(my_queue, its_queue, deleted, cancelled) == verdict
+
+
+@pytest.mark.parametrize(
+    ("tombstone", "staging", "deleted"),
+    [
+        (None, "s1", False),
+        (b"s1", "s1", True),  # the deleted staging's order
+        (b"s1", "s2", False),  # a new run of the same name: whatever the clocks say
+        (b"", "", True),  # an older order names no staging: dropped while the tombstone lives
+        (b"s1", "", True),
+    ],
+)
+def test_deleted_staging(tombstone: bytes | None, staging: str, deleted: bool) -> None:
+    assert deleted_staging(tombstone, staging) is deleted
 
 
 @pytest.mark.integration
