@@ -56,6 +56,12 @@ def claim_key(run: str) -> str:
     return f"{run}/claim.json"
 
 
+def model_key(run: str) -> str:
+    """The checkpoint fingerprint of the engine that generates the run, written once by the
+    first worker to generate one of its batches: workers serving another are handed back."""
+    return f"{run}/model.json"
+
+
 def input_key(run: str, batch: str) -> str:
     """A staged batch of prompts (claim check: work orders carry this key, not prompts)."""
     return f"{run}/inputs/{batch}.jsonl.gz"

@@ -86,6 +86,10 @@ class Manifest(BaseModel):
     staging_id: str = ""  # the claim's: every work order of this staging carries it
     prompts_total: int
     rejects: int
+    # Files that could not be read to their end (corrupt mid-file), and how many of their
+    # rows are known to be lost: the run holds less than its source, whatever `status` counts.
+    sources_unread: list[str] = []
+    rows_unread: int = 0
     batches: list[BatchEntry]
 
     def to_bytes(self) -> bytes:

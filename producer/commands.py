@@ -147,6 +147,7 @@ def _print_enqueue(
         highlight=False,
     )
     print_rejects(result.reject_samples)
+    warn_unread(result.run, result.sources_unread, result.rows_unread)
     if result.rejects > len(result.reject_samples):
         console.print(f"  … all {result.rejects} rejects are in {result.run}/rejects.jsonl")
 
@@ -185,10 +186,23 @@ def status(
         return
     warn_unconsumed(run, report["unconsumed"])
     out.print(status_line(report), highlight=False)
+    warn_unread(run, report["sources_unread"], report["rows_unread"])
     for batch, error in report["failed"].items():
         out.print(f"  failed {batch}: {escape(error)}", highlight=False)
     if energy := energy_text(report):
         out.print(f"  energy: {energy}", highlight=False)
+
+
+def warn_unread(run: str, sources: list[str], rows: int) -> None:
+    """A source not read to its end: the run holds less than the source, whatever it counts."""
+    if sources:
+        lost = f"{rows:,} rows" if rows else "rows"
+        console.print(
+            f"[bold red]warning:[/] run {run}: {lost} of {', '.join(map(escape, sources))} "
+            f"were not read (corrupt mid-file; see {run}/rejects.jsonl): the run holds less "
+            "than its source",
+            highlight=False,
+        )
 
 
 def status_line(report: dict[str, Any]) -> str:

@@ -63,6 +63,8 @@ class EnqueueResult:
     engine: str | None = None
     queue: str | None = None
     uncancelled: bool = False  # the run was cancelled; this enqueue resumed it
+    sources_unread: list[str] = field(default_factory=list)  # files not read to their end
+    rows_unread: int = 0  # rows of those files known to be lost
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -77,6 +79,8 @@ class EnqueueResult:
             "rejects": self.rejects,
             "staged": self.staged,
             "uncancelled": self.uncancelled,
+            "sources_unread": self.sources_unread,
+            "rows_unread": self.rows_unread,
         }
 
 
@@ -219,6 +223,9 @@ def stage(
             last_send = time.monotonic()
     result.batches_enqueued += _send(send, pending, outstanding)
     result.rejects = len(split.rejects)
+    cut = [reject for reject in split.rejects if reject.truncated]
+    result.sources_unread = sorted({reject.file for reject in cut})
+    result.rows_unread = sum(reject.rows_unread or 0 for reject in cut)
     result.reject_samples = [str(reject) for reject in split.rejects[:20]]
     if split.rejects:
         store.put(
@@ -249,6 +256,8 @@ def stage(
         staging_id=staging_id,
         prompts_total=result.prompts,
         rejects=result.rejects,
+        sources_unread=result.sources_unread,
+        rows_unread=result.rows_unread,
         batches=entries,
     )
     store.put(keys.manifest_key(run), manifest.to_bytes())
@@ -317,6 +326,8 @@ def enqueue_missing(
         batches_total=len(manifest.batches),
         batches_done=len(done),
         rejects=manifest.rejects,
+        sources_unread=list(manifest.sources_unread),
+        rows_unread=manifest.rows_unread,
     )
     ref = run_model(manifest)
     result.model, result.engine = ref.model, ref.engine

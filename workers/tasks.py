@@ -51,7 +51,13 @@ from genfleet.workers.lifecycle import Lease, gate, is_cancelled, park
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.observe.sampler import batch_share
 from genfleet.workers.pool import BatchRequest
-from genfleet.workers.provenance import BatchInputMismatch, BatchSuperseded
+from genfleet.workers.provenance import (
+    BatchInputMismatch,
+    BatchSuperseded,
+    ThinkingUnsupported,
+    model_refusal,
+    thinking_refusal,
+)
 from genfleet.workers.runtime import current
 
 log = logging.getLogger("genfleet.tasks")
@@ -79,6 +85,7 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     early = _admit(runtime, work, order, worker)
     if early is not None:
         return early
+    _check_model(runtime, work)
     monitor = runtime.monitor
     if monitor is not None:
         monitor.batch_started(work.run)
@@ -184,6 +191,30 @@ def _admit(
             f"{field}: Redis failed before the batch started: {exc}", requeue=True
         ) from exc
     return None
+
+
+def _check_model(runtime: Any, work: WorkOrder) -> None:
+    """Refuse an order this worker's model cannot answer as the run asks: another checkpoint
+    than the run's is handed back (this worker stops taking work, saying why); `--no-thinking`
+    on a model without a switch fails the batch (no worker of this model could honour it)."""
+    identity = getattr(runtime, "model_identity", None)
+    if identity is None:
+        return
+    field = running_field(work.run, work.batch)
+    refused = thinking_refusal(work, identity)
+    if refused is not None:
+        _fail(runtime.redis, work, ThinkingUnsupported(refused))
+        raise BatchFailed(refused)
+    if work.run in runtime.model_runs:
+        return
+    reason = model_refusal(runtime.store, work.run, identity)
+    if reason is None:
+        runtime.model_runs.add(work.run)
+        return
+    log.error("%s/%s: %s", work.run, work.batch, reason)
+    _safe_hdel(runtime.redis, field)
+    runtime.refuse_work(f"{work.run}/{work.batch} handed back: {reason}")
+    raise Reject(reason, requeue=True)
 
 
 def _parked(client: RedisCommands, work: WorkOrder, max_deliveries: int) -> bool:

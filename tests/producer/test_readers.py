@@ -486,3 +486,45 @@ def test_a_field_genfleet_cannot_honour_rejects_the_line(
     (reject,) = rejects
     assert (reject.file, reject.line, reject.field) == (str(path), 2, field)
     assert reason in reject.reason
+
+
+def corrupt_parquet(path: Path, rows: int, group_rows: int, bad_group: int) -> Path:
+    """A Parquet file whose row group `bad_group` has its data pages overwritten."""
+    table = pa.Table.from_pylist(
+        [{"id": f"p{i:04d}", "prompt": f"question number {i} " * 5} for i in range(rows)]
+    )
+    pq.write_table(table, path, row_group_size=group_rows)
+    data = bytearray(path.read_bytes())
+    for column in range(2):
+        offset = pq.ParquetFile(path).metadata.row_group(bad_group).column(column).data_page_offset
+        data[offset : offset + 40] = b"\xff" * 40
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_a_parquet_file_corrupt_mid_file_loses_only_its_bad_row_group_and_says_how_many(
+    tmp_path: Path,
+) -> None:
+    path = corrupt_parquet(tmp_path / "data.parquet", 500, 100, bad_group=2)
+    records, rejects = split(read_source(path))
+    assert [r.id for r in records] == [f"p{i:04d}" for i in [*range(200), *range(300, 500)]]
+    (reject,) = rejects
+    assert (reject.truncated, reject.rows_unread) == (True, 100)
+    assert reject.to_json()["rows_unread"] == 100
+
+
+def test_a_saved_dataset_corrupt_mid_file_says_how_many_rows_were_not_read(
+    tmp_path: Path,
+) -> None:
+    tables = [pa.table({"prompt": [f"q{j}-{i}" for i in range(6)]}) for j in range(2)]
+    path = save_dataset(tmp_path / "saved", tables)
+    info = {"features": {}, "splits": {"train": {"name": "train", "num_examples": 12}}}
+    (path / "dataset_info.json").write_bytes(orjson.dumps(info))
+    second = path / "data-00001-of-00002.arrow"
+    second.write_bytes(second.read_bytes()[: second.stat().st_size // 2])  # cut mid-file
+
+    records, rejects = split(read_source(path))
+
+    assert 6 <= len(records) < 12
+    (reject,) = rejects
+    assert (reject.truncated, reject.rows_unread) == (True, 12 - len(records))

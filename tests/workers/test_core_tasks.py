@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -33,6 +34,8 @@ from genfleet.producer.runs.identity import claim_run
 from genfleet.workers import runtime as runtime_module
 from genfleet.workers import tasks as tasks_module
 from genfleet.workers.batch import BatchSummary
+from genfleet.workers.engine.families import choose
+from genfleet.workers.engine.fingerprint import checkpoint_identity
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.tasks import BatchFailed, generate_batch, reap, running_field
 from tests.conftest import wait_for
@@ -59,6 +62,8 @@ class FakeRuntime:
     finished: list[BatchSummary] = field(default_factory=list)
 
     refused: list[str] = field(default_factory=list)
+    model_identity: dict[str, Any] | None = None
+    model_runs: set[str] = field(default_factory=set)
 
     def after_batch(self, summary: BatchSummary) -> None:
         self.finished.append(summary)
@@ -428,3 +433,71 @@ def test_an_order_of_a_superseded_staging_is_dropped_and_leaves_the_new_ones_sta
     assert sum(chat.calls.values()) == 0
     assert not runtime.store.exists(keys.output_key(RUN, BATCH))
     assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": True}
+
+
+def identity(**settings: Any) -> dict[str, Any]:
+    """The model identity a worker with these settings computes at start."""
+    chosen = Settings(**settings)
+    return checkpoint_identity(chosen, choose(chosen, None))
+
+
+def test_a_worker_serving_another_checkpoint_hands_the_run_back_saying_why(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    first = make_runtime(FakeChat())
+    first.model_identity = identity()
+    order = stage(first, 3)
+    assert generate_batch(order)["completions"] == 3  # the run is bound to its model
+    first.store.delete_prefix(keys.output_key(RUN, BATCH))
+    first.redis.sadd(keys.queued_key(RUN), BATCH)
+    chat = FakeChat()
+    other = make_runtime(chat)  # the same served name, another reasoning parser
+    other.store, other.redis = first.store, first.redis
+    other.model_identity = identity(reasoning_parser="deepseek-r1")
+
+    with pytest.raises(Reject) as refused:
+        generate_batch(order)
+
+    assert refused.value.requeue is True
+    assert sum(chat.calls.values()) == 0
+    assert not other.store.exists(keys.output_key(RUN, BATCH))
+    assert len(other.refused) == 1 and "reasoning_parser" in other.refused[0]
+    assert state(other) == {"running": False, "attempts": 0, "failed": None, "queued": True}
+
+
+def test_no_thinking_on_a_model_without_a_switch_is_refused_not_ignored(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    chat = FakeChat()
+    runtime = make_runtime(chat)
+    runtime.model_identity = identity(thinking_switch="none")
+    no_thinking = PARAMS.model_dump()  # PARAMS asks for no thinking
+
+    with pytest.raises(BatchFailed, match="no thinking switch"):
+        generate_batch({**stage(runtime, 2), "params": no_thinking})
+
+    assert sum(chat.calls.values()) == 0
+    assert state(runtime)["failed"] == "ThinkingUnsupported"
+    with pytest.raises(ValueError, match="--no-thinking needs a thinking switch"):
+        Settings(thinking=False, thinking_switch="none")  # and refused where it is given
+
+
+def test_the_checkpoint_fingerprint_follows_config_weights_and_quantization(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"a": "1"}}')
+    base = identity(model=str(tmp_path))
+    assert base["config_sha256"] and base["weights_index_sha256"]
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"a": "2"}}')
+    reweighted = identity(model=str(tmp_path))
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["Qwen3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}}'
+    )
+    quantized = identity(model=str(tmp_path))
+    fingerprints = {base["fingerprint"], reweighted["fingerprint"], quantized["fingerprint"]}
+    assert len(fingerprints) == 3 and quantized["quantization"] == "fp8"
+    assert (
+        identity(model=str(tmp_path), engine_extra_args="--quantization awq")["quantization"]
+        == "awq"
+    )
