@@ -20,7 +20,6 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from tests.conftest import ROOT, Worker, base_env, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
     fault_settings,
@@ -30,6 +29,7 @@ from tests.faults.helpers import (
     wait_run_done,
     write_prompts,
 )
+from tests.support import ROOT, Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

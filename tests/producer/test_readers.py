@@ -14,6 +14,7 @@ import pytest
 from genfleet.common.errors import InputError
 from genfleet.common.readers import ReaderOptions, Reject, detect_format, read_source
 from genfleet.common.records import PromptRecord
+from tests.support import corrupt_parquet
 
 
 def lines(path: Path, rows: list[Any]) -> Path:
@@ -486,20 +487,6 @@ def test_a_field_genfleet_cannot_honour_rejects_the_line(
     (reject,) = rejects
     assert (reject.file, reject.line, reject.field) == (str(path), 2, field)
     assert reason in reject.reason
-
-
-def corrupt_parquet(path: Path, rows: int, group_rows: int, bad_group: int) -> Path:
-    """A Parquet file whose row group `bad_group` has its data pages overwritten."""
-    table = pa.Table.from_pylist(
-        [{"id": f"p{i:04d}", "prompt": f"question number {i} " * 5} for i in range(rows)]
-    )
-    pq.write_table(table, path, row_group_size=group_rows)
-    data = bytearray(path.read_bytes())
-    for column in range(2):
-        offset = pq.ParquetFile(path).metadata.row_group(bad_group).column(column).data_page_offset
-        data[offset : offset + 40] = b"\xff" * 40
-    path.write_bytes(bytes(data))
-    return path
 
 
 def test_a_parquet_file_corrupt_mid_file_loses_only_its_bad_row_group_and_says_how_many(

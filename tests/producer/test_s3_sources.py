@@ -27,8 +27,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import run_status
-from tests.conftest import new_bucket
-from tests.producer.test_readers import corrupt_parquet
+from tests.support import corrupt_parquet, new_bucket
 
 pytestmark = pytest.mark.integration
 
