@@ -32,6 +32,7 @@ from genfleet.producer.console import (
     out,
     plural,
     print_rejects,
+    warn_unread,
 )
 from genfleet.producer.enqueue import (
     EnqueueResult,
@@ -191,18 +192,6 @@ def status(
         out.print(f"  failed {batch}: {escape(error)}", highlight=False)
     if energy := energy_text(report):
         out.print(f"  energy: {energy}", highlight=False)
-
-
-def warn_unread(run: str, sources: list[str], rows: int) -> None:
-    """A source not read to its end: the run holds less than the source, whatever it counts."""
-    if sources:
-        lost = f"{rows:,} rows" if rows else "rows"
-        console.print(
-            f"[bold red]warning:[/] run {run}: {lost} of {', '.join(map(escape, sources))} "
-            f"were not read (corrupt mid-file; see {run}/rejects.jsonl): the run holds less "
-            "than its source",
-            highlight=False,
-        )
 
 
 def status_line(report: dict[str, Any]) -> str:

@@ -42,6 +42,7 @@ from genfleet.producer.runs.identity import (
     check_resumed,
     claim_run,
     fingerprint_source,
+    first_difference,
     run_model,
     staging_params,
 )
@@ -185,7 +186,14 @@ def stage(
     pending: list[WorkOrder] = []
     fingerprint = fingerprint_source(source, options)
     staging_id = claim_run(
-        store, run, params, ref, staging_params(settings), fingerprint, str(source)
+        store,
+        run,
+        params,
+        ref,
+        staging_params(settings),
+        fingerprint,
+        str(source),
+        lambda: first_difference(store, run, source, options, settings),
     )
     done = done_batches(store, run)  # a run staged before but never finished its manifest
     tail = settings.batch_tail

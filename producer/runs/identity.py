@@ -9,8 +9,10 @@ The prompts' fingerprint is the sha256 of the staged records as JSON lines in in
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -167,6 +169,7 @@ def claim_run(
     staging: dict[str, Any],
     fingerprint: str,
     source: str,
+    locate: Callable[[], str | None] | None = None,
 ) -> str:
     """Bind a run to its prompts, model and parameters before its first batch is staged, so
     that an interrupted staging is never finished with other data or settings (its inputs,
@@ -175,7 +178,8 @@ def claim_run(
     order of the run carries; staging the same data again keeps it.
 
     A claim of an older genfleet recorded no fingerprint: it cannot be checked, so it is
-    refused too (`genfleet delete RUN` removes it).
+    refused too (`genfleet delete RUN` removes it). `locate`, called only when the prompts
+    differ, says where (`first_difference`).
     """
     claim = RunIdentity(fingerprint, params.model_dump(), staging, ref.model, ref.engine, source)
     raw = store.get(keys.claim_key(run))
@@ -190,6 +194,10 @@ def claim_run(
             data.get("source") or "",
         )
         differences = before.differences(claim)
+        if before.fingerprint != fingerprint and locate is not None:
+            where = locate()
+            if where:
+                differences.insert(1, where)
         if differences or not data.get("staging_id"):
             raise RunMismatch(interrupted_message(run, differences))
         return str(data["staging_id"])
@@ -205,6 +213,44 @@ def claim_run(
     }
     store.put(keys.claim_key(run), orjson.dumps(body))
     return staging_id
+
+
+def first_difference(
+    store: Store, run: str, source: str, options: ReaderOptions, settings: Settings
+) -> str | None:
+    """Where `source`, batched as `settings` say, first differs from the batches an
+    interrupted staging of `run` left in the store: the batch and prompt id, or that every
+    staged batch matches and the data differs after them. Reads the source once more; only
+    a refusal calls it."""
+    from genfleet.producer.batching import make_batches
+
+    records = (item for item in read_source(source, options) if not isinstance(item, Reject))
+    batches = make_batches(
+        records,
+        settings.batch_size,
+        settings.batch_max_tokens,
+        settings.max_tokens,
+        settings.batch_tail,
+    )
+    for index, batch in enumerate(batches):
+        staged = store.get(keys.input_key(run, keys.batch_id(index)))
+        if staged is None:
+            if not index:
+                return None
+            return (
+                f"first difference: after the {index} batches staged so far, which hold "
+                f"the same prompts"
+            )
+        lines = gzip.decompress(staged).splitlines()
+        for position, record in enumerate(batch):
+            if position >= len(lines) or lines[position] != orjson.dumps(record.to_json()):
+                return (
+                    f"first difference: {keys.batch_id(index)}, prompt {record.id!r} "
+                    f"(sample {record.sample})"
+                )
+        if len(lines) != len(batch):
+            return f"first difference: {keys.batch_id(index)} staged {len(lines)} prompts"
+    return None
 
 
 def interrupted_message(run: str, differences: list[str]) -> str:

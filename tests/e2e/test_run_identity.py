@@ -173,6 +173,7 @@ def test_an_interrupted_staging_is_not_finished_with_other_data(
     message = " ".join(result.output.split())
     assert result.exit_code == 2, message
     assert "prompts: the run holds" in message and "interrupted staging" in message
+    assert "first difference: batch-000002, prompt" in message  # q25 of batches of 10
     assert not (root / keys.manifest_key("x")).exists()
     assert {k: v for k, v in store_snapshot(root).items() if "/inputs/" in k} == inputs_before
     assert redis_client.llen("gpu.emulator") == orders_before

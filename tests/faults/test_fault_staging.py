@@ -107,6 +107,7 @@ def test_an_interrupted_staging_is_not_finished_with_edited_data(
     code, message = finished(genfleet(command, env))
     assert code == 2, message
     assert "prompts: the run holds" in message and "interrupted staging" in message
+    assert "first difference: batch-000000, prompt 'p00000'" in message
     assert not store.exists(keys.manifest_key(RUN))
     assert {k: store.get(k) for k in store.list(f"{RUN}/inputs/")} == inputs
 
