@@ -6,7 +6,9 @@ GenfleetError
 ├── InputError             a dataset cannot be read at all (every line rejected, no file)
 ├── RunMismatch            a run exists with other prompts, parameters or model: never merged
 ├── StoreError             the object store failed after its own retries
-│   └── StoreUnavailable   cannot reach it now: retry later, nothing is lost
+│   ├── StoreUnavailable   cannot reach it now: retry later, nothing is lost
+│   └── BatchInputMissing  a batch's staged input is gone: retrying cannot help
+│       └── BatchInputMismatch  it is not the content its order was issued for
 ├── BrokerUnavailable      Redis does not answer: a hint says how to start one
 ├── EngineError            the engine cannot serve
 │   ├── PreflightError     the checkpoint or command would not run (before any GPU time)
@@ -15,7 +17,14 @@ GenfleetError
 │   ├── EngineBusy         429 or "queue full": backpressure, wait and send again
 │   └── RestartBudgetExhausted  it kept dying: the worker stops taking work
 ├── RequestRejected        the engine refused one prompt (HTTP 400): an error record
-└── RequestFailed          one try of one prompt failed (abort, 5xx): retried, then an error record
+├── RequestFailed          one try of one prompt failed (abort, 5xx): retried, then an error record
+└── BatchError             a batch stopped before its output (workers/outcome says what follows)
+    ├── BatchInterrupted   the worker stops: checkpointed, the order goes back to the queue
+    │   └── BatchTerminated  an operator terminated its task (revoke): in the failed set
+    ├── BatchCancelled     its run was cancelled (`genfleet cancel`): checkpointed and parked
+    ├── BatchSuperseded    its order is of a staging the run no longer has: dropped
+    ├── ThinkingUnsupported  `--no-thinking` on a model with no switch: in the failed set
+    └── BatchFailed        tries spent, or it cannot succeed: it is in the run's failed set
 """
 
 from __future__ import annotations
@@ -50,6 +59,15 @@ class StoreError(GenfleetError):
 
 class StoreUnavailable(StoreError):
     pass
+
+
+class BatchInputMissing(StoreError):
+    """The staged input object is gone: retrying cannot help."""
+
+
+class BatchInputMismatch(BatchInputMissing):
+    """The staged input is not the content the order names (`WorkOrder.input_sha256`):
+    generating it would answer other prompts than the order's; retrying cannot help."""
 
 
 class BrokerUnavailable(GenfleetError):
@@ -107,3 +125,37 @@ class RequestFailed(GenfleetError):
         self.status = status
         self.kind = kind
         super().__init__(message)
+
+
+class BatchError(GenfleetError):
+    """A batch stopped before its output was written; what finished is checkpointed."""
+
+
+class BatchInterrupted(BatchError):
+    """The worker is shutting down and cancelled the batch: the order goes back to the queue
+    and the retry skips what the checkpoint holds (not a try, not a failure)."""
+
+
+class BatchTerminated(BatchInterrupted):
+    """An operator terminated the batch's task (Flower's terminate, `revoke(terminate=True)`):
+    stopped on purpose, so it is parked in the failed set, where `genfleet retry` resends it,
+    rather than handed back to be run again."""
+
+
+class BatchCancelled(BatchError):
+    """The run was cancelled (`genfleet cancel`) while the batch ran; what finished is
+    checkpointed and the batch is parked."""
+
+
+class BatchSuperseded(BatchError):
+    """The order belongs to a staging its run no longer has (deleted, or staged anew under
+    its name): acknowledged, never generated, nothing written (`workers.provenance`)."""
+
+
+class ThinkingUnsupported(BatchError):
+    """The run asks for no thinking and the model has no switch to turn it off: no worker of
+    this model could honour the order, so it is failed, not generated with thinking on."""
+
+
+class BatchFailed(BatchError):
+    """A batch that exhausted its tries or cannot succeed; it is in the run's failed set."""

@@ -28,23 +28,11 @@ from typing import Any
 import orjson
 
 from genfleet.common import keys
-from genfleet.common.errors import StoreError
+from genfleet.common.errors import BatchInputMismatch, BatchSuperseded
 from genfleet.common.manifest import current_staging
 from genfleet.common.records import PromptRecord, WorkOrder, batch_digest, line_digests
 from genfleet.common.store import Store
 from genfleet.workers.engine.fingerprint import differences
-
-
-class BatchSuperseded(Exception):
-    """The order belongs to a staging the run no longer has (deleted or staged anew)."""
-
-
-class ThinkingUnsupported(Exception):
-    """The run asks for no thinking and the model has no switch to turn it off."""
-
-
-class BatchInputMismatch(StoreError):
-    """The staged input is not the content the order was issued for: retrying cannot help."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from genfleet.common import keys
-from genfleet.common.errors import EngineDown, StoreUnavailable
+from genfleet.common.errors import BatchInputMismatch, BatchSuperseded, EngineDown, StoreUnavailable
 from genfleet.common.records import (
     GenerationParams,
     PromptRecord,
@@ -30,7 +30,6 @@ from genfleet.common.routing import ModelRef
 from genfleet.producer.runs.identity import claim_run
 from genfleet.workers.batch import BatchInputMissing, BatchInterrupted, BatchSummary, execute
 from genfleet.workers.feeder import Feeder
-from genfleet.workers.provenance import BatchInputMismatch, BatchSuperseded
 from tests.fakes.engine import FakeChat, FakeEngine
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
