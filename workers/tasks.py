@@ -30,7 +30,7 @@ from celery.exceptions import Reject, Retry
 from genfleet.common import keys
 from genfleet.common.backoff import BATCH_RETRY
 from genfleet.common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK
-from genfleet.common.errors import BatchFailed, ThinkingUnsupported
+from genfleet.common.errors import BatchFailed, BatchSuperseded, StoreError, ThinkingUnsupported
 from genfleet.common.ledger import Ledger, Running, running_field
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import RedisCommands
@@ -44,7 +44,7 @@ from genfleet.workers.observe.headlines import batch_headline, not_generated_hea
 from genfleet.workers.observe.sampler import batch_share
 from genfleet.workers.outcome import Outcome, counts_a_try, outcome
 from genfleet.workers.pool import BatchRequest
-from genfleet.workers.provenance import model_refusal, thinking_refusal
+from genfleet.workers.provenance import ensure_current, model_refusal, thinking_refusal
 
 log = logging.getLogger("genfleet.tasks")
 
@@ -159,11 +159,18 @@ def _admit(
             # parked as poison: running it would crash one more worker.
             log.error("%s/%s is parked as poison: not running it", work.run, work.batch)
             return {"run": work.run, "batch": work.batch, "worker": worker, "parked": True}
+        # Before the claim: an order of a superseded staging must not take the running entry
+        # of the run's batch of the same name (the new staging's, maybe running elsewhere).
+        ensure_current(runtime.store, work)
         ledger.claim(order, worker, time.time())
-    except redis.RedisError as exc:
+    except (redis.RedisError, StoreError) as exc:
         raise Reject(
-            f"{field}: Redis failed before the batch started: {exc}", requeue=True
+            f"{field}: Redis or the store failed before the batch started: {exc}", requeue=True
         ) from exc
+    except BatchSuperseded as exc:
+        log.error("%s", exc)
+        dropped = {"run": work.run, "batch": work.batch, "drop": True, "superseded": True}
+        return {"summary": not_generated_headline(dropped), **dropped}
     return None
 
 

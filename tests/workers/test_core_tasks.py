@@ -22,7 +22,7 @@ from celery.exceptions import Reject
 from genfleet.common import keys
 from genfleet.common.backoff import Backoff
 from genfleet.common.errors import EngineBusy, EngineConfigError, EngineDown, RequestFailed
-from genfleet.common.ledger import running_field
+from genfleet.common.ledger import Ledger, running_field
 from genfleet.common.records import (
     GenerationParams,
     PromptRecord,
@@ -429,14 +429,17 @@ def test_an_order_of_a_superseded_staging_is_dropped_and_leaves_the_new_ones_sta
     staging = claim_run(
         runtime.store, RUN, PARAMS, ModelRef("emulator", "emulator"), {}, "f", "src"
     )
-    assert staging != "s-old"  # the run was staged anew: its own order is the queued one
+    assert staging != "s-old"  # the run was staged anew: its own order is queued, and runs
+    Ledger(runtime.redis).claim({**order, "staging": staging}, "other@w", 1_700_000_000.0)
 
     result = generate_batch(order)
 
     assert result["superseded"] is True
     assert sum(chat.calls.values()) == 0
     assert not runtime.store.exists(keys.output_key(RUN, BATCH))
-    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": True}
+    assert state(runtime) == {"running": True, "attempts": 0, "failed": None, "queued": True}
+    entry = orjson.loads(runtime.redis.hget(keys.running_key(), f"{RUN}/{BATCH}") or b"{}")
+    assert entry["worker"] == "other@w"  # the new staging's running entry is untouched
 
 
 def identity(**settings: Any) -> dict[str, Any]:
