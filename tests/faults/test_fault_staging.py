@@ -34,8 +34,8 @@ from tests.support import ROOT, Worker, base_env, wait_for
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
 RUN = "edited"
-PROMPTS = 2000
-EDITED = {i: f"Edited question {i}: what is {i} times {i}?" for i in range(0, PROMPTS, 50)}
+PROMPTS = 1000
+EDITED = {i: f"Edited question {i}: what is {i} times {i}?" for i in range(0, PROMPTS, 25)}
 
 
 def genfleet(args: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
@@ -75,7 +75,7 @@ def test_an_interrupted_staging_is_not_finished_with_edited_data(
     store = open_run_store(settings)
     data = tmp_path / "prompts.jsonl"
     write_prompts(data, PROMPTS)
-    command = ["enqueue", str(data), "--run", RUN, "--batch-size", "25"]
+    command = ["enqueue", str(data), "--run", RUN, "--batch-size", "25", "--max-tokens", "256"]
     doomed = start_worker(env, name="doomed")
     doomed.wait_ready()
 
