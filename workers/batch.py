@@ -25,6 +25,7 @@ from typing import Any
 import redis
 
 from genfleet.common import keys
+from genfleet.common import previous as old_answers
 from genfleet.common.backoff import BOOKKEEPING, OUTPUT_WRITE
 from genfleet.common.errors import (
     BatchCancelled,
@@ -234,10 +235,13 @@ def execute(
     ensure_current(store, order)
     staged = read_staged(order, data)
     records = staged.records
+    answers = old_answers.detach(records)  # --regenerate: never sent, copied to the output
     summary.prompts = len(records)
     checkpointed, next_part = load_parts(store, order.run, order.batch)
     previous = kept_parts(staged, checkpointed)
     todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
+    if answers:  # the longest-expected first: the batch does not end on a long straggler
+        todo = [(i, records[i]) for i in old_answers.longest_first([i for i, _ in todo], answers)]
     summary.resumed = len(records) - len(todo)
 
     _telemetry(
@@ -251,7 +255,12 @@ def execute(
             order.batch,
             [r for _, r in todo],
             order.params,
-            lambda j, rec: collector.add(todo[j][0], _staged_as(rec, staged.digests[todo[j][0]])),
+            lambda j, rec: collector.add(
+                todo[j][0],
+                _staged_as(
+                    old_answers.attach(rec, answers.get(todo[j][0])), staged.digests[todo[j][0]]
+                ),
+            ),
         )
         try:
             next_part = _follow(
