@@ -137,11 +137,17 @@ def run_group_workers(settings: Settings, groups: list[str | None], hostname: st
 def run_celery(settings: Settings, args: list[str], hostname: str) -> None:
     """This process's Celery worker, configured with `settings` (handed over, not re-read)."""
     from genfleet.workers.app import app as celery_app
-    from genfleet.workers.app import configure
+    from genfleet.workers.app import configure, startup_failures
 
     configure(settings)
     flags = ["--hostname", hostname, "--loglevel", "INFO", "--task-events", "--without-mingle"]
-    celery_app.worker_main(["worker", *args, *flags])
+    # `app.start`, not `worker_main`, which drops the exit code: a worker whose engine step
+    # failed (a checkpoint preflight refused) must not exit 0, or a supervisor sees success.
+    code = celery_app.start(["worker", *args, *flags])
+    if startup_failures:
+        fail(f"worker {hostname} did not start: {startup_failures[-1]}", code=1)
+    if code:
+        raise typer.Exit(code)
 
 
 @with_settings(exclude={"role"})
@@ -149,6 +155,9 @@ def control(settings: Settings, hostname: Hostname = None) -> None:
     """Start the one control worker: beat (power-watch, lease reaper) with no engine."""
     settings = settings.model_copy(update={"role": "control"})
     schedule = Path(settings.log_dir or tempfile.gettempdir()) / "genfleet-beat-schedule"
+    # Beat cannot open its schedule in a folder that does not exist yet (a fresh --log-dir the
+    # GPU workers would create later): it logs the error and no power-watch ever runs.
+    schedule.parent.mkdir(parents=True, exist_ok=True)
     args = ["--beat", "--schedule", str(schedule), "--queues", "control", "--concurrency", "2"]
     run_celery(settings, args, hostname or f"control@{socket.gethostname()}")
 
