@@ -297,7 +297,7 @@ def execute(
         summary.generated_tokens = sum(
             r.usage.completion_tokens for r in collector.results.values()
         )
-        ensure_current(store, order)
+        _still_current(store, order, output_tries)
         wrote = _put_output(store, output_key, encode_jsonl_gz(rows_out), output_tries)
         if wrote:
             _unless_superseded(store, order, output_key)
@@ -407,6 +407,20 @@ def _with_retries(what: str, fn: Callable[..., Any], *args: Any, tries: int = 4)
                 raise
             log.warning("could not record %s (%s): retry %d", what, exc, attempt)
             time.sleep(BOOKKEEPING.delay_s(attempt))
+
+
+def _still_current(store: Store, order: WorkOrder, tries: int) -> None:
+    """`ensure_current` before the output is written, tried again while the store is
+    unreachable, as the output put is: the answers are in memory and the lease holds."""
+    for attempt in range(1, tries + 1):
+        try:
+            ensure_current(store, order)
+            return
+        except StoreUnavailable as exc:
+            if attempt == tries:
+                raise
+            log.warning("staging of %s not checked (%s): retry %d", order.run, exc, attempt)
+            time.sleep(OUTPUT_WRITE.delay_s(attempt))
 
 
 def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
