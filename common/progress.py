@@ -177,7 +177,12 @@ def reconcile(
     pipe.execute()
     repair.prompts_done_was = int(client.hget(keys.counters_key(run), PROMPTS_DONE) or 0)
     repair.prompts_done = int(client.eval(_RESUM, 2, done, keys.counters_key(run), PROMPTS_DONE))
-    summary = {**manifest.summary(), "created_at": manifest.created_at}
+    summary = {
+        **manifest.summary(),
+        "created_at": manifest.created_at,
+        "sources_unread": manifest.sources_unread,
+        "rows_unread": manifest.rows_unread,
+    }
     client.hset(
         keys.summary_key(run),
         mapping={

@@ -9,14 +9,15 @@ enters (readers, the task's message), not per request.
 from __future__ import annotations
 
 import gzip
+import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from genfleet.common.keys import validate_batch, validate_run
+from genfleet.common.keys import input_key, validate_batch, validate_run
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -30,6 +31,9 @@ class PromptRecord:
     sample: int = 0
     params: dict[str, Any] | None = None  # per-line overrides (OpenAI batch `body`)
     custom_id: str | None = None  # the source's own id, kept for OpenAI batch output
+    # --regenerate: the answer this prompt's new one replaces, `{"content", "reasoning"}`.
+    # Staged with the prompt and copied to the output record by the worker; never sent.
+    previous: dict[str, str | None] | None = None
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"id": self.id, "messages": self.messages}
@@ -39,6 +43,8 @@ class PromptRecord:
             data["params"] = self.params
         if self.custom_id is not None:
             data["custom_id"] = self.custom_id
+        if self.previous is not None:
+            data["previous"] = self.previous
         return data
 
     @classmethod
@@ -49,6 +55,7 @@ class PromptRecord:
             sample=data.get("sample", 0),
             params=data.get("params"),
             custom_id=data.get("custom_id"),
+            previous=data.get("previous"),
         )
 
     @property
@@ -84,13 +91,21 @@ class WorkOrder(BaseModel):
     It carries the run's sampling parameters so a worker never reads the manifest, and the
     model (with the engine kind) it must be generated with: a worker serving another model
     hands it back to its own queue (`genfleet.common.routing.order_queue`).
+
+    The staged input's key is derived from (run, batch), never taken from the message: a
+    message naming another run's input (anyone who can send a task can write one) is refused,
+    so run A's outputs are never built from run B's prompts. `input_sha256` (`batch_digest`
+    of the staged lines) and `staging` (the run's staging id, from its claim) bind the order
+    to the one staging it was issued for: a worker refuses an input that does not match and
+    drops an order of a staging that was superseded (the run deleted or staged anew). Both
+    are empty only in orders of an older genfleet, which are not checked.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     run: str
     batch: str
-    key: str
+    key: str = ""
     params: GenerationParams
     model: str
     engine: str
@@ -100,6 +115,22 @@ class WorkOrder(BaseModel):
     # of `params.response_format`; the worker reads it and checks its sha256.
     response_format_key: str | None = None
     response_format_sha256: str | None = None
+    input_sha256: str = ""
+    staging: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("run"), str):
+            derived = input_key(str(data["run"]), str(data.get("batch")))
+            given = data.get("key")
+            if given not in (None, "", derived):
+                raise ValueError(
+                    f"key {given!r} is not the staged input of {data['run']}/"
+                    f"{data.get('batch')} ({derived}): refused"
+                )
+            data = {**data, "key": derived}
+        return data
 
     @field_validator("run")
     @classmethod
@@ -143,9 +174,19 @@ class CompletionRecord:
     custom_id: str | None = None
     request_id: str | None = None
     logprobs: Any = None  # the choice's logprobs, when the request asked for them
+    # --regenerate: the old answer this one replaces (see PromptRecord.previous); the key is
+    # left out of the JSON of records that have none.
+    previous: dict[str, str | None] | None = None
+    # sha256 of the prompt's staged line (`line_digests`): a checkpoint row stands as the
+    # result of the staged prompt only when this matches, and export checks it against the
+    # manifest. None only in records of an older genfleet.
+    prompt_sha256: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["previous"] is None:
+            del data["previous"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CompletionRecord:
@@ -157,6 +198,19 @@ class CompletionRecord:
 def response_format_bytes(response_format: dict[str, Any]) -> bytes:
     """A response format as the store holds it, and as its hash is taken (sorted keys)."""
     return orjson.dumps(response_format, option=orjson.OPT_SORT_KEYS)
+
+
+def line_digests(raw: bytes) -> list[str]:
+    """The sha256 of each JSON line of a staged batch (uncompressed), in order: the identity
+    of each prompt as staged, which a checkpoint row must carry to stand as its result."""
+    return [hashlib.sha256(line).hexdigest() for line in raw.splitlines() if line.strip()]
+
+
+def batch_digest(digests: Iterable[str]) -> str:
+    """A staged batch's content hash: sha256 over its prompts' line digests, in order. The
+    manifest records it per batch, every work order carries it, and it is computed again
+    from an output's rows (each names its prompt's digest) when the run is exported."""
+    return hashlib.sha256("\n".join(digests).encode()).hexdigest()
 
 
 def dumps_jsonl(rows: Iterable[dict[str, Any]]) -> bytes:

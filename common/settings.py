@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     json_schema: str | None = None  # a JSON Schema file: every answer must match it
     chat_template_kwargs: str | None = None  # a JSON object, e.g. '{"enable_thinking": false}'
     system_prompt: str | None = None
+    # A conversation's final assistant turn is the old answer to replace: it is kept in the
+    # output record as `previous` and never sent. Without it, such a line is refused.
+    regenerate: bool = False
     samples: int = Field(default=1, ge=1)
     limit: int | None = Field(default=None, ge=1)
     max_line_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
@@ -112,7 +115,11 @@ class Settings(BaseSettings):
     speculative_adaptive: bool = False
     startup_timeout_s: float = Field(default=3600.0, gt=0)
     stop_timeout_s: float = Field(default=30.0, gt=0)
+    # A rate: restart_budget engine restarts per restart_window_s. Spent, the worker stops
+    # taking work for restart_cooldown_s, then starts its engine again and consumes again.
     restart_budget: int = Field(default=5, ge=0)
+    restart_window_s: float = Field(default=3600.0, gt=0)
+    restart_cooldown_s: float = Field(default=600.0, gt=0)
     restart_backoff_s: float = Field(default=2.0, ge=0)
     # `worker --gpus … --tp-size …`: how often each child worker that dies is restarted.
     worker_restart_budget: int = Field(default=5, ge=0)
@@ -129,7 +136,12 @@ class Settings(BaseSettings):
     # --- feeding the engine -----------------------------------------------------------------
     worker_concurrency: int = Field(default=3, ge=1)  # batches in flight per worker
     max_inflight: int | None = Field(default=None, ge=1)  # None: engine cap x 1.25 + 4
+    # One request's deadline is request_timeout_s + its max_tokens at the engine's measured
+    # per-sequence pace (never below request_min_tokens_per_s) x request_deadline_margin
+    # (workers/deadline.py); past it, that prompt gets an error record, its batch goes on.
     request_timeout_s: float = Field(default=3600.0, gt=0)
+    request_min_tokens_per_s: float = Field(default=2.0, gt=0)
+    request_deadline_margin: float = Field(default=2.0, ge=1.0)
     request_retries: int = Field(default=5, ge=0)
     # One prompt answered only "busy" (429, queue full) for this long fails its batch's try
     # (retried later); backpressure alone never fails a prompt.
@@ -210,6 +222,9 @@ class Settings(BaseSettings):
             raise ValueError("--engine command needs --engine-command")
         if self.engine == "sglang" and not self.model:
             raise ValueError("--engine sglang needs --model")
+        if not self.thinking and self.thinking_switch == "none":
+            # Nothing could turn thinking off: refused here, not ignored by every worker.
+            raise ValueError("--no-thinking needs a thinking switch; --thinking-switch is none")
         return self
 
     @classmethod

@@ -33,16 +33,19 @@ from genfleet.producer.console import (
     out,
     plural,
     print_rejects,
+    warn_unread,
 )
 from genfleet.producer.enqueue import (
     EnqueueResult,
     enqueue_run,
     generation_params,
     reader_options,
+    regenerate_advice,
 )
 from genfleet.producer.runs.identity import check_resumed
 from genfleet.producer.status import (
     energy_text,
+    engine_alarm_text,
     read_findings,
     run_status,
     stall_facts,
@@ -71,9 +74,13 @@ def enqueue(
     source: Annotated[str | None, typer.Argument(help="dataset file or directory")] = None,
     run: Run = "",
     fmt: Format = None,
-    messages_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
-    prompt_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
-    id_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
+    messages_col: Annotated[
+        str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
+    ] = None,
+    prompt_col: Annotated[
+        str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
+    ] = None,
+    id_col: Annotated[str | None, typer.Option(help="field or column (jsonl, parquet, hf)")] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="rebuild the queue of RUN from the store alone")
     ] = False,
@@ -148,8 +155,12 @@ def _print_enqueue(
         highlight=False,
     )
     print_rejects(result.reject_samples)
+    warn_unread(result.run, result.sources_unread, result.rows_unread)
     if result.rejects > len(result.reject_samples):
         console.print(f"  … all {result.rejects} rejects are in {result.run}/rejects.jsonl")
+    if result.ends_with_answer:
+        advice = regenerate_advice(result.ends_with_answer)
+        console.print(f"  [yellow]{escape(advice)}[/] (as a new run: --run NEW)", highlight=False)
 
 
 def status(
@@ -182,7 +193,12 @@ def status(
             stall_s = settings.engine_stall_timeout_s
             watch_run(objects, client, run, None, stall_s, settings.queue, check)
         report = run_status(
-            objects, client, run, gpu_hour_cost=settings.gpu_hour_cost, verify=verify
+            objects,
+            client,
+            run,
+            gpu_hour_cost=settings.gpu_hour_cost,
+            queue_prefix=settings.queue,
+            verify=verify,
         )
         report["unconsumed"] = None
         if report["state"] in {"queued", "running"}:
@@ -194,10 +210,13 @@ def status(
         return
     warn_unconsumed(run, report["unconsumed"])
     out.print(status_line(report), highlight=False)
+    warn_unread(run, report["sources_unread"], report["rows_unread"])
     for batch, error in report["failed"].items():
         out.print(f"  failed {batch}: {escape(error)}", highlight=False)
     if report["batches_failed"] > len(report["failed"]):
         out.print(f"  … and {report['batches_failed'] - len(report['failed']):,} more failed")
+    for alarm in report["engine_alarms"]:
+        out.print(f"  engine {escape(engine_alarm_text(alarm, time.time()))}", highlight=False)
     if energy := energy_text(report):
         out.print(f"  energy: {energy}", highlight=False)
 
@@ -324,6 +343,9 @@ def export(
     shard_size: Annotated[
         int | None, typer.Option("--shard-size", help="N records per file: OUT-00000.jsonl, …")
     ] = None,
+    previous: Annotated[
+        bool, typer.Option("--previous/--no-previous", help="keep --regenerate's old answers")
+    ] = True,
     redis_url: RedisUrl = None,
     store: StoreUrl = None,
     s3_endpoint_url: S3Endpoint = None,
@@ -333,7 +355,7 @@ def export(
 
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
-        result = export_run(settings, run, out_path, fmt, partial, shard_size)
+        result = export_run(settings, run, out_path, fmt, partial, shard_size, previous)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     missing = len(result.missing_batches)

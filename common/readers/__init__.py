@@ -30,13 +30,13 @@ def detect_format(path: SourcePath) -> str:
             return "hf"
         if any(path.glob("*.parquet")):
             return "parquet"
-        if any(path.glob("*.jsonl")) or any(path.glob("*.jsonl.gz")):
+        if any(any(path.glob(pattern)) for pattern in ("*.jsonl", "*.jsonl.gz", "*.jsonl.zst")):
             return "jsonl"
         raise InputError(f"{path}: a directory, but neither a saved dataset nor parquet/jsonl")
     name = path.name.lower()
     if name.endswith((".parquet", ".pq")):
         return "parquet"
-    if name.endswith((".jsonl", ".json", ".jsonl.gz", ".ndjson")):
+    if name.endswith((".jsonl", ".json", ".jsonl.gz", ".jsonl.zst", ".ndjson")):
         return "jsonl"  # the JSONL reader tells chat, prompt and OpenAI batch lines apart
     raise InputError(f"{path}: cannot tell the format from the name; pass --format")
 
@@ -107,14 +107,15 @@ def _chunks(items: Iterator[Located], first: int = 64, most: int = 4096) -> Iter
 
 
 def _samples(item: PromptRecord, samples: int) -> Iterator[PromptRecord]:
-    """`samples` records of `item` (its sample 0 first); a body's `n` multiplies them, and
-    with a `seed` each of those gets its own (seed + sample), or all n answers would match."""
+    """`samples` records of `item` (its sample 0 first); a body's `n` multiplies them. With a
+    `seed`, sample k is sent with seed + k (sample 0 keeps the seed as given), whether the
+    copies come from `n` or `--samples`: with one seed for all, every answer would match."""
     params = dict(item.params or {})
     n = params.pop("n", 1)
     item.params = params or None
     yield item
     for sample in range(1, samples * n):
         own = item.params
-        if n > 1 and "seed" in params:
+        if isinstance(params.get("seed"), int):
             own = {**params, "seed": params["seed"] + sample}
-        yield PromptRecord(item.id, item.messages, sample, own, item.custom_id)
+        yield PromptRecord(item.id, item.messages, sample, own, item.custom_id, item.previous)

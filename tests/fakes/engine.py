@@ -50,16 +50,20 @@ class FakeChat:
         self.tokens = tokens
         self.calls: Counter[str] = Counter()
         self.params: list[GenerationParams] = []  # what each call was sent with
+        self.sent: list[PromptRecord] = []  # every record asked for, in the order asked
         self.inflight = 0
         self.most_inflight = 0
         self.cancelled = 0
         self.closed = False
         self._lock = threading.Lock()
 
-    async def chat(self, record: PromptRecord, params: GenerationParams) -> ChatResult:
+    async def chat(
+        self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
+    ) -> ChatResult:
         with self._lock:
             self.calls[record.id] += 1
             self.params.append(params)
+            self.sent.append(record)
             self.inflight += 1
             self.most_inflight = max(self.most_inflight, self.inflight)
             scripted = self.failures.get(record.id)
@@ -93,6 +97,11 @@ class FakeEngine:
         self.state = "ready"
         self.down = down
         self.waits = 0
+        self.deaths = 0
+        self.last_error: str | None = None
+
+    def alive(self) -> bool:
+        return True
 
     def wait_up(self, timeout_s: float) -> None:
         self.waits += 1

@@ -223,6 +223,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = await read_json(request, SCHEMA)
     except ApiError as exc:
         return json_response(exc.body_a(), exc.status)
+    engine.check_crash(body.get("messages"))
     fault = engine.draw_fault()
     if fault == "429":
         engine.log_request({"body": body, "outcome": "429", "id": None})
@@ -258,7 +259,7 @@ async def _stream_error(request: web.Request, exc: ApiError) -> web.StreamRespon
 
 def _sse_response() -> web.StreamResponse:
     return web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
     )
 
 
