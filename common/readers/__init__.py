@@ -10,6 +10,7 @@ reject names the file, the line (or row), the field and the reason; the valid re
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -92,14 +93,20 @@ def read_source(source: str | Path, options: ReaderOptions | None = None) -> Ite
         seen.close()
 
 
-def _chunks(items: Iterator[Located], first: int = 64, most: int = 4096) -> Iterator[list[Located]]:
+def _chunks(
+    items: Iterator[Located], first: int = 64, most: int = 4096, wait_s: float = 0.05
+) -> Iterator[list[Located]]:
     """`items` in lists, for the duplicate check to take ids a chunk at a time: small at
-    first (the first batch goes out at once), then up to `most`."""
+    first (the first batch goes out at once), then up to `most`, and cut whenever `wait_s`
+    passed since its first item, so a slow source's prompts are not held back for a chunk."""
     size = first
     chunk: list[Located] = []
+    started = 0.0
     for item in items:
+        if not chunk:
+            started = time.monotonic()
         chunk.append(item)
-        if len(chunk) >= size:
+        if len(chunk) >= size or time.monotonic() - started >= wait_s:
             yield chunk
             chunk, size = [], min(size * 2, most)
     if chunk:
