@@ -414,6 +414,7 @@ class Feeder:
             custom_id=record.custom_id,
             request_id=result.request_id,
             logprobs=result.logprobs,
+            repetition=result.repetition,
         )
 
     def close(self) -> None:

@@ -38,6 +38,7 @@ from genfleet.workers.observe.engine_state import (
 )
 from genfleet.workers.observe.power_watch import fleet_state
 from genfleet.workers.observe.sampler import Monitor, make_sampler
+from genfleet.workers.repetition import repetition_rule
 
 log = logging.getLogger("genfleet.worker")
 
@@ -126,6 +127,7 @@ class WorkerRuntime:
                 timeout_s=settings.request_timeout_s,
                 max_connections=max_inflight + 8,
                 thinking=thinking,
+                repetition=repetition_rule(settings),
             ),
             engine,
             max_inflight,
