@@ -20,6 +20,7 @@ from genfleet.common.redis_conn import connect, text
 from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
+from genfleet.common.waste import waste_text
 from genfleet.producer.console import (
     Json,
     RedisUrl,
@@ -189,6 +190,8 @@ def status(
         out.print(f"  failed {batch}: {escape(error)}", highlight=False)
     if energy := energy_text(report):
         out.print(f"  energy: {energy}", highlight=False)
+    if waste := waste_text(report.get("waste") or {}):
+        out.print(f"  {waste}", highlight=False)
 
 
 def status_line(report: dict[str, Any]) -> str:
@@ -324,13 +327,20 @@ def export(
     redis_url: RedisUrl = None,
     store: StoreUrl = None,
     s3_endpoint_url: S3Endpoint = None,
+    with_stopped: Annotated[
+        bool,
+        typer.Option("--with-stopped", help='keep loops the guard stopped (finish "repetition")'),
+    ] = False,
 ) -> None:
-    """Write RUN's completions to one file (or numbered shards), deduplicated, in input order."""
+    """Write RUN's completions to one file (or numbered shards), deduplicated, in input order;
+    loops the repetition guard stopped only with --with-stopped."""
     from genfleet.producer.export import export_run
 
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
-        result = export_run(settings, run, out_path, fmt, partial, shard_size)
+        result = export_run(
+            settings, run, out_path, fmt, partial, shard_size, with_stopped=with_stopped
+        )
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     missing = len(result.missing_batches)
@@ -343,7 +353,13 @@ def export(
         f"run {run}: exported {result.records} records ({result.errors} error records) from "
         f"{result.batches_exported}/{result.batches_total} batches to {target} "
         f"({result.format})"
-        + (f"; {plural(missing, 'batch', 'batches')} not done yet" if missing else ""),
+        + (f"; {plural(missing, 'batch', 'batches')} not done yet" if missing else "")
+        + (
+            f"; {plural(result.stopped_left_out, 'stopped loop')} left out (--with-stopped "
+            "keeps them)"
+            if result.stopped_left_out
+            else ""
+        ),
         highlight=False,
     )
 

@@ -138,7 +138,17 @@ def run_status(
         "failed": failed,
         "store": store.url,
         **energy_figures(counters, gpu_hour_cost),
+        "waste": run_waste(counters),
     }
+
+
+def run_waste(counters: dict[str, str]) -> dict[str, Any]:
+    """Where the run's tokens went so far (common/waste.py), from the workers' counters, with
+    energy per kind where the GPUs had an energy counter."""
+    from genfleet.common.waste import WasteTally
+
+    j_per_token = energy_figures(counters, None)["j_per_token"]
+    return WasteTally.from_counters(counters).figures(j_per_token)
 
 
 def read_findings(client: redis.Redis, run: str | None = None, count: int = 200) -> list[Any]:

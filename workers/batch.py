@@ -36,6 +36,7 @@ from genfleet.common.records import (
 from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.store import Store
 from genfleet.common.throughput import member
+from genfleet.common.waste import WasteTally
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.lifecycle import Lease
 
@@ -78,6 +79,8 @@ class BatchSummary:
     energy_j: float | None = None  # the batch's share of its GPUs' energy (None: no counter)
     gpu_s: float = 0.0  # the batch's share of its GPUs' time
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    # Where the batch's tokens went (common/waste.py): the run's counters' increments.
+    waste: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -391,7 +394,9 @@ def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
 
 
 def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float) -> None:
+    tally = WasteTally()
     for row in rows:
+        tally.add(row)
         if row.get("error"):
             summary.errors += 1
             continue
@@ -401,6 +406,7 @@ def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float
         summary.reasoning_tokens += int(usage.get("reasoning_tokens") or 0)
         reason = str(row.get("finish_reason"))
         summary.finish_reasons[reason] = summary.finish_reasons.get(reason, 0) + 1
+    summary.waste = tally.to_counters()
     summary.duration_s = round(time.monotonic() - started, 3)
     if summary.duration_s > 0:
         summary.tokens_per_s = round(summary.completion_tokens / summary.duration_s, 1)
@@ -424,6 +430,8 @@ def _count(client: RedisCommands, order: WorkOrder, summary: BatchSummary) -> No
     pipe.hincrby(counters, "errors", summary.errors)
     pipe.hincrby(counters, "completion_tokens", summary.completion_tokens)
     pipe.hincrby(counters, "reasoning_tokens", summary.reasoning_tokens)
+    for name, value in summary.waste.items():
+        pipe.hincrby(counters, name, value)
     pipe.hset(counters, "last_done_at", time.time())
     pipe.execute()
 

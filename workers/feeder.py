@@ -36,6 +36,7 @@ from typing import Any, Protocol, TypeVar
 
 from genfleet.common.errors import EngineBusy, EngineDown, RequestFailed, RequestRejected
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
+from genfleet.common.waste import WasteTally
 from genfleet.workers.client import ChatResult
 
 log = logging.getLogger("genfleet.feeder")
@@ -181,6 +182,7 @@ class Feeder:
         self.tokens_total = 0
         self.busy_total = 0  # answers that were backpressure (429, queue full)
         self.failed_tries_total = 0  # aborts, 5xx: tries sent again
+        self.waste = WasteTally()  # where this worker's tokens went (common/waste.py)
         self.last_success_s = -float("inf")  # monotonic time of the last completion
         self._canary: tuple[PromptRecord, GenerationParams] | None = None  # last success
         self._engine = engine
@@ -383,6 +385,7 @@ class Feeder:
         result: ChatResult | RequestRejected | RequestFailed,
     ) -> CompletionRecord:
         if isinstance(result, RequestRejected | RequestFailed):
+            self.waste.add({"error": True})
             return CompletionRecord(
                 id=record.id,
                 run=run,
@@ -398,6 +401,14 @@ class Feeder:
                 custom_id=record.custom_id,
             )
         self.tokens_total += result.usage.completion_tokens
+        self.waste.add(
+            {
+                "finish_reason": result.finish_reason,
+                "content": result.content,
+                "usage": {"completion_tokens": result.usage.completion_tokens},
+                "repetition": result.repetition,
+            }
+        )
         return CompletionRecord(
             id=record.id,
             run=run,

@@ -151,6 +151,7 @@ class WorkerRuntime:
             base_url,
             fleet=lambda now: fleet_state(self.redis, settings, now),
             engine_pid=lambda: getattr(self.engine, "pid", None),
+            waste=lambda: self.feeder.waste.to_counters() if self.feeder else {},
         )
         self.monitor.start()
         self._start_watchdog(api_key)
