@@ -248,6 +248,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.finished_s = now
         self.tallies.aborted += 1
+        self.tallies.generation_tokens += seq.generated  # spent, even if nobody reads them
         self._fill(now)
 
     def step(self, now: float) -> list[Sequence]:
