@@ -20,7 +20,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.export import export_run
-from genfleet.producer.report import build_report
+from genfleet.producer.report import build_report, render_report
 from genfleet.producer.status import run_status
 from genfleet.workers.engine.emulator.sim.text import (
     chat_prompt,
@@ -116,6 +116,7 @@ def test_loops_are_stopped_early_and_kept_apart_and_nothing_else_is(
 
     saved = sum(rows[i]["repetition"]["tokens_saved"] for i in loops)
     report = build_report(settings, "loops")
+    assert render_report(report)  # the text tables take the new figures
     waste = report["waste"]
     assert report["stopped"] == waste["loops_stopped"] == len(loops)
     assert waste["tokens"]["stopped"] == sum(rows[i]["usage"]["completion_tokens"] for i in loops)
