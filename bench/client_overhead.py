@@ -129,7 +129,8 @@ def measure_bare(url: str, records: list[PromptRecord], inflight: int) -> tuple[
             async def one(body: bytes) -> int:
                 finished = 0
                 async with limiter, session.post(target, data=body) as response:
-                    async for line in response.content:  # SSE: `data: {chunk}` lines
+                    # the least a streaming client does: read the stream, decode each chunk
+                    for line in (await response.read()).split(b"\n"):
                         if line.startswith(b"data: {"):
                             chunk = orjson.loads(line[6:])
                             for choice in chunk.get("choices") or ():

@@ -149,7 +149,8 @@ async def _post_all(
             ) as response:
                 response.raise_for_status()
                 usage = None
-                async for line in response.content:  # SSE: `data: {chunk}` lines
+                # the least a streaming client does: read the stream, decode each chunk
+                for line in (await response.read()).split(b"\n"):
                     if line.startswith(b"data: {"):
                         usage = orjson.loads(line[6:]).get("usage") or usage
             assert usage is not None, "a stream without usage"
