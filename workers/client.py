@@ -383,7 +383,7 @@ async def _feed(response: aiohttp.ClientResponse, sink: ChatStream) -> bool:
             pending = []
         *lines, rest = data.split(b"\n")
         for line in lines:
-            if sink.feed(line):
+            if line and sink.feed(line):  # blank lines only separate events
                 return True
         if rest:
             pending.append(rest)

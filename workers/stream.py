@@ -95,16 +95,24 @@ class ChatStream:
         if isinstance(logprobs, dict) and logprobs.get("content"):
             self.logprobs = (self.logprobs or []) + list(logprobs["content"])
         stop = False
-        for name, parts, at in (("reasoning", self.reasoning, 0), ("content", self.content, 1)):
-            text = delta.get("reasoning_content" if at == 0 else "content")
-            if not text:
-                continue
-            parts.append(text)
-            if self._guards is not None and self.loop is None:
-                loop = self._guards[at].feed(text)
-                if loop is not None:
-                    self.loop, self.loop_field, stop = loop, name, True
+        text = delta.get("reasoning_content")
+        if text:
+            self.reasoning.append(text)
+            stop = self._guard(0, "reasoning", text)
+        text = delta.get("content")
+        if text:
+            self.content.append(text)
+            stop = self._guard(1, "content", text) or stop
         return stop
+
+    def _guard(self, at: int, name: str, text: str) -> bool:
+        if self._guards is None or self.loop is not None:
+            return False
+        loop = self._guards[at].feed(text)
+        if loop is None:
+            return False
+        self.loop, self.loop_field = loop, name
+        return True
 
     @property
     def chars(self) -> int:
