@@ -8,7 +8,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from tests.conftest import ROOT, base_env, free_port
+from tests.support import ROOT, base_env, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

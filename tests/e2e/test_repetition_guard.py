@@ -28,7 +28,7 @@ from genfleet.workers.engine.emulator.sim.text import (
     draw_text_kind,
     prompt_seed,
 )
-from tests.conftest import Worker, base_env, wait_for
+from tests.support import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -8,7 +8,7 @@ import httpx
 import orjson
 
 from genfleet.workers.repetition import RepetitionDetector, RepetitionRule
-from tests.workers.engine.conftest import StartEmulator
+from tests.support import StartEmulator
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
 
