@@ -101,6 +101,7 @@ def test_legitimately_repetitive_answers_are_never_loops(start_emulator: StartEm
     for answer in _texts(emulator.base_url, 12, max_tokens=6000, ignore_eos=True):
         content = answer["choices"][0]["message"]["content"]  # type: ignore[index]
         starts.add(content[:4])
+        assert content.count("\n") + content.count("item ") >= 20  # rows, lines, items
         detector = RepetitionDetector(RepetitionRule())
         assert not any(detector.feed(content[i : i + 128]) for i in range(0, len(content), 128))
     assert len(starts) >= 3  # tables, lists, code, refrains, enumerations: several kinds
