@@ -55,11 +55,12 @@ def _share(part: int, whole: int) -> float:
 def _flags(report: dict[str, Any], threshold: float) -> list[str]:
     """One line per problem a person should look at before training on the run."""
     flags: list[str] = []
-    answers = report["records"] - report["errors"]
+    # a stopped loop is neither an error nor an answer: counted apart, out of the answer shares
+    answers = report["records"] - report["errors"] - report.get("stopped", 0)
     checks = (
         ("short_or_empty_answers", report["short_answers"], answers),
         ("length_capped", report["length_capped"], answers),
-        ("stopped_loops", report.get("stopped", 0), answers),
+        ("stopped_loops", report.get("stopped", 0), report["records"]),
         ("reasoning_without_content", report["reasoning_without_content"], answers),
         ("errors", report["errors"], report["records"]),
     )
@@ -90,7 +91,8 @@ def build_report(
     characters, or fewer than `short_tokens` content tokens (completion minus reasoning
     tokens) when that is given; `short_answers` includes the empty ones, which
     `empty_answers` counts on their own. Error records count in `errors` and
-    `errors_by_type` only, not in the answer statistics.
+    `errors_by_type` only, not in the answer statistics; answers the repetition guard stopped
+    count in `stopped` (and `finish_reasons`, `waste`) only, likewise.
     """
     scan = scan_run(settings, run)
     finish: Counter[str] = Counter()
@@ -107,6 +109,9 @@ def build_report(
             errors_by_type[str(error.get("type") or "error")] += 1
             continue
         finish[str(record.get("finish_reason"))] += 1
+        if record.get("finish_reason") == STOPPED:  # counted apart, never as an answer
+            waste.add(record)
+            continue
         usage = record.get("usage") or {}
         completion_tokens = int(usage.get("completion_tokens") or 0)
         reasoning_tokens = int(usage.get("reasoning_tokens") or 0)
@@ -205,7 +210,7 @@ def render_report(report: dict[str, Any]) -> str:
     from rich.console import Console
     from rich.table import Table
 
-    answers = report["records"] - report["errors"]
+    answers = report["records"] - report["errors"] - report.get("stopped", 0)
     summary = Table(title=f"run {report['run']}", show_header=False)
     summary.add_column("what")
     summary.add_column("count", justify="right")
@@ -215,7 +220,7 @@ def render_report(report: dict[str, Any]) -> str:
         ("records", report["records"], None),
         ("errors", report["errors"], report["records"]),
         ("length capped", report["length_capped"], answers),
-        ("loops stopped (repetition)", report.get("stopped", 0), answers),
+        ("loops stopped (repetition)", report.get("stopped", 0), report["records"]),
         ("empty answers", report["empty_answers"], answers),
         (f"short answers (< {report['short_chars']} chars)", report["short_answers"], answers),
         ("reasoning without content", report["reasoning_without_content"], answers),
