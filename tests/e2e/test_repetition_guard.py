@@ -119,6 +119,8 @@ def test_loops_are_stopped_early_and_kept_apart_and_nothing_else_is(
     assert render_report(report)  # the text tables take the new figures
     waste = report["waste"]
     assert report["stopped"] == waste["loops_stopped"] == len(loops)
+    empty = [i for i, r in rows.items() if i not in loops and not (r["content"] or "").strip()]
+    assert report["empty_answers"] == len(empty)  # a loop is not an empty answer either
     assert waste["tokens"]["stopped"] == sum(rows[i]["usage"]["completion_tokens"] for i in loops)
     assert waste["tokens_saved"] == saved
     # the live counters agree (written just after each output: waited for, not raced)
