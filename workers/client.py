@@ -153,6 +153,7 @@ def parse_chat(data: Any, latency_s: float) -> ChatResult:
             "abort",
             f"the engine aborted the request after {result.usage.completion_tokens} tokens "
             f"(finish_reason abort, request {result.request_id})",
+            tokens=result.usage.completion_tokens,
         )
     return result
 
@@ -197,6 +198,7 @@ def stream_result(
             "bad_response",
             f"the stream ended before its finish chunk (request {stream.request_id}, "
             f"{completion} tokens so far)",
+            tokens=completion,
         )
     if finish == "abort":
         raise RequestFailed(
@@ -204,6 +206,7 @@ def stream_result(
             "abort",
             f"the engine aborted the request after {completion} tokens "
             f"(finish_reason abort, request {stream.request_id})",
+            tokens=completion,
         )
     return ChatResult(
         content="".join(stream.content),

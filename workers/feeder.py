@@ -35,7 +35,7 @@ from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
 from genfleet.common.errors import EngineBusy, EngineDown, RequestFailed, RequestRejected
-from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
+from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord, Usage
 from genfleet.common.waste import WasteTally
 from genfleet.workers.client import ChatResult
 
@@ -288,6 +288,7 @@ class Feeder:
     ) -> None:
         unsent, on_sent = progress
         attempt = 0  # failed tries: engine down, abort, 5xx
+        spent = 0  # tokens the engine generated in tries that failed
         refusals = 0  # backpressure answers in a row
         busy_since: float | None = None
         failing_since: float | None = None
@@ -327,9 +328,10 @@ class Feeder:
                 failing_since = time.monotonic() if failing_since is None else failing_since
                 attempt += 1
                 self.failed_tries_total += 1
+                spent += exc.tokens
                 if attempt > self.retries:
                     if await self._serves_others(failing_since):
-                        on_record(index, self._record(run, batch, record, exc))
+                        on_record(index, self._record(run, batch, record, exc, spent))
                         return
                     raise EngineDown(
                         f"{record.id} failed {attempt} times ({exc}) and the engine serves no "
@@ -383,9 +385,12 @@ class Feeder:
         batch: str,
         record: PromptRecord,
         result: ChatResult | RequestRejected | RequestFailed,
+        spent_tokens: int = 0,
     ) -> CompletionRecord:
+        """The prompt's output record; an error record's usage counts the tokens its failed
+        tries generated (`spent_tokens`: GPU time that bought nothing)."""
         if isinstance(result, RequestRejected | RequestFailed):
-            self.waste.add({"error": True})
+            self.waste.add({"error": True, "usage": {"completion_tokens": spent_tokens}})
             return CompletionRecord(
                 id=record.id,
                 run=run,
@@ -394,6 +399,7 @@ class Feeder:
                 reasoning=None,
                 content=None,
                 finish_reason=None,
+                usage=Usage(completion_tokens=spent_tokens),
                 model=self._client.model,
                 engine=self.identity,
                 error={"type": result.kind, "message": str(result)},
