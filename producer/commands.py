@@ -15,8 +15,9 @@ from rich.progress import BarColumn, Progress, TextColumn
 from genfleet.common import keys
 from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import with_settings
+from genfleet.common.ledger import Ledger
 from genfleet.common.manifest import Manifest
-from genfleet.common.redis_conn import connect, text
+from genfleet.common.redis_conn import connect
 from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
@@ -297,15 +298,7 @@ def retry(
         manifest = Manifest.load(store_of(settings), run)
         if manifest is not None:  # before the failed set is cleared: a refusal touches nothing
             check_resumed(manifest, settings, generation_params(settings))
-        client = connect(settings)
-        failed = [text(b) for b in client.hkeys(keys.failed_key(run))]
-        pipe = client.pipeline()
-        for batch in failed:
-            pipe.hdel(keys.failed_key(run), batch)
-            pipe.hdel(keys.attempts_key(run), batch)
-            pipe.hdel(keys.lost_key(run), batch)
-            pipe.srem(keys.queued_key(run), batch)
-        pipe.execute()
+        failed = Ledger(connect(settings)).clear_failed(run)
         result = enqueue_run(settings, run, None, reader_options(settings), verify=True)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))

@@ -303,7 +303,8 @@ def enqueue_run(
     With `verify` (`--resume`, `retry`), the orders believed outstanding are checked against
     what the broker really holds, so an order lost from Redis is sent again.
     """
-    from genfleet.common.redis_conn import connect, text
+    from genfleet.common.ledger import Ledger
+    from genfleet.common.redis_conn import connect
     from genfleet.producer.broker import make_client_app, orders_in_broker, send_orders
 
     keys.validate_run(run)
@@ -319,21 +320,19 @@ def enqueue_run(
     queue = work_queue(settings.queue, ref)
     client = connect(settings)
     app = make_client_app(settings)
-    queued = keys.queued_key(run)
+    ledger = Ledger(client)
     if verify:
         outstanding = orders_in_broker(client, queue, run)
-        client.delete(queued)
-        if outstanding:
-            client.sadd(queued, *outstanding)
+        ledger.set_queued(run, outstanding)
     else:
-        outstanding = {text(member) for member in client.smembers(queued)}
+        outstanding = ledger.queued(run)
 
     staging_since = time.time()
     staging = keys.staging_key(run)
     staging_now: list[bool] = []  # non-empty while this call stages the run
 
     def send(orders: list[WorkOrder]) -> int:
-        client.sadd(queued, *[order.batch for order in orders])
+        ledger.mark_queued(run, [order.batch for order in orders])
         client.sadd(keys.work_queues_key(), queue)
         if staging_now:
             client.set(staging, staging_since, ex=keys.STAGING_TTL_S)

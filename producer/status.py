@@ -14,6 +14,7 @@ import redis
 
 from genfleet.common import keys
 from genfleet.common.errors import InputError
+from genfleet.common.ledger import Ledger
 from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import text
 from genfleet.common.store import Store
@@ -79,7 +80,7 @@ def run_status(
     if manifest is None:
         raise InputError(f"no run {run!r} in {store.url} (no manifest): enqueue it first")
     done = done_batches(store, run) & set(manifest.batch_ids())
-    failed = {text(k): text(v) for k, v in client.hgetall(keys.failed_key(run)).items()}
+    failed = Ledger(client).failed(run)
     failed = {batch: error for batch, error in failed.items() if batch not in done}
     counters = {text(k): text(v) for k, v in client.hgetall(keys.counters_key(run)).items()}
     prompts_done = sum(entry.prompts for entry in manifest.batches if entry.batch in done)

@@ -25,7 +25,16 @@ from typing import Any
 import redis
 
 from genfleet.common import keys
-from genfleet.common.errors import StoreError, StoreUnavailable
+from genfleet.common.backoff import BOOKKEEPING, OUTPUT_WRITE
+from genfleet.common.errors import (
+    BatchCancelled,
+    BatchInputMissing,
+    BatchInterrupted,
+    BatchTerminated,
+    StoreError,
+    StoreUnavailable,
+)
+from genfleet.common.ledger import Ledger, Tally
 from genfleet.common.records import (
     CompletionRecord,
     PromptRecord,
@@ -35,25 +44,11 @@ from genfleet.common.records import (
 )
 from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.store import Store
-from genfleet.common.throughput import member
 from genfleet.common.waste import WasteTally
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.lifecycle import Lease
 
 log = logging.getLogger("genfleet.batch")
-
-
-class BatchInputMissing(StoreError):
-    """The staged input object is gone: retrying cannot help."""
-
-
-class BatchInterrupted(Exception):
-    """The worker is shutting down and cancelled the batch; what finished is checkpointed."""
-
-
-class BatchCancelled(Exception):
-    """The run was cancelled (`genfleet cancel`) while the batch ran; what finished is
-    checkpointed and the batch is parked."""
 
 
 @dataclass
@@ -169,6 +164,11 @@ def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 def _why(exc: BaseException, order: WorkOrder, finished: int, todo: int) -> BaseException:
     """The error a failed try reports: what the task can map to requeue, retry or failure."""
+    if isinstance(exc, BatchTerminated):
+        return BatchTerminated(
+            f"{order.run}/{order.batch} terminated by an operator (revoke) after {finished} of "
+            f"{todo} prompts (checkpointed)"
+        )
     if isinstance(exc, CancelledError):
         return BatchInterrupted(
             f"{order.run}/{order.batch} interrupted by shutdown after {finished} of {todo} "
@@ -218,7 +218,6 @@ def execute(
     cancelled: Callable[[], bool] | None = None,
     lease_client: RedisCommands | None = None,
     output_tries: int = 5,
-    on_sent: Callable[[], None] | None = None,
 ) -> BatchSummary:
     """Run one work order to its output object. `cancelled()` is polled while it runs and
     stops it; `lease_client` (default `client`) keeps the lease alive from a heartbeat thread,
@@ -251,7 +250,6 @@ def execute(
             [r for _, r in todo],
             order.params,
             lambda j, rec: collector.add(todo[j][0], rec),
-            on_sent=on_sent,
         )
         try:
             next_part = _follow(
@@ -373,7 +371,7 @@ def _with_retries(what: str, fn: Callable[..., Any], *args: Any, tries: int = 4)
             if attempt == tries:
                 raise
             log.warning("could not record %s (%s): retry %d", what, exc, attempt)
-            time.sleep(0.5 * 2**attempt)
+            time.sleep(BOOKKEEPING.delay_s(attempt))
 
 
 def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
@@ -389,7 +387,7 @@ def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
             if attempt == tries:
                 raise
             log.warning("output %s not written (%s): retry %d", key, exc, attempt)
-            time.sleep(min(2.0**attempt, 30.0))
+            time.sleep(OUTPUT_WRITE.delay_s(attempt))
     raise AssertionError("unreachable")
 
 
@@ -415,25 +413,19 @@ def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float
 def _mark_done(client: RedisCommands, order: WorkOrder) -> None:
     """The batch's output exists: no work order outstanding, not failed. (Which batches are
     done is read from the store's outputs, never from Redis.)"""
-    pipe = client.pipeline()
-    pipe.srem(keys.queued_key(order.run), order.batch)
-    pipe.hdel(keys.failed_key(order.run), order.batch)
-    pipe.execute()
+    Ledger(client).done(order.run, order.batch)
 
 
 def _count(client: RedisCommands, order: WorkOrder, summary: BatchSummary) -> None:
     """Live counters, after the output is in the store (the store is the truth)."""
-    pipe = client.pipeline()
-    pipe.srem(keys.queued_key(order.run), order.batch)
-    pipe.hdel(keys.failed_key(order.run), order.batch)
-    counters = keys.counters_key(order.run)
-    pipe.hincrby(counters, "errors", summary.errors)
-    pipe.hincrby(counters, "completion_tokens", summary.completion_tokens)
-    pipe.hincrby(counters, "reasoning_tokens", summary.reasoning_tokens)
-    for name, value in summary.waste.items():
-        pipe.hincrby(counters, name, value)
-    pipe.hset(counters, "last_done_at", time.time())
-    pipe.execute()
+    tally = Tally(
+        summary.errors,
+        summary.completion_tokens,
+        summary.reasoning_tokens,
+        time.time(),
+        more=summary.waste,
+    )
+    Ledger(client).done(order.run, order.batch, tally)
 
 
 def _progress(
@@ -446,11 +438,4 @@ def _progress(
     """
     if not prompts:
         return
-    now = time.time()
-    throughput = keys.throughput_key(order.run)
-    pipe = client.pipeline()
-    pipe.hincrby(keys.counters_key(order.run), "prompts_generated", prompts)
-    pipe.hincrby(keys.counters_key(order.run), "tokens_generated", tokens)
-    pipe.zadd(throughput, {member(now, order.batch, worker, tokens): now})
-    pipe.zremrangebyscore(throughput, "-inf", now - 3600)
-    pipe.execute()
+    Ledger(client).progress(order.run, order.batch, worker, prompts, tokens, time.time())
