@@ -104,11 +104,12 @@ class Loop:
 class RepetitionDetector:
     """One text stream's detector (an answer has two: reasoning and content)."""
 
-    __slots__ = ("rule", "_tail", "_seen", "_unchecked")
+    __slots__ = ("rule", "_tail", "_pending", "_seen", "_unchecked")
 
     def __init__(self, rule: RepetitionRule) -> None:
         self.rule = rule
         self._tail = ""
+        self._pending: list[str] = []  # fed since the last check, joined to the tail then
         self._seen = 0  # characters fed, in all; the tail holds the last of them
         self._unchecked = 0
 
@@ -120,25 +121,28 @@ class RepetitionDetector:
     @property
     def tail_chars(self) -> int:
         """Characters kept: bounded by the rule, never by the length of the answer."""
-        return len(self._tail)
+        return len(self._tail) + self._unchecked
 
     def feed(self, delta: str) -> Loop | None:
         """Add the next piece of text; a Loop when the tail has become one."""
         if not delta:
             return None
         self._seen += len(delta)
-        self._tail += delta
-        keep = self.rule.keep_chars
-        if len(self._tail) > 2 * keep:  # trimmed in halves: amortised O(1) per character
-            self._tail = self._tail[-keep:]
+        self._pending.append(delta)
         self._unchecked += len(delta)
         if self._unchecked < self.rule.check_every_chars:
             return None
-        self._unchecked = 0
         return self.check()
 
     def check(self) -> Loop | None:
         """Whether the tail, as it is now, ends in a loop (see the module docstring)."""
+        if self._pending:  # one join per check, not a copy of the tail per chunk
+            self._tail = "".join((self._tail, *self._pending))
+            self._pending.clear()
+            self._unchecked = 0
+            keep = self.rule.keep_chars
+            if len(self._tail) > 2 * keep:  # trimmed in halves: amortised O(1) a character
+                self._tail = self._tail[-keep:]
         tail, rule = self._tail, self.rule
         n = len(tail)
         if n < rule.min_span_chars or n <= NEEDLE_CHARS:
