@@ -265,6 +265,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--max-inflight", type=int, default=None, help="default: the worker's")
     parser.add_argument("--worker-concurrency", type=int, default=3)
+    parser.add_argument(
+        "--stream-chunk-tokens", type=int, default=None, help="default: the worker's"
+    )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/13")
     args = parser.parse_args()
     count = args.prompts or (3000 if args.quick else 4000)
@@ -291,6 +294,8 @@ def main() -> None:
         }
         if args.max_inflight:
             knobs["max_inflight"] = args.max_inflight
+        if args.stream_chunk_tokens:
+            knobs["stream_chunk_tokens"] = args.stream_chunk_tokens
         env = emulator_env(knobs)
         argv = engine_command(env)
         source = tmp / "prompts.jsonl"
