@@ -40,6 +40,7 @@ from genfleet.producer.enqueue import (
     enqueue_run,
     generation_params,
     reader_options,
+    regenerate_advice,
 )
 from genfleet.producer.runs.identity import check_resumed
 from genfleet.producer.status import (
@@ -72,9 +73,13 @@ def enqueue(
     source: Annotated[str | None, typer.Argument(help="dataset file or directory")] = None,
     run: Run = "",
     fmt: Format = None,
-    messages_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
-    prompt_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
-    id_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
+    messages_col: Annotated[
+        str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
+    ] = None,
+    prompt_col: Annotated[
+        str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
+    ] = None,
+    id_col: Annotated[str | None, typer.Option(help="field or column (jsonl, parquet, hf)")] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="rebuild the queue of RUN from the store alone")
     ] = False,
@@ -151,6 +156,9 @@ def _print_enqueue(
     print_rejects(result.reject_samples)
     if result.rejects > len(result.reject_samples):
         console.print(f"  … all {result.rejects} rejects are in {result.run}/rejects.jsonl")
+    if result.ends_with_answer:
+        advice = regenerate_advice(result.ends_with_answer)
+        console.print(f"  [yellow]{escape(advice)}[/] (as a new run: --run NEW)", highlight=False)
 
 
 def status(
@@ -317,6 +325,9 @@ def export(
     shard_size: Annotated[
         int | None, typer.Option("--shard-size", help="N records per file: OUT-00000.jsonl, …")
     ] = None,
+    previous: Annotated[
+        bool, typer.Option("--previous/--no-previous", help="keep --regenerate's old answers")
+    ] = True,
     redis_url: RedisUrl = None,
     store: StoreUrl = None,
     s3_endpoint_url: S3Endpoint = None,
@@ -332,7 +343,7 @@ def export(
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
         result = export_run(
-            settings, run, out_path, fmt, partial, shard_size, with_stopped=with_stopped
+            settings, run, out_path, fmt, partial, shard_size, previous, with_stopped=with_stopped
         )
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))

@@ -219,12 +219,13 @@ def openai_output_line(record: dict[str, Any], created: int) -> dict[str, Any]:
     return line
 
 
-def parquet_schema() -> Any:
+def parquet_schema(previous: bool = False) -> Any:
     """The fixed export schema: the JSONL record's fields, nested the same way.
 
     Messages are a list of {role, content, name, tool_call_id, tool_calls}, the shape chat
     trainers read; content that is not a string (parts lists) and tool_calls are JSON text.
     `engine` and `logprobs` (when asked for) are JSON text because their shapes vary.
+    A `--regenerate` run's export adds `previous` {content, reasoning} (unless --no-previous).
     """
     import pyarrow as pa
 
@@ -250,6 +251,11 @@ def parquet_schema() -> Any:
             ("error", error),
             ("request_id", text),
             ("logprobs", text),
+            *(
+                [("previous", pa.struct([("content", text), ("reasoning", text)]))]
+                if previous
+                else []
+            ),
         ]
     )
 
@@ -289,6 +295,7 @@ def _parquet_row(record: dict[str, Any]) -> dict[str, Any]:
         "error": {"type": error.get("type"), "message": error.get("message")} if error else None,
         "request_id": record.get("request_id"),
         "logprobs": _text(record.get("logprobs")),
+        "previous": record.get("previous"),  # dropped by a schema without it
     }
 
 
@@ -298,10 +305,10 @@ class _ParquetWriter:
     ROW_GROUP_ROWS = 4096
     ROW_GROUP_BYTES = 32 * 1024 * 1024
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, previous: bool = False) -> None:
         import pyarrow.parquet as pq
 
-        self._schema = parquet_schema()
+        self._schema = parquet_schema(previous)
         self._writer = pq.ParquetWriter(str(path), self._schema, compression="zstd")
         self._rows: list[dict[str, Any]] = []
         self._bytes = 0
@@ -325,12 +332,18 @@ class _ParquetWriter:
         self._writer.close()
 
 
-def _writer(fmt: str, path: Path, gz: bool, manifest: Manifest) -> _Writer:
+def _writer(fmt: str, path: Path, gz: bool, manifest: Manifest, previous: bool) -> _Writer:
     if fmt == "jsonl":
         return _JsonlWriter(path, gz)
     if fmt == "openai":
         return _OpenAIWriter(path, gz, int(manifest.created_at))
-    return _ParquetWriter(path)
+    return _ParquetWriter(path, previous and bool(manifest.staging.get("regenerate")))
+
+
+def _without_previous(records: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for record in records:
+        record.pop("previous", None)
+        yield record
 
 
 def _parse_out(out: str) -> tuple[str, Path | None]:
@@ -374,6 +387,7 @@ def export_run(
     fmt: str = "jsonl",
     partial: bool = False,
     shard_size: int | None = None,
+    previous: bool = True,
     with_stopped: bool = False,
 ) -> ExportResult:
     """Write every finished record of `run` to `out`, deduplicated, in input order.
@@ -381,8 +395,10 @@ def export_run(
     Raises RunIncomplete before writing anything when batches lack outputs, unless
     `partial`; then the finished batches are exported and the rest listed in the result.
     With `shard_size`, records go to numbered files (`shard_name`) of that many each.
-    Answers the repetition guard stopped (`finish_reason "repetition"`) are left out, and
-    counted, unless `with_stopped`: a loop is never an answer to train on by accident.
+    A `--regenerate` run's records keep their old answers (`previous`) unless `previous` is
+    False (`--no-previous`). Answers the repetition guard stopped (`finish_reason
+    "repetition"`) are left out, and counted, unless `with_stopped`: a loop is never an
+    answer to train on by accident.
     """
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}: use {', '.join(FORMATS)}")
@@ -394,9 +410,11 @@ def export_run(
     if scan.missing and not partial:
         raise RunIncomplete(run, scan.missing, total)
     result = ExportResult(run=run, path=out, format=fmt, batches_total=total)
-    records = scan.records() if with_stopped else _without_stopped(scan.records(), result)
+    records = scan.records() if previous else _without_previous(scan.records())
+    if not with_stopped:
+        records = _without_stopped(records, result)
     if shard_size is None:
-        _write_target(settings, scan, partial, out, records, result)
+        _write_target(settings, scan, partial, out, records, result, previous)
     else:
         for index in itertools.count():  # ends when the records do
             head = next(records, None)
@@ -404,7 +422,7 @@ def export_run(
                 break
             shard = itertools.chain([head], itertools.islice(records, shard_size - 1))
             result.shards.append(shard_name(out, index))
-            _write_target(settings, scan, partial, result.shards[-1], shard, result)
+            _write_target(settings, scan, partial, result.shards[-1], shard, result, previous)
     result.duplicates = scan.duplicates
     result.batches_exported = scan.batches_read
     result.missing_batches = list(scan.missing)
@@ -428,12 +446,13 @@ def _write_target(
     out: str,
     records: Iterator[dict[str, Any]],
     result: ExportResult,
+    previous: bool = True,
 ) -> None:
     """Write `records` to a temporary file, then move it to `out` (or upload it) complete."""
     _, local = _parse_out(out)
     tmp = _create_temp(local.parent if local is not None else Path(tempfile.gettempdir()))
     try:
-        writer = _writer(result.format, tmp, out.endswith(".gz"), scan.manifest)
+        writer = _writer(result.format, tmp, out.endswith(".gz"), scan.manifest, previous)
         try:
             for record in records:
                 writer.write(record)

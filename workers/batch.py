@@ -25,6 +25,7 @@ from typing import Any
 import redis
 
 from genfleet.common import keys
+from genfleet.common import previous as old_answers
 from genfleet.common.backoff import BOOKKEEPING, OUTPUT_WRITE
 from genfleet.common.errors import (
     BatchCancelled,
@@ -233,9 +234,12 @@ def execute(
     if data is None:
         raise BatchInputMissing(f"staged input {order.key} is missing from {store.url}")
     records = [PromptRecord.from_json(row) for row in decode_jsonl_gz(data)]
+    answers = old_answers.detach(records)  # --regenerate: never sent, copied to the output
     summary.prompts = len(records)
     previous, next_part = load_parts(store, order.run, order.batch)
     todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
+    if answers:  # the longest-expected first: the batch does not end on a long straggler
+        todo = [(i, records[i]) for i in old_answers.longest_first([i for i, _ in todo], answers)]
     summary.resumed = len(records) - len(todo)
 
     _telemetry(
@@ -249,7 +253,9 @@ def execute(
             order.batch,
             [r for _, r in todo],
             order.params,
-            lambda j, rec: collector.add(todo[j][0], rec),
+            lambda j, rec: collector.add(
+                todo[j][0], old_answers.attach(rec, answers.get(todo[j][0]))
+            ),
         )
         try:
             next_part = _follow(
