@@ -8,6 +8,7 @@ GenfleetError
 ├── StoreError             the object store failed after its own retries
 │   ├── StoreUnavailable   cannot reach it now: retry later, nothing is lost
 │   └── BatchInputMissing  a batch's staged input is gone: retrying cannot help
+│       └── BatchInputMismatch  it is not the content its order was issued for
 ├── BrokerUnavailable      Redis does not answer: a hint says how to start one
 ├── EngineError            the engine cannot serve
 │   ├── PreflightError     the checkpoint or command would not run (before any GPU time)
@@ -21,6 +22,8 @@ GenfleetError
     ├── BatchInterrupted   the worker stops: checkpointed, the order goes back to the queue
     │   └── BatchTerminated  an operator terminated its task (revoke): in the failed set
     ├── BatchCancelled     its run was cancelled (`genfleet cancel`): checkpointed and parked
+    ├── BatchSuperseded    its order is of a staging the run no longer has: dropped
+    ├── ThinkingUnsupported  `--no-thinking` on a model with no switch: in the failed set
     └── BatchFailed        tries spent, or it cannot succeed: it is in the run's failed set
 """
 
@@ -60,6 +63,11 @@ class StoreUnavailable(StoreError):
 
 class BatchInputMissing(StoreError):
     """The staged input object is gone: retrying cannot help."""
+
+
+class BatchInputMismatch(BatchInputMissing):
+    """The staged input is not the content the order names (`WorkOrder.input_sha256`):
+    generating it would answer other prompts than the order's; retrying cannot help."""
 
 
 class BrokerUnavailable(GenfleetError):
@@ -140,6 +148,16 @@ class BatchTerminated(BatchInterrupted):
 class BatchCancelled(BatchError):
     """The run was cancelled (`genfleet cancel`) while the batch ran; what finished is
     checkpointed and the batch is parked."""
+
+
+class BatchSuperseded(BatchError):
+    """The order belongs to a staging its run no longer has (deleted, or staged anew under
+    its name): acknowledged, never generated, nothing written (`workers.provenance`)."""
+
+
+class ThinkingUnsupported(BatchError):
+    """The run asks for no thinking and the model has no switch to turn it off: no worker of
+    this model could honour the order, so it is failed, not generated with thinking on."""
 
 
 class BatchFailed(BatchError):

@@ -56,6 +56,12 @@ def claim_key(run: str) -> str:
     return f"{run}/claim.json"
 
 
+def model_key(run: str) -> str:
+    """The checkpoint fingerprint of the engine that generates the run, written once by the
+    first worker to generate one of its batches: workers serving another are handed back."""
+    return f"{run}/model.json"
+
+
 def input_key(run: str, batch: str) -> str:
     """A staged batch of prompts (claim check: work orders carry this key, not prompts)."""
     return f"{run}/inputs/{batch}.jsonl.gz"
@@ -161,9 +167,10 @@ def cancelled_key(run: str) -> str:
 
 
 def deleted_key(run: str) -> str:
-    """Tombstone left by `genfleet delete` (value: when), so that a stray work order of the
-    deleted run (enqueued before that time) is dropped even if a run of the same name is
-    staged again. TTL: the visibility timeout, after which no such order can come back."""
+    """Tombstone left by `genfleet delete` (value: the staging id it deleted), so that a stray
+    work order of that staging is dropped even if a run of the same name is staged again (no
+    time in it: comparing it with an order's would compare two hosts' clocks). TTL: the
+    visibility timeout, after which no such order can come back."""
     return f"{PREFIX}:deleted:{run}"
 
 

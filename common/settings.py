@@ -227,6 +227,9 @@ class Settings(BaseSettings):
             raise ValueError("--engine command needs --engine-command")
         if self.engine == "sglang" and not self.model:
             raise ValueError("--engine sglang needs --model")
+        if not self.thinking and self.thinking_switch == "none":
+            # Nothing could turn thinking off: refused here, not ignored by every worker.
+            raise ValueError("--no-thinking needs a thinking switch; --thinking-switch is none")
         return self
 
     @classmethod

@@ -34,6 +34,7 @@ from genfleet.producer.console import (
     out,
     plural,
     print_rejects,
+    warn_unread,
 )
 from genfleet.producer.enqueue import (
     EnqueueResult,
@@ -154,6 +155,7 @@ def _print_enqueue(
         highlight=False,
     )
     print_rejects(result.reject_samples)
+    warn_unread(result.run, result.sources_unread, result.rows_unread)
     if result.rejects > len(result.reject_samples):
         console.print(f"  … all {result.rejects} rejects are in {result.run}/rejects.jsonl")
     if result.ends_with_answer:
@@ -195,6 +197,7 @@ def status(
         return
     warn_unconsumed(run, report["unconsumed"])
     out.print(status_line(report), highlight=False)
+    warn_unread(run, report["sources_unread"], report["rows_unread"])
     for batch, error in report["failed"].items():
         out.print(f"  failed {batch}: {escape(error)}", highlight=False)
     if energy := energy_text(report):

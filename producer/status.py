@@ -130,6 +130,8 @@ def run_status(
         "prompts_generated": generated,
         "errors": int(counters.get("errors", 0)),
         "rejects": manifest.rejects,
+        "sources_unread": manifest.sources_unread,
+        "rows_unread": manifest.rows_unread,
         "completion_tokens": completion_tokens,
         "reasoning_tokens": int(counters.get("reasoning_tokens", 0)),
         "tokens_per_s": round(rate, 1),

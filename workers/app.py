@@ -33,6 +33,10 @@ app = Celery("genfleet", include=["genfleet.workers.tasks"])
 
 SETTINGS_KEY = "genfleet_settings"
 _given: list[Settings] = []  # what configure() handed over, read once when the conf loads
+# Why this process's engine step could not start (preflight refused the checkpoint, the engine
+# never became ready): Celery logs it and returns an exit code that `worker_main` drops, so
+# `run_celery` reads it here to exit non-zero with the reason.
+startup_failures: list[str] = []
 
 
 def configure(settings: Settings) -> None:
@@ -106,13 +110,16 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
             except Exception:  # noqa: BLE001 - broker may be gone too; the state says why
                 log.exception("could not stop consuming from %s", queue)
 
-        runtime = WorkerRuntime(settings, hostname, on_exhausted=exhausted)
-        runtime.celery_worker = parent
-        self.runtime = runtime
+        runtime = None
         try:
+            runtime = WorkerRuntime(settings, hostname, on_exhausted=exhausted)
+            runtime.celery_worker = parent
+            self.runtime = runtime
             runtime.start()
-        except Exception:
-            runtime.stop()
+        except Exception as exc:
+            startup_failures.append(f"{type(exc).__name__}: {exc}")
+            if runtime is not None:
+                runtime.stop()
             raise
         parent.genfleet_runtime = runtime
         BatchTask.runtime = runtime

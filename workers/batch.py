@@ -31,6 +31,7 @@ from genfleet.common.errors import (
     BatchCancelled,
     BatchInputMissing,
     BatchInterrupted,
+    BatchSuperseded,
     BatchTerminated,
     StoreError,
     StoreUnavailable,
@@ -38,7 +39,6 @@ from genfleet.common.errors import (
 from genfleet.common.ledger import Ledger, Tally
 from genfleet.common.records import (
     CompletionRecord,
-    PromptRecord,
     WorkOrder,
     decode_jsonl_gz,
     encode_jsonl_gz,
@@ -48,6 +48,7 @@ from genfleet.common.store import Store
 from genfleet.common.waste import WasteTally
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.lifecycle import Lease
+from genfleet.workers.provenance import ensure_current, kept_parts, read_staged
 
 log = logging.getLogger("genfleet.batch")
 
@@ -201,8 +202,9 @@ def _save_finished(store: Store, order: WorkOrder, part: int, rows: list[Complet
     if not rows:
         return
     try:
+        ensure_current(store, order)
         write_part(store, order.run, order.batch, part, rows)
-    except StoreError as exc:
+    except (StoreError, BatchSuperseded) as exc:
         log.warning("could not checkpoint %s/%s: %s", order.run, order.batch, exc)
 
 
@@ -233,10 +235,13 @@ def execute(
     data = store.get(order.key)
     if data is None:
         raise BatchInputMissing(f"staged input {order.key} is missing from {store.url}")
-    records = [PromptRecord.from_json(row) for row in decode_jsonl_gz(data)]
+    ensure_current(store, order)
+    staged = read_staged(order, data)
+    records = staged.records
     answers = old_answers.detach(records)  # --regenerate: never sent, copied to the output
     summary.prompts = len(records)
-    previous, next_part = load_parts(store, order.run, order.batch)
+    checkpointed, next_part = load_parts(store, order.run, order.batch)
+    previous = kept_parts(staged, checkpointed)
     todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
     if answers:  # the longest-expected first: the batch does not end on a long straggler
         todo = [(i, records[i]) for i in old_answers.longest_first([i for i, _ in todo], answers)]
@@ -254,7 +259,10 @@ def execute(
             [r for _, r in todo],
             order.params,
             lambda j, rec: collector.add(
-                todo[j][0], old_answers.attach(rec, answers.get(todo[j][0]))
+                todo[j][0],
+                _staged_as(
+                    old_answers.attach(rec, answers.get(todo[j][0])), staged.digests[todo[j][0]]
+                ),
             ),
         )
         try:
@@ -288,7 +296,10 @@ def execute(
         summary.generated_tokens = sum(
             r.usage.completion_tokens for r in collector.results.values()
         )
+        ensure_current(store, order)
         wrote = _put_output(store, output_key, encode_jsonl_gz(rows_out), output_tries)
+        if wrote:
+            _unless_superseded(store, order, output_key)
         summary.duplicate = not wrote
         _summarise(summary, rows_out, started)
         _report(client, order, worker, collector)
@@ -338,6 +349,7 @@ def _follow(
             rows = collector.take_unflushed()
             if rows:
                 try:
+                    ensure_current(store, order)
                     next_part = write_part(store, order.run, order.batch, next_part, rows)
                 except StoreError as exc:
                     collector.give_back_rows(rows)
@@ -348,6 +360,22 @@ def _follow(
                         exc,
                     )
             last_flush = time.monotonic()
+
+
+def _staged_as(record: CompletionRecord, digest: str) -> CompletionRecord:
+    """The record names the staged prompt it answers (checked on resume and export)."""
+    record.prompt_sha256 = digest
+    return record
+
+
+def _unless_superseded(store: Store, order: WorkOrder, output_key: str) -> None:
+    """The output was written: if the run's staging changed while it was (a deletion and a
+    new staging within that put), take it back, so the new run never holds this answer."""
+    try:
+        ensure_current(store, order)
+    except BatchSuperseded:
+        store.delete_prefix(output_key)
+        raise
 
 
 def _report(client: RedisCommands, order: WorkOrder, worker: str, collector: _Collector) -> None:

@@ -73,6 +73,8 @@ def worker(
     """
     settings = settings.model_copy(update={"role": "gpu"})
     groups = gpu_groups(settings.gpus, settings.tp_size)
+    if settings.engine is None and not settings.model:
+        print(emulator_banner(worker_queue(settings)), file=sys.stderr, flush=True)
     if print_engine_command:
         from genfleet.workers.engine.kinds import print_engine_command as engine_command
 
@@ -90,6 +92,20 @@ def worker(
     concurrency = str(settings.worker_concurrency)
     queue = worker_queue(settings)  # its model's queue: it takes no other model's orders
     run_celery(settings, ["--queues", queue, "--concurrency", concurrency], name)
+
+
+def emulator_banner(queue: str) -> str:
+    """What a worker started with no model and no `--engine` says first, on stderr: that it
+    runs the emulator (synthetic answers) and takes only the emulator's queue, never a
+    model's, so a forgotten `--model` cannot pass for a GPU worker."""
+    line = "!" * 78
+    return (
+        f"{line}\n"
+        f"  genfleet worker: no --model and no --engine given: running the ENGINE EMULATOR.\n"
+        f"  Its answers are synthetic. It consumes only {queue}, never a model's queue.\n"
+        f"  For a real engine: genfleet worker --model PATH (or --engine external|command).\n"
+        f"{line}"
+    )
 
 
 def run_group_workers(settings: Settings, groups: list[str | None], hostname: str | None) -> None:
@@ -121,11 +137,17 @@ def run_group_workers(settings: Settings, groups: list[str | None], hostname: st
 def run_celery(settings: Settings, args: list[str], hostname: str) -> None:
     """This process's Celery worker, configured with `settings` (handed over, not re-read)."""
     from genfleet.workers.app import app as celery_app
-    from genfleet.workers.app import configure
+    from genfleet.workers.app import configure, startup_failures
 
     configure(settings)
     flags = ["--hostname", hostname, "--loglevel", "INFO", "--task-events", "--without-mingle"]
-    celery_app.worker_main(["worker", *args, *flags])
+    # `app.start`, not `worker_main`, which drops the exit code: a worker whose engine step
+    # failed (a checkpoint preflight refused) must not exit 0, or a supervisor sees success.
+    code = celery_app.start(["worker", *args, *flags])
+    if startup_failures:
+        fail(f"worker {hostname} did not start: {startup_failures[-1]}", code=1)
+    if code:
+        raise typer.Exit(code)
 
 
 @with_settings(exclude={"role"})
@@ -133,6 +155,9 @@ def control(settings: Settings, hostname: Hostname = None) -> None:
     """Start the one control worker: beat (power-watch, lease reaper) with no engine."""
     settings = settings.model_copy(update={"role": "control"})
     schedule = Path(settings.log_dir or tempfile.gettempdir()) / "genfleet-beat-schedule"
+    # Beat cannot open its schedule in a folder that does not exist yet (a fresh --log-dir the
+    # GPU workers would create later): it logs the error and no power-watch ever runs.
+    schedule.parent.mkdir(parents=True, exist_ok=True)
     args = ["--beat", "--schedule", str(schedule), "--queues", "control", "--concurrency", "2"]
     run_celery(settings, args, hostname or f"control@{socket.gethostname()}")
 

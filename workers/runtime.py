@@ -26,6 +26,7 @@ from genfleet.common.store import Store, store_of
 from genfleet.workers.client import EngineClient, ThinkingSwitch
 from genfleet.workers.engine.external import ExternalEngine
 from genfleet.workers.engine.families import choose
+from genfleet.workers.engine.fingerprint import checkpoint_identity
 from genfleet.workers.engine.launch import auth_headers
 from genfleet.workers.engine.ports import pick_port
 from genfleet.workers.engine.supervisor import EngineSupervisor
@@ -71,6 +72,10 @@ class WorkerRuntime:
         self.arch: str | None = None  # the checkpoint's architectures[0], when preflight read it
         self.watchdog: StallWatchdog | None = None
         self.celery_worker: Any = None  # the WorkController, set by the engine bootstep
+        # The checkpoint fingerprint (`engine.fingerprint`), and the runs already found to
+        # match it (so the run's record is read once per run, not per batch).
+        self.model_identity: dict[str, Any] | None = None
+        self.model_runs: set[str] = set()
         self._slots_lock = threading.Lock()
         self._released = 0
         self._released_by: set[tuple[str, str]] = set()  # batches whose slot was handed on
@@ -111,6 +116,7 @@ class WorkerRuntime:
         choice = choose(settings, self.arch)
         thinking = ThinkingSwitch(choice.thinking_key, choice.thinking_default)
         log.info("%s", choice.describe().removeprefix("# "))
+        self.model_identity = checkpoint_identity(settings, choice)
         self.feeder = Feeder(
             lambda: EngineClient(
                 base_url,

@@ -4,6 +4,7 @@ production path) against a small local server that answers what each case needs.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -427,3 +428,28 @@ def test_with_the_guard_off_a_loop_runs_to_its_end() -> None:
     assert result.finish_reason == "length"
     assert result.usage.completion_tokens == 60 * 32
     assert not state.closed_early.is_set()
+
+
+GOLDEN_STREAM = Path(__file__).resolve().parents[1] / "golden" / "sglang-0.5.15" / "chat_stream.sse"
+
+
+def test_a_stream_recorded_from_real_sglang_is_assembled() -> None:
+    """SGLang 0.5.15's own chat stream (tests/golden), served back over HTTP: the client puts
+    together the same reasoning, finish reason and usage the stream carries."""
+    payloads = [
+        line[len(b"data: ") :]
+        for line in GOLDEN_STREAM.read_bytes().splitlines()
+        if line.startswith(b"data: ")
+    ]
+    chunks = [orjson.loads(p) for p in payloads if p != b"[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    usage = chunks[-1]["usage"]
+    result, _ = run(_with_stream(payloads))
+    assert result.reasoning == "".join(d.get("reasoning_content") or "" for d in deltas)
+    assert result.content == "".join(d.get("content") or "" for d in deltas)
+    assert result.finish_reason == "length" and result.repetition is None
+    assert (result.usage.completion_tokens, result.usage.reasoning_tokens) == (
+        usage["completion_tokens"],
+        usage["reasoning_tokens"],
+    )
+    assert result.request_id == chunks[0]["id"]

@@ -120,6 +120,8 @@ def not_generated_headline(result: Mapping[str, Any]) -> str:
     where = f"{result.get('run')}/{result.get('batch')}"
     if result.get("handed_back"):
         return _clean(f"{where}: an order for another model: handed back to {result.get('queue')}")
+    if result.get("superseded"):
+        return _clean(f"{where}: an order of a staging the run no longer has: dropped")
     if result.get("drop"):
         return _clean(f"{where}: its run was deleted: dropped")
     return _clean(f"{where}: the run is cancelled: parked (enqueue --resume resumes it)")
