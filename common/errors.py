@@ -14,8 +14,10 @@ GenfleetError
 │   ├── PreflightError     the checkpoint or command would not run (before any GPU time)
 │   ├── EngineStartError   it did not become ready; carries the last log lines
 │   ├── EngineDown         it died or stopped answering: retryable
+│   │   ├── EngineUnreachable  a request could not even connect: it was never in flight
+│   │   └── RequestTimedOut  one request outlived its deadline: that prompt's error record
 │   ├── EngineBusy         429 or "queue full": backpressure, wait and send again
-│   └── RestartBudgetExhausted  it kept dying: the worker stops taking work
+│   └── RestartBudgetExhausted  its restart budget (a rate) is spent: no work for a cool-down
 ├── RequestRejected        the engine refused one prompt (HTTP 400): an error record
 ├── RequestFailed          one try of one prompt failed (abort, 5xx): retried, then an error record
 └── BatchError             a batch stopped before its output (workers/outcome says what follows)
@@ -91,6 +93,17 @@ class EngineStartError(EngineError):
 
 class EngineDown(EngineError):
     pass
+
+
+class EngineUnreachable(EngineDown):
+    """A request could not connect to the engine (refused, connect timeout): the engine
+    never saw it, so whatever the engine died of, it was not this prompt."""
+
+
+class RequestTimedOut(EngineDown):
+    """One request outlived its own deadline (`workers/deadline`, from its max_tokens) while
+    the engine answered connections: that prompt's failure, an error record, never its
+    batch's. An EngineDown for whoever does not tell them apart."""
 
 
 class EngineBusy(EngineError):

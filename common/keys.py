@@ -212,3 +212,12 @@ def alerted_key() -> str:
 def workers_key() -> str:
     """Hash worker → last time it answered the power-watch; a silent one is a finding."""
     return f"{PREFIX}:workers"
+
+
+def engine_alarms_key() -> str:
+    """Hash worker → JSON of its engine when it needs a person: its restart budget spent (in
+    a cool-down, not taking work) or dying the same way on every restart (a crash loop, with
+    the error and any known workaround). Written by the worker when that happens, removed
+    when its engine serves again or the worker stops; `status` shows the entries of a run's
+    queue. No TTL: a worker killed outright leaves its entry, which carries its time."""
+    return f"{PREFIX}:engine-alarms"

@@ -46,6 +46,7 @@ from genfleet.producer.enqueue import (
 from genfleet.producer.runs.identity import check_resumed
 from genfleet.producer.status import (
     energy_text,
+    engine_alarm_text,
     read_findings,
     run_status,
     stall_facts,
@@ -186,7 +187,9 @@ def status(
         if watch:
             stall_s = settings.engine_stall_timeout_s
             watch_run(objects, client, run, None, stall_s, settings.queue, check)
-        report = run_status(objects, client, run, gpu_hour_cost=settings.gpu_hour_cost)
+        report = run_status(
+            objects, client, run, gpu_hour_cost=settings.gpu_hour_cost, queue_prefix=settings.queue
+        )
         report["unconsumed"] = None
         if report["state"] in {"queued", "running"}:
             report["unconsumed"] = check(report)
@@ -200,6 +203,8 @@ def status(
     warn_unread(run, report["sources_unread"], report["rows_unread"])
     for batch, error in report["failed"].items():
         out.print(f"  failed {batch}: {escape(error)}", highlight=False)
+    for alarm in report["engine_alarms"]:
+        out.print(f"  engine {escape(engine_alarm_text(alarm, time.time()))}", highlight=False)
     if energy := energy_text(report):
         out.print(f"  energy: {energy}", highlight=False)
     if waste := waste_text(report.get("waste") or {}):

@@ -1,11 +1,12 @@
 """Running one work order: staged input in, one write-once output object out.
 
 The order of things is what makes "nothing lost, nothing doubled" hold:
+0. the batch's lease is taken first, before any store read (a heartbeat thread keeps it,
+   whatever this thread waits on): a slow store must not let the reaper take a live batch;
 1. the output exists → the batch is done (a duplicate delivery); skip;
 2. read the staged input and any checkpoint parts; only prompts without a result are sent;
-3. while prompts run: a heartbeat thread keeps the batch's lease (whatever this thread waits
-   on); finished completions are flushed as a part every checkpoint_interval_s, so a crash
-   loses at most that much work; a failed flush or progress report is tried again later;
+3. while prompts run, finished completions are flushed as a part every checkpoint_interval_s,
+   so a crash loses at most that much work; a failed flush or progress report is tried again;
 4. merge parts and new results in input order, `put_if_absent` the output — only then does
    the batch count as done (Redis counters follow the store, never lead it);
 5. delete the parts, best effort: once the output exists they are garbage.
@@ -228,31 +229,34 @@ def execute(
     started = time.monotonic()
     summary = BatchSummary(run=order.run, batch=order.batch, worker=worker, gpus=gpus)
     output_key = keys.output_key(order.run, order.batch)
-    if store.exists(output_key):
-        summary.skipped = True
-        _mark_done(client, order)
-        return summary
-    data = store.get(order.key)
-    if data is None:
-        raise BatchInputMissing(f"staged input {order.key} is missing from {store.url}")
-    ensure_current(store, order)
-    staged = read_staged(order, data)
-    records = staged.records
-    answers = old_answers.detach(records)  # --regenerate: never sent, copied to the output
-    summary.prompts = len(records)
-    checkpointed, next_part = load_parts(store, order.run, order.batch)
-    previous = kept_parts(staged, checkpointed)
-    todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
-    if answers:  # the longest-expected first: the batch does not end on a long straggler
-        todo = [(i, records[i]) for i in old_answers.longest_first([i for i, _ in todo], answers)]
-    summary.resumed = len(records) - len(todo)
-
-    _telemetry(
-        "the start time", client.hsetnx, keys.counters_key(order.run), "started_at", time.time()
-    )
-    collector = _Collector()
     lease_key = keys.lease_key(order.run, order.batch)
+    # The lease from admission on, before the first store read: with a slow store the reads
+    # alone can outlast a lease, and a batch without one is reaped and run a second time.
     with Lease(lease_client or client, lease_key, worker, lease_ttl_s):
+        if store.exists(output_key):
+            summary.skipped = True
+            _mark_done(client, order)
+            return summary
+        data = store.get(order.key)
+        if data is None:
+            raise BatchInputMissing(f"staged input {order.key} is missing from {store.url}")
+        ensure_current(store, order)
+        staged = read_staged(order, data)
+        records = staged.records
+        answers = old_answers.detach(records)  # --regenerate: never sent, copied to the output
+        summary.prompts = len(records)
+        checkpointed, next_part = load_parts(store, order.run, order.batch)
+        previous = kept_parts(staged, checkpointed)
+        todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
+        if answers:  # the longest-expected first: the batch does not end on a long straggler
+            longest = old_answers.longest_first([i for i, _ in todo], answers)
+            todo = [(i, records[i]) for i in longest]
+        summary.resumed = len(records) - len(todo)
+
+        _telemetry(
+            "the start time", client.hsetnx, keys.counters_key(order.run), "started_at", time.time()
+        )
+        collector = _Collector()
         future = feeder.run_batch(
             order.run,
             order.batch,
@@ -296,7 +300,7 @@ def execute(
         summary.generated_tokens = sum(
             r.usage.completion_tokens for r in collector.results.values()
         )
-        ensure_current(store, order)
+        _still_current(store, order, output_tries)
         wrote = _put_output(store, output_key, encode_jsonl_gz(rows_out), output_tries)
         if wrote:
             _unless_superseded(store, order, output_key)
@@ -406,6 +410,20 @@ def _with_retries(what: str, fn: Callable[..., Any], *args: Any, tries: int = 4)
                 raise
             log.warning("could not record %s (%s): retry %d", what, exc, attempt)
             time.sleep(BOOKKEEPING.delay_s(attempt))
+
+
+def _still_current(store: Store, order: WorkOrder, tries: int) -> None:
+    """`ensure_current` before the output is written, tried again while the store is
+    unreachable, as the output put is: the answers are in memory and the lease holds."""
+    for attempt in range(1, tries + 1):
+        try:
+            ensure_current(store, order)
+            return
+        except StoreUnavailable as exc:
+            if attempt == tries:
+                raise
+            log.warning("staging of %s not checked (%s): retry %d", order.run, exc, attempt)
+            time.sleep(OUTPUT_WRITE.delay_s(attempt))
 
 
 def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
