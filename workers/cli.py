@@ -124,7 +124,10 @@ def run_celery(settings: Settings, args: list[str], hostname: str) -> None:
     from genfleet.workers.app import configure
 
     configure(settings)
-    flags = ["--hostname", hostname, "--loglevel", "INFO", "--task-events", "--without-mingle"]
+    # No gossip: it would have every worker consume every other worker's heartbeats and task
+    # events (O(workers²) messages); the events are still sent, for Flower and `top`.
+    flags = ["--hostname", hostname, "--loglevel", "INFO", "--task-events"]
+    flags += ["--without-mingle", "--without-gossip"]
     celery_app.worker_main(["worker", *args, *flags])
 
 

@@ -1,8 +1,7 @@
 """Celery's threads pool, able to stop running batches when Celery asks it to.
 
 Threads cannot be killed, and Celery's own threads pool answers a request to terminate a job
-(a cold shutdown: SIGQUIT or a second Ctrl-C; a lost broker connection with
-`worker_cancel_long_running_tasks_on_connection_loss`) with NotImplementedError, after which
+(a cold shutdown: SIGQUIT or a second Ctrl-C) with NotImplementedError, after which
 the worker hangs. Here terminating means cancelling the worker's running batches: each one
 checkpoints what finished and hands its batch back to the queue, so the stop completes and
 nothing is lost.
@@ -84,6 +83,32 @@ class BatchRequest(Request):  # type: ignore[misc]
         if current.feeder.cancel_batch(run, batch):
             log.warning("terminate of %s: batch %s/%s cancelled", self.id, run, batch)
         self._announce_revoked("terminated", True, signal, False)
+
+    def acknowledge(self) -> None:
+        if self._on_the_broker("ack"):
+            super().acknowledge()
+
+    def reject(self, requeue: bool = False) -> None:
+        if self._on_the_broker("hand back" if requeue else "reject"):
+            super().reject(requeue=requeue)
+
+    def _on_the_broker(self, what: str) -> bool:
+        """Wait for a channel to `what` the order on (after a broker blip the batch kept
+        running, `workers.reconnect`); False, and the order is left to the broker's
+        redelivery, when the broker did not come back in time."""
+        from genfleet.workers.reconnect import wait_for_channel
+
+        acknowledged: bool = self.acknowledged  # type: ignore[has-type]
+        if acknowledged or wait_for_channel(self.message):
+            return True
+        log.error(
+            "%s: the broker did not come back, could not %s the order; it is delivered again "
+            "after the visibility timeout (a finished batch is then skipped)",
+            self.id,
+            what,
+        )
+        self.acknowledged = True
+        return False
 
 
 def restart_delay_s(

@@ -256,3 +256,18 @@ def test_settings_are_handed_to_the_celery_app_once(tmp_path: Path) -> None:
         [sys.executable, "-c", FROM_ENVIRONMENT], env=env, capture_output=True, text=True
     )
     assert from_env.returncode == 0 and from_env.stdout.strip() == "env", from_env.stderr
+
+
+def test_a_worker_listens_to_no_other_workers_events(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis, start_worker: Callable[..., Worker]
+) -> None:
+    """Gossip is off: a worker's only Pub/Sub subscription is its remote-control mailbox, so
+    it does not consume every other worker's heartbeats and task events (Flower still gets
+    them: the worker sends them, tests/workers/test_flower.py)."""
+    worker = start_worker(base_env(redis_url, (tmp_path / "store").as_uri(), port=free_port()))
+    worker.wait_ready()
+    db = str(redis_client.connection_pool.connection_kwargs.get("db", 0))
+    subscribers = [
+        c for c in redis_client.client_list() if c["db"] == db and int(c.get("psub", 0)) > 0
+    ]
+    assert len(subscribers) == 1, subscribers

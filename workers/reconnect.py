@@ -1,0 +1,97 @@
+"""A broker blip costs nothing already done: running batches keep running across a reconnect.
+
+Celery's default on a lost broker connection is to close the channel, which on Redis puts every
+message the worker holds back in the queue (kombu's `QoS.restore_unacked_once`) while the
+batches still run: a second copy of each, or, with
+`worker_cancel_long_running_tasks_on_connection_loss`, every completion in flight thrown away.
+When Redis is down at that moment the restore fails instead, and the closed channel can no
+longer ack: each order comes back only after the visibility timeout, hours later.
+
+So here, when the connection is lost (`Consumer.on_connection_error_after_connected`), the
+deliveries of the batches the worker holds are taken off the old channel (nothing restores them:
+they are not lost, they run), and when the consumer connects again (`Consumer.connect`) they are
+given the new channel. A batch that ends meanwhile waits for that (`BatchRequest` calls
+`wait_for_channel`) and acks, or hands back, on the new channel: the broker's copy of the order
+(kombu's unacked hash, kept across a Redis restart by its AOF) is removed there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any
+
+from celery.worker.consumer import Consumer as CeleryConsumer
+
+log = logging.getLogger("genfleet.worker")
+
+# How long a finished batch waits for the broker to come back before it gives up acking: the
+# broker then delivers the order again after its visibility timeout, and that copy finds the
+# output and is skipped. Longer than a blip, shorter than anyone would wait on one thread.
+ACK_WAIT_S = 600.0
+
+
+def held_messages(requests: Any) -> list[Any]:
+    """The messages of the batches this worker holds (running or waiting on a pool thread)
+    that are neither acked nor handed back yet."""
+    from genfleet.workers.pool import BatchRequest
+
+    return [
+        r.message
+        for r in tuple(requests)
+        if isinstance(r, BatchRequest) and not r.acknowledged and r.message is not None
+    ]
+
+
+class Consumer(CeleryConsumer):  # type: ignore[misc]
+    """Celery's consumer, keeping the worker's batches across a reconnect (see above)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.orphans: list[Any] = []  # held messages with no channel until the next connect
+
+    def on_connection_error_after_connected(self, exc: Exception) -> None:
+        from celery.worker.state import reserved_requests
+
+        channel = _default_channel(self.connection)
+        detached = 0
+        for message in held_messages(reserved_requests):
+            if message.channel is not None and message.channel is channel:
+                channel.qos._delivered.pop(message.delivery_tag, None)
+                detached += 1
+            message.channel = None
+            if message not in self.orphans:
+                self.orphans.append(message)
+        if self.orphans:
+            log.warning(
+                "broker connection lost: %d batches keep running (%d taken off the old "
+                "channel), acked on the new connection",
+                len(self.orphans),
+                detached,
+            )
+        super().on_connection_error_after_connected(exc)
+
+    def connect(self) -> Any:
+        connection = super().connect()
+        if self.orphans:
+            channel = connection.default_channel
+            for message in self.orphans:
+                message.channel = channel
+            log.info("broker connection back: %d running batches moved to it", len(self.orphans))
+            self.orphans = []
+        return connection
+
+
+def _default_channel(connection: Any) -> Any:
+    """The connection's channel if it has one already (never opens one)."""
+    return getattr(connection, "_default_channel", None) if connection is not None else None
+
+
+def wait_for_channel(message: Any, timeout_s: float = ACK_WAIT_S, poll_s: float = 0.2) -> bool:
+    """Block until `message` has an open channel to ack on (True) or `timeout_s` passes."""
+    deadline = time.monotonic() + timeout_s
+    while message.channel is None or getattr(message.channel, "closed", False):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True
