@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -134,10 +133,15 @@ def run_celery(settings: Settings, args: list[str], hostname: str) -> None:
 @with_settings(exclude={"role"})
 def control(settings: Settings, hostname: Hostname = None) -> None:
     """Start the one control worker: beat (power-watch, lease reaper) with no engine."""
+    from genfleet.workers.engine.ports import private_dir
+
     settings = settings.model_copy(update={"role": "control"})
-    schedule = Path(settings.log_dir or tempfile.gettempdir()) / "genfleet-beat-schedule"
+    name = hostname or f"control@{socket.gethostname()}"
+    # Beat's schedule is a shelve (pickle) file: loading one someone else wrote runs their
+    # code as this worker, so it lives in this user's own 0700 directory, never in /tmp.
+    schedule = private_dir("beat") / f"{name.replace('/', '_')}.schedule"
     args = ["--beat", "--schedule", str(schedule), "--queues", "control", "--concurrency", "2"]
-    run_celery(settings, args, hostname or f"control@{socket.gethostname()}")
+    run_celery(settings, args, name)
 
 
 @with_settings()

@@ -7,7 +7,6 @@ when it stops. Tasks reach it through `current()`.
 from __future__ import annotations
 
 import logging
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -27,7 +26,7 @@ from genfleet.workers.client import EngineClient, ThinkingSwitch
 from genfleet.workers.engine.external import ExternalEngine
 from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.launch import auth_headers
-from genfleet.workers.engine.ports import pick_port
+from genfleet.workers.engine.ports import pick_port, private_dir
 from genfleet.workers.engine.supervisor import EngineSupervisor
 from genfleet.workers.engine.watchdog import StallWatchdog, WatchedEngine
 from genfleet.workers.feeder import Feeder, default_max_inflight
@@ -85,7 +84,9 @@ class WorkerRuntime:
         global _current
         # httpx logs every request at INFO: once a second per worker from the telemetry loop.
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        settings = self.settings
+        from genfleet.workers.engine.kinds import with_engine_key
+
+        self.settings = settings = with_engine_key(self.settings)
         kind = settings.engine_kind
         if kind == "emulator":
             log.warning(
@@ -232,7 +233,7 @@ class WorkerRuntime:
         port = pick_port(settings.engine_host, settings.port)
         launch = engine_launch(settings, port, arch=self.arch)
         assert launch is not None
-        log_dir = Path(settings.log_dir or Path(tempfile.gettempdir()) / "genfleet-logs")
+        log_dir = Path(settings.log_dir) if settings.log_dir else private_dir("logs")
         safe_host = self.hostname.replace("@", "_").replace("/", "_")
         return EngineSupervisor(
             launch,
