@@ -133,7 +133,7 @@ def run_celery(settings: Settings, args: list[str], hostname: str) -> None:
 @with_settings(exclude={"role"})
 def control(settings: Settings, hostname: Hostname = None) -> None:
     """Start the one control worker: beat (power-watch, lease reaper) with no engine."""
-    from genfleet.workers.engine.ports import private_dir
+    from genfleet.common.private import private_dir
 
     settings = settings.model_copy(update={"role": "control"})
     name = hostname or f"control@{socket.gethostname()}"

@@ -88,10 +88,15 @@ def _default_channel(connection: Any) -> Any:
 
 
 def wait_for_channel(message: Any, timeout_s: float = ACK_WAIT_S, poll_s: float = 0.2) -> bool:
-    """Block until `message` has an open channel to ack on (True) or `timeout_s` passes."""
+    """Block until `message` has an open channel to ack on (True), or `timeout_s` passes or
+    the worker is stopping (False: a stopping worker must not hang on a broker that is down;
+    the batch's lease lapses and the reaper sends its order again)."""
+    from celery.worker import state
+
     deadline = time.monotonic() + timeout_s
     while message.channel is None or getattr(message.channel, "closed", False):
-        if time.monotonic() > deadline:
+        stopping = state.should_stop is not None or state.should_terminate is not None
+        if stopping or time.monotonic() > deadline:
             return False
         time.sleep(poll_s)
     return True

@@ -31,23 +31,13 @@ import httpx
 import orjson
 
 from genfleet.common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
+from genfleet.common.private import die_with_parent as _die_with_parent
 from genfleet.workers.engine.launch import EngineLaunch, auth_headers, engine_env
 from genfleet.workers.engine.ports import open_private, private_dir, release_port
 
 log = logging.getLogger("genfleet.engine")
 
 State = Literal["stopped", "starting", "ready", "restarting", "exhausted"]
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the worker dies, even by SIGKILL (Linux only)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class EngineSupervisor:
