@@ -192,6 +192,12 @@ def running_key() -> str:
     return f"{PREFIX}:running"
 
 
+def missing_key() -> str:
+    """Hash `run/batch` → when the beat first saw that queued batch held by no order (its own
+    clock); the reconciler sends it again a lease later. Fields go when the batch reappears."""
+    return f"{PREFIX}:missing"
+
+
 def findings_key() -> str:
     """Stream of power-watch findings, capped at findings_maxlen entries."""
     return f"{PREFIX}:findings"

@@ -31,12 +31,12 @@ from genfleet.common.private import die_with_parent, open_private
 from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.store import store_of
-from genfleet.producer.commands import Format, queue_check, watch_run
+from genfleet.producer.commands import Format, WaitExpired, queue_check, watch_run
 from genfleet.producer.console import Json, console, format_eta, out, plural, print_rejects
 from genfleet.producer.enqueue import enqueue_run, generation_params, reader_options
 from genfleet.producer.local_fleet import FleetLock
 from genfleet.producer.runs.identity import existing_run
-from genfleet.producer.status import read_findings, run_status
+from genfleet.producer.status import read_findings, run_status, wait_deadline_s
 
 COMPRESSED = (".gz", ".zst", ".bz2", ".xz")
 
@@ -117,7 +117,8 @@ def _wait(children: Children, settings: Settings, run: str) -> dict[str, Any]:
             )
 
     stall_s = settings.engine_stall_timeout_s
-    watch_run(store, client, run, check, stall_s, settings.queue, queue_check(settings))
+    deadline_s = wait_deadline_s(settings)
+    watch_run(store, client, run, check, stall_s, settings.queue, queue_check(settings), deadline_s)
     return run_status(store, client, run)
 
 
@@ -192,6 +193,8 @@ def run_command(
         )
         print_rejects(result.reject_samples)
         report = _wait(children, settings, run)
+    except WaitExpired as exc:
+        fail(str(exc), 1)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     except redis.RedisError as exc:

@@ -12,7 +12,8 @@
 - reap_leases (beat): re-enqueues batches whose worker vanished (lease expired, no output),
   so a SIGKILLed worker's batch finishes elsewhere in minutes, not after the visibility timeout;
   a batch whose worker died `max_deliveries` times is parked in the failed set as poison (it
-  would otherwise crash the fleet one worker at a time, forever).
+  would otherwise crash the fleet one worker at a time, forever). Then it sends again the
+  orders that were lost (genfleet.workers.reconcile).
 - power_watch (beat): see genfleet.workers.observe.power_watch.
 """
 
@@ -27,6 +28,7 @@ import orjson
 import redis
 from celery import Task
 from celery.exceptions import Reject, Retry
+from kombu.exceptions import OperationalError
 
 from genfleet.common import keys
 from genfleet.common.celery_config import (
@@ -51,6 +53,7 @@ from genfleet.workers.lifecycle import Lease, gate, is_cancelled, park
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.observe.sampler import batch_share
 from genfleet.workers.pool import BatchRequest
+from genfleet.workers.reconcile import reconcile_orders
 from genfleet.workers.runtime import current
 
 log = logging.getLogger("genfleet.tasks")
@@ -171,7 +174,9 @@ def _admit(
             return {"run": work.run, "batch": work.batch, "worker": worker, "parked": True}
         entry = {**order, "claimed_at": time.time(), "worker": worker}
         client.hset(keys.running_key(), field, orjson.dumps(entry))
-    except redis.RedisError as exc:
+    except (redis.RedisError, OperationalError) as exc:
+        # OperationalError: the hand-back could not be sent (the broker is down); acking this
+        # message would lose the only copy of the order.
         raise Reject(
             f"{field}: Redis failed before the batch started: {exc}", requeue=True
         ) from exc
@@ -320,16 +325,16 @@ def reap_leases() -> dict[str, Any]:
     from genfleet.common.store import store_of
 
     settings = settings_of(app)
-    return reap(
-        connect(settings),
-        store_of(settings),
-        settings.lease_ttl_s,
-        time.time(),
-        lambda order: generate_batch.apply_async(
+    client, store = connect(settings), store_of(settings)
+
+    def send(order: dict[str, Any]) -> None:
+        generate_batch.apply_async(
             kwargs={"order": order}, queue=order_queue(settings.queue, order)
-        ),
-        settings.max_deliveries,
-    )
+        )
+
+    reaped = reap(client, store, settings.lease_ttl_s, time.time(), send, settings.max_deliveries)
+    lost = reconcile_orders(client, store, settings.lease_ttl_s, lambda o: send(o.model_dump()))
+    return {**reaped, "resent": lost["resent"]}
 
 
 def reap(
