@@ -28,7 +28,7 @@ import boto3
 import orjson
 import pytest
 
-from tests.conftest import ROOT, wait_for
+from tests.support import ROOT, wait_for
 from tests.test_compose import argv, interpolate, load_compose, seconds, service_environment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

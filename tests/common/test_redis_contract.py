@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import redis
 
-from tests.conftest import wait_for
 from tests.fakes.memory_redis import MemoryRedis
+from tests.support import wait_for
 
 
 @pytest.fixture(params=["redis", "memory"])

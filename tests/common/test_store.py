@@ -10,9 +10,9 @@ import pytest
 
 from genfleet.common.errors import ConfigError, StoreError
 from genfleet.common.store import FileStore, S3Store, Store, open_store
-from tests.conftest import new_bucket
 from tests.fakes.memory_store import MemoryStore
 from tests.faults.services import FlakyProxy
+from tests.support import new_bucket
 
 
 @pytest.fixture(params=["file", "moto", "seaweedfs", "memory"])
@@ -154,3 +154,11 @@ def test_s3_calls_retry_through_an_outage(request: pytest.FixtureRequest, server
     finally:
         proxy.close()
     assert open_store(url, endpoint).get("r/outputs/batch-000000.jsonl.gz") == b"once"
+
+
+def test_folders_are_the_top_level_names_alone(store: Store) -> None:
+    assert list(store.folders()) == []
+    store.put("run-b/manifest.json", b"{}")
+    store.put("run-a/inputs/batch-000000.jsonl.gz", b"x")
+    store.put("run-a/outputs/batch-000000.jsonl.gz", b"y")
+    assert list(store.folders()) == ["run-a", "run-b"]

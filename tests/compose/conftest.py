@@ -24,7 +24,7 @@ import pytest
 
 from tests.compose import dockerhost
 from tests.compose.dockerhost import DockerUnavailable, docker_env, log, run, timed
-from tests.conftest import free_port, wait_for
+from tests.support import free_port, wait_for
 
 ROOT = Path(__file__).resolve().parents[2]
 PRODUCER_UID = 1000  # HOST_UID/HOST_GID: the slim image's own user owns the data folder

@@ -25,7 +25,7 @@ import pytest
 
 from tests.compose.conftest import PRODUCER_UID, Stack
 from tests.compose.dockerhost import timed
-from tests.conftest import wait_for
+from tests.support import wait_for
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
 

@@ -21,7 +21,7 @@ from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.export import export_run
 from genfleet.producer.status import run_status
-from tests.conftest import Worker, base_env, wait_for
+from tests.support import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -21,7 +21,7 @@ from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.workers.app import app
-from tests.conftest import Worker, base_env, wait_for
+from tests.support import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

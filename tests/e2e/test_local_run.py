@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from tests.conftest import ROOT, base_env, free_port
+from tests.support import ROOT, base_env, free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -103,8 +103,8 @@ def test_a_second_run_is_refused_while_the_first_fleet_lives(
     import os
     import signal
 
-    from tests.conftest import wait_for
     from tests.faults.helpers import write_prompts
+    from tests.support import wait_for
 
     store = (tmp_path / "store").as_uri()
     env = {

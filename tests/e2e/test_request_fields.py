@@ -18,7 +18,7 @@ from genfleet.cli import app
 from genfleet.common.manifest import Manifest
 from genfleet.common.store import open_store
 from genfleet.producer.status import run_status
-from tests.conftest import Worker, base_env, wait_for
+from tests.support import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -24,7 +24,7 @@ from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import run_status
 from genfleet.workers.observe.power_watch import run_power_watch
-from tests.conftest import ROOT, Worker, base_env, free_port, wait_for
+from tests.support import ROOT, Worker, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

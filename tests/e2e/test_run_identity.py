@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from genfleet.cli import app
 from genfleet.common import keys
-from tests.conftest import ROOT, base_env
+from tests.support import ROOT, base_env
 
 pytestmark = pytest.mark.integration
 

@@ -18,7 +18,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.commands import queue_check, watch_run
 from genfleet.producer.status import stall_reason, unconsumed_queue
-from tests.conftest import Worker, base_env, wait_for
+from tests.support import Worker, base_env, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from genfleet.common.store import Store
 
@@ -46,6 +46,10 @@ class MemoryStore:
             for key in doomed:
                 del self.objects[key]
         return len(doomed)
+
+    def folders(self) -> Sequence[str]:
+        with self._lock:
+            return sorted({k.split("/", 1)[0] for k in self.objects if "/" in k})
 
 
 def _is_a_store(store: MemoryStore) -> Store:

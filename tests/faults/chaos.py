@@ -25,7 +25,6 @@ from typing import Any
 import redis
 
 from genfleet.common.settings import Settings
-from tests.conftest import Worker, base_env, free_port
 from tests.faults.helpers import (
     assert_exactly_once,
     engine_pid,
@@ -35,6 +34,7 @@ from tests.faults.helpers import (
     write_prompts,
 )
 from tests.faults.services import FlakyProxy, RedisServer
+from tests.support import Worker, base_env, free_port
 
 ACTIONS = ("kill_worker", "kill_engine", "stop_engine", "kill_clients", "s3_outage")
 WORKER_SETTINGS: dict[str, Any] = {

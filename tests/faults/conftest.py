@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import free_port
 from tests.faults.services import FakeEngine, FlakyProxy, FlakyS3, RedisServer
+from tests.support import free_port
 
 
 @pytest.fixture

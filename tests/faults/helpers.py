@@ -28,7 +28,7 @@ from genfleet.common.store import Store, open_store
 from genfleet.producer.enqueue import EnqueueResult, enqueue_run, reader_options
 from genfleet.producer.export import ExportResult, export_run
 from genfleet.producer.status import run_status
-from tests.conftest import Worker, wait_for
+from tests.support import Worker, wait_for
 
 
 def write_prompts(

@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 import redis
 
-from tests.conftest import wait_for
+from tests.support import wait_for
 
 POISON = "POISON"
 

@@ -20,7 +20,6 @@ import redis
 
 from genfleet.common import keys
 from genfleet.common.celery_config import work_order_of
-from tests.conftest import Worker, base_env, free_port, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
     fault_settings,
@@ -30,6 +29,7 @@ from tests.faults.helpers import (
     write_prompts,
 )
 from tests.faults.services import RedisServer
+from tests.support import Worker, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

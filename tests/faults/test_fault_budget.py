@@ -10,7 +10,6 @@ import pytest
 import redis
 
 from genfleet.producer.status import run_status
-from tests.conftest import Worker, base_env, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
     fault_settings,
@@ -18,6 +17,7 @@ from tests.faults.helpers import (
     stage,
     write_prompts,
 )
+from tests.support import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

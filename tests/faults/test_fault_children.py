@@ -15,7 +15,6 @@ import redis
 
 from genfleet.common import keys
 from genfleet.workers.pool import restart_delay_s
-from tests.conftest import Worker, base_env, free_port, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
     child_pids,
@@ -26,6 +25,7 @@ from tests.faults.helpers import (
     wait_run_done,
     write_prompts,
 )
+from tests.support import Worker, base_env, free_port, wait_for
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,6 @@ from typer.testing import CliRunner
 
 from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK
-from tests.conftest import Worker, base_env, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
     fault_settings,
@@ -28,6 +27,7 @@ from tests.faults.helpers import (
     write_prompts,
 )
 from tests.faults.services import POISON, FakeEngine
+from tests.support import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

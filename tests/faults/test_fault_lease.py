@@ -13,7 +13,6 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from tests.conftest import Worker, base_env, free_port, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
     fault_settings,
@@ -24,6 +23,7 @@ from tests.faults.helpers import (
     write_prompts,
 )
 from tests.faults.services import FlakyS3
+from tests.support import Worker, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 
 from genfleet.common import keys
-from tests.conftest import ROOT, base_env, wait_for
 from tests.e2e.test_local_run import processes_with_env
 from tests.faults.helpers import write_prompts
 from tests.faults.services import RedisServer
+from tests.support import ROOT, base_env, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

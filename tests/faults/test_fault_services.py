@@ -18,7 +18,6 @@ import redis
 from typer.testing import CliRunner
 
 from genfleet.common import keys
-from tests.conftest import Worker, base_env, free_port, wait_for
 from tests.faults.helpers import (
     assert_counters_backed,
     assert_exactly_once,
@@ -30,6 +29,7 @@ from tests.faults.helpers import (
     write_prompts,
 )
 from tests.faults.services import FlakyS3, RedisServer
+from tests.support import Worker, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

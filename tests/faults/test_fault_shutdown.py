@@ -19,7 +19,6 @@ from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.producer.status import run_status
 from genfleet.workers.observe.power_watch import queue_depth
-from tests.conftest import Worker, base_env, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
     fault_settings,
@@ -28,6 +27,7 @@ from tests.faults.helpers import (
     wait_run_done,
     write_prompts,
 )
+from tests.support import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

@@ -17,7 +17,6 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from tests.conftest import Worker, base_env, engine_report, free_port, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
     engine_pid,
@@ -30,6 +29,7 @@ from tests.faults.helpers import (
     wait_run_done,
     write_prompts,
 )
+from tests.support import Worker, base_env, engine_report, free_port, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

@@ -12,7 +12,6 @@ import redis
 from genfleet.common import keys
 from genfleet.common.redis_conn import text
 from genfleet.producer import commands
-from tests.conftest import Worker, base_env, free_port, wait_for
 from tests.faults.helpers import (
     assert_exactly_once,
     fault_settings,
@@ -23,6 +22,7 @@ from tests.faults.helpers import (
     wait_run_done,
     write_prompts,
 )
+from tests.support import Worker, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

@@ -20,8 +20,8 @@ from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.export import export_run, shard_name
-from tests.conftest import new_bucket
 from tests.producer.test_export import RUN, finish, prompts, read_jsonl, stage_prompts
+from tests.support import new_bucket
 
 NOBODY = 65534
 

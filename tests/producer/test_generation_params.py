@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -11,13 +10,6 @@ from pydantic import ValidationError
 from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
 from genfleet.producer.enqueue import generation_params
-
-
-@pytest.fixture(autouse=True)
-def _no_genfleet_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("GENFLEET_"):
-            monkeypatch.delenv(name)
 
 
 def test_unset_flags_send_nothing() -> None:

@@ -24,7 +24,7 @@ from genfleet.common.readers.s3source import CHUNK_BYTES, s3_source
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
-from tests.conftest import new_bucket
+from tests.support import new_bucket
 
 pytestmark = pytest.mark.integration
 

@@ -12,7 +12,7 @@ import pytest
 
 from genfleet.producer.commands import status_line
 from genfleet.producer.console import format_eta, plural
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 
 def genfleet(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -26,7 +26,7 @@ from genfleet.workers.client import (
     request_body,
     retry_after_s,
 )
-from tests.conftest import free_port
+from tests.support import free_port
 
 PARAMS = GenerationParams(max_tokens=64, temperature=0.6, top_p=0.95, thinking=True)
 RECORD = PromptRecord("p1", [{"role": "user", "content": "hi"}])

@@ -16,10 +16,10 @@ from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.errors import EngineDown
 from genfleet.workers import tasks as tasks_module
 from genfleet.workers.tasks import BatchFailed, generate_batch, reap, running_field
-from tests.conftest import wait_for
 from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
+from tests.support import wait_for
 from tests.workers import test_core_tasks as core
 from tests.workers.test_core_tasks import BATCH, NOW, RUN, TTL_S, FakeRuntime, running, stage, state
 

@@ -16,8 +16,8 @@ import pytest
 from genfleet.common.errors import EngineDown, RequestRejected, RestartBudgetExhausted
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
 from genfleet.workers.feeder import Feeder, default_max_inflight, retry_backoff_s
-from tests.conftest import wait_for
 from tests.fakes.engine import FakeChat, FakeEngine
+from tests.support import wait_for
 
 PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
 IDENTITY = {"kind": "fake", "worker": "w@test"}

@@ -33,10 +33,10 @@ from genfleet.workers import tasks as tasks_module
 from genfleet.workers.batch import BatchSummary
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.tasks import BatchFailed, generate_batch, reap, running_field
-from tests.conftest import wait_for
 from tests.fakes.engine import FakeChat, FakeEngine
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
+from tests.support import wait_for
 
 PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
 RUN, BATCH = "r", "batch-000000"

@@ -17,7 +17,7 @@ from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import energy_figures, run_status
 from genfleet.workers.observe.sampler import batch_share
-from tests.conftest import ROOT, Worker, base_env, wait_for
+from tests.support import ROOT, Worker, base_env, wait_for
 
 # name, (energy before, after), engine tokens, batch tokens, seconds, GPUs → (J, GPU-s)
 SHARES = [

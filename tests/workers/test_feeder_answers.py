@@ -19,7 +19,7 @@ from genfleet.common.errors import EngineConfigError, EngineDown
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
 from genfleet.workers.client import EngineClient
 from genfleet.workers.feeder import Feeder, InflightLimiter
-from tests.conftest import free_port
+from tests.support import free_port
 
 PARAMS = GenerationParams(max_tokens=64, temperature=0.6, top_p=0.95, thinking=True)
 # (status, body, headers) for the n-th request (from 0) carrying a prompt's text

@@ -25,7 +25,7 @@ import pytest
 
 from genfleet.common.settings import Settings
 from genfleet.producer.enqueue import enqueue_run, reader_options
-from tests.conftest import ROOT, Worker, base_env, free_port, wait_for
+from tests.support import ROOT, Worker, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -17,7 +17,7 @@ import pytest
 from genfleet.workers.observe.diagnosis import FleetState
 from genfleet.workers.observe.node import node_rows
 from genfleet.workers.observe.sampler import mark_processes
-from tests.conftest import ROOT, Worker, base_env, wait_for
+from tests.support import ROOT, Worker, base_env, wait_for
 
 NOW = 1_760_000_000.0
 

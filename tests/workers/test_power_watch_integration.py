@@ -19,7 +19,7 @@ from genfleet.common import keys
 from genfleet.common.settings import Settings
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.workers.observe.power_watch import run_power_watch
-from tests.conftest import Worker, base_env, wait_for
+from tests.support import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -13,7 +13,6 @@ import redis
 
 from genfleet.common.celery_config import work_order_of
 from genfleet.workers.reconcile import RunOrders, reconcile
-from tests.conftest import ROOT, Worker, base_env, free_port
 from tests.faults.helpers import (
     assert_exactly_once,
     fault_settings,
@@ -21,6 +20,7 @@ from tests.faults.helpers import (
     wait_run_done,
     write_prompts,
 )
+from tests.support import ROOT, Worker, base_env, free_port
 
 LEASE_S = 60.0
 

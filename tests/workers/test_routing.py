@@ -15,8 +15,8 @@ from genfleet.common.store import open_store
 from genfleet.producer.broker import orders_in_broker
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.workers.lifecycle import decide
-from tests.conftest import Worker, base_env, wait_for
 from tests.faults.helpers import assert_exactly_once, wait_run_done, write_prompts
+from tests.support import Worker, base_env, wait_for
 
 
 @pytest.mark.parametrize(

@@ -24,7 +24,7 @@ from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import run_status
 from genfleet.workers.feeder import Feeder
-from tests.conftest import Worker, base_env, wait_for
+from tests.support import Worker, base_env, wait_for
 
 
 class SlowClient:

@@ -17,7 +17,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import run_status
-from tests.conftest import ROOT, Worker, base_env, wait_for, worker_report
+from tests.support import ROOT, Worker, base_env, wait_for, worker_report
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -30,7 +30,7 @@ from genfleet.workers.tune.plan import (
     tokens_in_window,
     verdict_text,
 )
-from tests.conftest import ROOT
+from tests.support import ROOT
 
 
 def point(config: str, c: int, tps: float, power: float | None = 350.0, **kw: object) -> Point:

@@ -19,7 +19,7 @@ from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.export import export_run
 from genfleet.producer.status import run_status
 from genfleet.workers.engine.ports import port_is_free
-from tests.conftest import ROOT, Worker, answering, base_env, free_port, wait_for
+from tests.support import ROOT, Worker, answering, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

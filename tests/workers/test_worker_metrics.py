@@ -11,7 +11,7 @@ import pytest
 
 from genfleet.common.settings import Settings
 from genfleet.producer.enqueue import enqueue_run, reader_options
-from tests.conftest import Worker, base_env, free_port, wait_for
+from tests.support import Worker, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -7,69 +7,14 @@ terminated at teardown.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import Iterator
 from typing import IO
 
-import httpx
 import pytest
 
-REPO = Path(__file__).resolve().parents[3]
-FAST_ENV = {
-    "GENFLEET_EMULATOR_LOAD_S": "0",
-    "GENFLEET_EMULATOR_WARMUP_S": "0",
-    "GENFLEET_EMULATOR_TIME_SCALE": "100",
-    "GENFLEET_EMULATOR_MEAN_COMPLETION_TOKENS": "40",
-}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
-def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0, what: str = "") -> None:
-    """Poll `predicate` until it holds or the deadline passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    raise AssertionError(f"timed out after {timeout_s} s waiting for {what or predicate}")
-
-
-@dataclass
-class Emulator:
-    proc: subprocess.Popen[bytes]
-    port: int
-    log_path: Path
-
-    @property
-    def base_url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text()
-
-    def health_status(self) -> int | None:
-        """The /health status code, or None while the port is closed."""
-        try:
-            return httpx.get(f"{self.base_url}/health", timeout=5).status_code
-        except httpx.TransportError:
-            return None
-
-    def wait_ready(self, timeout_s: float = 15.0) -> None:
-        wait_for(lambda: self.health_status() == 200, timeout_s, "/health 200")
-
-
-StartEmulator = Callable[..., Emulator]
+from tests.support import EMULATOR_FAST_ENV, ROOT, Emulator, StartEmulator, free_port
 
 
 @pytest.fixture(scope="module")
@@ -91,8 +36,8 @@ def start_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartEm
         argv += ["--port", str(port), *flags]
         proc = subprocess.Popen(
             argv,
-            cwd=REPO,
-            env={**os.environ, **FAST_ENV, **(env or {})},
+            cwd=ROOT,
+            env={**os.environ, **EMULATOR_FAST_ENV, **(env or {})},
             stdout=log_file,
             stderr=subprocess.STDOUT,
         )

@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from tests.workers.engine.conftest import StartEmulator
+from tests.support import StartEmulator
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import Emulator, StartEmulator, wait_for
+
+from tests.support import Emulator, StartEmulator, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -68,7 +69,7 @@ def test_lifecycle_refused_then_503_then_200(start_emulator: StartEmulator) -> N
     slow = {"GENFLEET_EMULATOR_LOAD_S": "0.8", "GENFLEET_EMULATOR_WARMUP_S": "0.8"}
     emu = start_emulator(env=slow, ready=False)
     assert emu.health_status() is None
-    wait_for(lambda: emu.health_status() == 503, what="/health 503 after bind")
+    wait_for(lambda: emu.health_status() == 503, 10, "/health 503 after bind", 0.01)
     starting = httpx.get(f"{emu.base_url}/health")
     assert starting.content == b""
     assert httpx.get(f"{emu.base_url}/v1/models").status_code == 200
@@ -375,7 +376,11 @@ def test_cap_of_48_and_power_rising(start_emulator: StartEmulator) -> None:
             metrics = c.get("/metrics").text
             assert re.search(r"^sglang:num_running_reqs\{.*\} 48\.0$", metrics, re.M)
             assert re.search(r"^sglang:num_queue_reqs\{.*\} 12\.0$", metrics, re.M)
-        wait_for(lambda: c.get("/genfleet/power").json()["gpus"][0]["running"] == 0)
+        wait_for(
+            lambda: c.get("/genfleet/power").json()["gpus"][0]["running"] == 0,
+            10,
+            "no request running",
+        )
 
 
 def test_queue_limit_gives_503(start_emulator: StartEmulator) -> None:

@@ -5,7 +5,6 @@ is refused with the setting to pass."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
@@ -17,13 +16,6 @@ from genfleet.workers.engine import families, preflight
 from genfleet.workers.engine.families import choose, family_from_name, family_of
 from genfleet.workers.engine.kinds import print_engine_command
 from genfleet.workers.engine.sglang_argv import sglang_launch
-
-
-@pytest.fixture(autouse=True)
-def _no_genfleet_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("GENFLEET_"):
-            monkeypatch.delenv(name)
 
 
 @pytest.mark.parametrize(

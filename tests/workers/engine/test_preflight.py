@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import struct
 from pathlib import Path
 from typing import Any
@@ -29,13 +28,6 @@ QWEN_BODY = [
     "lm_head.weight",
 ]
 QWEN_MTP = ["mtp.fc.weight", "mtp.layers.0.mlp.gate_proj.weight", "mtp.norm.weight"]
-
-
-@pytest.fixture(autouse=True)
-def _no_genfleet_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("GENFLEET_"):
-            monkeypatch.delenv(name)
 
 
 def checkpoint(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from importlib import metadata
 from typing import Any
@@ -35,13 +34,6 @@ TAIL = ["--enable-metrics", "--log-level", "info"]
 NEW_MAMBA = ["--mamba-radix-cache-strategy", "extra_buffer"]
 OLD_MAMBA = ["--mamba-scheduler-strategy", "extra_buffer"]
 SPEC_V2 = {"SGLANG_ENABLE_SPEC_V2": "1"}
-
-
-@pytest.fixture(autouse=True)
-def _no_genfleet_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("GENFLEET_"):
-            monkeypatch.delenv(name)
 
 
 CASES: list[tuple[str, dict[str, Any], str, str | None, list[str], dict[str, str]]] = [

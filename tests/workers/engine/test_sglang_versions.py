@@ -154,13 +154,6 @@ def maximal_settings() -> Settings:
     )
 
 
-@pytest.fixture(autouse=True)
-def _no_genfleet_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    for name in list(os.environ):
-        if name.startswith("GENFLEET_"):
-            monkeypatch.delenv(name)
-
-
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize(
     "case",

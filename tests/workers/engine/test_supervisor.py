@@ -24,7 +24,7 @@ from genfleet.workers.engine.ports import (
     release_port,
 )
 from genfleet.workers.engine.supervisor import EngineSupervisor
-from tests.conftest import free_port, wait_for
+from tests.support import free_port, wait_for
 
 pytestmark = pytest.mark.integration
 
