@@ -10,9 +10,10 @@ longer ack: each order comes back only after the visibility timeout, hours later
 So here, when the connection is lost (`Consumer.on_connection_error_after_connected`), the
 deliveries of the batches the worker holds are taken off the old channel (nothing restores them:
 they are not lost, they run), and when the consumer connects again (`Consumer.connect`) they are
-given the new channel. A batch that ends meanwhile waits for that (`BatchRequest` calls
-`wait_for_channel`) and acks, or hands back, on the new channel: the broker's copy of the order
-(kombu's unacked hash, kept across a Redis restart by its AOF) is removed there.
+given the new channel, counted there as delivered (the prefetch limit holds). A batch that ends
+meanwhile waits for that (`BatchRequest` calls `wait_for_channel`) and acks, or hands back, on
+the new channel: the broker's copy of the order (kombu's unacked hash, kept across a Redis
+restart by its AOF) is removed there.
 """
 
 from __future__ import annotations
@@ -77,6 +78,10 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             channel = connection.default_channel
             for message in self.orphans:
                 message.channel = channel
+                # Counted as delivered on the new channel, so the prefetch limit still holds:
+                # otherwise the worker takes a full prefetch more while its batches run, and
+                # orders it cannot start yet would wait, unclaimed, on a worker that may die.
+                channel.qos._delivered[message.delivery_tag] = message
             log.info("broker connection back: %d running batches moved to it", len(self.orphans))
             self.orphans = []
         return connection
