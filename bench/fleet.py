@@ -21,6 +21,16 @@ what genfleet's dispatch costs. The producer's modules are imported before the c
     python bench/fleet.py --quick                      # 4 engines, 4 batches each, ~1 min
     python bench/fleet.py --batches-per-worker 2,8,32  # the full run
 
+`--hints RHO` measures length hints instead (a `--regenerate` run's old answers): the same
+prompts run twice through genfleet, once as plain prompts (hints off) and once as
+conversations whose old answer's length correlates with the emulator's true completion length
+at RHO in log space (hints on). Side by side: fleet efficiency and `tail_s`, the last output
+of the run minus the moment the fleet's running requests first fell below 90 % of its engines'
+caps (after having reached it): the minutes a run spends on its stragglers.
+
+    python bench/fleet.py --hints 0.6 --engines 2 --batch-size 32 --batches-per-worker 32 \
+        --knob max_running_requests=64 --repeat 3
+
 The emulator's time scale (`--time-scale`, default 20) shortens the runs; on a machine with
 few cores the engines' own stepping competes with the clients, so a higher scale measures the
 machine, not the dispatch. The last line is `fleet_vs_ideal: X` (the smallest over the sizes).
@@ -172,7 +182,12 @@ def _stop_workers(workers: list[tuple[subprocess.Popen[bytes], Path, int]]) -> N
 
 
 def run_genfleet(
-    env: dict[str, str], n: int, source: Path, tmp: Path, timeout_s: float
+    env: dict[str, str],
+    n: int,
+    source: Path,
+    tmp: Path,
+    timeout_s: float,
+    **run_settings: Any,
 ) -> dict[str, Any]:
     """N real workers, one enqueue; from the enqueue call to the last output object."""
     from pydantic import SecretStr
@@ -195,6 +210,7 @@ def run_genfleet(
                 if "GENFLEET_BATCH_TAIL" in env
                 else {}
             ),
+            **run_settings,
         )
         samplers = [Sampler(f"http://127.0.0.1:{port}", 0.1).start() for _, _, port in workers]
         started = time.time()
@@ -209,7 +225,8 @@ def run_genfleet(
                 "max_running_requests"
             ]
         )
-        full = at_cap([s.stop() for s in samplers], cap)
+        samples = [s.stop() for s in samplers]
+        full = at_cap(samples, cap)
         import redis
 
         client = redis.Redis.from_url(env["GENFLEET_REDIS_URL"])
@@ -239,7 +256,127 @@ def run_genfleet(
         "idle_from": sorted(idle_from.values()),
         "first_batch_s": first - started,
         "at_cap": full,
+        "tail_s": None if (fell := fell_below(samples, n * cap)) is None else end - fell,
     }
+
+
+def fell_below(samples: list[list[tuple[float, float, float, float]]], caps: int) -> float | None:
+    """When the fleet's running requests (all engines, each at its last sample) first fell
+    below 90 % of `caps` after having reached it; None when they never reached it."""
+    events = sorted((s[0], engine, s[1]) for engine, rows in enumerate(samples) for s in rows)
+    running = [0.0] * len(samples)
+    reached = False
+    for when, engine, value in events:
+        running[engine] = value
+        full = sum(running) >= 0.9 * caps
+        if full:
+            reached = True
+        elif reached:
+            return when
+    return None
+
+
+def hinted_prompts(
+    path: Path, records: list[Any], rho: float, mean_tokens: int, seed: int = 7
+) -> float:
+    """`records` as ShareGPT conversations whose old answer is as long as a hint correlated at
+    `rho` (log space) with the emulator's own completion length of the prompt; returns the
+    correlation the hints reached."""
+    import math
+    import random
+
+    from genfleet.workers.engine.emulator.sim.model import COMPLETION_SIGMA, natural_length
+    from genfleet.workers.engine.emulator.sim.text import chat_prompt, prompt_seed
+
+    rng = random.Random(seed)
+    mu = math.log(mean_tokens) - COMPLETION_SIGMA**2 / 2
+    pairs = []
+    with path.open("wb") as handle:
+        for record in records:
+            key, _ = chat_prompt(record.messages, thinking=True)
+            true_z = (
+                math.log(natural_length(prompt_seed(key), mean_tokens)) - mu
+            ) / COMPLETION_SIGMA
+            hint_z = rho * true_z + math.sqrt(1 - rho**2) * rng.gauss(0.0, 1.0)
+            hint = max(1, round(math.exp(mu + COMPLETION_SIGMA * hint_z)))
+            pairs.append((true_z, hint_z))
+            turns = [{"from": "human", "value": record.messages[0]["content"]},
+                     {"from": "gpt", "value": "w" * (4 * hint)}]  # fmt: skip
+            handle.write(orjson.dumps({"id": record.id, "conversations": turns}) + b"\n")
+    xs, ys = zip(*pairs, strict=True)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    cov = sum((x - mx) * (y - my) for x, y in pairs)
+    return cov / math.sqrt(sum((x - mx) ** 2 for x in xs) * sum((y - my) ** 2 for y in ys))
+
+
+def hints_size(args: argparse.Namespace, per_worker: int, redis_url: str) -> float:
+    """Hints off vs on, side by side (`--repeat` pairs, alternating); returns the median
+    tail_s(on) / median tail_s(off)."""
+    import statistics
+
+    n = args.engines
+    count = n * per_worker * args.batch_size
+    results: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    with tempfile.TemporaryDirectory(prefix="genfleet-bench-hints-") as name:
+        tmp = Path(name)
+        plain = tmp / "prompts.jsonl"
+        records = write_prompts(plain, count)
+        mean = int(
+            dict(k.split("=", 1) for k in args.knob).get("emulator_mean_completion_tokens", 1800)
+        )
+        hinted = tmp / "regenerate.jsonl"
+        rho = hinted_prompts(hinted, records, args.hints, mean)
+        modes = (("off", plain, {}), ("on", hinted, {"regenerate": True}))
+        for attempt, (mode, source, extra) in enumerate(modes * args.repeat):
+            knobs: dict[str, str | float | int] = {
+                "redis_url": redis_url,
+                "queue": f"bench-hints-{mode}-{uuid.uuid4().hex[:8]}",
+                "store": (tmp / f"store-{attempt}").as_uri(),
+                "emulator_time_scale": args.time_scale,
+                "emulator_load_s": 0.2,
+                "emulator_warmup_s": 0.2,
+                "startup_timeout_s": 120,
+                "batch_size": args.batch_size,
+            }
+            knobs.update(dict(knob.split("=", 1) for knob in args.knob))
+            env = emulator_env(knobs)
+            (tmp / str(attempt)).mkdir()
+            results[mode].append(run_genfleet(env, n, source, tmp / str(attempt), 3600, **extra))
+        argv = engine_command(env)  # the engines' cap, as the workers passed it
+        cap = int(argv[argv.index("--max-running-requests") + 1])
+    spec_info = {"max_running_requests": cap, "speculative_algorithm": "EAGLE"}
+    ceiling = n * ceiling_tokens_per_s(spec_info, args.time_scale)
+    print(
+        f"{n} engines (cap {cap}) × {per_worker} batches of {args.batch_size} ({count} prompts), "
+        f"hints at rho {rho:.2f}, ceiling {ceiling:,.0f} tok/s:"
+    )
+    medians: dict[str, tuple[float, float]] = {}
+    for mode in ("off", "on"):
+        for r in results[mode]:
+            tail = "n/a" if r["tail_s"] is None else f"{r['tail_s']:.2f} s"
+            print(
+                f"  hints {mode:>3}: {r['tokens']:,} tokens in {r['window_s']:.2f} s, efficiency "
+                f"{r['tokens'] / (r['window_s'] * ceiling):.3f}, tail_s {tail}, {r['batches']} "
+                f"batches; workers' last outputs at "
+                f"{', '.join(f'{t:.1f}' for t in r['idle_from'])} s"
+            )
+        tails = [r["tail_s"] for r in results[mode] if r["tail_s"] is not None]
+        effs = [r["tokens"] / (r["window_s"] * ceiling) for r in results[mode]]
+        medians[mode] = (
+            statistics.median(tails) if tails else float("nan"),
+            statistics.median(effs) if effs else float("nan"),
+        )
+    tokens = {r["tokens"] for mode in results.values() for r in mode}
+    if len(tokens) > 1:
+        print("  warning: token totals differ: the engines were asked different things")
+    for mode in ("off", "on"):
+        tail, eff = medians[mode]
+        print(
+            f"  median of {args.repeat}, hints {mode:>3}: tail_s {tail:.2f} s, efficiency {eff:.3f}"
+        )
+    ratio = medians["on"][0] / medians["off"][0]
+    print(f"  tail_on_vs_off at {per_worker} batches per worker: {ratio:.3f}")
+    return ratio
 
 
 def one_size(args: argparse.Namespace, per_worker: int, redis_url: str) -> float:
@@ -299,12 +436,20 @@ def main() -> None:
         "--knob", action="append", default=[], help="SETTING=VALUE for the run (repeatable)"
     )
     parser.add_argument("--timeline", action="store_true", help="requests per engine per second")
+    parser.add_argument(
+        "--hints", type=float, default=None, help="length hints at this correlation vs none"
+    )
+    parser.add_argument("--repeat", type=int, default=1, help="--hints: pairs of runs")
     args = parser.parse_args()
     global TIMELINE
     TIMELINE = args.timeline
     sizes = [
         int(s) for s in (args.batches_per_worker or ("4" if args.quick else "2,8,32")).split(",")
     ]
+    if args.hints is not None:
+        tails = [hints_size(args, size, args.redis_url) for size in sizes]
+        print(f"tail_on_vs_off: {max(tails):.3f}")
+        return
     ratios = [one_size(args, size, args.redis_url) for size in sizes]
     print(f"fleet_vs_ideal: {min(ratios):.3f}")
 

@@ -7,10 +7,7 @@ still running after it is delivered again in parallel (kombu QoS.restore_visible
 
 from __future__ import annotations
 
-import base64
 from typing import Any
-
-import orjson
 
 from genfleet.common.settings import Settings
 
@@ -63,18 +60,3 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "broker_heartbeat": 0,
         "timezone": "UTC",
     }
-
-
-def work_order_of(message: bytes | str) -> tuple[str, str] | None:
-    """(run, batch) of a raw kombu message on Redis if it is a genfleet work order."""
-    try:
-        data = orjson.loads(message)
-        if data.get("headers", {}).get("task") != GENERATE_TASK:
-            return None
-        body = data["body"]
-        if data.get("properties", {}).get("body_encoding") == "base64":
-            body = base64.b64decode(body)
-        order = orjson.loads(body)[1]["order"]
-        return str(order["run"]), str(order["batch"])
-    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        return None

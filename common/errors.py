@@ -6,7 +6,8 @@ GenfleetError
 ├── InputError             a dataset cannot be read at all (every line rejected, no file)
 ├── RunMismatch            a run exists with other prompts, parameters or model: never merged
 ├── StoreError             the object store failed after its own retries
-│   └── StoreUnavailable   cannot reach it now: retry later, nothing is lost
+│   ├── StoreUnavailable   cannot reach it now: retry later, nothing is lost
+│   └── BatchInputMissing  a batch's staged input is gone: retrying cannot help
 ├── BrokerUnavailable      Redis does not answer: a hint says how to start one
 ├── EngineError            the engine cannot serve
 │   ├── PreflightError     the checkpoint or command would not run (before any GPU time)
@@ -15,7 +16,12 @@ GenfleetError
 │   ├── EngineBusy         429 or "queue full": backpressure, wait and send again
 │   └── RestartBudgetExhausted  it kept dying: the worker stops taking work
 ├── RequestRejected        the engine refused one prompt (HTTP 400): an error record
-└── RequestFailed          one try of one prompt failed (abort, 5xx): retried, then an error record
+├── RequestFailed          one try of one prompt failed (abort, 5xx): retried, then an error record
+└── BatchError             a batch stopped before its output (workers/outcome says what follows)
+    ├── BatchInterrupted   the worker stops: checkpointed, the order goes back to the queue
+    │   └── BatchTerminated  an operator terminated its task (revoke): in the failed set
+    ├── BatchCancelled     its run was cancelled (`genfleet cancel`): checkpointed and parked
+    └── BatchFailed        tries spent, or it cannot succeed: it is in the run's failed set
 """
 
 from __future__ import annotations
@@ -50,6 +56,10 @@ class StoreError(GenfleetError):
 
 class StoreUnavailable(StoreError):
     pass
+
+
+class BatchInputMissing(StoreError):
+    """The staged input object is gone: retrying cannot help."""
 
 
 class BrokerUnavailable(GenfleetError):
@@ -107,3 +117,27 @@ class RequestFailed(GenfleetError):
         self.status = status
         self.kind = kind
         super().__init__(message)
+
+
+class BatchError(GenfleetError):
+    """A batch stopped before its output was written; what finished is checkpointed."""
+
+
+class BatchInterrupted(BatchError):
+    """The worker is shutting down and cancelled the batch: the order goes back to the queue
+    and the retry skips what the checkpoint holds (not a try, not a failure)."""
+
+
+class BatchTerminated(BatchInterrupted):
+    """An operator terminated the batch's task (Flower's terminate, `revoke(terminate=True)`):
+    stopped on purpose, so it is parked in the failed set, where `genfleet retry` resends it,
+    rather than handed back to be run again."""
+
+
+class BatchCancelled(BatchError):
+    """The run was cancelled (`genfleet cancel`) while the batch ran; what finished is
+    checkpointed and the batch is parked."""
+
+
+class BatchFailed(BatchError):
+    """A batch that exhausted its tries or cannot succeed; it is in the run's failed set."""

@@ -64,6 +64,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "json_schema": (GENERATION, "a JSON Schema file every answer must match"),
     "chat_template_kwargs": (GENERATION, 'a JSON object for the chat template, e.g. {"a": 1}'),
     "system_prompt": (GENERATION, "prepended to every conversation without one"),
+    "regenerate": (
+        GENERATION,
+        "replace each conversation's final assistant answer (kept as previous)",
+    ),
     "samples": (GENERATION, "completions per prompt"),
     "limit": (GENERATION, "first N prompts only"),
     "max_line_bytes": (GENERATION, "longer input lines are rejected"),

@@ -65,6 +65,10 @@ class BatchEntry(BaseModel):
     key: str  # the staged input object
     prompts: int
     expected_tokens: int = 0  # prompts x max_tokens: the work it may take
+    # --regenerate: the longest answer its old answers hint at (None: no hints). A batch's
+    # prompts run side by side, so it lasts about as long as its longest answer: the run's
+    # orders go out longest first.
+    longest_hint_tokens: int | None = None
 
 
 class Manifest(BaseModel):

@@ -30,6 +30,9 @@ class PromptRecord:
     sample: int = 0
     params: dict[str, Any] | None = None  # per-line overrides (OpenAI batch `body`)
     custom_id: str | None = None  # the source's own id, kept for OpenAI batch output
+    # --regenerate: the answer this prompt's new one replaces, `{"content", "reasoning"}`.
+    # Staged with the prompt and copied to the output record by the worker; never sent.
+    previous: dict[str, str | None] | None = None
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"id": self.id, "messages": self.messages}
@@ -39,6 +42,8 @@ class PromptRecord:
             data["params"] = self.params
         if self.custom_id is not None:
             data["custom_id"] = self.custom_id
+        if self.previous is not None:
+            data["previous"] = self.previous
         return data
 
     @classmethod
@@ -49,6 +54,7 @@ class PromptRecord:
             sample=data.get("sample", 0),
             params=data.get("params"),
             custom_id=data.get("custom_id"),
+            previous=data.get("previous"),
         )
 
     @property
@@ -139,9 +145,15 @@ class CompletionRecord:
     custom_id: str | None = None
     request_id: str | None = None
     logprobs: Any = None  # the choice's logprobs, when the request asked for them
+    # --regenerate: the old answer this one replaces (see PromptRecord.previous); the key is
+    # left out of the JSON of records that have none.
+    previous: dict[str, str | None] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if data["previous"] is None:
+            del data["previous"]
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> CompletionRecord:

@@ -1,11 +1,11 @@
 """The Redis seam: one connection helper that maps connection failures to a clear error, and
 the commands the worker's batch path uses, as a protocol.
 
-`RedisCommands` is what `workers.batch.execute`, the generate task and the lease reaper need
-from Redis. `redis.Redis` satisfies it; so does the in-memory fake the unit tests use, and one
-contract test (tests/common/test_redis_contract.py) runs against both, so the fake is trusted
-only as far as it behaves like the real server. A command the batch path starts using is added
-here, to the fake and to the contract test.
+`RedisCommands` is what the ledger (common/ledger.py), `workers.batch.execute`, the generate
+task and the lease reaper need from Redis. `redis.Redis` satisfies it; so does the in-memory
+fake the unit tests use, and one contract test (tests/common/test_redis_contract.py) runs
+against both, so the fake is trusted only as far as it behaves like the real server. A command the
+batch path starts using is added here, to the fake and to the contract test.
 """
 
 from __future__ import annotations
@@ -44,7 +44,8 @@ class RedisPipeline(Protocol):
 
 
 class RedisCommands(Protocol):
-    """The Redis commands of the batch path; replies are bytes, as from a default client."""
+    """The Redis commands of the batch path and the ledger; replies are bytes, as from a
+    default client."""
 
     def set(self, name: str, value: Value, /, *, px: int | None = None) -> Any: ...
 
@@ -65,6 +66,18 @@ class RedisCommands(Protocol):
     def hget(self, name: str, key: str, /) -> Any: ...
 
     def hgetall(self, name: str, /) -> Any: ...
+
+    def hkeys(self, name: str, /) -> Any: ...
+
+    def sadd(self, name: str, /, *values: str) -> Any: ...
+
+    def srem(self, name: str, /, *values: str) -> Any: ...
+
+    def smembers(self, name: str, /) -> Any: ...
+
+    def scard(self, name: str, /) -> Any: ...
+
+    def zrem(self, name: str, /, *values: Value) -> Any: ...
 
     def pipeline(self) -> RedisPipeline: ...
 

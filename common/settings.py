@@ -67,6 +67,9 @@ class Settings(BaseSettings):
     json_schema: str | None = None  # a JSON Schema file: every answer must match it
     chat_template_kwargs: str | None = None  # a JSON object, e.g. '{"enable_thinking": false}'
     system_prompt: str | None = None
+    # A conversation's final assistant turn is the old answer to replace: it is kept in the
+    # output record as `previous` and never sent. Without it, such a line is refused.
+    regenerate: bool = False
     samples: int = Field(default=1, ge=1)
     limit: int | None = Field(default=None, ge=1)
     max_line_bytes: int = Field(default=8 * 1024 * 1024, ge=1)

@@ -10,6 +10,13 @@ engine drains at the end of a run takes a small batch instead of the fleet waiti
 worker's last full batch, so the fleet finishes together. This holds back `tail` batches
 until the source ends or more prompts arrive, a bounded lookahead.
 
+A `--regenerate` run knows roughly how long each answer will be: the old answer's length
+(`hinted_tokens`). Its batches are also sized by that expected work: a batch closes when its
+hinted work would pass `batch_size` prompts' worth at the mean hint so far, so a batch of
+long-expected prompts holds fewer of them and no batch is the run's long pole. (The running
+mean keeps the cut a pure function of the input.) The hints order work too: `enqueue` sends the
+longest-expected batches first and a worker a batch's longest-expected prompts first.
+
 Batch ids are the batch's index in input order and the cut is a pure function of the input and
 these sizes, so the same input and settings always give the same batches (resume relies on it).
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Iterable, Iterator
 
+from genfleet.common.previous import hint_tokens
 from genfleet.common.records import PromptRecord
 
 TAIL_MIN_FRACTION = 16  # the smallest tail batch holds batch_size // 16 prompts (at least 1)
@@ -33,19 +41,53 @@ def expected_tokens(record: PromptRecord, max_tokens: int) -> int:
     return max_tokens
 
 
+def hinted_tokens(record: PromptRecord, max_tokens: int) -> int | None:
+    """The work this prompt is expected to take: its old answer's length, at most its
+    max_tokens; None without an old answer (no hint)."""
+    hint = hint_tokens(record.previous)
+    return None if hint is None else min(hint, expected_tokens(record, max_tokens))
+
+
+class _HintedWork:
+    """A batch's hinted work against `batch_size` prompts' worth at the mean hint so far."""
+
+    def __init__(self, batch_size: int) -> None:
+        self.batch_size = batch_size
+        self.hints = self.total = 0  # hinted prompts seen, their hinted tokens
+        self.work = 0  # of the batch being filled
+
+    def cost(self, record: PromptRecord, max_tokens: int) -> int:
+        """The prompt's hinted work; a prompt without a hint counts as the mean so far."""
+        hint = hinted_tokens(record, max_tokens)
+        if hint is None:
+            return self.total // self.hints if self.hints else 0
+        self.hints += 1
+        self.total += hint
+        return hint
+
+    def full(self, cost: int) -> bool:
+        return bool(self.hints) and self.work + cost > self.batch_size * self.total / self.hints
+
+
 def _cut(
     records: Iterable[PromptRecord], batch_size: int, batch_max_tokens: int, max_tokens: int
 ) -> Iterator[list[PromptRecord]]:
-    """Consecutive batches of at most `batch_size` prompts and `batch_max_tokens` of work."""
+    """Consecutive batches of at most `batch_size` prompts and `batch_max_tokens` of work (and,
+    with hints, of at most `batch_size` prompts' worth of hinted work)."""
     batch: list[PromptRecord] = []
     work = 0
+    hinted = _HintedWork(batch_size)
     for record in records:
         cost = expected_tokens(record, max_tokens)
-        if batch and (len(batch) >= batch_size or work + cost > batch_max_tokens):
+        expected = hinted.cost(record, max_tokens)
+        if batch and (
+            len(batch) >= batch_size or work + cost > batch_max_tokens or hinted.full(expected)
+        ):
             yield batch
-            batch, work = [], 0
+            batch, work, hinted.work = [], 0, 0
         batch.append(record)
         work += cost
+        hinted.work += expected
     if batch:
         yield batch
 

@@ -10,15 +10,14 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-import orjson
 import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
 
 from genfleet.common import keys
-from genfleet.common.celery_config import GENERATE_TASK, celery_config, work_order_of
+from genfleet.common.celery_config import GENERATE_TASK, celery_config
+from genfleet.common.ledger import Ledger, work_order_of
 from genfleet.common.records import WorkOrder
-from genfleet.common.redis_conn import text
 from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
 
@@ -45,8 +44,6 @@ def send_orders(app: Celery, settings: Settings, orders: Iterable[WorkOrder]) ->
             sent += 1
     return sent
 
-
-_order_of = work_order_of
 
 # How long `worker_queues` waits for workers' replies: a broadcast always waits this long.
 INSPECT_TIMEOUT_S = 1.0
@@ -80,23 +77,12 @@ def orders_in_broker(client: redis.Redis, queue: str, run: str) -> set[str]:
     found: set[str] = set()
     for name in keys.broker_queue_keys(queue):
         for raw in client.lrange(name, 0, -1):
-            hit = _order_of(raw)
+            hit = work_order_of(raw)
             if hit and hit[0] == run:
                 found.add(hit[1])
-    for raw in client.hvals(keys.UNACKED):
-        try:
-            message = orjson.loads(raw)[0]
-        except (ValueError, IndexError, TypeError):
-            continue
-        hit = _order_of(orjson.dumps(message))
-        if hit and hit[0] == run:
-            found.add(hit[1])
-    prefix = f"{run}/"
-    for field in client.hkeys(keys.running_key()):
-        name = text(field)
-        if name.startswith(prefix):
-            found.add(name[len(prefix) :])
-    return found
+    ledger = Ledger(client)
+    found.update(order.batch for order in ledger.unacked_orders() if order.run == run)
+    return found | ledger.running_batches(run)
 
 
 def purge_orders(client: redis.Redis, queue: str, run: str, unacked: bool = False) -> set[str]:
@@ -109,17 +95,9 @@ def purge_orders(client: redis.Redis, queue: str, run: str, unacked: bool = Fals
     removed: set[str] = set()
     for name in keys.broker_queue_keys(queue):
         for raw in client.lrange(name, 0, -1):
-            hit = _order_of(raw)
+            hit = work_order_of(raw)
             if hit and hit[0] == run and client.lrem(name, 0, raw):  # type: ignore[arg-type]
                 removed.add(hit[1])
     if unacked:
-        for tag, raw in client.hgetall(keys.UNACKED).items():
-            try:
-                message = orjson.loads(raw)[0]
-            except (ValueError, IndexError, TypeError):
-                continue
-            hit = _order_of(orjson.dumps(message))
-            if hit and hit[0] == run and client.hdel(keys.UNACKED, tag):
-                client.zrem(keys.UNACKED_INDEX, tag)
-                removed.add(hit[1])
+        removed |= Ledger(client).purge_unacked(run)
     return removed

@@ -15,8 +15,9 @@ from rich.progress import BarColumn, Progress, TextColumn
 from genfleet.common import keys
 from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import with_settings
+from genfleet.common.ledger import Ledger
 from genfleet.common.manifest import Manifest
-from genfleet.common.redis_conn import connect, text
+from genfleet.common.redis_conn import connect
 from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
@@ -38,6 +39,7 @@ from genfleet.producer.enqueue import (
     enqueue_run,
     generation_params,
     reader_options,
+    regenerate_advice,
 )
 from genfleet.producer.runs.identity import check_resumed
 from genfleet.producer.status import (
@@ -72,9 +74,13 @@ def enqueue(
     source: Annotated[str | None, typer.Argument(help="dataset file or directory")] = None,
     run: Run = "",
     fmt: Format = None,
-    messages_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
-    prompt_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
-    id_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
+    messages_col: Annotated[
+        str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
+    ] = None,
+    prompt_col: Annotated[
+        str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
+    ] = None,
+    id_col: Annotated[str | None, typer.Option(help="field or column (jsonl, parquet, hf)")] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="rebuild the queue of RUN from the store alone")
     ] = False,
@@ -151,6 +157,9 @@ def _print_enqueue(
     print_rejects(result.reject_samples)
     if result.rejects > len(result.reject_samples):
         console.print(f"  … all {result.rejects} rejects are in {result.run}/rejects.jsonl")
+    if result.ends_with_answer:
+        advice = regenerate_advice(result.ends_with_answer)
+        console.print(f"  [yellow]{escape(advice)}[/] (as a new run: --run NEW)", highlight=False)
 
 
 def status(
@@ -323,15 +332,7 @@ def retry(
         manifest = Manifest.load(store_of(settings), run)
         if manifest is not None:  # before the failed set is cleared: a refusal touches nothing
             check_resumed(manifest, settings, generation_params(settings))
-        client = connect(settings)
-        failed = [text(b) for b in client.hkeys(keys.failed_key(run))]
-        pipe = client.pipeline()
-        for batch in failed:
-            pipe.hdel(keys.failed_key(run), batch)
-            pipe.hdel(keys.attempts_key(run), batch)
-            pipe.hdel(keys.lost_key(run), batch)
-            pipe.srem(keys.queued_key(run), batch)
-        pipe.execute()
+        failed = Ledger(connect(settings)).clear_failed(run)
         result = enqueue_run(settings, run, None, reader_options(settings), verify=True)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
@@ -350,6 +351,9 @@ def export(
     shard_size: Annotated[
         int | None, typer.Option("--shard-size", help="N records per file: OUT-00000.jsonl, …")
     ] = None,
+    previous: Annotated[
+        bool, typer.Option("--previous/--no-previous", help="keep --regenerate's old answers")
+    ] = True,
     redis_url: RedisUrl = None,
     store: StoreUrl = None,
     s3_endpoint_url: S3Endpoint = None,
@@ -359,7 +363,7 @@ def export(
 
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
-        result = export_run(settings, run, out_path, fmt, partial, shard_size)
+        result = export_run(settings, run, out_path, fmt, partial, shard_size, previous)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     missing = len(result.missing_batches)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import heapq
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -25,11 +26,12 @@ from genfleet.common import keys
 from genfleet.common.errors import ConfigError, InputError, RunMismatch
 from genfleet.common.manifest import BatchEntry, Manifest
 from genfleet.common.readers import ReaderOptions, Reject, read_source
+from genfleet.common.readers.fields import REGENERATE_HINT
 from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, dumps_jsonl
 from genfleet.common.routing import ModelRef, model_ref, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
-from genfleet.producer.batching import expected_tokens, make_batches
+from genfleet.producer.batching import expected_tokens, hinted_tokens, make_batches
 from genfleet.producer.runs.identity import (
     check_identity,
     check_resumed,
@@ -39,6 +41,11 @@ from genfleet.producer.runs.identity import (
 )
 
 Sender = Callable[[list[WorkOrder]], int]
+
+# With length hints, up to this many staged batches wait (half of those staged so far, so the
+# first goes out at once), so that the shortest-expected go out last (longest first in
+# between): the run ends on short batches, not on one worker's long one.
+HELD_BATCHES = 64
 
 
 @dataclass
@@ -55,6 +62,8 @@ class EnqueueResult:
     engine: str | None = None
     queue: str | None = None
     uncancelled: bool = False  # the run was cancelled; this enqueue resumed it
+    # lines refused because they end with an assistant answer (see --regenerate)
+    ends_with_answer: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +78,7 @@ class EnqueueResult:
             "rejects": self.rejects,
             "staged": self.staged,
             "uncancelled": self.uncancelled,
+            "ends_with_answer": self.ends_with_answer,
         }
 
 
@@ -84,6 +94,7 @@ def reader_options(
         messages_col=columns.get("messages_col"),
         prompt_col=columns.get("prompt_col"),
         id_col=columns.get("id_col"),
+        regenerate=settings.regenerate,
         s3_endpoint_url=settings.s3_endpoint_url,
         s3_region=settings.s3_region,
     )
@@ -165,6 +176,7 @@ def stage(
     ref = model_ref(settings)
     entries: list[BatchEntry] = []
     pending: list[WorkOrder] = []
+    held = _Held()
     claim_run(store, run, params, ref, staging_params(settings))
     done = done_batches(store, run)  # a run staged before but never finished its manifest
     tail = settings.batch_tail
@@ -182,10 +194,23 @@ def stage(
             raise RunMismatch(_interrupted(run, batch, store.url))
         store.put(key, data)
         work = sum(expected_tokens(record, params.max_tokens) for record in records)
-        entries.append(BatchEntry(batch=batch, key=key, prompts=len(records), expected_tokens=work))
+        hinted = longest_hint(records, params.max_tokens)
+        entries.append(
+            BatchEntry(
+                batch=batch,
+                key=key,
+                prompts=len(records),
+                expected_tokens=work,
+                longest_hint_tokens=hinted,
+            )
+        )
         result.prompts += len(records)
         if batch not in done:
-            pending.append(_order(run, batch, key, len(records), params, ref))
+            order = _order(run, batch, key, len(records), params, ref)
+            if hinted is None:
+                pending.append(order)
+            else:
+                held.hold(order, hinted, pending)
         # Send in chunks that grow from one batch to 64 (the first batch goes out at once, so
         # GPUs start while staging goes on), and at least once a second: a slow source must
         # not hold back batches that are staged already while GPUs wait.
@@ -193,9 +218,11 @@ def stage(
         if len(pending) >= chunk or (pending and time.monotonic() - last_send >= 1.0):
             result.batches_enqueued += _send(send, pending, outstanding)
             last_send = time.monotonic()
+    held.release(pending)
     result.batches_enqueued += _send(send, pending, outstanding)
     result.rejects = len(split.rejects)
     result.reject_samples = [str(reject) for reject in split.rejects[:20]]
+    result.ends_with_answer = sum(1 for r in split.rejects if r.reason == REGENERATE_HINT)
     if split.rejects:
         store.put(
             keys.rejects_key(run),
@@ -205,6 +232,11 @@ def stage(
         reason = f"{source}: no valid prompt"
         if split.rejects:
             reason += f" ({len(split.rejects)} rejected; first: {split.rejects[0]})"
+        if result.ends_with_answer:
+            reason += f"; {regenerate_advice(result.ends_with_answer)}"
+        # Nothing was staged: the claim binds no batch, so the same run may be staged again
+        # with other settings (typically --regenerate).
+        store.delete_prefix(keys.claim_key(run))
         raise InputError(reason)
     manifest = Manifest(
         run=run,
@@ -224,6 +256,42 @@ def stage(
     result.batches_total = len(entries)
     result.batches_done = len(done)
     return manifest, result
+
+
+def longest_hint(records: list[PromptRecord], max_tokens: int) -> int | None:
+    """The longest answer a batch's old answers hint at: how long the batch is expected to
+    run, its prompts running side by side. None when none of its prompts has a hint."""
+    hints = [hint for r in records if (hint := hinted_tokens(r, max_tokens)) is not None]
+    return max(hints) if hints else None
+
+
+class _Held:
+    """Hinted batches waiting to be sent: the longest-expected goes on as soon as more wait
+    than half the batches staged so far (at most HELD_BATCHES); at the end of staging the rest
+    go, longest first."""
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, WorkOrder]] = []  # (-longest hint, index, order)
+        self._staged = 0
+
+    def hold(self, order: WorkOrder, hinted: int, pending: list[WorkOrder]) -> None:
+        self._staged += 1
+        heapq.heappush(self._heap, (-hinted, keys.batch_index(order.batch), order))
+        while len(self._heap) > min(HELD_BATCHES, self._staged // 2):
+            pending.append(heapq.heappop(self._heap)[2])
+
+    def release(self, pending: list[WorkOrder]) -> None:
+        while self._heap:
+            pending.append(heapq.heappop(self._heap)[2])
+
+
+def regenerate_advice(lines: int) -> str:
+    """What to do about lines refused for ending with an assistant answer."""
+    what = "line ends" if lines == 1 else "lines end"
+    return (
+        f"{lines:,} {what} with an assistant answer: to replace those answers (kept in each "
+        "record as `previous`), stage the data with --regenerate"
+    )
 
 
 def _interrupted(run: str, batch: str, url: str) -> str:
@@ -281,10 +349,16 @@ def enqueue_missing(
     )
     ref = run_model(manifest)
     result.model, result.engine = ref.model, ref.engine
-    pending = [
-        _order(manifest.run, entry.batch, entry.key, entry.prompts, manifest.params, ref)
+    entries = [
+        entry
         for entry in manifest.batches
         if entry.batch not in done and (only is None or entry.batch in only)
+    ]
+    # Longest-hinted first, as staging sent them (stable: in batch order without hints).
+    entries.sort(key=lambda entry: -(entry.longest_hint_tokens or 0))
+    pending = [
+        _order(manifest.run, entry.batch, entry.key, entry.prompts, manifest.params, ref)
+        for entry in entries
     ]
     result.batches_enqueued = _send(send, pending, outstanding)
     return result
@@ -303,7 +377,8 @@ def enqueue_run(
     With `verify` (`--resume`, `retry`), the orders believed outstanding are checked against
     what the broker really holds, so an order lost from Redis is sent again.
     """
-    from genfleet.common.redis_conn import connect, text
+    from genfleet.common.ledger import Ledger
+    from genfleet.common.redis_conn import connect
     from genfleet.producer.broker import make_client_app, orders_in_broker, send_orders
 
     keys.validate_run(run)
@@ -319,21 +394,19 @@ def enqueue_run(
     queue = work_queue(settings.queue, ref)
     client = connect(settings)
     app = make_client_app(settings)
-    queued = keys.queued_key(run)
+    ledger = Ledger(client)
     if verify:
         outstanding = orders_in_broker(client, queue, run)
-        client.delete(queued)
-        if outstanding:
-            client.sadd(queued, *outstanding)
+        ledger.set_queued(run, outstanding)
     else:
-        outstanding = {text(member) for member in client.smembers(queued)}
+        outstanding = ledger.queued(run)
 
     staging_since = time.time()
     staging = keys.staging_key(run)
     staging_now: list[bool] = []  # non-empty while this call stages the run
 
     def send(orders: list[WorkOrder]) -> int:
-        client.sadd(queued, *[order.batch for order in orders])
+        ledger.mark_queued(run, [order.batch for order in orders])
         client.sadd(keys.work_queues_key(), queue)
         if staging_now:
             client.set(staging, staging_since, ex=keys.STAGING_TTL_S)

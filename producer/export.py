@@ -217,12 +217,13 @@ def openai_output_line(record: dict[str, Any], created: int) -> dict[str, Any]:
     return line
 
 
-def parquet_schema() -> Any:
+def parquet_schema(previous: bool = False) -> Any:
     """The fixed export schema: the JSONL record's fields, nested the same way.
 
     Messages are a list of {role, content, name, tool_call_id, tool_calls}, the shape chat
     trainers read; content that is not a string (parts lists) and tool_calls are JSON text.
     `engine` and `logprobs` (when asked for) are JSON text because their shapes vary.
+    A `--regenerate` run's export adds `previous` {content, reasoning} (unless --no-previous).
     """
     import pyarrow as pa
 
@@ -248,6 +249,11 @@ def parquet_schema() -> Any:
             ("error", error),
             ("request_id", text),
             ("logprobs", text),
+            *(
+                [("previous", pa.struct([("content", text), ("reasoning", text)]))]
+                if previous
+                else []
+            ),
         ]
     )
 
@@ -287,6 +293,7 @@ def _parquet_row(record: dict[str, Any]) -> dict[str, Any]:
         "error": {"type": error.get("type"), "message": error.get("message")} if error else None,
         "request_id": record.get("request_id"),
         "logprobs": _text(record.get("logprobs")),
+        "previous": record.get("previous"),  # dropped by a schema without it
     }
 
 
@@ -296,10 +303,10 @@ class _ParquetWriter:
     ROW_GROUP_ROWS = 4096
     ROW_GROUP_BYTES = 32 * 1024 * 1024
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, previous: bool = False) -> None:
         import pyarrow.parquet as pq
 
-        self._schema = parquet_schema()
+        self._schema = parquet_schema(previous)
         self._writer = pq.ParquetWriter(str(path), self._schema, compression="zstd")
         self._rows: list[dict[str, Any]] = []
         self._bytes = 0
@@ -323,12 +330,18 @@ class _ParquetWriter:
         self._writer.close()
 
 
-def _writer(fmt: str, path: Path, gz: bool, manifest: Manifest) -> _Writer:
+def _writer(fmt: str, path: Path, gz: bool, manifest: Manifest, previous: bool) -> _Writer:
     if fmt == "jsonl":
         return _JsonlWriter(path, gz)
     if fmt == "openai":
         return _OpenAIWriter(path, gz, int(manifest.created_at))
-    return _ParquetWriter(path)
+    return _ParquetWriter(path, previous and bool(manifest.staging.get("regenerate")))
+
+
+def _without_previous(records: Iterator[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for record in records:
+        record.pop("previous", None)
+        yield record
 
 
 def _parse_out(out: str) -> tuple[str, Path | None]:
@@ -372,12 +385,15 @@ def export_run(
     fmt: str = "jsonl",
     partial: bool = False,
     shard_size: int | None = None,
+    previous: bool = True,
 ) -> ExportResult:
     """Write every finished record of `run` to `out`, deduplicated, in input order.
 
     Raises RunIncomplete before writing anything when batches lack outputs, unless
     `partial`; then the finished batches are exported and the rest listed in the result.
     With `shard_size`, records go to numbered files (`shard_name`) of that many each.
+    A `--regenerate` run's records keep their old answers (`previous`) unless `previous` is
+    False (`--no-previous`).
     """
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}: use {', '.join(FORMATS)}")
@@ -389,9 +405,9 @@ def export_run(
     if scan.missing and not partial:
         raise RunIncomplete(run, scan.missing, total)
     result = ExportResult(run=run, path=out, format=fmt, batches_total=total)
-    records = scan.records()
+    records = scan.records() if previous else _without_previous(scan.records())
     if shard_size is None:
-        _write_target(settings, scan, partial, out, records, result)
+        _write_target(settings, scan, partial, out, records, result, previous)
     else:
         for index in itertools.count():  # ends when the records do
             head = next(records, None)
@@ -399,7 +415,7 @@ def export_run(
                 break
             shard = itertools.chain([head], itertools.islice(records, shard_size - 1))
             result.shards.append(shard_name(out, index))
-            _write_target(settings, scan, partial, result.shards[-1], shard, result)
+            _write_target(settings, scan, partial, result.shards[-1], shard, result, previous)
     result.duplicates = scan.duplicates
     result.batches_exported = scan.batches_read
     result.missing_batches = list(scan.missing)
@@ -413,12 +429,13 @@ def _write_target(
     out: str,
     records: Iterator[dict[str, Any]],
     result: ExportResult,
+    previous: bool = True,
 ) -> None:
     """Write `records` to a temporary file, then move it to `out` (or upload it) complete."""
     _, local = _parse_out(out)
     tmp = _create_temp(local.parent if local is not None else Path(tempfile.gettempdir()))
     try:
-        writer = _writer(result.format, tmp, out.endswith(".gz"), scan.manifest)
+        writer = _writer(result.format, tmp, out.endswith(".gz"), scan.manifest, previous)
         try:
             for record in records:
                 writer.write(record)

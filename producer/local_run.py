@@ -33,7 +33,12 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import store_of
 from genfleet.producer.commands import Format, WaitExpired, queue_check, watch_run
 from genfleet.producer.console import Json, console, format_eta, out, plural, print_rejects
-from genfleet.producer.enqueue import enqueue_run, generation_params, reader_options
+from genfleet.producer.enqueue import (
+    enqueue_run,
+    generation_params,
+    reader_options,
+    regenerate_advice,
+)
 from genfleet.producer.local_fleet import FleetLock
 from genfleet.producer.runs.identity import existing_run
 from genfleet.producer.status import read_findings, run_status, wait_deadline_s
@@ -128,9 +133,13 @@ def run_command(
     source: Annotated[str, typer.Argument(help="dataset file or directory")],
     run: Annotated[str | None, typer.Option("--run", help="default: the file's name")] = None,
     fmt: Format = None,
-    messages_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
-    prompt_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
-    id_col: Annotated[str | None, typer.Option(help="parquet/hf column")] = None,
+    messages_col: Annotated[
+        str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
+    ] = None,
+    prompt_col: Annotated[
+        str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
+    ] = None,
+    id_col: Annotated[str | None, typer.Option(help="field or column (jsonl, parquet, hf)")] = None,
     json_out: Json = False,
 ) -> None:
     """Generate SOURCE on this machine end to end: workers, engine, enqueue, wait, summary.
@@ -192,6 +201,8 @@ def run_command(
             highlight=False,
         )
         print_rejects(result.reject_samples)
+        if result.ends_with_answer:
+            console.print(f"  {regenerate_advice(result.ends_with_answer)}", highlight=False)
         report = _wait(children, settings, run)
     except WaitExpired as exc:
         fail(str(exc), 1)

@@ -73,6 +73,100 @@ def _flags(report: dict[str, Any], threshold: float) -> list[str]:
     return flags
 
 
+class PreviousAnswers:
+    """Old answers (`--regenerate`'s `previous`) against the new ones of the same records.
+
+    Both sides are judged by the same rule on the text: empty, and short under `short_chars`
+    characters (the old answers have no token counts, so the token rule is not applied here).
+    Lengths are in characters on both sides, histograms as for tokens (exact percentiles).
+    New answers that are error records count on the old side only.
+    """
+
+    def __init__(self, short_chars: int) -> None:
+        self.short_chars = short_chars
+        self.count = self.answered = 0
+        self.empty = {"previous": 0, "new": 0}
+        self.short = {"previous": 0, "new": 0}
+        self.with_reasoning = {"previous": 0, "new": 0}
+        self.short_replaced = 0  # a short old answer whose new one is not short
+        self.content: dict[str, Counter[int]] = {"previous": Counter(), "new": Counter()}
+        self.reasoning: dict[str, Counter[int]] = {"previous": Counter(), "new": Counter()}
+
+    def _side(self, side: str, content: str, reasoning: str) -> bool:
+        """Count one answer; whether it is short."""
+        self.content[side][len(content)] += 1
+        self.reasoning[side][len(reasoning)] += 1
+        self.empty[side] += not content
+        self.with_reasoning[side] += bool(reasoning)
+        short = len(content) < self.short_chars
+        self.short[side] += short
+        return short
+
+    def add(self, record: dict[str, Any]) -> None:
+        previous = record.get("previous")
+        if not isinstance(previous, dict):
+            return
+        self.count += 1
+        was_short = self._side(
+            "previous",
+            (previous.get("content") or "").strip(),
+            (previous.get("reasoning") or "").strip(),
+        )
+        if record.get("error"):
+            return
+        self.answered += 1
+        content = (record.get("content") or "").strip()
+        is_short = self._side("new", content, (record.get("reasoning") or "").strip())
+        self.short_replaced += was_short and not is_short
+
+    def to_json(self) -> dict[str, Any] | None:
+        if not self.count:
+            return None
+        wholes = {"previous": self.count, "new": self.answered}
+        return {
+            "count": self.count,
+            "answered": self.answered,
+            "short_chars": self.short_chars,
+            "empty_fraction": round(_share(self.empty["previous"], self.count), 4),
+            "short_fraction": round(_share(self.short["previous"], self.count), 4),
+            "new_empty_fraction": round(_share(self.empty["new"], self.answered), 4),
+            "new_short_fraction": round(_share(self.short["new"], self.answered), 4),
+            "short_replaced": self.short_replaced,
+            "with_reasoning_fraction": {
+                side: round(_share(self.with_reasoning[side], wholes[side]), 4) for side in wholes
+            },
+            "content_chars": {side: distribution(self.content[side]) for side in wholes},
+            "reasoning_chars": {side: distribution(self.reasoning[side]) for side in wholes},
+        }
+
+
+def previous_table(previous: dict[str, Any]) -> Any:
+    """The old answers beside the new ones, as a rich table."""
+    from rich.table import Table
+
+    table = Table(title=f"previous vs new ({previous['count']:,} regenerated answers)")
+    for column, justify in (("", "left"), ("previous", "right"), ("new", "right")):
+        table.add_column(column, justify=justify)  # type: ignore[arg-type]
+    table.add_row(
+        "empty answers",
+        f"{previous['empty_fraction']:.1%}",
+        f"{previous['new_empty_fraction']:.1%}",
+    )
+    table.add_row(
+        f"short answers (< {previous['short_chars']} chars)",
+        f"{previous['short_fraction']:.1%}",
+        f"{previous['new_short_fraction']:.1%}",
+    )
+    reasoning = previous["with_reasoning_fraction"]
+    table.add_row("with reasoning", f"{reasoning['previous']:.1%}", f"{reasoning['new']:.1%}")
+    for name in ("content_chars", "reasoning_chars"):
+        old, new = previous[name]["previous"], previous[name]["new"]
+        for stat in ("mean", "p50", "p90", "max"):
+            table.add_row(f"{name} {stat}", f"{old[stat]:,}", f"{new[stat]:,}")
+    table.add_row("short answers replaced", "", f"{previous['short_replaced']:,}")
+    return table
+
+
 def build_report(
     settings: Settings,
     run: str,
@@ -94,8 +188,10 @@ def build_report(
     completion: Counter[int] = Counter()
     reasoning: Counter[int] = Counter()
     records = empty = short = reasoning_only = 0
+    old_answers = PreviousAnswers(short_chars)
     for record in scan.records():
         records += 1
+        old_answers.add(record)
         error = record.get("error")
         if error:
             errors_by_type[str(error.get("type") or "error")] += 1
@@ -135,6 +231,7 @@ def build_report(
         "short_tokens": short_tokens,
         "threshold": threshold,
     }
+    report["previous"] = old_answers.to_json()  # None: the run replaced no old answers
     report["flags"] = _flags(report, threshold)
     report["energy"] = _energy(settings, run)
     return report
@@ -205,6 +302,8 @@ def render_report(report: dict[str, Any]) -> str:
     console = Console(file=buffer, width=100, force_terminal=False, color_system=None)
     for table in (summary, tokens, reasons):
         console.print(table)
+    if report.get("previous"):
+        console.print(previous_table(report["previous"]))
     flags = report["flags"]
     console.print("flags: " + ("; ".join(flags) if flags else "none"))
     from genfleet.producer.status import energy_text

@@ -14,6 +14,7 @@ import redis
 
 from genfleet.common import keys
 from genfleet.common.errors import InputError
+from genfleet.common.ledger import Ledger
 from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import text
 from genfleet.common.settings import Settings
@@ -80,7 +81,7 @@ def run_status(
     if manifest is None:
         raise InputError(f"no run {run!r} in {store.url} (no manifest): enqueue it first")
     done = done_batches(store, run) & set(manifest.batch_ids())
-    failed = {text(k): text(v) for k, v in client.hgetall(keys.failed_key(run)).items()}
+    failed = Ledger(client).failed(run)
     failed = {batch: error for batch, error in failed.items() if batch not in done}
     counters = {text(k): text(v) for k, v in client.hgetall(keys.counters_key(run)).items()}
     prompts_done = sum(entry.prompts for entry in manifest.batches if entry.batch in done)
@@ -254,9 +255,7 @@ def stall_facts(client: redis.Redis, run: str, queue: str) -> dict[str, Any]:
 def run_is_held(client: redis.Redis, run: str) -> bool:
     """Whether a live worker holds a batch of `run` now (a running entry whose lease is
     alive): work goes on even while no prompt finishes (a long completion, a slow store)."""
-    prefix = f"{run}/"
-    fields = [text(f) for f in client.hkeys(keys.running_key())]
-    leases = [keys.lease_key(run, f[len(prefix) :]) for f in fields if f.startswith(prefix)]
+    leases = [keys.lease_key(run, batch) for batch in Ledger(client).running_batches(run)]
     return bool(leases) and bool(client.exists(*leases))
 
 

@@ -8,7 +8,9 @@ read them. Nothing is read at import.
 
 The engine is started by a worker-level bootstep: before the worker consumes, after its pool
 exists; stopped when the worker shuts down. (Consumer steps would restart the engine on every
-broker reconnect, so this must be a worker step.)
+broker reconnect, so this must be a worker step.) What it builds, the worker's runtime, it
+attaches to the worker (`genfleet_runtime`, read by `gpu_report`) and to the generate task's
+base class (`BatchTask.runtime`, read by the task and the pool).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from celery.worker.control import inspect_command
 from genfleet.common.celery_config import POWER_WATCH_TASK, REAPER_TASK, celery_config
 from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
+from genfleet.workers.context import BatchTask
 
 log = logging.getLogger("genfleet.worker")
 
@@ -30,6 +33,10 @@ app = Celery("genfleet", include=["genfleet.workers.tasks"])
 
 SETTINGS_KEY = "genfleet_settings"
 _given: list[Settings] = []  # what configure() handed over, read once when the conf loads
+# Why this process's engine step could not start (preflight refused the checkpoint, the engine
+# never became ready): Celery logs it and returns an exit code that `worker_main` drops, so
+# `run_celery` reads it here to exit non-zero with the reason.
+startup_failures: list[str] = []
 
 
 def configure(settings: Settings) -> None:
@@ -103,13 +110,19 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
             except Exception:  # noqa: BLE001 - broker may be gone too; the state says why
                 log.exception("could not stop consuming from %s", queue)
 
-        self.runtime = WorkerRuntime(settings, hostname, on_exhausted=exhausted)
-        self.runtime.celery_worker = parent
+        runtime = None
         try:
-            self.runtime.start()
-        except Exception:
-            self.runtime.stop()
+            runtime = WorkerRuntime(settings, hostname, on_exhausted=exhausted)
+            runtime.celery_worker = parent
+            self.runtime = runtime
+            runtime.start()
+        except Exception as exc:
+            startup_failures.append(f"{type(exc).__name__}: {exc}")
+            if runtime is not None:
+                runtime.stop()
             raise
+        parent.genfleet_runtime = runtime
+        BatchTask.runtime = runtime
 
     def stop(self, parent: Any) -> None:
         runtime = self.runtime
@@ -124,6 +137,8 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 cancelled,
             )
             _wait_for_running_tasks(15.0)
+        BatchTask.runtime = None
+        parent.genfleet_runtime = None
         runtime.stop()
         self.runtime = None
 
@@ -162,11 +177,11 @@ app.steps["worker"].add(EngineStep)
 @inspect_command()  # type: ignore[untyped-decorator]
 def gpu_report(state: Any) -> dict[str, Any]:
     """This worker's recent GPU and engine window, for the power-watch and `genfleet top`."""
-    from genfleet.workers import runtime
-
-    if runtime._current is None:
+    worker = getattr(state.consumer, "controller", None)
+    runtime = getattr(worker, "genfleet_runtime", None)
+    if runtime is None:
         import socket
 
         return {"ok": False, "reason": "engine not started", "node": socket.gethostname()}
-    report: dict[str, Any] = runtime._current.report()
+    report: dict[str, Any] = runtime.report()
     return report

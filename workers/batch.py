@@ -25,7 +25,17 @@ from typing import Any
 import redis
 
 from genfleet.common import keys
-from genfleet.common.errors import StoreError, StoreUnavailable
+from genfleet.common import previous as old_answers
+from genfleet.common.backoff import BOOKKEEPING, OUTPUT_WRITE
+from genfleet.common.errors import (
+    BatchCancelled,
+    BatchInputMissing,
+    BatchInterrupted,
+    BatchTerminated,
+    StoreError,
+    StoreUnavailable,
+)
+from genfleet.common.ledger import Ledger, Tally
 from genfleet.common.records import (
     CompletionRecord,
     PromptRecord,
@@ -35,24 +45,10 @@ from genfleet.common.records import (
 )
 from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.store import Store
-from genfleet.common.throughput import member
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.lifecycle import Lease
 
 log = logging.getLogger("genfleet.batch")
-
-
-class BatchInputMissing(StoreError):
-    """The staged input object is gone: retrying cannot help."""
-
-
-class BatchInterrupted(Exception):
-    """The worker is shutting down and cancelled the batch; what finished is checkpointed."""
-
-
-class BatchCancelled(Exception):
-    """The run was cancelled (`genfleet cancel`) while the batch ran; what finished is
-    checkpointed and the batch is parked."""
 
 
 @dataclass
@@ -166,6 +162,11 @@ def first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
 
 def _why(exc: BaseException, order: WorkOrder, finished: int, todo: int) -> BaseException:
     """The error a failed try reports: what the task can map to requeue, retry or failure."""
+    if isinstance(exc, BatchTerminated):
+        return BatchTerminated(
+            f"{order.run}/{order.batch} terminated by an operator (revoke) after {finished} of "
+            f"{todo} prompts (checkpointed)"
+        )
     if isinstance(exc, CancelledError):
         return BatchInterrupted(
             f"{order.run}/{order.batch} interrupted by shutdown after {finished} of {todo} "
@@ -223,7 +224,6 @@ def execute(
     cancelled: Callable[[], bool] | None = None,
     lease_client: RedisCommands | None = None,
     output_tries: int = 5,
-    on_sent: Callable[[], None] | None = None,
 ) -> BatchSummary:
     """Run one work order to its output object. `cancelled()` is polled while it runs and
     stops it; `lease_client` (default `client`) keeps the lease alive from a heartbeat thread,
@@ -239,9 +239,12 @@ def execute(
     if data is None:
         raise BatchInputMissing(f"staged input {order.key} is missing from {store.url}")
     records = [PromptRecord.from_json(row) for row in decode_jsonl_gz(data)]
+    answers = old_answers.detach(records)  # --regenerate: never sent, copied to the output
     summary.prompts = len(records)
     previous, next_part = load_parts(store, order.run, order.batch)
     todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
+    if answers:  # the longest-expected first: the batch does not end on a long straggler
+        todo = [(i, records[i]) for i in old_answers.longest_first([i for i, _ in todo], answers)]
     summary.resumed = len(records) - len(todo)
 
     _telemetry(
@@ -255,8 +258,9 @@ def execute(
             order.batch,
             [r for _, r in todo],
             order.params,
-            lambda j, rec: collector.add(todo[j][0], rec),
-            on_sent=on_sent,
+            lambda j, rec: collector.add(
+                todo[j][0], old_answers.attach(rec, answers.get(todo[j][0]))
+            ),
         )
         try:
             next_part = _follow(
@@ -378,7 +382,7 @@ def _with_retries(what: str, fn: Callable[..., Any], *args: Any, tries: int = 4)
             if attempt == tries:
                 raise
             log.warning("could not record %s (%s): retry %d", what, exc, attempt)
-            time.sleep(0.5 * 2**attempt)
+            time.sleep(BOOKKEEPING.delay_s(attempt))
 
 
 def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
@@ -394,7 +398,7 @@ def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
             if attempt == tries:
                 raise
             log.warning("output %s not written (%s): retry %d", key, exc, attempt)
-            time.sleep(min(2.0**attempt, 30.0))
+            time.sleep(OUTPUT_WRITE.delay_s(attempt))
     raise AssertionError("unreachable")
 
 
@@ -417,23 +421,13 @@ def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float
 def _mark_done(client: RedisCommands, order: WorkOrder) -> None:
     """The batch's output exists: no work order outstanding, not failed. (Which batches are
     done is read from the store's outputs, never from Redis.)"""
-    pipe = client.pipeline()
-    pipe.srem(keys.queued_key(order.run), order.batch)
-    pipe.hdel(keys.failed_key(order.run), order.batch)
-    pipe.execute()
+    Ledger(client).done(order.run, order.batch)
 
 
 def _count(client: RedisCommands, order: WorkOrder, summary: BatchSummary) -> None:
     """Live counters, after the output is in the store (the store is the truth)."""
-    pipe = client.pipeline()
-    pipe.srem(keys.queued_key(order.run), order.batch)
-    pipe.hdel(keys.failed_key(order.run), order.batch)
-    counters = keys.counters_key(order.run)
-    pipe.hincrby(counters, "errors", summary.errors)
-    pipe.hincrby(counters, "completion_tokens", summary.completion_tokens)
-    pipe.hincrby(counters, "reasoning_tokens", summary.reasoning_tokens)
-    pipe.hset(counters, "last_done_at", time.time())
-    pipe.execute()
+    tally = Tally(summary.errors, summary.completion_tokens, summary.reasoning_tokens, time.time())
+    Ledger(client).done(order.run, order.batch, tally)
 
 
 def _progress(
@@ -446,11 +440,4 @@ def _progress(
     """
     if not prompts:
         return
-    now = time.time()
-    throughput = keys.throughput_key(order.run)
-    pipe = client.pipeline()
-    pipe.hincrby(keys.counters_key(order.run), "prompts_generated", prompts)
-    pipe.hincrby(keys.counters_key(order.run), "tokens_generated", tokens)
-    pipe.zadd(throughput, {member(now, order.batch, worker, tokens): now})
-    pipe.zremrangebyscore(throughput, "-inf", now - 3600)
-    pipe.execute()
+    Ledger(client).progress(order.run, order.batch, worker, prompts, tokens, time.time())

@@ -120,14 +120,20 @@ def run_group_workers(settings: Settings, groups: list[str | None], hostname: st
 def run_celery(settings: Settings, args: list[str], hostname: str) -> None:
     """This process's Celery worker, configured with `settings` (handed over, not re-read)."""
     from genfleet.workers.app import app as celery_app
-    from genfleet.workers.app import configure
+    from genfleet.workers.app import configure, startup_failures
 
     configure(settings)
     # No gossip: it would have every worker consume every other worker's heartbeats and task
     # events (O(workers²) messages); the events are still sent, for Flower and `top`.
     flags = ["--hostname", hostname, "--loglevel", "INFO", "--task-events"]
     flags += ["--without-mingle", "--without-gossip"]
-    celery_app.worker_main(["worker", *args, *flags])
+    # `app.start`, not `worker_main`, which drops the exit code: a worker whose engine step
+    # failed (a checkpoint preflight refused) must not exit 0, or a supervisor sees success.
+    code = celery_app.start(["worker", *args, *flags])
+    if startup_failures:
+        fail(f"worker {hostname} did not start: {startup_failures[-1]}", code=1)
+    if code:
+        raise typer.Exit(code)
 
 
 @with_settings(exclude={"role"})
@@ -138,7 +144,8 @@ def control(settings: Settings, hostname: Hostname = None) -> None:
     settings = settings.model_copy(update={"role": "control"})
     name = hostname or f"control@{socket.gethostname()}"
     # Beat's schedule is a shelve (pickle) file: loading one someone else wrote runs their
-    # code as this worker, so it lives in this user's own 0700 directory, never in /tmp.
+    # code as this worker, so it lives in this user's own 0700 directory (made here, so beat
+    # can open it), never in /tmp or a shared --log-dir.
     schedule = private_dir("beat") / f"{name.replace('/', '_')}.schedule"
     args = ["--beat", "--schedule", str(schedule), "--queues", "control", "--concurrency", "2"]
     run_celery(settings, args, name)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import threading
 import time
 from collections import deque
@@ -34,7 +33,14 @@ from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from typing import Any, Protocol, TypeVar
 
-from genfleet.common.errors import EngineBusy, EngineDown, RequestFailed, RequestRejected
+from genfleet.common.backoff import BUSY, PROMPT_RETRY
+from genfleet.common.errors import (
+    BatchTerminated,
+    EngineBusy,
+    EngineDown,
+    RequestFailed,
+    RequestRejected,
+)
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
 from genfleet.workers.client import ChatResult
 
@@ -63,9 +69,8 @@ class ChatClient(Protocol):
 
 def retry_backoff_s(attempt: int) -> float:
     """Seconds before the `attempt`-th retry of a prompt whose engine went down or whose try
-    failed (abort, 5xx): 0.5, 1, 2, 4, 8, then 10 at most (the supervisor's own restart
-    backoff runs meanwhile)."""
-    return min(0.25 * 2.0**attempt, 10.0)
+    failed (abort, 5xx): common.backoff's PROMPT_RETRY."""
+    return PROMPT_RETRY.delay_s(attempt)
 
 
 def default_max_inflight(max_running_requests: int | None) -> int:
@@ -79,7 +84,7 @@ def busy_delay_s(retry_after_s: float | None, refusals: int) -> float:
     """How long a prompt the engine called busy waits: its Retry-After, else a backoff."""
     if retry_after_s is not None:
         return max(retry_after_s, 0.05)
-    return min(0.25 * 2.0 ** min(refusals, 8), 10.0) * random.uniform(0.8, 1.2)
+    return BUSY.delay_s(refusals)
 
 
 class InflightLimiter:
@@ -169,13 +174,17 @@ class Feeder:
         busy_timeout_s: float = 1800.0,
         identity: dict[str, Any] | None = None,
         backoff_s: Callable[[int], float] = retry_backoff_s,
+        on_batch_sent: Callable[[str, str], None] | None = None,
     ) -> None:
+        """`on_batch_sent(run, batch)` fires (on the feeder's loop) once every prompt of a
+        batch is in the engine: the worker hands that batch's slot to the next one."""
         self.max_inflight = max_inflight
         self.retries = retries
         self.engine_wait_s = engine_wait_s
         self.busy_timeout_s = busy_timeout_s
         self.identity = identity or {}
         self.backoff_s = backoff_s
+        self.on_batch_sent = on_batch_sent
         self.inflight = 0
         self.waiting = 0  # prompts submitted that do not hold a limiter slot yet
         self.tokens_total = 0
@@ -186,7 +195,10 @@ class Feeder:
         self._engine = engine
         self._batches: set[Future[None]] = set()
         self._by_batch: dict[tuple[str, str], Future[None]] = {}
-        self.terminated: set[tuple[str, str]] = set()
+        # Batches an operator terminated, and the loop task of each running batch: the task is
+        # cancelled and the batch's future ends in BatchTerminated, not a plain cancellation.
+        self._terminating: set[tuple[str, str]] = set()
+        self._tasks: dict[tuple[str, str], asyncio.Task[None]] = {}
         self._batches_lock = threading.Lock()
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="feeder", daemon=True)
@@ -233,16 +245,23 @@ class Feeder:
             for name, running in list(self._by_batch.items()):
                 if running is future:
                     del self._by_batch[name]
+                    # Here, not when the coroutine ends: `cancel_batch` may still see the
+                    # batch until now, and must not leave a mark for its next delivery.
+                    self._terminating.discard(name)
 
     def cancel_batch(self, run: str, batch: str) -> bool:
-        """Cancel one running batch (an operator's terminate of its task); it is remembered
-        in `terminated` so the task parks it instead of handing it back to the queue."""
+        """Stop one running batch because an operator terminated its task: its requests are
+        cancelled and its future raises BatchTerminated (so the task parks it in the failed
+        set instead of handing it back to the queue). False when it does not run here."""
         with self._batches_lock:
             future = self._by_batch.get((run, batch))
-            if future is None:
+            if future is None or future.done():
                 return False
-            self.terminated.add((run, batch))
-        return future.cancel()
+            self._terminating.add((run, batch))
+            task = self._tasks.get((run, batch))
+        if task is not None:  # else `_batch` has not started and stops as it starts
+            self._loop.call_soon_threadsafe(task.cancel)
+        return True
 
     def cancel_all(self) -> int:
         """Cancel every running batch (a shutdown that cannot wait): their requests stop, and
@@ -260,19 +279,42 @@ class Feeder:
         on_record: Callable[[int, CompletionRecord], None],
         on_sent: Callable[[], None] | None = None,
     ) -> None:
+        name = (run, batch)
+        with self._batches_lock:
+            task = asyncio.current_task()
+            if task is not None:
+                self._tasks[name] = task
+            terminated = name in self._terminating
         unsent = [len(records)]  # this batch's share of self.waiting
         self.waiting += len(records)
-        sent: Callable[[], None] = on_sent or (lambda: None)
-        if not records:
-            sent()
+
+        def sent() -> None:
+            if on_sent is not None:
+                on_sent()
+            if self.on_batch_sent is not None:
+                self.on_batch_sent(run, batch)
+
         try:
+            if terminated:
+                raise asyncio.CancelledError
+            if not records:
+                sent()
             async with asyncio.TaskGroup() as group:  # first hard failure cancels the rest
                 for index, record in enumerate(records):
                     group.create_task(
                         self._one(run, batch, index, record, params, on_record, (unsent, sent))
                     )
+        except asyncio.CancelledError:
+            with self._batches_lock:
+                terminated = name in self._terminating
+            if terminated:
+                raise BatchTerminated(f"{run}/{batch} terminated by an operator") from None
+            raise
         finally:
             self.waiting -= unsent[0]  # prompts cancelled before they were ever sent
+            with self._batches_lock:
+                if self._tasks.get(name) is task:
+                    del self._tasks[name]
 
     async def _one(
         self,

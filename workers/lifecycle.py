@@ -21,6 +21,7 @@ from typing import Any, Literal
 import redis
 
 from genfleet.common import keys
+from genfleet.common.ledger import Ledger
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import RedisCommands
 
@@ -79,16 +80,8 @@ def gate(
         log.warning("%s/%s belongs to a deleted run: dropped", work.run, work.batch)
     else:
         log.warning("%s/%s: the run is cancelled; batch parked, not started", work.run, work.batch)
-        park(client, work)
+        Ledger(client).park(work.run, work.batch)
     return result
-
-
-def park(client: RedisCommands, work: WorkOrder) -> None:
-    """The batch has no order any more (until the run is enqueued again) and is not running."""
-    pipe = client.pipeline()
-    pipe.srem(keys.queued_key(work.run), work.batch)
-    pipe.hdel(keys.running_key(), f"{work.run}/{work.batch}")
-    pipe.execute()
 
 
 def is_cancelled(client: RedisCommands, run: str) -> bool:

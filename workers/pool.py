@@ -26,6 +26,9 @@ from typing import Any
 from celery.concurrency.thread import TaskPool as ThreadTaskPool
 from celery.worker.request import Request
 
+from genfleet.common.backoff import Backoff
+from genfleet.workers.context import BatchTask
+
 log = logging.getLogger("genfleet.worker")
 
 
@@ -52,12 +55,10 @@ class TaskPool(ThreadTaskPool):  # type: ignore[misc]
         return int(self.limit) * (THREADS_PER_SLOT - 1)
 
     def terminate_job(self, pid: int, signal: Any = None) -> None:
-        from genfleet.workers import runtime
-
-        current = runtime._current
-        if current is None or current.feeder is None:
+        runtime = BatchTask.runtime
+        if runtime is None or runtime.feeder is None:
             return
-        cancelled = current.feeder.cancel_all()
+        cancelled = runtime.feeder.cancel_all()
         if cancelled:
             log.warning("terminating: %d running batches checkpointed and handed back", cancelled)
 
@@ -67,20 +68,18 @@ class BatchRequest(Request):  # type: ignore[misc]
 
     Every task of a threads pool shares the worker's pid, so the pool's `terminate_job(pid)`
     cannot tell one task from another; the request knows its order. The batch checkpoints
-    what finished and the task parks it in the failed set (an operator stopped it on purpose:
-    `genfleet retry` resends it). A request not started yet is only marked revoked, which
-    Celery checks before it runs.
+    what finished, ends in BatchTerminated, and the task parks it in the failed set (an
+    operator stopped it on purpose: `genfleet retry` resends it). A request not started yet
+    is only marked revoked, which Celery checks before it runs.
     """
 
     def terminate(self, pool: Any, signal: Any = None) -> None:
-        from genfleet.workers import runtime
-
         order = (self.kwargs or {}).get("order") or {}
-        current = runtime._current
-        if not self.time_start or current is None or current.feeder is None:
+        runtime = BatchTask.runtime
+        if not self.time_start or runtime is None or runtime.feeder is None:
             return
         run, batch = str(order.get("run")), str(order.get("batch"))
-        if current.feeder.cancel_batch(run, batch):
+        if runtime.feeder.cancel_batch(run, batch):
             log.warning("terminate of %s: batch %s/%s cancelled", self.id, run, batch)
         self._announce_revoked("terminated", True, signal, False)
 
@@ -122,7 +121,7 @@ def restart_delay_s(
     """
     if stopping or code == 0 or restarts >= budget:
         return None
-    return backoff_s * 2.0**restarts
+    return Backoff(base_s=backoff_s).delay_s(restarts)
 
 
 @dataclass

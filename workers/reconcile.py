@@ -24,11 +24,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
 import redis
 
 from genfleet.common import keys
-from genfleet.common.celery_config import work_order_of
+from genfleet.common.ledger import Ledger, work_order_of
 from genfleet.common.manifest import Manifest
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import text
@@ -85,16 +84,9 @@ def held_orders(client: redis.Redis, queues: Iterable[str]) -> set[tuple[str, st
             for raw in client.lrange(list_key, 0, -1):
                 if (order := work_order_of(raw)) is not None:
                     held.add(order)
-    for raw in client.hvals(keys.UNACKED):
-        try:
-            message = orjson.loads(raw)[0]
-        except (ValueError, IndexError, TypeError):
-            continue
-        if (order := work_order_of(orjson.dumps(message))) is not None:
-            held.add(order)
-    for field_name in client.hkeys(keys.running_key()):
-        run, _, batch = text(field_name).partition("/")
-        held.add((run, batch))
+    ledger = Ledger(client)
+    held.update((u.run, u.batch) for u in ledger.unacked_orders())
+    held.update((r.run, r.batch) for r in ledger.running())
     return held
 
 
@@ -130,7 +122,8 @@ def reconcile_orders(
     now = time.time() if now is None else now
     found: dict[str, Any] = {"resent": [], "finished": [], "ts": now}
     runs = sorted(text(r) for r in client.smembers(keys.runs_key()))
-    queued = {run: {text(b) for b in client.smembers(keys.queued_key(run))} for run in runs}
+    ledger = Ledger(client)
+    queued = {run: ledger.queued(run) for run in runs}
     queued = {run: batches for run, batches in queued.items() if batches}
     if not queued:
         return found
@@ -151,7 +144,7 @@ def reconcile_orders(
         )
         watched.update({f"{run}/{b}": t for b, t in verdict.missing_since.items()})
         if verdict.finished:
-            client.srem(keys.queued_key(run), *verdict.finished)
+            ledger.unqueue(run, verdict.finished)
             found["finished"] += [f"{run}/{b}" for b in verdict.finished]
         if verdict.resend:
             found["resent"] += _resend(store, run, verdict.resend, now, send)

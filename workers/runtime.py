@@ -1,7 +1,8 @@
 """A worker's long-lived parts: its engine, its feeder, its store and Redis connections.
 
 Built once per worker process by the engine bootstep before the worker consumes, torn down
-when it stops. Tasks reach it through `current()`.
+when it stops. The bootstep attaches it to the worker and to the generate task's base class
+(workers/context.py: the task sees it as a `TaskRuntime`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ import orjson
 import redis
 
 from genfleet.common import keys
-from genfleet.common.errors import EngineError
 from genfleet.common.redis_conn import connect
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
@@ -39,14 +39,6 @@ from genfleet.workers.observe.power_watch import fleet_state
 from genfleet.workers.observe.sampler import Monitor, make_sampler
 
 log = logging.getLogger("genfleet.worker")
-
-_current: WorkerRuntime | None = None
-
-
-def current() -> WorkerRuntime:
-    if _current is None:
-        raise EngineError("this process has no genfleet worker runtime (engine not started)")
-    return _current
 
 
 class WorkerRuntime:
@@ -79,9 +71,9 @@ class WorkerRuntime:
         self.celery_worker: Any = None  # the WorkController, set by the engine bootstep
         self._slots_lock = threading.Lock()
         self._released = 0
+        self._released_by: set[tuple[str, str]] = set()  # batches whose slot was handed on
 
     def start(self) -> None:
-        global _current
         # httpx logs every request at INFO: once a second per worker from the telemetry loop.
         logging.getLogger("httpx").setLevel(logging.WARNING)
         from genfleet.workers.engine.kinds import with_engine_key
@@ -134,6 +126,7 @@ class WorkerRuntime:
             engine_wait_s=min(settings.startup_timeout_s, 1800.0),
             busy_timeout_s=settings.busy_timeout_s,
             identity=identity,
+            on_batch_sent=self._batch_sent,
         )
         log.info(
             "feeding %s with up to %d requests in flight (engine cap %s)",
@@ -153,7 +146,6 @@ class WorkerRuntime:
         )
         self.monitor.start()
         self._start_watchdog(api_key)
-        _current = self
 
     def _start_watchdog(self, api_key: str | None) -> None:
         settings, engine, feeder = self.settings, self.engine, self.feeder
@@ -308,6 +300,21 @@ class WorkerRuntime:
         qos.increment_eventually(1)
         return True
 
+    def _batch_sent(self, run: str, batch: str) -> None:
+        """Wired into the feeder at start: every prompt of the batch is in the engine."""
+        if self.release_slot():
+            with self._slots_lock:
+                self._released_by.add((run, batch))
+
+    def batch_ended(self, run: str, batch: str) -> None:
+        """The batch's task is over (done, failed or handed back): the slot it handed on, if
+        it did, is taken back."""
+        with self._slots_lock:
+            released = (run, batch) in self._released_by
+            self._released_by.discard((run, batch))
+        if released:
+            self.restore_slot()
+
     def restore_slot(self) -> None:
         """The batch that released a slot has ended: take the slot back."""
         qos = getattr(getattr(self.celery_worker, "consumer", None), "qos", None)
@@ -344,8 +351,6 @@ class WorkerRuntime:
             del self.findings[:-50]
 
     def stop(self) -> None:
-        global _current
-        _current = None
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.monitor is not None:

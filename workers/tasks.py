@@ -24,59 +24,42 @@ import time
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-import orjson
 import redis
 from celery import Task
 from celery.exceptions import Reject, Retry
 from kombu.exceptions import OperationalError
 
 from genfleet.common import keys
-from genfleet.common.celery_config import (
-    GENERATE_TASK,
-    POWER_WATCH_TASK,
-    REAPER_TASK,
-    work_order_of,
-)
-from genfleet.common.errors import EngineConfigError, EngineError, StoreError
+from genfleet.common.backoff import BATCH_RETRY
+from genfleet.common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK
+from genfleet.common.errors import BatchFailed
+from genfleet.common.ledger import Ledger, Running, running_field
 from genfleet.common.records import WorkOrder
-from genfleet.common.redis_conn import RedisCommands, text
+from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.routing import order_queue
 from genfleet.common.store import Store
 from genfleet.workers.app import app, settings_of
-from genfleet.workers.batch import (
-    BatchCancelled,
-    BatchInputMissing,
-    BatchInterrupted,
-    execute,
-)
-from genfleet.workers.lifecycle import Lease, gate, is_cancelled, park
+from genfleet.workers.batch import execute
+from genfleet.workers.context import BatchTask, TaskRuntime
+from genfleet.workers.lifecycle import Lease, gate, is_cancelled
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.observe.sampler import batch_share
+from genfleet.workers.outcome import Outcome, counts_a_try, outcome
 from genfleet.workers.pool import BatchRequest
 from genfleet.workers.reconcile import reconcile_orders
-from genfleet.workers.runtime import current
 
 log = logging.getLogger("genfleet.tasks")
 
-RETRYABLE = (EngineError, StoreError, redis.RedisError, ConnectionError, TimeoutError)
 
-
-class BatchFailed(Exception):
-    """A batch that exhausted its tries or cannot succeed; it is in the run's failed set."""
-
-
-def running_field(run: str, batch: str) -> str:
-    return f"{run}/{batch}"
-
-
-@app.task(name=GENERATE_TASK, bind=True, Request=BatchRequest)  # type: ignore[untyped-decorator]
-def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
+@app.task(name=GENERATE_TASK, bind=True, base=BatchTask, Request=BatchRequest)  # type: ignore[untyped-decorator]
+def generate_batch(self: BatchTask, order: dict[str, Any]) -> dict[str, Any]:
     work = WorkOrder.model_validate(order)
-    runtime = current()
+    runtime = self.worker_runtime()
     settings = runtime.settings
     client = runtime.redis
     assert runtime.feeder is not None
     field = running_field(work.run, work.batch)
+    ledger = Ledger(client)
     worker = self.request.hostname or runtime.hostname
     early = _admit(runtime, work, order, worker)
     if early is not None:
@@ -84,7 +67,7 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     monitor = runtime.monitor
     if monitor is not None:
         monitor.batch_started(work.run)
-    slot, spend = _Slot(runtime), _Spend(runtime)
+    spend = _Spend(runtime)
     try:
         summary = execute(
             work,
@@ -97,55 +80,16 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
             gpus=settings.gpus,
             cancelled=lambda: is_cancelled(client, work.run),
             lease_client=runtime.lease_redis,
-            on_sent=slot.release,
         )
-    except BatchCancelled as exc:
-        log.warning("%s", exc)
-        park(client, work)
-        _safe_hdel(client, field)
-        parked = {"run": work.run, "batch": work.batch, "cancelled": True}
-        return {"summary": not_generated_headline(parked), **parked}
-    except BatchInputMissing as exc:
-        _fail(client, work, exc)
-        raise BatchFailed(str(exc)) from exc
-    except EngineConfigError as exc:
-        # Every prompt would get the same answer: spend no try, hand the order back for a
-        # worker that is configured right, and stop this one taking more.
-        _safe_hdel(client, field)
-        runtime.refuse_work(f"{work.run}/{work.batch} handed back: {exc}")
-        raise Reject(str(exc), requeue=True) from exc
-    except BatchInterrupted as exc:
-        if (work.run, work.batch) in runtime.feeder.terminated:
-            runtime.feeder.terminated.discard((work.run, work.batch))
-            reason = BatchInterrupted(f"terminated by an operator (revoke): {exc}")
-            _fail(client, work, reason)
-            raise BatchFailed(str(reason)) from exc
-        # Shutting down: put the message back for another worker (or this one, restarted);
-        # the retry skips the prompts the checkpoint holds. Not a try, not a failure.
-        log.warning("%s", exc)
-        _safe_hdel(client, field)
-        raise Reject(str(exc), requeue=True) from exc
-    except RETRYABLE as exc:
-        attempts = _attempt(client, work)
-        if attempts > settings.batch_retries:
-            _fail(client, work, exc)
-            raise BatchFailed(f"{work.run}/{work.batch} failed {attempts} times: {exc}") from exc
-        log.warning("%s/%s try %d failed: %s", work.run, work.batch, attempts, exc)
-        _back_off(runtime.lease_redis, work, worker, settings.lease_ttl_s, attempts)
-        _safe_hdel(client, field)
-        _retry_or_requeue(self, field, exc, countdown=0, queue=runtime.queue)
     except Exception as exc:
-        # Unforeseen means permanent until someone looks: park it in the failed set, where
-        # status shows it and `genfleet retry` re-runs it, rather than leave a running entry
-        # whose lease is gone, which the reaper would re-enqueue forever.
-        log.exception("%s/%s failed unexpectedly", work.run, work.batch)
-        _fail(client, work, exc)
-        raise BatchFailed(f"{work.run}/{work.batch}: {type(exc).__name__}: {exc}") from exc
+        attempts = _attempt(client, work) if counts_a_try(exc) else 0
+        verdict = outcome(exc, field, attempts, settings.batch_retries, BATCH_RETRY)
+        return _apply(self, runtime, work, worker, verdict, exc)
     finally:
-        slot.restore()
+        runtime.batch_ended(work.run, work.batch)
         if monitor is not None:
             monitor.batch_finished(work.run)
-    _safe_hdel(client, field)
+    _safe_release(ledger, work)
     spend.settle(summary, client, work)
     runtime.after_batch(summary)
     figures = summary.to_json()
@@ -153,27 +97,63 @@ def generate_batch(self: Task, order: dict[str, Any]) -> dict[str, Any]:
     return {"summary": batch_headline(figures), **figures}
 
 
+def _apply(
+    task: Task, runtime: TaskRuntime, work: WorkOrder, worker: str, verdict: Outcome, exc: Exception
+) -> dict[str, Any]:
+    """Do what `verdict` says with the failed try: the task's result (parked) or the error
+    that tells Celery what follows (Reject: back to the queue; Retry; BatchFailed: acked,
+    in the failed set)."""
+    ledger = Ledger(runtime.redis)
+    if verdict.action == "park":
+        log.warning("%s", exc)
+        ledger.park(work.run, work.batch)
+        parked = {"run": work.run, "batch": work.batch, "cancelled": True}
+        return {"summary": not_generated_headline(parked), **parked}
+    if verdict.action == "hand_back":
+        # Every prompt would get the same answer: spend no try, hand the order back for a
+        # worker that is configured right, and stop this one taking more.
+        _safe_release(ledger, work)
+        runtime.refuse_work(f"{work.run}/{work.batch} handed back: {exc}")
+        raise Reject(verdict.message, requeue=True) from exc
+    if verdict.action == "requeue":
+        # Shutting down: put the message back for another worker (or this one, restarted);
+        # the retry skips the prompts the checkpoint holds. Not a try, not a failure.
+        log.warning("%s", exc)
+        _safe_release(ledger, work)
+        raise Reject(verdict.message, requeue=True) from exc
+    field = running_field(work.run, work.batch)
+    if verdict.action == "retry":
+        log.warning("%s", verdict.message)
+        _back_off(runtime.lease_redis, work, worker, runtime.settings.lease_ttl_s, verdict.delay_s)
+        _safe_release(ledger, work)
+        _retry_or_requeue(task, field, exc, countdown=0, queue=runtime.queue)
+    if verdict.unforeseen:
+        log.exception("%s failed unexpectedly", field)
+    _fail(runtime.redis, work, verdict.failed_reason, exc)
+    raise BatchFailed(verdict.message) from exc
+
+
 def _admit(
-    runtime: Any, work: WorkOrder, order: dict[str, Any], worker: str
+    runtime: TaskRuntime, work: WorkOrder, order: dict[str, Any], worker: str
 ) -> dict[str, Any] | None:
     """Claim the batch (its running entry), or say why it is not generated here (the task's
     result). A Redis failure here comes after the message was taken and before anything is
     recorded: the message goes back to the queue, never acked."""
     client, settings = runtime.redis, runtime.settings
     field = running_field(work.run, work.batch)
+    ledger = Ledger(client)
     try:
         turned_away = gate(client, work, runtime.queue, order_queue(settings.queue, order))
         if turned_away is not None:
             if turned_away.get("handed_back"):
                 generate_batch.apply_async(kwargs={"order": order}, queue=turned_away["queue"])
             return {"summary": not_generated_headline(turned_away), **turned_away}
-        if _parked(client, work, settings.max_deliveries):
+        if ledger.is_poison(work.run, work.batch, settings.max_deliveries):
             # A stale copy (the broker's redelivery after its visibility timeout) of a batch
             # parked as poison: running it would crash one more worker.
             log.error("%s/%s is parked as poison: not running it", work.run, work.batch)
             return {"run": work.run, "batch": work.batch, "worker": worker, "parked": True}
-        entry = {**order, "claimed_at": time.time(), "worker": worker}
-        client.hset(keys.running_key(), field, orjson.dumps(entry))
+        ledger.claim(order, worker, time.time())
     except (redis.RedisError, OperationalError) as exc:
         # OperationalError: the hand-back could not be sent (the broker is down); acking this
         # message would lose the only copy of the order.
@@ -183,31 +163,13 @@ def _admit(
     return None
 
 
-def _parked(client: RedisCommands, work: WorkOrder, max_deliveries: int) -> bool:
-    return int(client.hget(keys.lost_key(work.run), work.batch) or 0) >= max_deliveries
-
-
-class _Slot:
-    """The batch's slot: released (from the feeder's loop) once every prompt is in the
-    engine, so the worker takes its next batch; taken back when the batch ends."""
-
-    def __init__(self, runtime: Any) -> None:
-        self.runtime = runtime
-        self.released = False
-
-    def release(self) -> None:
-        self.released = bool(self.runtime.release_slot())
-
-    def restore(self) -> None:
-        if self.released:
-            self.runtime.restore_slot()
-
-
 class _Spend:
     """The batch's GPU energy and time: readings when it starts, its share when it ends."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: TaskRuntime) -> None:
+        assert runtime.feeder is not None
         self.runtime = runtime
+        self.feeder = runtime.feeder
         self.energy = self._energy()
         self.tokens = runtime.feeder.tokens_total
         self.started = time.monotonic()
@@ -222,7 +184,7 @@ class _Spend:
         energy, gpus = self._energy()
         summary.energy_j, summary.gpu_s = batch_share(
             (self.energy[0], energy),
-            self.runtime.feeder.tokens_total - self.tokens,
+            self.feeder.tokens_total - self.tokens,
             summary.generated_tokens,
             time.monotonic() - self.started,
             gpus or len((self.runtime.settings.gpus or "0").split(",")),
@@ -249,18 +211,13 @@ def _count_energy(client: RedisCommands, work: WorkOrder, summary: Any) -> None:
 
 def _attempt(client: RedisCommands, work: WorkOrder) -> int:
     try:
-        return int(client.hincrby(keys.attempts_key(work.run), work.batch, 1))
+        return Ledger(client).tried(work.run, work.batch)
     except redis.RedisError:
         return 1
 
 
-def retry_backoff_s(attempts: int) -> float:
-    """How long a failed try waits before its retry is sent (a seam for tests)."""
-    return min(2.0**attempts, 60.0)
-
-
 def _back_off(
-    client: RedisCommands, work: WorkOrder, worker: str, lease_ttl_s: float, attempts: int
+    client: RedisCommands, work: WorkOrder, worker: str, lease_ttl_s: float, delay_s: float
 ) -> None:
     """Wait out the retry's backoff here, holding the lease, then send the retry due now.
 
@@ -269,7 +226,6 @@ def _back_off(
     broker's visibility timeout, hours later. Waiting here keeps the batch in the running hash
     under a live lease instead, so a death during the wait is reaped like any other.
     """
-    delay_s = retry_backoff_s(attempts)
     if delay_s <= 0:
         return
     try:
@@ -294,27 +250,23 @@ def _retry_or_requeue(
         raise Reject(f"{field}: retry not sent ({error}): requeued", requeue=True) from exc
 
 
-def _fail(client: RedisCommands, work: WorkOrder, exc: BaseException) -> None:
+def _fail(client: RedisCommands, work: WorkOrder, reason: str, exc: BaseException) -> None:
     """Park the batch in the failed set with its last error; `genfleet retry` re-enqueues.
 
     When that cannot be recorded the message goes back to the queue: acking it would lose the
     order with no trace in the failed set."""
     try:
-        pipe = client.pipeline()
-        pipe.hset(keys.failed_key(work.run), work.batch, f"{type(exc).__name__}: {exc}"[:2000])
-        pipe.srem(keys.queued_key(work.run), work.batch)
-        pipe.hdel(keys.running_key(), running_field(work.run, work.batch))
-        pipe.execute()
+        Ledger(client).fail(work.run, work.batch, reason)
     except redis.RedisError as error:
         log.exception("could not record failed batch %s/%s: requeued", work.run, work.batch)
         raise Reject(f"failed set not written ({error}): requeued", requeue=True) from exc
 
 
-def _safe_hdel(client: RedisCommands, field: str) -> None:
+def _safe_release(ledger: Ledger, work: WorkOrder) -> None:
     try:
-        client.hdel(keys.running_key(), field)
+        ledger.release(work.run, work.batch)
     except redis.RedisError:
-        log.warning("could not clear running entry %s", field)
+        log.warning("could not clear running entry %s", running_field(work.run, work.batch))
 
 
 @app.task(name=REAPER_TASK)  # type: ignore[untyped-decorator]
@@ -349,88 +301,60 @@ def reap(
     its output exists (its entry is dropped), else `requeue`d with its work order, once; or
     parked in the failed set when its worker died `max_deliveries` times."""
     found: dict[str, list[str]] = {"requeued": [], "finished": [], "parked": []}
-    for field, raw in client.hgetall(keys.running_key()).items():
-        entry = orjson.loads(raw)
-        run, batch = entry["run"], entry["batch"]
+    ledger = Ledger(client)
+    for claimed in ledger.running():
+        run, batch = claimed.run, claimed.batch
         if client.exists(keys.lease_key(run, batch)):
             continue
-        if now - float(entry.get("claimed_at", 0)) < lease_ttl_s:
+        if now - claimed.claimed_at < lease_ttl_s:
             continue  # claimed but the first lease write may not have landed yet
         if store.exists(keys.output_key(run, batch)):
-            client.hdel(keys.running_key(), field)
-            found["finished"].append(text(field))
+            ledger.release(run, batch)
+            found["finished"].append(claimed.field)
             continue
         if client.exists(keys.cancelled_key(run), keys.deleted_key(run)):
-            order = {k: v for k, v in entry.items() if k not in ("claimed_at", "worker")}
-            park(client, WorkOrder.model_validate(order))  # nothing to redo: parked
+            ledger.park(run, batch)  # nothing to redo: parked
             continue
-        if not client.hdel(keys.running_key(), field):
+        if not ledger.release(run, batch):
             continue  # another reaper won this one
-        outcome = _lost(client, entry, requeue, max_deliveries)
-        found[outcome].append(text(field))
+        outcome = _lost(ledger, claimed, requeue, max_deliveries)
+        found[outcome].append(claimed.field)
     return {**found, "ts": now}
 
 
-def _dead_deliveries(client: RedisCommands, run: str, batch: str) -> list[str]:
-    """The broker's unacked copies of this order: the dead worker's delivery.
-
-    The broker would deliver them again after its visibility timeout (hours later), a copy
-    the reaper has replaced; and `retry` takes an unacked copy for an outstanding order, so it
-    would not resend a parked batch. They are dropped (`_drop`) once the outcome is recorded;
-    an ack for a dropped tag is a no-op.
-    """
-    tags: list[str] = []
-    for tag, raw in client.hgetall(keys.UNACKED).items():
-        try:
-            message = orjson.loads(raw)[0]
-        except (ValueError, IndexError, TypeError):
-            continue
-        if work_order_of(orjson.dumps(message)) == (run, batch):
-            tags.append(text(tag))
-    return tags
-
-
-def _drop(client: RedisCommands, tags: list[str]) -> None:
-    if tags:
-        pipe = client.pipeline()
-        pipe.hdel(keys.UNACKED, *tags)
-        pipe.zrem(keys.UNACKED_INDEX, *tags)
-        pipe.execute()
-
-
 def _lost(
-    client: RedisCommands,
-    entry: dict[str, Any],
+    ledger: Ledger,
+    claimed: Running,
     requeue: Callable[[dict[str, Any]], object],
     max_deliveries: int,
 ) -> str:
     """A delivery ended with its worker dead or vanished: re-enqueue it, or park it as poison
-    once that has happened `max_deliveries` times. Returns "requeued" or "parked"."""
-    run, batch = entry["run"], entry["batch"]
-    lost = int(client.hincrby(keys.lost_key(run), batch, 1))
-    dead = _dead_deliveries(client, run, batch)
+    once that has happened `max_deliveries` times. Returns "requeued" or "parked".
+
+    The broker's unacked copies of the order (the dead worker's delivery) would be delivered
+    again after its visibility timeout, hours later, a copy the reaper has replaced; and
+    `retry` takes an unacked copy for an outstanding order, so it would not resend a parked
+    batch. They are dropped once the outcome is recorded; an ack for a dropped tag is a no-op.
+    """
+    run, batch = claimed.run, claimed.batch
+    lost = ledger.lost(run, batch)
+    dead = ledger.unacked_copies(run, batch)
     if lost >= max_deliveries:
         reason = (
             f"poison batch: its worker died or vanished in {lost} deliveries (the last on "
-            f"{entry.get('worker', 'an unknown worker')}); parked, `genfleet retry {run}` "
-            "resends it"
+            f"{claimed.worker}); parked, `genfleet retry {run}` resends it"
         )
-        pipe = client.pipeline()
-        pipe.hset(keys.failed_key(run), batch, reason)
-        pipe.srem(keys.queued_key(run), batch)
-        pipe.execute()
-        _drop(client, dead)
+        ledger.poison(run, batch, reason)
+        ledger.drop_unacked(dead)
         log.error("%s/%s: %s", run, batch, reason)
         return "parked"
-    order = {k: v for k, v in entry.items() if k not in ("claimed_at", "worker")}
     try:
-        requeue(order)
+        requeue(claimed.order())
     except Exception:
         # Not sent: give the entry back so the next round tries again (never lose the order).
-        client.hincrby(keys.lost_key(run), batch, -1)
-        client.hset(keys.running_key(), running_field(run, batch), orjson.dumps(entry))
+        ledger.unlose(claimed)
         raise
-    _drop(client, dead)
+    ledger.drop_unacked(dead)
     log.warning(
         "lease of %s/%s expired without output: re-enqueued (delivery %d of at most %d ended "
         "with its worker gone)",

@@ -29,13 +29,13 @@ def detect_format(path: SourcePath) -> str:
             return "hf"
         if any(path.glob("*.parquet")):
             return "parquet"
-        if any(path.glob("*.jsonl")) or any(path.glob("*.jsonl.gz")):
+        if any(any(path.glob(pattern)) for pattern in ("*.jsonl", "*.jsonl.gz", "*.jsonl.zst")):
             return "jsonl"
         raise InputError(f"{path}: a directory, but neither a saved dataset nor parquet/jsonl")
     name = path.name.lower()
     if name.endswith((".parquet", ".pq")):
         return "parquet"
-    if name.endswith((".jsonl", ".json", ".jsonl.gz", ".ndjson")):
+    if name.endswith((".jsonl", ".json", ".jsonl.gz", ".jsonl.zst", ".ndjson")):
         return "jsonl"  # the JSONL reader tells chat, prompt and OpenAI batch lines apart
     raise InputError(f"{path}: cannot tell the format from the name; pass --format")
 
@@ -97,4 +97,4 @@ def _samples(item: PromptRecord, samples: int) -> Iterator[PromptRecord]:
         own = item.params
         if n > 1 and "seed" in params:
             own = {**params, "seed": params["seed"] + sample}
-        yield PromptRecord(item.id, item.messages, sample, own, item.custom_id)
+        yield PromptRecord(item.id, item.messages, sample, own, item.custom_id, item.previous)

@@ -42,6 +42,9 @@ class ReaderOptions:
     messages_col: str | None = None
     prompt_col: str | None = None
     id_col: str | None = None
+    # --regenerate: a conversation's final assistant turn is the old answer to replace (kept
+    # as the record's `previous`, never sent); without it such a line is refused.
+    regenerate: bool = False
     # where s3:// sources are read from: the store's endpoint and region
     s3_endpoint_url: str | None = None
     s3_region: str = "us-east-1"
@@ -97,6 +100,100 @@ def check_messages(value: Any, field: str = "messages") -> list[dict[str, Any]]:
             continue
         raise BadRecord(f"{where}.content", "is missing, empty or not a string/parts list")
     return value
+
+
+# ShareGPT speakers (`from`) and the chat role each one is.
+SPEAKERS = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+
+
+def sharegpt_turns(value: Any, field: str) -> Any:
+    """ShareGPT turns (`{"from": "human", "value": …}`) as chat messages; anything else as it
+    is (check_messages judges it). A speaker outside SPEAKERS rejects the line, naming the turn
+    and the value: guessing who spoke would train on the wrong side of a conversation."""
+    if not isinstance(value, list) or not any(
+        isinstance(turn, dict) and "from" in turn and "role" not in turn for turn in value
+    ):
+        return value
+    messages: list[Any] = []
+    for i, turn in enumerate(value):
+        if not isinstance(turn, dict):
+            raise BadRecord(f"{field}[{i}]", f"must be an object, got {type(turn).__name__}")
+        speaker = turn.get("from")
+        role = SPEAKERS.get(speaker) if isinstance(speaker, str) else None
+        if role is None:
+            known = ", ".join(SPEAKERS)
+            raise BadRecord(f"{field}[{i}].from", f"unknown speaker {speaker!r} (known: {known})")
+        text = turn.get("value")
+        if not isinstance(text, str) or (not text.strip() and role != "assistant"):
+            raise BadRecord(f"{field}[{i}].value", "is missing, empty or not a string")
+        messages.append({"role": role, "content": text})
+    return messages
+
+
+REGENERATE_HINT = "ends with an assistant answer: pass --regenerate to replace it"
+
+
+def split_think(text: str) -> tuple[str | None, str]:
+    """(reasoning, content) of an answer that may hold a `<think>…</think>` block: the block
+    is the reasoning, what follows it the content. A reasoning opened and never closed (an
+    answer cut at its length cap) is all reasoning."""
+    stripped = text.lstrip()
+    if "</think>" in stripped:
+        head, _, tail = stripped.partition("</think>")
+        return head.removeprefix("<think>").strip(), tail.lstrip()
+    if stripped.startswith("<think>"):
+        return stripped.removeprefix("<think>").strip(), ""
+    return None, text
+
+
+def _text_of(content: Any) -> str | None:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = [part.get("text") for part in content if isinstance(part, dict)]
+        return "".join(part for part in parts if isinstance(part, str))
+    return None
+
+
+def split_answer(
+    messages: list[dict[str, Any]], field: str, regenerate: bool
+) -> tuple[list[dict[str, Any]], dict[str, str | None] | None]:
+    """The messages the engine sees and the old answer they replace (`previous`).
+
+    A conversation ending with an assistant turn is refused unless `regenerate`: sent as it
+    is, the model would be asked to write a further turn after the answer it should replace.
+    With `regenerate` that turn leaves the messages and becomes `{"content", "reasoning"}`
+    (a `<think>` block or a `reasoning_content` field is the reasoning). Without a final
+    assistant turn there is nothing to replace: the messages pass as they are.
+    """
+    last = messages[-1]
+    if last.get("role") != "assistant":
+        return messages, None
+    where = f"{field}[-1]"
+    if not regenerate:
+        raise BadRecord(where, REGENERATE_HINT)
+    content = _text_of(last.get("content"))
+    if content is None:
+        raise BadRecord(f"{where}.content", "the answer to replace is not text (a tool call?)")
+    rest = messages[:-1]
+    if not rest or all(m.get("role") == "system" for m in rest):
+        raise BadRecord(where, "nothing is left to answer once the old answer is removed")
+    if rest[-1].get("role") == "assistant":
+        raise BadRecord(
+            f"{field}[-2]", "is an assistant turn too: the conversation would still end with one"
+        )
+    reasoning, answer = split_think(content)
+    stated = last.get("reasoning_content")
+    if isinstance(stated, str) and stated.strip():
+        reasoning = stated if reasoning is None else f"{stated}\n{reasoning}"
+    return rest, {"content": answer, "reasoning": reasoning}
 
 
 def check_prompt(value: Any, field: str = "prompt") -> list[dict[str, Any]]:

@@ -1,4 +1,10 @@
-"""JSON lines: chat (`messages`), prompt (`prompt`) and OpenAI Batch API request lines.
+"""JSON lines: chat (`messages`), ShareGPT (`conversations`), prompt (`prompt`) and OpenAI
+Batch API request lines, plain, gzip'd (`.jsonl.gz`) or zstd'd (`.jsonl.zst`).
+
+`--messages-col`, `--prompt-col` and `--id-col` name other fields (`--prompt-col question`);
+a line that lacks a field named so is rejected naming it and the flag (a default id or another
+field in its place would mix two mappings in one run). A messages field may hold chat messages
+(`role`/`content`) or ShareGPT turns (`from`/`value`).
 
 Lines are read as bytes so that a line that is not UTF-8, not JSON, or over the size limit is
 one reject, not the end of the file. OpenAI batch lines (`custom_id`, `method`, `url`, `body`)
@@ -10,12 +16,15 @@ engine as given, less what genfleet owns, and a field it cannot honour rejects t
 from __future__ import annotations
 
 import gzip
+import io
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
 import orjson
 
+from genfleet.common.errors import ConfigError
 from genfleet.common.readers.fields import (
     BadRecord,
     Located,
@@ -26,13 +35,85 @@ from genfleet.common.readers.fields import (
     check_messages,
     check_prompt,
     default_id_base,
+    sharegpt_turns,
+    split_answer,
 )
 from genfleet.common.readers.s3source import SourcePath
 from genfleet.common.records import PromptRecord
 
+try:
+    from zstandard import ZstdError as _ZstdError
+except ImportError:  # pragma: no cover - a dependency of genfleet
+
+    class _ZstdError(Exception):  # type: ignore[no-redef]
+        """Stands in when zstandard is missing (reading a .zst then fails with a hint)."""
+
+
+# The names of JSON lines files in a folder source.
+PATTERNS = ("*.jsonl", "*.jsonl.gz", "*.jsonl.zst")
+
+
+class _ZstdStream(io.RawIOBase):
+    """A zstd file decompressed as it is read, every frame of it (the zstd CLI and pzstd
+    write several). A stream that ends inside a frame raises: a cut file must never read as
+    a shorter dataset (zstandard's own stream reader ends quietly there)."""
+
+    CHUNK = 1 << 20
+
+    def __init__(self, raw: IO[bytes], zstandard: Any) -> None:
+        self._raw, self._zstd = raw, zstandard
+        self._frame = zstandard.ZstdDecompressor().decompressobj()
+        self._fed = False  # the current frame has input
+        self._out = b""
+        self._pos = 0  # how much of _out was read
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        while self._pos >= len(self._out):
+            chunk = self._raw.read(self.CHUNK)
+            if not chunk:
+                if self._fed and not self._frame.eof:
+                    raise self._zstd.ZstdError("the file ends inside a zstd frame (truncated)")
+                return 0
+            self._out, self._pos = self._feed(chunk), 0
+        size = min(len(buffer), len(self._out) - self._pos)
+        buffer[:size] = memoryview(self._out)[self._pos : self._pos + size]
+        self._pos += size
+        return size
+
+    def _feed(self, chunk: bytes) -> bytes:
+        out = b""
+        while chunk:
+            self._fed = True
+            out += self._frame.decompress(chunk)
+            if not self._frame.eof:
+                break
+            chunk = self._frame.unused_data  # the next frame starts here
+            self._frame = self._zstd.ZstdDecompressor().decompressobj()
+            self._fed = False
+        return out
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def _zstd_reader(raw: IO[bytes]) -> IO[bytes]:
+    """A zstd file read as lines."""
+    try:
+        import zstandard
+    except ImportError as exc:  # pragma: no cover - a dependency of genfleet
+        raise ConfigError(".jsonl.zst sources need zstandard: pip install zstandard") from exc
+    return io.BufferedReader(_ZstdStream(raw, zstandard), buffer_size=_ZstdStream.CHUNK)
+
 
 def _open(path: SourcePath) -> IO[bytes]:
-    if not path.name.endswith(".gz"):
+    name = path.name.lower()
+    if name.endswith(".zst"):
+        return _zstd_reader(path.open("rb"))
+    if not name.endswith(".gz"):
         return path.open("rb")
     if isinstance(path, Path):
         return gzip.open(path, "rb")  # type: ignore[return-value]
@@ -41,7 +122,7 @@ def _open(path: SourcePath) -> IO[bytes]:
 
 def _files(path: SourcePath) -> list[SourcePath]:
     if path.is_dir():
-        return sorted([*path.glob("*.jsonl"), *path.glob("*.jsonl.gz")], key=str)
+        return sorted([file for pattern in PATTERNS for file in path.glob(pattern)], key=str)
     return [path]
 
 
@@ -88,7 +169,7 @@ def _read_array(path: SourcePath, base: str, options: ReaderOptions) -> Iterator
         return
     for number, data in enumerate(items, start=1):
         try:
-            record = parse_line(data, default_id=f"{base}:{number}", fmt=options.format)
+            record = parse_line(data, f"{base}:{number}", options.format, options)
             yield (name, number, record)
         except BadRecord as exc:
             yield Reject(name, number, exc.field, f"element {number}: {exc}")
@@ -100,52 +181,82 @@ def _read_file(path: SourcePath, base: str, options: ReaderOptions) -> Iterator[
         yield from _read_array(path, base, options)
         return
     name = str(path)
-    with _open(path) as handle:
-        for lineno, raw in _lines(handle, options.max_line_bytes):
-            if raw is None:
-                yield Reject(name, lineno, None, f"line over {options.max_line_bytes} bytes")
-                continue
-            if lineno == 1:
-                raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield Reject(name, lineno, None, f"not UTF-8 (byte {exc.start})")
-                continue
-            try:
-                data = orjson.loads(text)
-            except orjson.JSONDecodeError as exc:
-                yield Reject(name, lineno, None, f"not JSON: {exc}")
-                continue
-            try:
-                record = parse_line(data, default_id=f"{base}:{lineno}", fmt=options.format)
-            except BadRecord as exc:
-                yield Reject(name, lineno, exc.field, str(exc))
-                continue
-            yield (name, lineno, record)
+    lineno = 0
+    try:
+        with _open(path) as handle:
+            for lineno, raw in _lines(handle, options.max_line_bytes):
+                item = _line_item(name, lineno, raw, base, options)
+                if item is not None:
+                    yield item
+    except (EOFError, OSError, zlib.error, _ZstdError) as exc:
+        # The rest of the file cannot be read: the lines before it stand, and this says so.
+        yield Reject(name, lineno + 1, None, f"compressed data is corrupt from here on: {exc}")
 
 
-def parse_line(data: Any, default_id: str, fmt: str | None = None) -> PromptRecord:
+def _line_item(
+    name: str, lineno: int, raw: bytes | None, base: str, options: ReaderOptions
+) -> Located | None:
+    """One line as a record or a reject; None for a blank line."""
+    if raw is None:
+        return Reject(name, lineno, None, f"line over {options.max_line_bytes} bytes")
+    if lineno == 1:
+        raw = raw.removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte order mark
+    if not raw.strip():
+        return None
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        return Reject(name, lineno, None, f"not UTF-8 (byte {exc.start})")
+    try:
+        data = orjson.loads(text)
+    except orjson.JSONDecodeError as exc:
+        return Reject(name, lineno, None, f"not JSON: {exc}")
+    try:
+        record = parse_line(data, f"{base}:{lineno}", options.format, options)
+    except BadRecord as exc:
+        return Reject(name, lineno, exc.field, str(exc))
+    return (name, lineno, record)
+
+
+def parse_line(
+    data: Any, default_id: str, fmt: str | None = None, options: ReaderOptions | None = None
+) -> PromptRecord:
     """One decoded JSON line → a PromptRecord, or BadRecord naming the field."""
+    options = options or ReaderOptions()
     if not isinstance(data, dict):
         raise BadRecord(None, f"must be a JSON object, got {type(data).__name__}")
     if fmt == "openai" or ("custom_id" in data and "body" in data):
-        return _parse_openai(data)
+        return _parse_openai(data, options.regenerate)
     if fmt == "openai":
         raise BadRecord("custom_id", "an OpenAI batch line needs custom_id and body")
-    record_id = check_id(data.get("id")) or default_id
-    if "messages" in data:
-        messages = check_messages(data["messages"])
-    elif "prompt" in data:
-        messages = check_prompt(data["prompt"])
-    else:
-        raise BadRecord("messages", "neither 'messages' nor 'prompt' is present")
-    return PromptRecord(record_id, messages)
+    id_field = options.id_col or "id"
+    if options.id_col is not None and options.id_col not in data:
+        raise BadRecord(options.id_col, "is missing (named by --id-col)")
+    record_id = check_id(data.get(id_field), id_field) or default_id
+    field, messages = _conversation(data, options)
+    messages, previous = split_answer(messages, field, options.regenerate)
+    return PromptRecord(record_id, messages, previous=previous)
 
 
-def _parse_openai(data: dict[str, Any]) -> PromptRecord:
+def _conversation(data: dict[str, Any], options: ReaderOptions) -> tuple[str, list[Any]]:
+    """(field, messages) of a chat, ShareGPT or prompt line: the first field present that is
+    not null (as in a Parquet row), or the first present one, whose check names the null."""
+    chats = [options.messages_col] if options.messages_col else ["messages", "conversations"]
+    prompt = options.prompt_col or "prompt"
+    present = [name for name in (*chats, prompt) if name in data]
+    if not present:
+        if options.messages_col:
+            raise BadRecord(options.messages_col, "is missing (named by --messages-col)")
+        if options.prompt_col:
+            raise BadRecord(options.prompt_col, "is missing (named by --prompt-col)")
+        raise BadRecord("messages", "neither 'messages', 'conversations' nor 'prompt' is present")
+    field = next((name for name in present if data[name] is not None), present[0])
+    if field == prompt:
+        return field, check_prompt(data[field], field)
+    return field, check_messages(sharegpt_turns(data[field], field), field)
+
+
+def _parse_openai(data: dict[str, Any], regenerate: bool) -> PromptRecord:
     custom_id = check_id(data.get("custom_id"), "custom_id")
     if custom_id is None:
         raise BadRecord("custom_id", "is missing")
@@ -159,5 +270,6 @@ def _parse_openai(data: dict[str, Any]) -> PromptRecord:
     if not isinstance(body, dict):
         raise BadRecord("body", "is missing or not an object")
     messages = check_messages(body.get("messages"), "body.messages")
+    messages, previous = split_answer(messages, "body.messages", regenerate)
     params = check_body(body)
-    return PromptRecord(custom_id, messages, 0, params or None, custom_id)
+    return PromptRecord(custom_id, messages, 0, params or None, custom_id, previous)

@@ -1,10 +1,10 @@
 """Parquet files and directories of Parquet shards, read one record batch at a time.
 
 Only the named columns are read (`--messages-col`, `--prompt-col`, `--id-col`; defaults
-`messages`, `prompt`, `id`) and only one record batch of them is in memory at a time, so a
-shard of any size streams. A row is numbered by its 0-based index in its file (what
-`table.slice(row, 1)` or `df.iloc[row]` would show); rows without an id get `{file}:{row}`,
-with the file's path relative to the source.
+`messages` (or ShareGPT's `conversations`), `prompt`, `id`) and only one record batch of them
+is in memory at a time, so a shard of any size streams. A row is numbered by its 0-based index
+in its file (what `table.slice(row, 1)` or `df.iloc[row]` would show); rows without an id get
+`{file}:{row}`, with the file's path relative to the source.
 
 Rejects: a column named on the command line that a file lacks rejects that file (the mapping
 the user asked for does not hold there, and guessing would mix datasets); a file with neither
@@ -32,6 +32,8 @@ from genfleet.common.readers.fields import (
     check_messages,
     check_prompt,
     default_id_base,
+    sharegpt_turns,
+    split_answer,
 )
 from genfleet.common.readers.s3source import SourcePath
 from genfleet.common.records import PromptRecord
@@ -60,6 +62,7 @@ class Columns:
     messages: str | None
     prompt: str | None
     id: str | None
+    regenerate: bool = False  # --regenerate: a final assistant turn is the answer to replace
 
     def names(self) -> list[str]:
         return [name for name in (self.messages, self.prompt, self.id) if name is not None]
@@ -76,12 +79,19 @@ def resolve_columns(name: str, present: Iterable[str], options: ReaderOptions) -
         if column is not None and column not in available:
             return Reject(name, None, column, f"no column {column!r} (named by {flag})")
     messages = options.messages_col or "messages"
+    if (
+        options.messages_col is None
+        and "messages" not in available
+        and "conversations" in available
+    ):
+        messages = "conversations"  # ShareGPT
     prompt = options.prompt_col or "prompt"
     id_col = options.id_col or "id"
     columns = Columns(
         messages if messages in available else None,
         prompt if prompt in available else None,
         id_col if id_col in available else None,
+        options.regenerate,
     )
     if columns.messages is None and columns.prompt is None:
         return Reject(
@@ -116,13 +126,17 @@ def parse_row(row: dict[str, Any], columns: Columns, default_id: str) -> PromptR
     if columns.id is not None:
         record_id = check_id(row[columns.id], columns.id) or default_id
     if columns.messages is not None and row[columns.messages] is not None:
-        messages = check_messages(_clean_messages(row[columns.messages]), columns.messages)
+        field = columns.messages
+        turns = sharegpt_turns(_clean_messages(row[field]), field)
+        messages = check_messages(turns, field)
     elif columns.prompt is not None:
-        messages = check_prompt(row[columns.prompt], columns.prompt)
+        field = columns.prompt
+        messages = check_prompt(row[field], field)
     else:
         assert columns.messages is not None
         raise BadRecord(columns.messages, "is null")
-    return PromptRecord(record_id, messages)
+    messages, previous = split_answer(messages, field, columns.regenerate)
+    return PromptRecord(record_id, messages, previous=previous)
 
 
 def rows_from_batches(

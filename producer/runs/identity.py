@@ -36,6 +36,8 @@ def staging_params(settings: Settings) -> dict[str, Any]:
     }
     if settings.batch_tail:  # named only when set: runs staged without it keep their identity
         staging["batch_tail"] = settings.batch_tail
+    if settings.regenerate:  # the same: named only when set
+        staging["regenerate"] = True
     return staging
 
 

@@ -20,6 +20,7 @@ import redis
 
 from genfleet.common import keys
 from genfleet.common.errors import GenfleetError, InputError
+from genfleet.common.ledger import Ledger
 from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import text
 from genfleet.common.settings import Settings
@@ -118,8 +119,7 @@ def cancel_run(store: Store, client: redis.Redis, run: str) -> CancelResult:
     for queue in _work_queues(client):
         removed = purge_orders(client, queue, run)
         result.orders_removed += len(removed)
-        if removed:
-            client.srem(keys.queued_key(run), *removed)
+        Ledger(client).unqueue(run, removed)
     result.running = sorted(running_batches(client, run))
     return result
 
@@ -188,10 +188,7 @@ def _delete_redis(client: redis.Redis, run: str) -> int:
                 batch = []
         if batch:
             count += int(client.delete(*batch))
-    prefix = f"{run}/"
-    running = [f for f in client.hkeys(keys.running_key()) if text(f).startswith(prefix)]
-    if running:
-        count += int(client.hdel(keys.running_key(), *running))
+    count += Ledger(client).forget_running(run)
     count += int(client.srem(keys.runs_key(), run))
     return count
 

@@ -1,28 +1,19 @@
 """The Redis commands of the batch path (`RedisCommands`), on a real server and on the fake.
 
-Every test runs twice: against the test Redis database and against tests/fakes' MemoryRedis,
-so the unit tests that use the fake (tests/workers/test_core_*.py) rest on behaviour the real
-server has. Replies are compared as a default `redis.Redis` returns them (bytes).
+Every test runs twice: against the test Redis database and against tests/fakes' MemoryRedis
+(the `db` fixture, tests/common/conftest.py), so the unit tests that use the fake
+(tests/workers/test_core_*.py) rest on behaviour the real server has. Replies are compared
+as a default `redis.Redis` returns them (bytes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import redis
 
-from tests.fakes.memory_redis import MemoryRedis
 from tests.support import wait_for
-
-
-@pytest.fixture(params=["redis", "memory"])
-def db(request: pytest.FixtureRequest) -> Iterator[Any]:
-    if request.param == "memory":
-        yield MemoryRedis()
-    else:
-        yield request.getfixturevalue("redis_client")
 
 
 def test_set_with_px_expires(db: Any) -> None:
@@ -53,12 +44,14 @@ def test_hashes(db: Any) -> None:
     assert db.hincrby("h", "n", 4) == 7
     assert db.hget("h", "n") == b"7"
     assert db.hgetall("h") == {b"a": b"text", b"b": b"12.5", b"n": b"7"}
+    assert sorted(db.hkeys("h")) == [b"a", b"b", b"n"]
     with pytest.raises(redis.ResponseError):
         db.hincrby("h", "a", 1)  # not an integer
     assert db.hdel("h", "a", "b", "missing") == 2
     assert db.hdel("h", "n") == 1
     assert db.exists("h") == 0  # an emptied hash is gone
     assert db.hgetall("h") == {}
+    assert db.hkeys("h") == []
     assert db.hdel("nothing", "a") == 0
 
 
@@ -67,7 +60,9 @@ def test_sets(db: Any) -> None:
     assert db.sadd("s", "batch-000001") == 0
     assert db.srem("s", "batch-000001", "batch-000009") == 1
     assert db.smembers("s") == {b"batch-000002"}
+    assert db.scard("s") == 1
     assert db.srem("missing", "x") == 0
+    assert db.scard("missing") == 0
 
 
 def test_sorted_sets(db: Any) -> None:

@@ -49,6 +49,7 @@ class FakeChat:
         self.ungated = ungated or set()
         self.tokens = tokens
         self.calls: Counter[str] = Counter()
+        self.sent: list[PromptRecord] = []  # every record asked for, in the order asked
         self.inflight = 0
         self.most_inflight = 0
         self.cancelled = 0
@@ -58,6 +59,7 @@ class FakeChat:
     async def chat(self, record: PromptRecord, params: GenerationParams) -> ChatResult:
         with self._lock:
             self.calls[record.id] += 1
+            self.sent.append(record)
             self.inflight += 1
             self.most_inflight = max(self.most_inflight, self.inflight)
             scripted = self.failures.get(record.id)

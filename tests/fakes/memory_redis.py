@@ -207,6 +207,12 @@ class MemoryRedis:
     def _hgetall(self, name: Value) -> dict[bytes, bytes]:
         return dict(self._get(name, dict) or {})
 
+    def hkeys(self, name: Value) -> Any:
+        return self._run("hkeys", name)
+
+    def _hkeys(self, name: Value) -> list[bytes]:
+        return list(self._get(name, dict) or {})
+
     # --- sets and sorted sets ---------------------------------------------------------------
 
     def sadd(self, name: Value, *values: Value) -> Any:
@@ -235,6 +241,12 @@ class MemoryRedis:
 
     def _smembers(self, name: Value) -> builtins.set[bytes]:
         return set(self._get(name, set) or set())
+
+    def scard(self, name: Value) -> Any:
+        return self._run("scard", name)
+
+    def _scard(self, name: Value) -> int:
+        return len(self._get(name, set) or ())
 
     def zadd(self, name: Value, mapping: Mapping[Any, float]) -> Any:
         return self._run("zadd", name, mapping)

@@ -19,7 +19,7 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from genfleet.common.celery_config import work_order_of
+from genfleet.common.ledger import work_order_of
 from tests.faults.helpers import (
     assert_exactly_once,
     fault_settings,

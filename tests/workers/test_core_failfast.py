@@ -12,10 +12,12 @@ import pytest
 from celery.exceptions import Reject
 
 from genfleet.common import keys
+from genfleet.common.backoff import Backoff
 from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.errors import EngineDown
+from genfleet.common.ledger import running_field
 from genfleet.workers import tasks as tasks_module
-from genfleet.workers.tasks import BatchFailed, generate_batch, reap, running_field
+from genfleet.workers.tasks import BatchFailed, generate_batch, reap
 from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
@@ -139,7 +141,7 @@ def test_a_retry_waits_out_its_backoff_under_a_lease_then_goes_straight_to_the_q
     reaper): the backoff is spent here, with the batch running and leased."""
     runtime = make_runtime(FakeChat(failures={"p0": [EngineDown("engine gone")]}))
     order = stage(runtime, 2)
-    monkeypatch.setattr(tasks_module, "retry_backoff_s", lambda attempts: 2.0)
+    monkeypatch.setattr(tasks_module, "BATCH_RETRY", Backoff(base_s=2.0, cap_s=2.0))
     seen: dict[str, Any] = {}
 
     def look() -> None:

@@ -13,7 +13,12 @@ from concurrent.futures import CancelledError, Future
 
 import pytest
 
-from genfleet.common.errors import EngineDown, RequestRejected, RestartBudgetExhausted
+from genfleet.common.errors import (
+    BatchTerminated,
+    EngineDown,
+    RequestRejected,
+    RestartBudgetExhausted,
+)
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
 from genfleet.workers.feeder import Feeder, default_max_inflight, retry_backoff_s
 from tests.fakes.engine import FakeChat, FakeEngine
@@ -189,6 +194,48 @@ def test_cancel_all_stops_running_batches_and_keeps_what_finished(
     assert feeder.inflight == 0
     assert feeder.cancel_all() == 0  # nothing left running
     gate.set()
+
+
+def test_a_terminated_batch_ends_in_batch_terminated_and_leaves_the_others(
+    make_feeder: Callable[..., Feeder],
+) -> None:
+    """An operator's terminate is a fact the batch's future carries (BatchTerminated), not a
+    plain cancellation that reads like a shutdown; the other batch of the worker goes on."""
+    gate = threading.Event()
+    chat = FakeChat(gate=gate, ungated={"p0", "q0", "q1"})
+    feeder = make_feeder(chat)
+    doomed, got = run(feeder, prompts(3), batch="batch-000001")
+    other, rest = run(feeder, prompts(2, prefix="q"), batch="batch-000002")
+    wait_for(lambda: 0 in got.records and len(rest.records) == 2, 10, "p0, q0, q1 done", 0.01)
+
+    assert feeder.cancel_batch("r", "batch-000001")
+    with pytest.raises(BatchTerminated, match="terminated by an operator"):
+        doomed.result(timeout=10)
+    wait_for(lambda: chat.inflight == 0, 10, "the terminated requests to stop", 0.01)
+    assert other.result(timeout=10) is None
+    assert not feeder.cancel_batch("r", "batch-000001")  # no longer running
+    gate.set()
+
+
+def test_a_batch_terminated_before_its_loop_task_starts_never_sends(
+    make_feeder: Callable[..., Feeder],
+) -> None:
+    chat = FakeChat()
+    feeder = make_feeder(chat)
+    held, release = threading.Event(), threading.Event()
+    feeder.submit(_hold_the_loop(held, release))  # no batch task can start meanwhile
+    assert held.wait(10)
+    future, got = run(feeder, prompts(2))
+    assert feeder.cancel_batch("r", "batch-000000")
+    release.set()
+    with pytest.raises(BatchTerminated):
+        future.result(timeout=10)
+    assert chat.calls == {} and got.records == {}
+
+
+async def _hold_the_loop(held: threading.Event, release: threading.Event) -> None:
+    held.set()
+    release.wait(10)  # blocks the feeder's loop on purpose, until released
 
 
 def test_close_closes_the_client(make_feeder: Callable[..., Feeder]) -> None:

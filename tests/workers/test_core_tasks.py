@@ -19,7 +19,9 @@ import pytest
 from celery.exceptions import Reject
 
 from genfleet.common import keys
+from genfleet.common.backoff import Backoff
 from genfleet.common.errors import EngineBusy, EngineConfigError, EngineDown, RequestFailed
+from genfleet.common.ledger import running_field
 from genfleet.common.records import (
     GenerationParams,
     PromptRecord,
@@ -28,11 +30,11 @@ from genfleet.common.records import (
     encode_jsonl_gz,
 )
 from genfleet.common.settings import Settings
-from genfleet.workers import runtime as runtime_module
 from genfleet.workers import tasks as tasks_module
 from genfleet.workers.batch import BatchSummary
+from genfleet.workers.context import BatchTask, TaskRuntime
 from genfleet.workers.feeder import Feeder
-from genfleet.workers.tasks import BatchFailed, generate_batch, reap, running_field
+from genfleet.workers.tasks import BatchFailed, generate_batch, reap
 from tests.fakes.engine import FakeChat, FakeEngine
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
@@ -45,7 +47,7 @@ FIELD = running_field(RUN, BATCH)
 
 @dataclass
 class FakeRuntime:
-    """What `generate_batch` takes from `runtime.current()`, made of fakes."""
+    """The `TaskRuntime` `generate_batch` runs with, made of fakes."""
 
     feeder: Feeder
     settings: Settings
@@ -57,6 +59,7 @@ class FakeRuntime:
     finished: list[BatchSummary] = field(default_factory=list)
 
     refused: list[str] = field(default_factory=list)
+    ended: list[tuple[str, str]] = field(default_factory=list)
 
     def after_batch(self, summary: BatchSummary) -> None:
         self.finished.append(summary)
@@ -68,11 +71,12 @@ class FakeRuntime:
     def lease_redis(self) -> MemoryRedis:
         return self.redis
 
-    def release_slot(self) -> bool:
-        return False  # no Celery consumer to raise the prefetch of
+    def batch_ended(self, run: str, batch: str) -> None:
+        self.ended.append((run, batch))  # no Celery consumer whose prefetch to restore
 
-    def restore_slot(self) -> None:
-        raise AssertionError("no slot was released")
+
+def _is_a_task_runtime(fake: FakeRuntime) -> TaskRuntime:
+    return fake  # a type checker sees here that the fake is a TaskRuntime
 
 
 @pytest.fixture
@@ -84,8 +88,8 @@ def make_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Fake
         feeders.append(feeder)
         settings = Settings(batch_retries=batch_retries, lease_ttl_s=30, checkpoint_interval_s=60)
         fake = FakeRuntime(feeder=feeder, settings=settings)
-        monkeypatch.setattr(runtime_module, "_current", fake)
-        monkeypatch.setattr(tasks_module, "retry_backoff_s", lambda attempts: 0.0)
+        monkeypatch.setattr(BatchTask, "runtime", fake)
+        monkeypatch.setattr(tasks_module, "BATCH_RETRY", Backoff(base_s=0.0))
         return fake
 
     yield make

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from genfleet.common.celery_config import work_order_of
+from genfleet.common.ledger import work_order_of
 from genfleet.workers.reconcile import RunOrders, reconcile
 from tests.faults.helpers import (
     assert_exactly_once,

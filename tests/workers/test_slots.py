@@ -74,6 +74,28 @@ def test_on_sent_fires_when_the_last_prompt_enters_and_waiting_counts_down() -> 
         feeder.close()
 
 
+def test_the_hook_wired_at_start_names_each_batch_once_its_prompts_are_all_sent() -> None:
+    """The worker wires its slot hand-over into the feeder once, at start: no batch passes a
+    callback down, and the hook says which batch it is for."""
+    client = SlowClient()
+    seen: list[tuple[str, str]] = []
+    feeder = Feeder(
+        lambda: client, Up(), max_inflight=3, on_batch_sent=lambda r, b: seen.append((r, b))
+    )  # type: ignore[arg-type,return-value]
+    params = GenerationParams(max_tokens=8, temperature=0.0, top_p=1.0, thinking=False)
+    records = [PromptRecord(f"p{i}", [{"role": "user", "content": "x"}]) for i in range(5)]
+    try:
+        first = feeder.run_batch("r", "b0", records[:2], params, lambda i, r: None)
+        second = feeder.run_batch("r", "b1", records[2:], params, lambda i, r: None)
+        wait_for(lambda: seen == [("r", "b0")] and feeder.waiting == 2, 10, "b0 sent, b1 waiting")
+        first.cancel()
+        wait_for(lambda: seen == [("r", "b0"), ("r", "b1")], 10, "b1 sent once b0 made room")
+        second.cancel()
+        wait_for(lambda: feeder.inflight == 0, 10, "an empty limiter")
+    finally:
+        feeder.close()
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_the_next_batch_starts_while_stragglers_run(

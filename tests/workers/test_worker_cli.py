@@ -196,6 +196,58 @@ def test_preflight_command_exit_codes(tmp_path: Path) -> None:
     assert ok.returncode == 0, ok.stderr
 
 
+def test_worker_refused_by_preflight_exits_non_zero_with_the_reason(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """A checkpoint without MTP tensors: no engine starts, and the worker must not exit 0
+    (a process manager would take that for a clean stop and never say why)."""
+    model = tmp_path / "qwen"
+    model.mkdir()
+    (model / "config.json").write_text(
+        '{"architectures": ["Qwen3_5ForConditionalGeneration"], "num_hidden_layers": 2}'
+    )
+    (model / "model.safetensors.index.json").write_text(
+        '{"weight_map": {"model.layers.0.mlp.weight": "a.safetensors"}}'
+    )
+    env = base_env(redis_url, f"file://{tmp_path / 'store'}", log_dir=tmp_path / "logs")
+    worker = subprocess.run(
+        ["genfleet", "worker", "--engine", "sglang", "--model", str(model)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
+        env=env,
+    )
+    assert worker.returncode == 1
+    assert "PreflightError" in worker.stderr and str(model) in worker.stderr
+    assert not list((tmp_path / "logs").glob("engine-*.log"))  # no engine was started
+
+
+def test_worker_without_redis_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
+    dead = f"redis://127.0.0.1:{free_port()}/0"
+    env = base_env(dead, f"file://{tmp_path / 'store'}")
+    worker = subprocess.run(
+        ["genfleet", "worker"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
+    )
+    assert worker.returncode == 1
+    assert "BrokerUnavailable" in worker.stderr and dead in worker.stderr
+
+
+def test_control_beat_runs_with_a_log_dir_not_made_yet(
+    tmp_path: Path, redis_url: str, start_worker: Callable[..., Worker]
+) -> None:
+    logs = tmp_path / "not-yet" / "logs"
+    env = {
+        **base_env(redis_url, f"file://{tmp_path / 'store'}", log_dir=logs),
+        "TMPDIR": str(tmp_path),
+    }
+    control = start_worker(env, role="control")
+    # beat's schedule is kept in the user's private directory, whatever --log-dir says
+    beat = tmp_path / f"genfleet-{os.getuid()}" / "beat"
+    wait_for(lambda: beat.is_dir() and any(beat.iterdir()), 60, "beat's schedule file", 0.2)
+    assert control.proc.poll() is None
+
+
 def test_flags_reach_the_engine_step_and_tasks_without_the_environment(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:

@@ -24,7 +24,12 @@ from genfleet.common.settings import Settings
 from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.launch import EngineLaunch
 from genfleet.workers.engine.preflight import checkpoint_arch
-from genfleet.workers.engine.sglang_argv import LOOPBACK, NEWEST_SGLANG, sglang_launch
+from genfleet.workers.engine.sglang_argv import (
+    LOOPBACK,
+    NEWEST_SGLANG,
+    crash_workaround,
+    sglang_launch,
+)
 
 EMULATOR_PROGRAM = [sys.executable, "-m", "genfleet.workers.engine.emulator"]
 EMULATED_MODEL = "genfleet/emulated"
@@ -148,4 +153,9 @@ def print_engine_command(settings: Settings, port: int | None = None) -> str:
     launch = engine_launch(settings, chosen, arch)
     if launch is None:
         return f"# {settings.engine_kind} engine: genfleet launches nothing"
-    return f"{launch.describe()}\n{choose(settings, arch).describe()}"
+    text = f"{launch.describe()}\n{choose(settings, arch).describe()}"
+    if settings.engine_kind == "sglang":
+        _, why = crash_workaround(settings, arch)
+        if why:
+            text += f"\n# avoids a known SGLang crash: {why}"
+    return text

@@ -134,6 +134,7 @@ def sglang_launch(
     argv += mamba_args(settings, release, arch)
     if settings.attention_backend:
         argv += ["--attention-backend", settings.attention_backend]
+    argv += crash_workaround(settings, arch)[0]
     if settings.enable_metrics:
         argv.append("--enable-metrics")
     api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
@@ -151,6 +152,37 @@ def sglang_launch(
         # Through `--config`, not argv: `ps` shows every process's argv to every user.
         config={"api-key": api_key} if api_key else {},
     )
+
+
+# Flags that already decide CUDA graphs: a user who passes one has chosen, genfleet adds none.
+CUDA_GRAPH_FLAGS = ("--disable-cuda-graph", "--cuda-graph-max-bs", "--cuda-graph-bs")
+CRASH_WORKAROUND = ["--disable-cuda-graph"]
+
+
+def crash_workaround(settings: Settings, arch: str | None) -> tuple[list[str], str | None]:
+    """Flags that keep SGLang out of a crash known for this configuration, and why; ([], None)
+    where none is known.
+
+    SGLang 0.5.15, measured on an H200: a Qwen hybrid (Gated-DeltaNet) model with MTP (EAGLE)
+    on the triton attention backend with CUDA graphs dies within seconds once the running batch
+    reaches the largest captured graph size (`_update_target_verify_buffers`: "The expanded
+    size of the tensor (33554432) must match the existing size (33558528)"): the verify mask
+    of a full graph batch outgrows its buffer by batch x draft tokens squared. genfleet reaches
+    that size by design (it keeps cap x 1.25 + 4 requests in flight), so every restart dies the
+    same way. `--disable-cuda-graph` avoids it (bench/real_sglang/README.md has the runs).
+    """
+    if not (settings.mtp and arch in HYBRID_ARCHS and settings.attention_backend == "triton"):
+        return [], None
+    extra = shlex.split(settings.engine_extra_args)
+    if any(word.split("=")[0] in CUDA_GRAPH_FLAGS for word in extra):
+        return [], None
+    why = (
+        "--disable-cuda-graph: SGLang crashes with CUDA graphs on a hybrid model with MTP on "
+        "the triton attention backend once the running batch reaches the largest captured graph "
+        "(_update_target_verify_buffers, 'The expanded size of the tensor'); pass "
+        "--engine-extra-args with a --cuda-graph-* flag to decide otherwise"
+    )
+    return list(CRASH_WORKAROUND), why
 
 
 def speculative_args(settings: Settings, release: tuple[int, ...]) -> list[str]:

@@ -30,6 +30,7 @@ from typing import Any, Literal
 import httpx
 import orjson
 
+from genfleet.common.backoff import Backoff
 from genfleet.common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
 from genfleet.common.private import die_with_parent as _die_with_parent
 from genfleet.workers.engine.launch import EngineLaunch, auth_headers, engine_env
@@ -291,7 +292,7 @@ class EngineSupervisor:
         while self.restarts < self.restart_budget and not self._stopping.is_set():
             self.restarts += 1
             self._set_state("restarting")
-            backoff = self.restart_backoff_s * (2 ** (self.restarts - 1))
+            backoff = Backoff(base_s=self.restart_backoff_s).delay_s(self.restarts - 1)
             log.warning(
                 "restarting engine (%d of %d) in %.1f s",
                 self.restarts,

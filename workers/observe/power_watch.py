@@ -17,6 +17,7 @@ import redis
 from celery import Celery
 
 from genfleet.common import keys
+from genfleet.common.ledger import Ledger
 from genfleet.common.redis_conn import connect, text
 from genfleet.common.settings import Settings
 from genfleet.workers.observe.diagnosis import FleetState, dedupe, diagnose, verdicts
@@ -41,7 +42,7 @@ def fleet_state(client: redis.Redis, settings: Settings, now: float) -> FleetSta
     staging: dict[str, float] = {}
     for member in client.smembers(keys.runs_key()):
         run = text(member)
-        count = int(client.scard(keys.queued_key(run)))
+        count = Ledger(client).queued_count(run)
         if count:
             pending[run] = count
         since = client.get(keys.staging_key(run))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from importlib import metadata
 from typing import Any
@@ -414,3 +415,49 @@ def test_adaptive_refuses_what_sglang_would_run_static(update: dict[str, Any], s
     settings = Settings(model=MODEL, speculative_adaptive=True, **update)
     with pytest.raises(ConfigError, match=says):
         sglang_launch(settings, PORT, "0.5.23", arch=QWEN35)
+
+
+@pytest.mark.parametrize(
+    ("update", "arch", "added"),
+    [
+        # SGLang 0.5.15 dies under genfleet's load here (bench/real_sglang/README.md).
+        ({"attention_backend": "triton"}, QWEN35, ["--disable-cuda-graph"]),
+        ({"attention_backend": "triton", "mtp": False}, QWEN35, []),
+        ({"attention_backend": "triton"}, "Qwen3ForCausalLM", []),
+        ({"attention_backend": "fa3"}, QWEN35, []),
+        ({}, QWEN35, []),
+        # the user decided CUDA graphs: nothing added, nothing doubled
+        (
+            {"attention_backend": "triton", "engine_extra_args": "--cuda-graph-max-bs 128"},
+            QWEN35,
+            [],
+        ),
+        (
+            {"attention_backend": "triton", "engine_extra_args": "--disable-cuda-graph"},
+            QWEN35,
+            [],
+        ),
+    ],
+)
+def test_known_crash_is_avoided_by_default(
+    update: dict[str, Any], arch: str, added: list[str]
+) -> None:
+    settings = Settings(model=MODEL, **update)
+    argv = sglang_launch(settings, PORT, "0.5.15", arch=arch).argv
+    extra = settings.engine_extra_args.split()
+    assert argv.count("--disable-cuda-graph") == added.count("--disable-cuda-graph") + (
+        extra.count("--disable-cuda-graph")
+    )
+    note = sglang_argv.crash_workaround(settings, arch)[1]
+    assert (note is not None) == bool(added)
+
+
+def test_print_engine_command_says_why_it_disables_cuda_graphs(tmp_path: Any) -> None:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [QWEN35]}))
+    settings = Settings(model=str(tmp_path), attention_backend="triton", sglang_version="0.5.15")
+    text = print_engine_command(settings, PORT)
+    first, *comments = text.splitlines()
+    assert "--disable-cuda-graph" in first.split()
+    assert any(c.startswith("# avoids a known SGLang crash") for c in comments)
+    plain = print_engine_command(settings.model_copy(update={"mtp": False}), PORT)
+    assert "--disable-cuda-graph" not in plain and "avoids" not in plain

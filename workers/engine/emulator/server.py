@@ -151,10 +151,14 @@ async def flush_cache(request: web.Request) -> web.Response:
     return web.Response(text=FLUSH_TEXT, status=400 if busy else 200)
 
 
+PROMETHEUS_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
 async def prometheus(request: web.Request) -> web.Response:
     state = _state(request)
     body = metrics.render(state.engine, state.startup_s, state.load_s)
-    return web.Response(text=body, content_type="text/plain", charset="utf-8")
+    # prometheus_client's exposition type, as SGLang serves it.
+    return web.Response(body=body.encode(), headers={"Content-Type": PROMETHEUS_TYPE})
 
 
 async def power(request: web.Request) -> web.Response:

@@ -258,7 +258,7 @@ async def _stream_error(request: web.Request, exc: ApiError) -> web.StreamRespon
 
 def _sse_response() -> web.StreamResponse:
     return web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
     )
 
 

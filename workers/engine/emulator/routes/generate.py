@@ -171,7 +171,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 
 def _sse_response() -> web.StreamResponse:
     return web.StreamResponse(
-        headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        headers={"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
     )
 
 

@@ -1,0 +1,343 @@
+"""The ledger: a batch's state in Redis, and the only code that writes or reads it.
+
+The store is the truth for what is done (an output object exists); Redis says where every
+other batch stands, so that nothing is sent twice, lost or retried forever:
+
+    (staged) ──mark_queued──▶ queued ──claim──▶ running ──done──▶ done (its output exists)
+                                ▲                 ├──fail────▶ failed  (tries spent, or permanent)
+                                │                 ├──park────▶ parked  (run cancelled: no order)
+                                │                 ├──release─▶ queued  (handed back, requeued,
+                                │                 │             retried: the order goes on)
+                                │                 └──lost────▶ lost    (its worker died: the
+                                │                                reaper requeues it, or after
+                                │                                max_deliveries: poison → failed)
+                                └── enqueue again, `retry` (clear_failed)
+
+The keys (names and reasons in common/keys.py) and who else may touch them — no one:
+
+- `queued_key(run)`: set of batches with a work order outstanding;
+- `running_key()`: hash "run/batch" (`running_field`) → the order as claimed, with
+  `claimed_at` and `worker`, scanned by the lease reaper;
+- `failed_key(run)`: hash batch → the last error of a batch that is parked for `retry`;
+- `attempts_key(run)`: hash batch → tries that failed;
+- `lost_key(run)`: hash batch → deliveries that ended with their worker gone;
+- kombu's `unacked` hash (and its `unacked_index`): messages delivered and not acknowledged;
+  `work_order_of` is the one parser of a kombu message on Redis.
+
+The run's live counters (`counters_key`, `throughput_key`) are written here too where they
+move with a batch's state (`done`, `progress`). `done`, `progress`, `fail`, `park`, `poison`,
+`clear_failed` and `drop_unacked` send their commands as one MULTI/EXEC pipeline; the others
+are one command, or (`set_queued`, `unlose`, `purge_unacked`) a few in a row. Redis errors
+propagate: what a failure to record means is
+the caller's decision (the task requeues its message, the reaper tries again at its next beat,
+the CLI says so), never this module's.
+
+As arq's `Worker.finish_job` is the one writer of a job's keys and `Job` their reader, a module
+that needs a batch's state asks a `Ledger` (a test greps the package for the key names).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from genfleet.common import keys
+from genfleet.common.celery_config import GENERATE_TASK
+from genfleet.common.redis_conn import RedisCommands, text
+from genfleet.common.throughput import member
+
+# A failed batch's reason is shown by `status`; a traceback-sized message is cut here.
+REASON_MAX_CHARS = 2000
+
+
+def running_field(run: str, batch: str) -> str:
+    """The member naming a batch in the running hash ("run/batch")."""
+    return f"{run}/{batch}"
+
+
+def work_order_of(message: bytes | str) -> tuple[str, str] | None:
+    """(run, batch) of a raw kombu message on Redis if it is a genfleet work order, else None
+    (another task's message, or one that does not parse)."""
+    try:
+        return _order_in(orjson.loads(message))
+    except ValueError:
+        return None
+
+
+def _order_in(data: Any) -> tuple[str, str] | None:
+    try:
+        if data.get("headers", {}).get("task") != GENERATE_TASK:
+            return None
+        body = data["body"]
+        if data.get("properties", {}).get("body_encoding") == "base64":
+            body = base64.b64decode(body)
+        order = orjson.loads(body)[1]["order"]
+        return str(order["run"]), str(order["batch"])
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return None
+
+
+@dataclass(frozen=True)
+class Running:
+    """A claimed batch as the running hash holds it: its field and the claimed order."""
+
+    field: str
+    entry: dict[str, Any]
+
+    @property
+    def run(self) -> str:
+        return str(self.entry["run"])
+
+    @property
+    def batch(self) -> str:
+        return str(self.entry["batch"])
+
+    @property
+    def claimed_at(self) -> float:
+        return float(self.entry.get("claimed_at", 0))
+
+    @property
+    def worker(self) -> str:
+        return str(self.entry.get("worker", "an unknown worker"))
+
+    def order(self) -> dict[str, Any]:
+        """The work order as it was sent (what the reaper enqueues again)."""
+        return {k: v for k, v in self.entry.items() if k not in ("claimed_at", "worker")}
+
+
+@dataclass(frozen=True)
+class Unacked:
+    """A work order kombu delivered and holds unacknowledged, by its delivery tag."""
+
+    tag: str
+    run: str
+    batch: str
+
+
+@dataclass(frozen=True)
+class Tally:
+    """What a batch's output holds, added to the run's counters by the copy that wrote it."""
+
+    errors: int
+    completion_tokens: int
+    reasoning_tokens: int
+    done_at: float
+
+
+class Ledger:
+    """A batch's state on one Redis client (`redis.Redis`, or the tests' MemoryRedis)."""
+
+    def __init__(self, client: RedisCommands) -> None:
+        self.client = client
+
+    # --- queued: a work order is outstanding -----------------------------------------------
+
+    def mark_queued(self, run: str, batches: Collection[str]) -> None:
+        """Called by enqueue just before it sends these batches' orders: a second enqueue of
+        the run (or a resume) does not send them again."""
+        if batches:
+            self.client.sadd(keys.queued_key(run), *batches)
+
+    def queued(self, run: str) -> set[str]:
+        """The batches enqueue believes have an order outstanding (what it will not resend)."""
+        return {text(b) for b in self.client.smembers(keys.queued_key(run))}
+
+    def queued_count(self, run: str) -> int:
+        """How many batches of `run` wait for a worker (the power-watch's pending work)."""
+        return int(self.client.scard(keys.queued_key(run)))
+
+    def set_queued(self, run: str, batches: Collection[str]) -> None:
+        """Called by `--resume` and `retry` with the orders the broker really holds: the set
+        then forgets orders a purged queue or a lost message took away, so they are resent."""
+        self.client.delete(keys.queued_key(run))
+        if batches:
+            self.client.sadd(keys.queued_key(run), *batches)
+
+    def unqueue(self, run: str, batches: Collection[str]) -> None:
+        """Called by `cancel` for the orders it removed from the queue: they are gone, and
+        enqueueing the run again sends them anew."""
+        if batches:
+            self.client.srem(keys.queued_key(run), *batches)
+
+    # --- running: a worker claimed it ------------------------------------------------------
+
+    def claim(self, order: Mapping[str, Any], worker: str, now: float) -> None:
+        """Called by the task when it admits an order, before any work: the running entry
+        (the order as sent, with when and by whom) is what the reaper re-enqueues if the
+        worker vanishes with its lease."""
+        field = running_field(str(order["run"]), str(order["batch"]))
+        entry = {**order, "claimed_at": now, "worker": worker}
+        self.client.hset(keys.running_key(), field, orjson.dumps(entry))
+
+    def release(self, run: str, batch: str) -> bool:
+        """The batch no longer runs under this claim: it finished, or its message goes back to
+        the queue (handed back, shutdown, a retry), or the reaper takes it over. True when
+        this call removed the entry (two reapers: only the one that removed it goes on)."""
+        return bool(self.client.hdel(keys.running_key(), running_field(run, batch)))
+
+    def running(self) -> list[Running]:
+        """Every claimed batch of every run (the reaper's pass, once a beat)."""
+        return [
+            Running(text(field), orjson.loads(raw))
+            for field, raw in self.client.hgetall(keys.running_key()).items()
+        ]
+
+    def running_batches(self, run: str) -> set[str]:
+        """Batches of `run` that a worker claimed (`--resume` counts them as outstanding)."""
+        prefix = running_field(run, "")
+        return {
+            name[len(prefix) :]
+            for name in (text(f) for f in self.client.hkeys(keys.running_key()))
+            if name.startswith(prefix)
+        }
+
+    def forget_running(self, run: str) -> int:
+        """Called by `delete` once no batch of the run runs: drops its leftover claims;
+        returns how many."""
+        prefix = running_field(run, "")
+        fields = [f for f in self.client.hkeys(keys.running_key()) if text(f).startswith(prefix)]
+        return int(self.client.hdel(keys.running_key(), *fields)) if fields else 0
+
+    # --- outcomes of a try -----------------------------------------------------------------
+
+    def done(self, run: str, batch: str, tally: Tally | None = None) -> None:
+        """Called once the batch's output exists in the store: no order outstanding, not
+        failed. With `tally` (the copy that wrote the output, not a duplicate) the run's done
+        counters move in the same transaction. Which batches are done is read from the store."""
+        pipe = self.client.pipeline()
+        pipe.srem(keys.queued_key(run), batch)
+        pipe.hdel(keys.failed_key(run), batch)
+        if tally is not None:
+            counters = keys.counters_key(run)
+            pipe.hincrby(counters, "errors", tally.errors)
+            pipe.hincrby(counters, "completion_tokens", tally.completion_tokens)
+            pipe.hincrby(counters, "reasoning_tokens", tally.reasoning_tokens)
+            pipe.hset(counters, "last_done_at", tally.done_at)
+        pipe.execute()
+
+    def progress(
+        self, run: str, batch: str, worker: str, prompts: int, tokens: int, now: float
+    ) -> None:
+        """Called while a batch runs, with the prompts and tokens generated since the last
+        call: live progress and the tok/s window (trimmed to an hour). These count what the
+        GPUs did, a batch delivered twice counts twice; `done` counts what is in the store."""
+        throughput = keys.throughput_key(run)
+        pipe = self.client.pipeline()
+        pipe.hincrby(keys.counters_key(run), "prompts_generated", prompts)
+        pipe.hincrby(keys.counters_key(run), "tokens_generated", tokens)
+        pipe.zadd(throughput, {member(now, batch, worker, tokens): now})
+        pipe.zremrangebyscore(throughput, "-inf", now - 3600)
+        pipe.execute()
+
+    def tried(self, run: str, batch: str) -> int:
+        """Called when a try failed with a retryable error: counts it; returns the tries so
+        far, which the task compares with `batch_retries`."""
+        return int(self.client.hincrby(keys.attempts_key(run), batch, 1))
+
+    def fail(self, run: str, batch: str, reason: str) -> None:
+        """Called when the batch cannot succeed (tries spent, input gone, terminated, an
+        unforeseen error): it is parked in the failed set with `reason`, where `status`
+        shows it and `retry` resends it; no order outstanding, not running."""
+        pipe = self.client.pipeline()
+        pipe.hset(keys.failed_key(run), batch, reason[:REASON_MAX_CHARS])
+        pipe.srem(keys.queued_key(run), batch)
+        pipe.hdel(keys.running_key(), running_field(run, batch))
+        pipe.execute()
+
+    def park(self, run: str, batch: str) -> None:
+        """Called when the run is cancelled (at admission, while the batch ran, or by the
+        reaper): the batch has no order any more until the run is enqueued again, and is not
+        running; its checkpoint stays."""
+        pipe = self.client.pipeline()
+        pipe.srem(keys.queued_key(run), batch)
+        pipe.hdel(keys.running_key(), running_field(run, batch))
+        pipe.execute()
+
+    def lost(self, run: str, batch: str) -> int:
+        """Called by the reaper for a claimed batch whose lease expired with no output (its
+        worker died or vanished): counts the lost delivery; returns how many so far."""
+        return int(self.client.hincrby(keys.lost_key(run), batch, 1))
+
+    def unlose(self, running: Running) -> None:
+        """Called by the reaper when it could not send a lost batch's order again: the claim
+        and the count go back as they were, so the next beat tries again (nothing lost)."""
+        self.client.hincrby(keys.lost_key(running.run), running.batch, -1)
+        self.client.hset(keys.running_key(), running.field, orjson.dumps(running.entry))
+
+    def poison(self, run: str, batch: str, reason: str) -> None:
+        """Called by the reaper once a batch's deliveries were lost `max_deliveries` times:
+        it is parked in the failed set as poison (it would crash the fleet one worker at a
+        time); the reaper already took its running entry."""
+        pipe = self.client.pipeline()
+        pipe.hset(keys.failed_key(run), batch, reason[:REASON_MAX_CHARS])
+        pipe.srem(keys.queued_key(run), batch)
+        pipe.execute()
+
+    def is_poison(self, run: str, batch: str, max_deliveries: int) -> bool:
+        """Asked at admission: a stale copy of a batch parked as poison (the broker's
+        redelivery after its visibility timeout) must not crash one more worker."""
+        return int(self.client.hget(keys.lost_key(run), batch) or 0) >= max_deliveries
+
+    def failed(self, run: str) -> dict[str, str]:
+        """The run's failed batches and their last error (`status`, `runs`)."""
+        return {text(k): text(v) for k, v in self.client.hgetall(keys.failed_key(run)).items()}
+
+    def clear_failed(self, run: str) -> list[str]:
+        """Called by `retry` before it enqueues what lacks an output: each failed batch loses
+        its error, its tries and its lost deliveries (a fresh budget) and its queued mark (so
+        it is sent again); returns those batches."""
+        failed = [text(b) for b in self.client.hkeys(keys.failed_key(run))]
+        pipe = self.client.pipeline()
+        for batch in failed:
+            pipe.hdel(keys.failed_key(run), batch)
+            pipe.hdel(keys.attempts_key(run), batch)
+            pipe.hdel(keys.lost_key(run), batch)
+            pipe.srem(keys.queued_key(run), batch)
+        pipe.execute()
+        return failed
+
+    # --- kombu's unacknowledged deliveries -------------------------------------------------
+
+    def unacked_orders(self) -> list[Unacked]:
+        """Work orders delivered to a worker and not acknowledged (kombu restores them to the
+        queue after the visibility timeout): `--resume` counts them as outstanding, the
+        reaper finds a dead worker's copy, `delete` drops a run's."""
+        found: list[Unacked] = []
+        for tag, raw in self.client.hgetall(keys.UNACKED).items():
+            try:
+                message = orjson.loads(raw)[0]  # [message, exchange, routing key]
+            except (ValueError, IndexError, TypeError):
+                continue
+            hit = _order_in(message)
+            if hit is not None:
+                found.append(Unacked(text(tag), *hit))
+        return found
+
+    def unacked_copies(self, run: str, batch: str) -> list[str]:
+        """Delivery tags of the unacknowledged copies of one batch's order (the reaper drops
+        a dead worker's once it re-enqueued or parked the batch)."""
+        return [u.tag for u in self.unacked_orders() if (u.run, u.batch) == (run, batch)]
+
+    def drop_unacked(self, tags: Iterable[str]) -> None:
+        """Forget deliveries so kombu never restores them (an ack for a dropped tag is a
+        no-op): called by the reaper for a copy it replaced or parked."""
+        tags = list(tags)
+        if tags:
+            pipe = self.client.pipeline()
+            pipe.hdel(keys.UNACKED, *tags)
+            pipe.zrem(keys.UNACKED_INDEX, *tags)
+            pipe.execute()
+
+    def purge_unacked(self, run: str) -> set[str]:
+        """Called by `delete`: drops every unacknowledged order of `run`, which kombu would
+        otherwise restore; returns their batches (those this call removed)."""
+        removed: set[str] = set()
+        for order in self.unacked_orders():
+            if order.run == run and self.client.hdel(keys.UNACKED, order.tag):
+                self.client.zrem(keys.UNACKED_INDEX, order.tag)
+                removed.add(order.batch)
+        return removed

@@ -1,0 +1,362 @@
+"""genfleet on real SGLang, on a GPU: each test runs the engine genfleet's supervisor starts.
+
+Deselected by default (`-m gpu`), never in CI. Needs an NVIDIA GPU, an importable `sglang`
+(`bench/real_sglang/device.sh setup` unpacks 0.5.15), `redis-server` on PATH and the
+checkpoints `bench/real_sglang/build_model.py` writes under `$GENFLEET_GPU_MODELS` (default
+/tmp/m): `q35` (Qwen3.6 layout, `mtp.*` tensors, random weights), `q35_nomtp` (the same without
+them) and `dense` (Qwen3). The whole module is skipped where any of that is missing.
+
+    python3 -m pytest -q -m gpu tests/workers/test_real_sglang_gpu.py
+
+One worker stack (Redis, a GPU worker, the control worker) on the hybrid checkpoint with MTP
+serves the tests that share it, in file order: a run end to end, what the engine reports,
+the MTP finding, a frozen scheduler, an engine killed mid-batch. Random weights: texts are
+noise and the draft is never accepted (accept length 1.0), which is what MTP INEFFECTIVE is for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import redis
+
+from genfleet.common.settings import Settings
+from genfleet.producer.status import read_findings, run_status
+from genfleet.workers.engine.kinds import engine_launch
+from genfleet.workers.engine.supervisor import EngineSupervisor
+from tests.faults.helpers import (
+    assert_exactly_once,
+    child_pids,
+    fault_settings,
+    open_run_store,
+    pid_alive,
+    stage,
+    write_prompts,
+)
+from tests.faults.services import RedisServer
+from tests.support import ROOT, Worker, base_env, free_port, wait_for
+
+MODELS = Path(os.environ.get("GENFLEET_GPU_MODELS", "/tmp/m"))
+Q35, Q35_NOMTP, DENSE = MODELS / "q35", MODELS / "q35_nomtp", MODELS / "dense"
+# What the carried SGLang needs (bench/real_sglang/README.md): no FA3 kernels, no flashinfer JIT.
+ENGINE_ENV = {
+    "GENFLEET_ATTENTION_BACKEND": "triton",
+    "GENFLEET_MEM_FRACTION_STATIC": "0.6",
+    "GENFLEET_ENGINE_EXTRA_ARGS": "--sampling-backend pytorch --grammar-backend none",
+    "GENFLEET_STARTUP_TIMEOUT_S": "400",
+    "GENFLEET_GPUS": "0",
+}
+
+
+def _missing() -> str | None:
+    if shutil.which("nvidia-smi") is None:
+        return "no NVIDIA GPU (nvidia-smi)"
+    if importlib.util.find_spec("sglang") is None:
+        return "no sglang importable (bench/real_sglang/device.sh setup)"
+    if shutil.which("redis-server") is None:
+        return "no redis-server on PATH"
+    for model in (Q35, Q35_NOMTP, DENSE):
+        if not (model / "config.json").is_file():
+            return f"no checkpoint {model} (bench/real_sglang/build_model.py)"
+    return None
+
+
+if (_why := _missing()) is not None:
+    pytest.skip(f"real SGLang tests: {_why}", allow_module_level=True)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.integration, pytest.mark.slow]
+
+
+def genfleet(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """The root `genfleet` command, as an operator runs it."""
+    argv = [sys.executable, "-c", "from genfleet.cli import main; main()", *args]
+    return subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+def engine_pids(worker: Worker) -> list[int]:
+    """The worker's live `sglang serve` processes (its supervisor's child)."""
+    found = []
+    for pid in child_pids(worker.proc.pid):
+        with contextlib.suppress(OSError):
+            if b"sglang" in Path(f"/proc/{pid}/cmdline").read_bytes() and pid_alive(pid):
+                found.append(pid)
+    return found
+
+
+def queued(base_url: str) -> float:
+    """`sglang:num_queue_reqs` from the engine's /metrics (summed over its label sets)."""
+    text = httpx.get(f"{base_url}/metrics", timeout=10).text
+    lines = [line for line in text.splitlines() if line.startswith("sglang:num_queue_reqs{")]
+    return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+
+@dataclass
+class Stack:
+    """Redis, one GPU worker (its engine started by its supervisor) and the control worker."""
+
+    env: dict[str, str]
+    settings: Settings
+    client: redis.Redis
+    worker: Worker
+    control: Worker
+    engine_url: str
+
+    def engine_pid(self) -> int:
+        wait_for(lambda: len(engine_pids(self.worker)) == 1, 60, "one engine process")
+        return engine_pids(self.worker)[0]
+
+    def findings(self, cause: str) -> list[dict[str, Any]]:
+        found = read_findings(self.client)
+        return [f for f in found if cause in (f.get("cause"), f.get("verdict"))]
+
+    def run(self, run: str, count: int, tmp_path: Path) -> list[str]:
+        ids = write_prompts(tmp_path / f"{run}.jsonl", count, prefix=f"{run}-")
+        stage(self.settings, run, tmp_path / f"{run}.jsonl")
+        return ids
+
+    def progress(self, run: str) -> dict[str, Any]:
+        return run_status(open_run_store(self.settings), self.client, run)
+
+
+@contextlib.contextmanager
+def worker_stack(tmp: Path, model: Path, hostname: str, port: int, **extra: str) -> Iterator[Stack]:
+    server = RedisServer(tmp, free_port(), "gpu-tests")
+    server.start()
+    store = f"file://{tmp / 'store'}"
+    env = base_env(server.url, store, log_dir=tmp / "logs")
+    env["PYTHONPATH"] = os.environ.get("PYTHONPATH", str(ROOT))
+    env.update(ENGINE_ENV)
+    env |= {
+        "GENFLEET_MODEL": str(model),
+        "GENFLEET_ENGINE": "sglang",
+        "GENFLEET_PORT": str(port),
+        "GENFLEET_MAX_TOKENS": "96",
+        "GENFLEET_BATCH_SIZE": "50",
+        "GENFLEET_POWER_WATCH_INTERVAL_S": "5",
+        "GENFLEET_POWER_WINDOW_S": "10",
+        "GENFLEET_SHUTDOWN_GRACE_S": "5",
+        **extra,
+    }
+    settings = fault_settings(server.url, store, batch_size=50, max_tokens=96, model=str(model))
+    worker = Worker(env, tmp / "worker.log", hostname, ["worker"])
+    control = Worker(env, tmp / "control.log", f"control-{hostname}", ["control"])
+    client = server.client()
+    try:
+        worker.wait_ready(420)
+        control.wait_ready(60)
+        yield Stack(env, settings, client, worker, control, f"http://127.0.0.1:{port}")
+    finally:
+        worker.stop(60)
+        control.stop(30)
+        client.close()
+        server.kill()
+
+
+@pytest.fixture(scope="module")
+def mtp_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    tmp = tmp_path_factory.mktemp("mtp")
+    with worker_stack(tmp, Q35, "gpu0@h200", 30200, GENFLEET_ENGINE_STALL_TIMEOUT_S="20") as s:
+        yield s
+
+
+def test_preflight_accepts_mtp_tensors_and_refuses_without(tmp_path: Path) -> None:
+    env = {**os.environ, **ENGINE_ENV, "GENFLEET_LOG_DIR": str(tmp_path)}
+    ok = genfleet("preflight", "--model", str(Q35), "--json", env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["mtp_tensors"] >= 1
+    refused = genfleet("preflight", "--model", str(Q35_NOMTP), "--json", env=env)
+    assert refused.returncode == 1 and "--no-mtp" in refused.stderr
+    server = RedisServer(tmp_path, free_port(), "gpu-tests")
+    server.start()
+    worker = subprocess.run(
+        [sys.executable, "-m", "genfleet.workers", "worker", "--model", str(Q35_NOMTP)],
+        env={**env, "GENFLEET_REDIS_URL": server.url, "GENFLEET_STORE": f"file://{tmp_path}/s"},
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    server.kill()
+    assert worker.returncode == 1 and "PreflightError" in worker.stderr
+    assert not list(tmp_path.glob("engine-*.log"))  # refused before any engine started
+
+
+def test_a_full_queue_answers_as_sglang_does(tmp_path: Path) -> None:
+    """`--max-queued-requests`: what real SGLang answers once its queue is full (503, the
+    emulator's contract), streamed and not."""
+    settings = Settings(
+        model=str(DENSE),
+        engine="sglang",
+        mtp=False,
+        attention_backend="triton",
+        max_running_requests=1,
+        engine_extra_args=ENGINE_ENV["GENFLEET_ENGINE_EXTRA_ARGS"]
+        + " --max-queued-requests 1 --disable-cuda-graph",
+    )
+    port = free_port()
+    launch = engine_launch(settings, port)
+    assert launch is not None
+    engine = EngineSupervisor(
+        launch, gpus="0", log_path=tmp_path / "engine.log", startup_timeout_s=300
+    )
+    engine.start()
+    body = {
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 3000,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    stop = threading.Event()
+
+    def hold() -> None:
+        with contextlib.suppress(httpx.HTTPError):
+            with httpx.stream("POST", f"{launch.base_url}/v1/chat/completions", json=body) as r:
+                for _ in r.iter_bytes():
+                    if stop.is_set():
+                        return
+
+    holders = [threading.Thread(target=hold, daemon=True) for _ in range(2)]
+    try:
+        for holder in holders:  # one running, one queued
+            holder.start()
+        wait_for(lambda: queued(launch.base_url) >= 1, 60, "one request queued", 0.2)
+        r = httpx.post(
+            f"{launch.base_url}/v1/chat/completions", json=body | {"stream": False}, timeout=60
+        )
+        assert r.status_code == 503, r.text
+        assert r.json()["message"] == "The request queue is full."
+    finally:
+        stop.set()
+        for holder in holders:
+            holder.join(timeout=30)
+        engine.stop()
+
+
+def test_no_mtp_raises_no_mtp_finding(tmp_path: Path) -> None:
+    with worker_stack(tmp_path, DENSE, "dense0@h200", 30300, GENFLEET_MTP="false") as stack:
+        ids = stack.run("dense", 100, tmp_path)
+        wait_for(lambda: stack.progress("dense")["state"] == "done", 240, "run dense", 1.0)
+        assert_exactly_once(stack.settings, "dense", ids, stack.client)
+        info = httpx.get(f"{stack.engine_url}/server_info", timeout=30).json()
+        assert info["speculative_algorithm"] is None
+        judged = time.monotonic() + 12  # two power-watch passes after the run
+        wait_for(lambda: time.monotonic() > judged, 20, "two power-watch passes", 0.5)
+        assert not stack.findings("mtp_ineffective")
+
+
+def test_run_end_to_end_with_mtp(mtp_stack: Stack, tmp_path: Path) -> None:
+    ids = mtp_stack.run("e2e", 300, tmp_path)
+    wait_for(lambda: mtp_stack.progress("e2e")["state"] == "done", 300, "run e2e", 1.0)
+    _, rows = assert_exactly_once(mtp_stack.settings, "e2e", ids, mtp_stack.client)
+    assert all(row["error"] is None for row in rows)
+    assert {row["finish_reason"] for row in rows} <= {"stop", "length"}
+    usage = [row["usage"] for row in rows]
+    assert all(u["completion_tokens"] > 0 and u["prompt_tokens"] > 0 for u in usage)
+    # SGLang reports reasoning tokens in usage; the qwen3 parser split the text.
+    assert all(u.get("reasoning_tokens") is not None for u in usage)
+    assert sum(u["reasoning_tokens"] for u in usage) > 0
+    assert any(row.get("reasoning") for row in rows)
+    assert all(u["reasoning_tokens"] <= u["completion_tokens"] for u in usage)
+
+
+def test_accept_length_and_cap_read_from_the_real_engine(mtp_stack: Stack) -> None:
+    info = httpx.get(f"{mtp_stack.engine_url}/server_info", timeout=30).json()
+    assert info["speculative_algorithm"] == "EAGLE"
+    assert info["max_running_requests"] == 256
+    state = info["internal_states"][0]
+    assert 1.0 <= state["avg_spec_accept_length"] < 1.2  # random draft weights
+    metrics = httpx.get(f"{mtp_stack.engine_url}/metrics", timeout=30).text
+    for name in ("sglang:num_running_reqs", "sglang:spec_accept_length", "sglang:num_queue_reqs"):
+        assert any(line.startswith(name + "{") for line in metrics.splitlines()), name
+    top = subprocess.run(
+        [sys.executable, "-m", "genfleet.workers", "top", "--once", "--json"],
+        env=mtp_stack.env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert top.returncode == 0, top.stderr
+    rows = json.loads(top.stdout)
+    rows = rows if isinstance(rows, list) else [rows]
+    caps = {row.get("inflight_cap") for row in rows if row.get("worker") == "gpu0@h200"}
+    assert caps == {324}, rows  # sized from the enforced cap: 256 x 1.25 + 4
+
+
+def test_mtp_ineffective_on_random_draft_weights(mtp_stack: Stack, tmp_path: Path) -> None:
+    """The power-watch judges a GPU while work waits for it: a run keeps it busy meanwhile."""
+    mtp_stack.run("mtp", 2000, tmp_path)
+    wait_for(lambda: bool(mtp_stack.findings("mtp_ineffective")), 120, "mtp_ineffective", 1.0)
+    wait_for(lambda: mtp_stack.progress("mtp")["state"] == "done", 300, "run mtp", 1.0)
+
+
+def test_streamed_chat_shapes(mtp_stack: Stack) -> None:
+    """Streamed chat on the real engine, for the streaming client: role chunk first, reasoning
+    deltas from the parser, one finish reason, a usage chunk with no choices, then [DONE]."""
+    body = {
+        "messages": [{"role": "user", "content": "stream me"}],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "max_tokens": 40,
+    }
+    events: list[Any] = []
+    with httpx.stream("POST", f"{mtp_stack.engine_url}/v1/chat/completions", json=body) as r:
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("text/event-stream")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[len("data: ") :]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    finish = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finish) == 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] > 0
+    out = Path(os.environ.get("GENFLEET_GPU_OUT", "/tmp"))
+    (out / "stream_events.json").write_text(json.dumps(events, indent=1))
+
+
+def test_stall_watchdog_replaces_a_frozen_scheduler(mtp_stack: Stack, tmp_path: Path) -> None:
+    frozen = mtp_stack.engine_pid()
+    ids = mtp_stack.run("stall", 200, tmp_path)
+    wait_for(lambda: mtp_stack.progress("stall")["prompts_done"] > 0, 120, "first batch", 0.5)
+    os.killpg(os.getpgid(frozen), signal.SIGSTOP)
+    try:
+        wait_for(lambda: bool(mtp_stack.findings("engine_stalled")), 120, "engine_stalled", 0.5)
+        wait_for(lambda: not pid_alive(frozen), 60, "the frozen engine gone", 0.5)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(os.getpgid(frozen), signal.SIGCONT)
+    wait_for(lambda: mtp_stack.progress("stall")["state"] == "done", 420, "run stall", 1.0)
+    assert mtp_stack.engine_pid() != frozen
+    _, rows = assert_exactly_once(mtp_stack.settings, "stall", ids, mtp_stack.client)
+    assert all(row["error"] is None for row in rows)
+
+
+def test_engine_killed_mid_batch_is_restarted_and_its_prompts_done_once(
+    mtp_stack: Stack, tmp_path: Path
+) -> None:
+    killed = mtp_stack.engine_pid()
+    ids = mtp_stack.run("kill", 200, tmp_path)
+    wait_for(lambda: mtp_stack.progress("kill")["prompts_done"] > 0, 120, "first batch", 0.5)
+    os.killpg(os.getpgid(killed), signal.SIGKILL)
+    wait_for(lambda: mtp_stack.progress("kill")["state"] == "done", 420, "run kill", 1.0)
+    assert mtp_stack.engine_pid() != killed
+    _, rows = assert_exactly_once(mtp_stack.settings, "kill", ids, mtp_stack.client)
+    assert all(row["error"] is None for row in rows)

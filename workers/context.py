@@ -1,0 +1,76 @@
+"""What the generate task reaches, typed: the `TaskRuntime` protocol and the task base class
+through which it gets one.
+
+As arq hands each job its `ctx`, the engine bootstep (workers/app.py) builds the worker's
+runtime before the worker consumes and attaches it here, to `BatchTask.runtime`, and takes it
+away when the worker stops; nothing else sets it. The tests hand `generate_batch` a runtime of
+fakes the same way. A task that runs with none (no engine started in this process) fails
+with EngineError.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Protocol
+
+from celery import Task
+
+from genfleet.common.errors import EngineError
+
+if TYPE_CHECKING:
+    from genfleet.common.redis_conn import RedisCommands
+    from genfleet.common.settings import Settings
+    from genfleet.common.store import Store
+    from genfleet.workers.feeder import Feeder
+    from genfleet.workers.observe.sampler import Monitor
+
+
+class TaskRuntime(Protocol):
+    """Exactly what `generate_batch` uses of the worker it runs in."""
+
+    @property
+    def settings(self) -> Settings: ...
+
+    @property
+    def hostname(self) -> str: ...
+
+    @property
+    def queue(self) -> str:
+        """The one work queue (model) this worker serves."""
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def redis(self) -> RedisCommands: ...
+
+    @property
+    def lease_redis(self) -> RedisCommands:
+        """A client whose calls end well inside one lease beat, for the lease heartbeat."""
+
+    @property
+    def feeder(self) -> Feeder | None: ...
+
+    @property
+    def monitor(self) -> Monitor | None: ...
+
+    def refuse_work(self, message: str) -> None:
+        """The engine refuses this worker itself (401/403/404): stop consuming, say why."""
+
+    def batch_ended(self, run: str, batch: str) -> None:
+        """The batch's task is over: the slot it handed on when every prompt was in the
+        engine (wired into the feeder at start-up) is taken back."""
+
+    def after_batch(self, summary: Any) -> None:
+        """After a batch that finished: read the engine's accept length into `summary`."""
+
+
+class BatchTask(Task):  # type: ignore[misc]
+    """The base of `generate_batch`: its `runtime`, set by the engine bootstep."""
+
+    runtime: TaskRuntime | None = None
+
+    def worker_runtime(self) -> TaskRuntime:
+        runtime = type(self).runtime
+        if runtime is None:
+            raise EngineError("this process has no genfleet worker runtime (engine not started)")
+        return runtime
