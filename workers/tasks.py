@@ -46,7 +46,7 @@ from genfleet.workers.observe.headlines import batch_headline, not_generated_hea
 from genfleet.workers.observe.sampler import batch_share
 from genfleet.workers.outcome import Outcome, counts_a_try, outcome
 from genfleet.workers.pool import BatchRequest
-from genfleet.workers.reconcile import reconcile_orders
+from genfleet.workers.reconcile import Lapses, reconcile_orders
 
 log = logging.getLogger("genfleet.tasks")
 
@@ -302,12 +302,15 @@ def reap(
     parked in the failed set when its worker died `max_deliveries` times."""
     found: dict[str, list[str]] = {"requeued": [], "finished": [], "parked": []}
     ledger = Ledger(client)
+    lapses = Lapses(client, lease_ttl_s)  # type: ignore[arg-type]
     for claimed in ledger.running():
         run, batch = claimed.run, claimed.batch
         if client.exists(keys.lease_key(run, batch)):
             continue
         if now - claimed.claimed_at < lease_ttl_s:
             continue  # claimed but the first lease write may not have landed yet
+        if not lapses.confirmed(claimed.field, now):
+            continue  # a first look: a live worker re-sets its lease within a heartbeat
         if store.exists(keys.output_key(run, batch)):
             ledger.release(run, batch)
             found["finished"].append(claimed.field)
@@ -319,6 +322,7 @@ def reap(
             continue  # another reaper won this one
         outcome = _lost(ledger, claimed, requeue, max_deliveries)
         found[outcome].append(claimed.field)
+    lapses.forget_others()
     return {**found, "ts": now}
 
 

@@ -1,5 +1,6 @@
 """A broker blip under long completions: Redis (AOF) restarted on the same port, a few seconds
-away, while one worker has every prompt of several batches in its engine.
+away (longer than the batches' lease), while one worker has every prompt of several batches in
+its engine and the control worker reaps leases.
 
 The batches keep running across the reconnect and their orders are acknowledged on the new
 connection: almost no prompt is sent to the engine a second time (before, every in-flight
@@ -75,13 +76,18 @@ def test_a_redis_restart_does_not_resend_the_completions_in_flight(
         max_running_requests=PROMPTS,
         max_inflight=PROMPTS,
         worker_concurrency=PROMPTS // BATCH,
-        lease_ttl_s=10,
+        # Shorter than the outage: every lease lapses while Redis is away, and the reaper
+        # must not take the batches of a live worker for lost ones.
+        lease_ttl_s=2,
+        reaper_interval_s=0.5,
         log_dir=tmp_path,
         port=free_port(),
     )
+    control = start_worker(env, role="control")
     worker = start_worker(env)
     ids = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
     settings = fault_settings(private_redis.url, store_url, batch_size=BATCH, max_tokens=4096)
+    control.wait_ready()
     worker.wait_ready()
     stage(settings, "blip", tmp_path / "prompts.jsonl")
     store = open_run_store(settings)
