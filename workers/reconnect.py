@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from celery.worker.consumer import Consumer as CeleryConsumer
@@ -32,15 +33,26 @@ log = logging.getLogger("genfleet.worker")
 ACK_WAIT_S = 600.0
 
 
-def held_messages(requests: Any) -> list[Any]:
-    """The messages of the batches this worker holds (running or waiting on a pool thread)
-    that are neither acked nor handed back yet."""
-    from genfleet.workers.pool import BatchRequest
+# Acks and hand-backs the consumer's own thread was asked for while the broker was away (a
+# request revoked or expired before it ran): done by `Consumer.connect` once it reconnected.
+_deferred: list[Callable[[], object]] = []
+
+
+def defer(action: Callable[[], object]) -> None:
+    _deferred.append(action)
+
+
+def held_messages(requests: Any) -> list[tuple[Any, bool]]:
+    """The messages of the tasks this worker holds (batches, the control worker's beat tasks;
+    running or waiting on a pool thread) that are neither acked nor handed back yet, each with
+    whether it is a batch's (counted against the prefetch limit on the new channel: a beat
+    task stuck on the outage must not keep the worker from taking the next ones)."""
+    from genfleet.workers.pool import BatchRequest, HeldRequest
 
     return [
-        r.message
+        (r.message, isinstance(r, BatchRequest))
         for r in tuple(requests)
-        if isinstance(r, BatchRequest) and not r.acknowledged and r.message is not None
+        if isinstance(r, HeldRequest) and not r.acknowledged and r.message is not None
     ]
 
 
@@ -49,23 +61,24 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.orphans: list[Any] = []  # held messages with no channel until the next connect
+        # held messages with no channel until the next connect, and whether each is a batch's
+        self.orphans: list[tuple[Any, bool]] = []
 
     def on_connection_error_after_connected(self, exc: Exception) -> None:
         from celery.worker.state import reserved_requests
 
         channel = _default_channel(self.connection)
         detached = 0
-        for message in held_messages(reserved_requests):
+        for message, counted in held_messages(reserved_requests):
             if message.channel is not None and message.channel is channel:
                 channel.qos._delivered.pop(message.delivery_tag, None)
                 detached += 1
             message.channel = None
-            if message not in self.orphans:
-                self.orphans.append(message)
+            if all(message is not m for m, _ in self.orphans):
+                self.orphans.append((message, counted))
         if self.orphans:
             log.warning(
-                "broker connection lost: %d batches keep running (%d taken off the old "
+                "broker connection lost: %d tasks keep running (%d taken off the old "
                 "channel), acked on the new connection",
                 len(self.orphans),
                 detached,
@@ -76,14 +89,21 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         connection = super().connect()
         if self.orphans:
             channel = connection.default_channel
-            for message in self.orphans:
+            for message, counted in self.orphans:
                 message.channel = channel
-                # Counted as delivered on the new channel, so the prefetch limit still holds:
-                # otherwise the worker takes a full prefetch more while its batches run, and
-                # orders it cannot start yet would wait, unclaimed, on a worker that may die.
-                channel.qos._delivered[message.delivery_tag] = message
-            log.info("broker connection back: %d running batches moved to it", len(self.orphans))
+                # A batch counts as delivered on the new channel, so the prefetch limit still
+                # holds: otherwise the worker takes a full prefetch more while its batches run,
+                # and orders it cannot start yet would wait, unclaimed, on a worker that may die.
+                if counted:
+                    channel.qos._delivered[message.delivery_tag] = message
+            log.info("broker connection back: %d running tasks moved to it", len(self.orphans))
             self.orphans = []
+        while _deferred:
+            action = _deferred.pop(0)
+            try:
+                action()
+            except Exception:  # noqa: BLE001 - one message's ack must not stop the consumer
+                log.exception("a deferred ack failed: the broker delivers that message again")
         return connection
 
 

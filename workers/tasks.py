@@ -45,7 +45,7 @@ from genfleet.workers.lifecycle import Lease, gate, is_cancelled
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.observe.sampler import batch_share
 from genfleet.workers.outcome import Outcome, counts_a_try, outcome
-from genfleet.workers.pool import BatchRequest
+from genfleet.workers.pool import BatchRequest, HeldRequest
 from genfleet.workers.reconcile import Lapses, reconcile_orders
 
 log = logging.getLogger("genfleet.tasks")
@@ -269,7 +269,7 @@ def _safe_release(ledger: Ledger, work: WorkOrder) -> None:
         log.warning("could not clear running entry %s", running_field(work.run, work.batch))
 
 
-@app.task(name=REAPER_TASK)  # type: ignore[untyped-decorator]
+@app.task(name=REAPER_TASK, Request=HeldRequest)  # type: ignore[untyped-decorator]
 def reap_leases() -> dict[str, Any]:
     """Re-enqueue running batches whose lease expired and whose output does not exist; park
     those whose worker died `max_deliveries` times."""
@@ -370,7 +370,7 @@ def _lost(
     return "requeued"
 
 
-@app.task(name=POWER_WATCH_TASK)  # type: ignore[untyped-decorator]
+@app.task(name=POWER_WATCH_TASK, Request=HeldRequest)  # type: ignore[untyped-decorator]
 def power_watch() -> dict[str, Any]:
     from genfleet.workers.observe.power_watch import run_power_watch
 

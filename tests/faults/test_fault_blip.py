@@ -11,6 +11,7 @@ exactly once in the export.
 from __future__ import annotations
 
 import collections
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -30,7 +31,7 @@ from tests.faults.helpers import (
     write_prompts,
 )
 from tests.faults.services import RedisServer
-from tests.support import Worker, base_env, free_port, wait_for
+from tests.support import Worker, answering, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
@@ -110,4 +111,38 @@ def test_a_redis_restart_does_not_resend_the_completions_in_flight(
     print(f"\n[fault blip] {resent} of {in_flight} prompts in flight re-sent after the blip")
     assert resent <= RESENT_SHARE * in_flight, f"{resent} of {in_flight} prompts re-sent"
     assert worker.proc.poll() is None
+    client.close()
+
+
+def test_the_control_worker_survives_blips_while_its_beat_tasks_run(
+    tmp_path: Path, private_redis: RedisServer, start_worker: Callable[..., Worker]
+) -> None:
+    """Beat tasks run all the time on the control worker (here every 0.1 s): a blip that
+    finds one delivered and not acked must not end the worker (kombu could not restore it to
+    a Redis that is away, and the worker stopped); after the blips it still reaps."""
+    env = base_env(
+        private_redis.url,
+        (tmp_path / "store").as_uri(),
+        reaper_interval_s=0.1,
+        power_watch_interval_s=0.5,
+        log_dir=tmp_path,
+    )
+    control = start_worker(env, role="control")
+    control.wait_ready()
+
+    def answers() -> bool:
+        with contextlib.suppress(redis.RedisError, OSError):
+            return control.hostname in answering(private_redis.url, [control.hostname])
+        return False
+
+    for _ in range(5):
+        private_redis.shutdown()
+        time.sleep(1.0)  # the outage itself
+        private_redis.start()
+        wait_for(answers, 30, "the control worker to answer again", 0.2)
+    assert control.proc.poll() is None, control.tail()
+    client = private_redis.client()
+    client.delete(*client.keys("celery-task-meta-*") or ["none"])
+    wait_for(lambda: client.keys("celery-task-meta-*"), 30, "a beat task after the blips", 0.2)
+    assert control.proc.poll() is None, control.tail()
     client.close()
