@@ -51,6 +51,11 @@ class AlwaysUp:
     """The feeder's engine handle: the emulator is never restarted here."""
 
     state = "ready"
+    deaths = 0
+    last_error = None
+
+    def alive(self) -> bool:
+        return True
 
     def wait_up(self, timeout_s: float) -> None:
         return None

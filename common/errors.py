@@ -8,19 +8,24 @@ GenfleetError
 ├── StoreError             the object store failed after its own retries
 │   ├── StoreUnavailable   cannot reach it now: retry later, nothing is lost
 │   └── BatchInputMissing  a batch's staged input is gone: retrying cannot help
+│       └── BatchInputMismatch  it is not the content its order was issued for
 ├── BrokerUnavailable      Redis does not answer: a hint says how to start one
 ├── EngineError            the engine cannot serve
 │   ├── PreflightError     the checkpoint or command would not run (before any GPU time)
 │   ├── EngineStartError   it did not become ready; carries the last log lines
 │   ├── EngineDown         it died or stopped answering: retryable
+│   │   ├── EngineUnreachable  a request could not even connect: it was never in flight
+│   │   └── RequestTimedOut  one request outlived its deadline: that prompt's error record
 │   ├── EngineBusy         429 or "queue full": backpressure, wait and send again
-│   └── RestartBudgetExhausted  it kept dying: the worker stops taking work
+│   └── RestartBudgetExhausted  its restart budget (a rate) is spent: no work for a cool-down
 ├── RequestRejected        the engine refused one prompt (HTTP 400): an error record
 ├── RequestFailed          one try of one prompt failed (abort, 5xx): retried, then an error record
 └── BatchError             a batch stopped before its output (workers/outcome says what follows)
     ├── BatchInterrupted   the worker stops: checkpointed, the order goes back to the queue
     │   └── BatchTerminated  an operator terminated its task (revoke): in the failed set
     ├── BatchCancelled     its run was cancelled (`genfleet cancel`): checkpointed and parked
+    ├── BatchSuperseded    its order is of a staging the run no longer has: dropped
+    ├── ThinkingUnsupported  `--no-thinking` on a model with no switch: in the failed set
     └── BatchFailed        tries spent, or it cannot succeed: it is in the run's failed set
 """
 
@@ -62,6 +67,11 @@ class BatchInputMissing(StoreError):
     """The staged input object is gone: retrying cannot help."""
 
 
+class BatchInputMismatch(BatchInputMissing):
+    """The staged input is not the content the order names (`WorkOrder.input_sha256`):
+    generating it would answer other prompts than the order's; retrying cannot help."""
+
+
 class BrokerUnavailable(GenfleetError):
     pass
 
@@ -83,6 +93,17 @@ class EngineStartError(EngineError):
 
 class EngineDown(EngineError):
     pass
+
+
+class EngineUnreachable(EngineDown):
+    """A request could not connect to the engine (refused, connect timeout): the engine
+    never saw it, so whatever the engine died of, it was not this prompt."""
+
+
+class RequestTimedOut(EngineDown):
+    """One request outlived its own deadline (`workers/deadline`, from its max_tokens) while
+    the engine answered connections: that prompt's failure, an error record, never its
+    batch's. An EngineDown for whoever does not tell them apart."""
 
 
 class EngineBusy(EngineError):
@@ -137,6 +158,16 @@ class BatchTerminated(BatchInterrupted):
 class BatchCancelled(BatchError):
     """The run was cancelled (`genfleet cancel`) while the batch ran; what finished is
     checkpointed and the batch is parked."""
+
+
+class BatchSuperseded(BatchError):
+    """The order belongs to a staging its run no longer has (deleted, or staged anew under
+    its name): acknowledged, never generated, nothing written (`workers.provenance`)."""
+
+
+class ThinkingUnsupported(BatchError):
+    """The run asks for no thinking and the model has no switch to turn it off: no worker of
+    this model could honour the order, so it is failed, not generated with thinking on."""
 
 
 class BatchFailed(BatchError):

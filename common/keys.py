@@ -56,6 +56,12 @@ def claim_key(run: str) -> str:
     return f"{run}/claim.json"
 
 
+def model_key(run: str) -> str:
+    """The checkpoint fingerprint of the engine that generates the run, written once by the
+    first worker to generate one of its batches: workers serving another are handed back."""
+    return f"{run}/model.json"
+
+
 def input_key(run: str, batch: str) -> str:
     """A staged batch of prompts (claim check: work orders carry this key, not prompts)."""
     return f"{run}/inputs/{batch}.jsonl.gz"
@@ -161,9 +167,10 @@ def cancelled_key(run: str) -> str:
 
 
 def deleted_key(run: str) -> str:
-    """Tombstone left by `genfleet delete` (value: when), so that a stray work order of the
-    deleted run (enqueued before that time) is dropped even if a run of the same name is
-    staged again. TTL: the visibility timeout, after which no such order can come back."""
+    """Tombstone left by `genfleet delete` (value: the staging id it deleted), so that a stray
+    work order of that staging is dropped even if a run of the same name is staged again (no
+    time in it: comparing it with an order's would compare two hosts' clocks). TTL: the
+    visibility timeout, after which no such order can come back."""
     return f"{PREFIX}:deleted:{run}"
 
 
@@ -218,3 +225,12 @@ def alerted_key() -> str:
 def workers_key() -> str:
     """Hash worker → last time it answered the power-watch; a silent one is a finding."""
     return f"{PREFIX}:workers"
+
+
+def engine_alarms_key() -> str:
+    """Hash worker → JSON of its engine when it needs a person: its restart budget spent (in
+    a cool-down, not taking work) or dying the same way on every restart (a crash loop, with
+    the error and any known workaround). Written by the worker when that happens, removed
+    when its engine serves again or the worker stops; `status` shows the entries of a run's
+    queue. No TTL: a worker killed outright leaves its entry, which carries its time."""
+    return f"{PREFIX}:engine-alarms"

@@ -12,7 +12,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict
 
-from genfleet.common.keys import manifest_key
+from genfleet.common.keys import claim_key, manifest_key
 from genfleet.common.records import GenerationParams
 from genfleet.common.store import Store
 
@@ -69,6 +69,7 @@ class BatchEntry(BaseModel):
     # prompts run side by side, so it lasts about as long as its longest answer: the run's
     # orders go out longest first.
     longest_hint_tokens: int | None = None
+    sha256: str = ""  # `batch_digest` of the staged lines; "" in runs of an older genfleet
 
 
 class Manifest(BaseModel):
@@ -86,8 +87,13 @@ class Manifest(BaseModel):
     model: str | None = None
     engine: str | None = None
     staging: dict[str, Any] = {}  # batch_size, batch_max_tokens: how batches were cut
+    staging_id: str = ""  # the claim's: every work order of this staging carries it
     prompts_total: int
     rejects: int
+    # Files that could not be read to their end (corrupt mid-file), and how many of their
+    # rows are known to be lost: the run holds less than its source, whatever `status` counts.
+    sources_unread: list[str] = []
+    rows_unread: int = 0
     batches: list[BatchEntry]
 
     def to_bytes(self) -> bytes:
@@ -124,3 +130,18 @@ class Manifest(BaseModel):
             "batches_total": len(self.batches),
             "rejects": self.rejects,
         }
+
+
+def current_staging(store: Store, run: str) -> str | None:
+    """The staging id of `run`'s claim (`RUN/claim.json`), read from the store: the one
+    staging whose work orders may still write into the run. None when the run has no claim
+    (deleted, or never staged); "" for a claim of an older genfleet, which has none.
+
+    A worker reads it when a batch starts and before each write, so an order of a staging
+    that was superseded (the run deleted, maybe staged anew under the same name) never
+    writes into the run that replaced it. No clock is compared: ids are random.
+    """
+    raw = store.get(claim_key(run))
+    if raw is None:
+        return None
+    return str(orjson.loads(raw).get("staging_id") or "")

@@ -9,14 +9,15 @@ enters (readers, the task's message), not per request.
 from __future__ import annotations
 
 import gzip
+import hashlib
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, field_validator, model_validator
 
-from genfleet.common.keys import validate_batch, validate_run
+from genfleet.common.keys import input_key, validate_batch, validate_run
 
 ROLES = frozenset({"system", "user", "assistant", "tool", "developer"})
 
@@ -90,18 +91,42 @@ class WorkOrder(BaseModel):
     It carries the run's sampling parameters so a worker never reads the manifest, and the
     model (with the engine kind) it must be generated with: a worker serving another model
     hands it back to its own queue (`genfleet.common.routing.order_queue`).
+
+    The staged input's key is derived from (run, batch), never taken from the message: a
+    message naming another run's input (anyone who can send a task can write one) is refused,
+    so run A's outputs are never built from run B's prompts. `input_sha256` (`batch_digest`
+    of the staged lines) and `staging` (the run's staging id, from its claim) bind the order
+    to the one staging it was issued for: a worker refuses an input that does not match and
+    drops an order of a staging that was superseded (the run deleted or staged anew). Both
+    are empty only in orders of an older genfleet, which are not checked.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     run: str
     batch: str
-    key: str
+    key: str = ""
     params: GenerationParams
     model: str
     engine: str
     prompts: int = 0
     enqueued_at: float = 0.0
+    input_sha256: str = ""
+    staging: str = ""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _derived_key(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("run"), str):
+            derived = input_key(str(data["run"]), str(data.get("batch")))
+            given = data.get("key")
+            if given not in (None, "", derived):
+                raise ValueError(
+                    f"key {given!r} is not the staged input of {data['run']}/"
+                    f"{data.get('batch')} ({derived}): refused"
+                )
+            data = {**data, "key": derived}
+        return data
 
     @field_validator("run")
     @classmethod
@@ -148,6 +173,10 @@ class CompletionRecord:
     # --regenerate: the old answer this one replaces (see PromptRecord.previous); the key is
     # left out of the JSON of records that have none.
     previous: dict[str, str | None] | None = None
+    # sha256 of the prompt's staged line (`line_digests`): a checkpoint row stands as the
+    # result of the staged prompt only when this matches, and export checks it against the
+    # manifest. None only in records of an older genfleet.
+    prompt_sha256: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
@@ -160,6 +189,19 @@ class CompletionRecord:
         data = dict(data)
         data["usage"] = Usage(**(data.get("usage") or {}))
         return cls(**data)
+
+
+def line_digests(raw: bytes) -> list[str]:
+    """The sha256 of each JSON line of a staged batch (uncompressed), in order: the identity
+    of each prompt as staged, which a checkpoint row must carry to stand as its result."""
+    return [hashlib.sha256(line).hexdigest() for line in raw.splitlines() if line.strip()]
+
+
+def batch_digest(digests: Iterable[str]) -> str:
+    """A staged batch's content hash: sha256 over its prompts' line digests, in order. The
+    manifest records it per batch, every work order carries it, and it is computed again
+    from an output's rows (each names its prompt's digest) when the run is exported."""
+    return hashlib.sha256("\n".join(digests).encode()).hexdigest()
 
 
 def dumps_jsonl(rows: Iterable[dict[str, Any]]) -> bytes:

@@ -115,7 +115,11 @@ class Settings(BaseSettings):
     speculative_adaptive: bool = False
     startup_timeout_s: float = Field(default=3600.0, gt=0)
     stop_timeout_s: float = Field(default=30.0, gt=0)
+    # A rate: restart_budget engine restarts per restart_window_s. Spent, the worker stops
+    # taking work for restart_cooldown_s, then starts its engine again and consumes again.
     restart_budget: int = Field(default=5, ge=0)
+    restart_window_s: float = Field(default=3600.0, gt=0)
+    restart_cooldown_s: float = Field(default=600.0, gt=0)
     restart_backoff_s: float = Field(default=2.0, ge=0)
     # `worker --gpus … --tp-size …`: how often each child worker that dies is restarted.
     worker_restart_budget: int = Field(default=5, ge=0)
@@ -132,7 +136,12 @@ class Settings(BaseSettings):
     # --- feeding the engine -----------------------------------------------------------------
     worker_concurrency: int = Field(default=3, ge=1)  # batches in flight per worker
     max_inflight: int | None = Field(default=None, ge=1)  # None: engine cap x 1.25 + 4
+    # One request's deadline is request_timeout_s + its max_tokens at the engine's measured
+    # per-sequence pace (never below request_min_tokens_per_s) x request_deadline_margin
+    # (workers/deadline.py); past it, that prompt gets an error record, its batch goes on.
     request_timeout_s: float = Field(default=3600.0, gt=0)
+    request_min_tokens_per_s: float = Field(default=2.0, gt=0)
+    request_deadline_margin: float = Field(default=2.0, ge=1.0)
     request_retries: int = Field(default=5, ge=0)
     # One prompt answered only "busy" (429, queue full) for this long fails its batch's try
     # (retried later); backpressure alone never fails a prompt.
@@ -213,6 +222,9 @@ class Settings(BaseSettings):
             raise ValueError("--engine command needs --engine-command")
         if self.engine == "sglang" and not self.model:
             raise ValueError("--engine sglang needs --model")
+        if not self.thinking and self.thinking_switch == "none":
+            # Nothing could turn thinking off: refused here, not ignored by every worker.
+            raise ValueError("--no-thinking needs a thinking switch; --thinking-switch is none")
         return self
 
     @classmethod

@@ -33,6 +33,7 @@ from genfleet.producer.console import (
     out,
     plural,
     print_rejects,
+    warn_unread,
 )
 from genfleet.producer.enqueue import (
     EnqueueResult,
@@ -44,6 +45,7 @@ from genfleet.producer.enqueue import (
 from genfleet.producer.runs.identity import check_resumed
 from genfleet.producer.status import (
     energy_text,
+    engine_alarm_text,
     read_findings,
     run_is_held,
     run_status,
@@ -155,6 +157,7 @@ def _print_enqueue(
         highlight=False,
     )
     print_rejects(result.reject_samples)
+    warn_unread(result.run, result.sources_unread, result.rows_unread)
     if result.rejects > len(result.reject_samples):
         console.print(f"  … all {result.rejects} rejects are in {result.run}/rejects.jsonl")
     if result.ends_with_answer:
@@ -186,7 +189,9 @@ def status(
             stall_s = settings.engine_stall_timeout_s
             deadline_s = wait_deadline_s(settings)
             watch_run(objects, client, run, None, stall_s, settings.queue, check, deadline_s)
-        report = run_status(objects, client, run, gpu_hour_cost=settings.gpu_hour_cost)
+        report = run_status(
+            objects, client, run, gpu_hour_cost=settings.gpu_hour_cost, queue_prefix=settings.queue
+        )
         report["unconsumed"] = None
         if report["state"] in {"queued", "running"}:
             report["unconsumed"] = check(report)
@@ -199,8 +204,11 @@ def status(
         return
     warn_unconsumed(run, report["unconsumed"])
     out.print(status_line(report), highlight=False)
+    warn_unread(run, report["sources_unread"], report["rows_unread"])
     for batch, error in report["failed"].items():
         out.print(f"  failed {batch}: {escape(error)}", highlight=False)
+    for alarm in report["engine_alarms"]:
+        out.print(f"  engine {escape(engine_alarm_text(alarm, time.time()))}", highlight=False)
     if energy := energy_text(report):
         out.print(f"  energy: {energy}", highlight=False)
 

@@ -13,7 +13,7 @@ from genfleet.common.flags import fail
 from genfleet.common.settings import Settings
 
 __all__ = ["Json", "RedisUrl", "S3Endpoint", "StoreUrl", "build_settings"]
-__all__ += ["console", "fail", "format_eta", "out", "plural", "print_rejects"]
+__all__ += ["console", "fail", "format_eta", "out", "plural", "print_rejects", "warn_unread"]
 
 console = Console(stderr=True)
 out = Console()
@@ -47,6 +47,18 @@ def print_rejects(samples: list[str]) -> None:
     (rich would read `[prompt]` as markup and drop it)."""
     for line in samples:
         console.print(f"  [yellow]rejected[/] {escape(line)}", highlight=False)
+
+
+def warn_unread(run: str, sources: list[str], rows: int) -> None:
+    """A source not read to its end: the run holds less than the source, whatever it counts."""
+    if sources:
+        lost = f"{rows:,} rows" if rows else "rows"
+        console.print(
+            f"[bold red]warning:[/] run {run}: {lost} of {', '.join(map(escape, sources))} "
+            f"were not read (corrupt mid-file; see {run}/rejects.jsonl): the run holds less "
+            "than its source",
+            highlight=False,
+        )
 
 
 def build_settings(**flags: Any) -> Settings:

@@ -27,7 +27,14 @@ from genfleet.common.errors import ConfigError, InputError, RunMismatch
 from genfleet.common.manifest import BatchEntry, Manifest
 from genfleet.common.readers import ReaderOptions, Reject, read_source
 from genfleet.common.readers.fields import REGENERATE_HINT
-from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, dumps_jsonl
+from genfleet.common.records import (
+    GenerationParams,
+    PromptRecord,
+    WorkOrder,
+    batch_digest,
+    dumps_jsonl,
+    line_digests,
+)
 from genfleet.common.routing import ModelRef, model_ref, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
@@ -36,6 +43,8 @@ from genfleet.producer.runs.identity import (
     check_identity,
     check_resumed,
     claim_run,
+    fingerprint_source,
+    first_difference,
     run_model,
     staging_params,
 )
@@ -62,6 +71,8 @@ class EnqueueResult:
     engine: str | None = None
     queue: str | None = None
     uncancelled: bool = False  # the run was cancelled; this enqueue resumed it
+    sources_unread: list[str] = field(default_factory=list)  # files not read to their end
+    rows_unread: int = 0  # rows of those files known to be lost
     # lines refused because they end with an assistant answer (see --regenerate)
     ends_with_answer: int = 0
 
@@ -78,6 +89,8 @@ class EnqueueResult:
             "rejects": self.rejects,
             "staged": self.staged,
             "uncancelled": self.uncancelled,
+            "sources_unread": self.sources_unread,
+            "rows_unread": self.rows_unread,
             "ends_with_answer": self.ends_with_answer,
         }
 
@@ -168,7 +181,13 @@ def stage(
     send: Sender,
     outstanding: set[str],
 ) -> tuple[Manifest, EnqueueResult]:
-    """Read `source`, stage its batches, send their orders, write rejects and the manifest."""
+    """Read `source`, stage its batches, send their orders, write rejects and the manifest.
+
+    The source is read twice: once for its fingerprint, which the claim records before any
+    batch is staged (an interrupted staging is finished only with the same data), then to
+    stage it; a source that changed between the two is refused before the manifest is
+    written, so the run never says it holds prompts it does not.
+    """
     result = EnqueueResult(run=run, staged=True)
     split = _Split(read_source(source, options))
     digest = hashlib.sha256()
@@ -177,7 +196,17 @@ def stage(
     entries: list[BatchEntry] = []
     pending: list[WorkOrder] = []
     held = _Held()
-    claim_run(store, run, params, ref, staging_params(settings))
+    fingerprint = fingerprint_source(source, options)
+    staging_id = claim_run(
+        store,
+        run,
+        params,
+        ref,
+        staging_params(settings),
+        fingerprint,
+        str(source),
+        lambda: first_difference(store, run, source, options, settings),
+    )
     done = done_batches(store, run)  # a run staged before but never finished its manifest
     tail = settings.batch_tail
     batches = make_batches(
@@ -189,6 +218,7 @@ def stage(
         key = keys.input_key(run, batch)
         raw = dumps_jsonl(record.to_json() for record in records)
         digest.update(raw)
+        sha256 = batch_digest(line_digests(raw))
         data = gzip.compress(raw, compresslevel=6, mtime=0)
         if batch in done and store.get(key) != data:
             raise RunMismatch(_interrupted(run, batch, store.url))
@@ -202,11 +232,12 @@ def stage(
                 prompts=len(records),
                 expected_tokens=work,
                 longest_hint_tokens=hinted,
+                sha256=sha256,
             )
         )
         result.prompts += len(records)
         if batch not in done:
-            order = _order(run, batch, key, len(records), params, ref)
+            order = _order(run, batch, len(records), params, ref, sha256=sha256, staging=staging_id)
             if hinted is None:
                 pending.append(order)
             else:
@@ -221,6 +252,9 @@ def stage(
     held.release(pending)
     result.batches_enqueued += _send(send, pending, outstanding)
     result.rejects = len(split.rejects)
+    cut = [reject for reject in split.rejects if reject.truncated]
+    result.sources_unread = sorted({reject.file for reject in cut})
+    result.rows_unread = sum(reject.rows_unread or 0 for reject in cut)
     result.reject_samples = [str(reject) for reject in split.rejects[:20]]
     result.ends_with_answer = sum(1 for r in split.rejects if r.reason == REGENERATE_HINT)
     if split.rejects:
@@ -238,6 +272,12 @@ def stage(
         # with other settings (typically --regenerate).
         store.delete_prefix(keys.claim_key(run))
         raise InputError(reason)
+    if digest.hexdigest() != fingerprint:
+        raise InputError(
+            f"{source} changed while it was staged (fingerprint {fingerprint[:12]} when the "
+            f"run was claimed, {digest.hexdigest()[:12]} as staged): no manifest written; "
+            f"`genfleet delete {run}` and stage it again once it no longer changes"
+        )
     manifest = Manifest(
         run=run,
         source=str(source),
@@ -248,8 +288,11 @@ def stage(
         model=ref.model,
         engine=ref.engine,
         staging=staging_params(settings),
+        staging_id=staging_id,
         prompts_total=result.prompts,
         rejects=result.rejects,
+        sources_unread=result.sources_unread,
+        rows_unread=result.rows_unread,
         batches=entries,
     )
     store.put(keys.manifest_key(run), manifest.to_bytes())
@@ -302,12 +345,20 @@ def _interrupted(run: str, batch: str, url: str) -> str:
 
 
 def _order(
-    run: str, batch: str, key: str, prompts: int, params: GenerationParams, ref: ModelRef
+    run: str,
+    batch: str,
+    prompts: int,
+    params: GenerationParams,
+    ref: ModelRef,
+    *,
+    sha256: str,
+    staging: str,
 ) -> WorkOrder:
     return WorkOrder(
         run=run,
         batch=batch,
-        key=key,
+        input_sha256=sha256,
+        staging=staging,
         params=params,
         model=ref.model,
         engine=ref.engine,
@@ -346,6 +397,8 @@ def enqueue_missing(
         batches_total=len(manifest.batches),
         batches_done=len(done),
         rejects=manifest.rejects,
+        sources_unread=list(manifest.sources_unread),
+        rows_unread=manifest.rows_unread,
     )
     ref = run_model(manifest)
     result.model, result.engine = ref.model, ref.engine
@@ -357,7 +410,15 @@ def enqueue_missing(
     # Longest-hinted first, as staging sent them (stable: in batch order without hints).
     entries.sort(key=lambda entry: -(entry.longest_hint_tokens or 0))
     pending = [
-        _order(manifest.run, entry.batch, entry.key, entry.prompts, manifest.params, ref)
+        _order(
+            manifest.run,
+            entry.batch,
+            entry.prompts,
+            manifest.params,
+            ref,
+            sha256=entry.sha256,
+            staging=manifest.staging_id,
+        )
         for entry in entries
     ]
     result.batches_enqueued = _send(send, pending, outstanding)

@@ -31,7 +31,8 @@ import orjson
 
 from genfleet.common import keys
 from genfleet.common.errors import ConfigError, GenfleetError, StoreError
-from genfleet.common.manifest import Manifest
+from genfleet.common.manifest import BatchEntry, Manifest
+from genfleet.common.records import batch_digest
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, new_temp_file, s3_client, store_of
 
@@ -87,6 +88,7 @@ class RunScan:
 
     def records(self) -> Iterator[dict[str, Any]]:
         run = self.manifest.run
+        entries = {entry.batch: entry for entry in self.manifest.batches}
         for batch in self.done:
             data = self.store.get(keys.output_key(run, batch))
             if data is None:
@@ -95,13 +97,37 @@ class RunScan:
                 continue
             self.batches_read += 1
             seen: set[tuple[Any, Any]] = set()
+            rows: list[dict[str, Any]] = []
             for record in iter_output_lines(data):
                 key = (record.get("id"), record.get("sample", 0))
                 if key in seen:
                     self.duplicates += 1
                     continue
                 seen.add(key)
-                yield record
+                rows.append(record)
+            check_output(run, entries[batch], rows)
+            yield from rows
+
+
+class OutputMismatch(GenfleetError):
+    """An output object does not answer the prompts the manifest says its batch holds."""
+
+
+def check_output(run: str, entry: BatchEntry, rows: list[dict[str, Any]]) -> None:
+    """Raise OutputMismatch unless `rows` answer the batch's staged prompts, one each, in
+    order: the digests the rows name must make the batch digest the manifest recorded. Runs
+    of an older genfleet recorded none and are not checked."""
+    if not entry.sha256:
+        return
+    found = batch_digest(str(row.get("prompt_sha256")) for row in rows)
+    if found != entry.sha256:
+        raise OutputMismatch(
+            f"run {run!r}: the output of {entry.batch} does not answer the prompts the "
+            f"manifest staged for it ({len(rows)} records, {entry.prompts} prompts staged; "
+            f"digest {found[:12]}, the manifest has {entry.sha256[:12]}): nothing exported. "
+            f"Remove {keys.output_key(run, entry.batch)} and `genfleet retry {run}` to "
+            f"generate it again"
+        )
 
 
 def iter_output_lines(data: bytes) -> Iterator[dict[str, Any]]:
@@ -172,7 +198,7 @@ def openai_output_line(record: dict[str, Any], created: int) -> dict[str, Any]:
     digest = hashlib.sha256(seed).hexdigest()[:32]
     line: dict[str, Any] = {
         "id": f"batch_req_{digest}",
-        "custom_id": record.get("custom_id") or record.get("id"),
+        "custom_id": sample_custom_id(record.get("custom_id") or record.get("id"), sample),
         "response": None,
         "error": None,
     }
@@ -215,6 +241,13 @@ def openai_output_line(record: dict[str, Any], created: int) -> dict[str, Any]:
         },
     }
     return line
+
+
+def sample_custom_id(custom_id: Any, sample: int) -> str:
+    """The `custom_id` of one sample's line: sample 0 keeps the request's own, sample k of it
+    (`--samples`, or a body's `n`) is `<custom_id>-sample-<k>`, so every line of the file
+    names one answer and a tool joining on custom_id never takes one answer for another."""
+    return str(custom_id) if not sample else f"{custom_id}-sample-{sample}"
 
 
 def parquet_schema(previous: bool = False) -> Any:

@@ -32,7 +32,15 @@ from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.store import store_of
 from genfleet.producer.commands import Format, WaitExpired, queue_check, watch_run
-from genfleet.producer.console import Json, console, format_eta, out, plural, print_rejects
+from genfleet.producer.console import (
+    Json,
+    console,
+    format_eta,
+    out,
+    plural,
+    print_rejects,
+    warn_unread,
+)
 from genfleet.producer.enqueue import (
     enqueue_run,
     generation_params,
@@ -201,6 +209,7 @@ def run_command(
             highlight=False,
         )
         print_rejects(result.reject_samples)
+        warn_unread(run, result.sources_unread, result.rows_unread)
         if result.ends_with_answer:
             console.print(f"  {regenerate_advice(result.ends_with_answer)}", highlight=False)
         report = _wait(children, settings, run)

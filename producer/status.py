@@ -17,6 +17,7 @@ from genfleet.common.errors import InputError
 from genfleet.common.ledger import Ledger
 from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import text
+from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store
 from genfleet.common.throughput import run_tokens_per_s
@@ -68,12 +69,52 @@ def energy_text(figures: dict[str, Any]) -> str:
     return ", ".join(parts)
 
 
+def engine_alarms(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
+    """The engines of `queue`'s workers that need a person, as the workers published them
+    (`keys.engine_alarms_key`): restart budget spent (in a cool-down) or a crash loop."""
+    alarms = []
+    for worker, raw in sorted(client.hgetall(keys.engine_alarms_key()).items()):
+        try:
+            alarm = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue
+        if isinstance(alarm, dict) and alarm.get("queue") == queue:
+            alarms.append({**alarm, "worker": text(worker)})
+    return alarms
+
+
+def engine_alarm_text(alarm: dict[str, Any], now: float) -> str:
+    """`gpu-0@node: crash loop (3 times): RuntimeError: … — --disable-cuda-graph avoids it`,
+    or `gpu-0@node: restart budget spent (5 in 3600 s), not taking work, back in 540 s: …`."""
+    crash = alarm.get("crash") or {}
+    error = crash.get("error") or "no error line in its log"
+    fix = f" — {crash['what']}: {crash['workaround']}" if crash.get("workaround") else ""
+    age = f" (reported {now - float(alarm.get('ts') or now):.0f} s ago)"
+    if crash.get("loop"):
+        head = f"crash loop, the same error {crash.get('repeats')} times: {error}{fix}"
+        if not fix:
+            head += " — a restart will not fix it: read the engine log"
+    elif crash.get("flaky"):
+        head = f"flaky, a different error on each of its last deaths, the last: {error}{fix}"
+    else:
+        head = f"{error}{fix}"
+    if alarm.get("exhausted"):
+        left = alarm.get("cooldown_left_s")
+        back = f"back in {left:.0f} s" if isinstance(left, int | float) else "no cool-down"
+        head = (
+            f"restart budget spent ({alarm.get('restarts_in_window')} restarts in "
+            f"{float(alarm.get('restart_window_s') or 0):.0f} s), not taking work, {back}: " + head
+        )
+    return f"{alarm.get('worker')}: {head}{age}"
+
+
 def run_status(
     store: Store,
     client: redis.Redis,
     run: str,
     now: float | None = None,
     gpu_hour_cost: float | None = None,
+    queue_prefix: str = "gpu",
 ) -> dict[str, Any]:
     keys.validate_run(run)
     now = time.time() if now is None else now
@@ -131,6 +172,8 @@ def run_status(
         "prompts_generated": generated,
         "errors": int(counters.get("errors", 0)),
         "rejects": manifest.rejects,
+        "sources_unread": manifest.sources_unread,
+        "rows_unread": manifest.rows_unread,
         "completion_tokens": completion_tokens,
         "reasoning_tokens": int(counters.get("reasoning_tokens", 0)),
         "tokens_per_s": round(rate, 1),
@@ -138,6 +181,10 @@ def run_status(
         "mean_tokens_per_s": mean,
         "eta_s": eta_s,
         "failed": failed,
+        "engine_alarms": engine_alarms(
+            client,
+            work_queue(queue_prefix, ModelRef(str(manifest.engine), str(manifest.model))),
+        ),
         "store": store.url,
         **energy_figures(counters, gpu_hour_cost),
     }
@@ -153,7 +200,13 @@ def read_findings(client: redis.Redis, run: str | None = None, count: int = 200)
     return findings
 
 
-STALL_CAUSES = ("engine_stalled", "engine_down", "worker_unresponsive")
+STALL_CAUSES = (
+    "crash_loop",
+    "restart_budget_spent",
+    "engine_stalled",
+    "engine_down",
+    "worker_unresponsive",
+)
 
 
 def unconsumed_queue(

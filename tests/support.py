@@ -206,3 +206,21 @@ class Emulator:
 
 
 StartEmulator = Callable[..., Emulator]
+
+
+def corrupt_parquet(path: Path, rows: int, group_rows: int, bad_group: int) -> Path:
+    """A Parquet file of `rows` prompts whose row group `bad_group` has its data pages
+    overwritten (a file corrupt mid-file)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist(
+        [{"id": f"p{i:04d}", "prompt": f"question number {i} " * 5} for i in range(rows)]
+    )
+    pq.write_table(table, path, row_group_size=group_rows)
+    data = bytearray(path.read_bytes())
+    for column in range(2):
+        offset = pq.ParquetFile(path).metadata.row_group(bad_group).column(column).data_page_offset
+        data[offset : offset + 40] = b"\xff" * 40
+    path.write_bytes(bytes(data))
+    return path

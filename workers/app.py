@@ -110,9 +110,18 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
             except Exception:  # noqa: BLE001 - broker may be gone too; the state says why
                 log.exception("could not stop consuming from %s", queue)
 
+        def recovered() -> None:
+            log.warning("%s: engine back after its cool-down, consuming %s again", hostname, queue)
+            try:
+                parent.app.control.add_consumer(queue, destination=[hostname])
+            except Exception:  # noqa: BLE001 - broker may be gone; the next cool-down tries
+                log.exception("could not consume from %s again", queue)
+
         runtime = None
         try:
-            runtime = WorkerRuntime(settings, hostname, on_exhausted=exhausted)
+            runtime = WorkerRuntime(
+                settings, hostname, on_exhausted=exhausted, on_recovered=recovered
+            )
             runtime.celery_worker = parent
             self.runtime = runtime
             runtime.start()

@@ -1,11 +1,12 @@
 """Running one work order: staged input in, one write-once output object out.
 
 The order of things is what makes "nothing lost, nothing doubled" hold:
+0. the batch's lease is taken first, before any store read (a heartbeat thread keeps it,
+   whatever this thread waits on): a slow store must not let the reaper take a live batch;
 1. the output exists → the batch is done (a duplicate delivery); skip;
 2. read the staged input and any checkpoint parts; only prompts without a result are sent;
-3. while prompts run: a heartbeat thread keeps the batch's lease (whatever this thread waits
-   on); finished completions are flushed as a part every checkpoint_interval_s, so a crash
-   loses at most that much work; a failed flush or progress report is tried again later;
+3. while prompts run, finished completions are flushed as a part every checkpoint_interval_s,
+   so a crash loses at most that much work; a failed flush or progress report is tried again;
 4. merge parts and new results in input order, `put_if_absent` the output — only then does
    the batch count as done (Redis counters follow the store, never lead it);
 5. delete the parts, best effort: once the output exists they are garbage.
@@ -31,6 +32,7 @@ from genfleet.common.errors import (
     BatchCancelled,
     BatchInputMissing,
     BatchInterrupted,
+    BatchSuperseded,
     BatchTerminated,
     StoreError,
     StoreUnavailable,
@@ -38,7 +40,6 @@ from genfleet.common.errors import (
 from genfleet.common.ledger import Ledger, Tally
 from genfleet.common.records import (
     CompletionRecord,
-    PromptRecord,
     WorkOrder,
     decode_jsonl_gz,
     encode_jsonl_gz,
@@ -47,6 +48,7 @@ from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.store import Store
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.lifecycle import Lease
+from genfleet.workers.provenance import ensure_current, kept_parts, read_staged
 
 log = logging.getLogger("genfleet.batch")
 
@@ -206,8 +208,9 @@ def _save_finished(store: Store, order: WorkOrder, part: int, rows: list[Complet
     if not rows:
         return
     try:
+        ensure_current(store, order)
         write_part(store, order.run, order.batch, part, rows)
-    except StoreError as exc:
+    except (StoreError, BatchSuperseded) as exc:
         log.warning("could not checkpoint %s/%s: %s", order.run, order.batch, exc)
 
 
@@ -231,35 +234,44 @@ def execute(
     started = time.monotonic()
     summary = BatchSummary(run=order.run, batch=order.batch, worker=worker, gpus=gpus)
     output_key = keys.output_key(order.run, order.batch)
-    if store.exists(output_key):
-        summary.skipped = True
-        _mark_done(client, order)
-        return summary
-    data = store.get(order.key)
-    if data is None:
-        raise BatchInputMissing(f"staged input {order.key} is missing from {store.url}")
-    records = [PromptRecord.from_json(row) for row in decode_jsonl_gz(data)]
-    answers = old_answers.detach(records)  # --regenerate: never sent, copied to the output
-    summary.prompts = len(records)
-    previous, next_part = load_parts(store, order.run, order.batch)
-    todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
-    if answers:  # the longest-expected first: the batch does not end on a long straggler
-        todo = [(i, records[i]) for i in old_answers.longest_first([i for i, _ in todo], answers)]
-    summary.resumed = len(records) - len(todo)
-
-    _telemetry(
-        "the start time", client.hsetnx, keys.counters_key(order.run), "started_at", time.time()
-    )
-    collector = _Collector()
     lease_key = keys.lease_key(order.run, order.batch)
+    # The lease from admission on, before the first store read: with a slow store the reads
+    # alone can outlast a lease, and a batch without one is reaped and run a second time.
     with Lease(lease_client or client, lease_key, worker, lease_ttl_s):
+        if store.exists(output_key):
+            summary.skipped = True
+            _mark_done(client, order)
+            return summary
+        data = store.get(order.key)
+        if data is None:
+            raise BatchInputMissing(f"staged input {order.key} is missing from {store.url}")
+        ensure_current(store, order)
+        staged = read_staged(order, data)
+        records = staged.records
+        answers = old_answers.detach(records)  # --regenerate: never sent, copied to the output
+        summary.prompts = len(records)
+        checkpointed, next_part = load_parts(store, order.run, order.batch)
+        previous = kept_parts(staged, checkpointed)
+        todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
+        if answers:  # the longest-expected first: the batch does not end on a long straggler
+            longest = old_answers.longest_first([i for i, _ in todo], answers)
+            todo = [(i, records[i]) for i in longest]
+        summary.resumed = len(records) - len(todo)
+
+        _telemetry(
+            "the start time", client.hsetnx, keys.counters_key(order.run), "started_at", time.time()
+        )
+        collector = _Collector()
         future = feeder.run_batch(
             order.run,
             order.batch,
             [r for _, r in todo],
             order.params,
             lambda j, rec: collector.add(
-                todo[j][0], old_answers.attach(rec, answers.get(todo[j][0]))
+                todo[j][0],
+                _staged_as(
+                    old_answers.attach(rec, answers.get(todo[j][0])), staged.digests[todo[j][0]]
+                ),
             ),
         )
         try:
@@ -293,7 +305,10 @@ def execute(
         summary.generated_tokens = sum(
             r.usage.completion_tokens for r in collector.results.values()
         )
+        _still_current(store, order, output_tries)
         wrote = _put_output(store, output_key, encode_jsonl_gz(rows_out), output_tries)
+        if wrote:
+            _unless_superseded(store, order, output_key)
         summary.duplicate = not wrote
         _summarise(summary, rows_out, started)
         _report(client, order, worker, collector)
@@ -343,6 +358,7 @@ def _follow(
             rows = collector.take_unflushed()
             if rows:
                 try:
+                    ensure_current(store, order)
                     next_part = write_part(store, order.run, order.batch, next_part, rows)
                 except StoreError as exc:
                     collector.give_back_rows(rows)
@@ -353,6 +369,22 @@ def _follow(
                         exc,
                     )
             last_flush = time.monotonic()
+
+
+def _staged_as(record: CompletionRecord, digest: str) -> CompletionRecord:
+    """The record names the staged prompt it answers (checked on resume and export)."""
+    record.prompt_sha256 = digest
+    return record
+
+
+def _unless_superseded(store: Store, order: WorkOrder, output_key: str) -> None:
+    """The output was written: if the run's staging changed while it was (a deletion and a
+    new staging within that put), take it back, so the new run never holds this answer."""
+    try:
+        ensure_current(store, order)
+    except BatchSuperseded:
+        store.delete_prefix(output_key)
+        raise
 
 
 def _report(client: RedisCommands, order: WorkOrder, worker: str, collector: _Collector) -> None:
@@ -383,6 +415,20 @@ def _with_retries(what: str, fn: Callable[..., Any], *args: Any, tries: int = 4)
                 raise
             log.warning("could not record %s (%s): retry %d", what, exc, attempt)
             time.sleep(BOOKKEEPING.delay_s(attempt))
+
+
+def _still_current(store: Store, order: WorkOrder, tries: int) -> None:
+    """`ensure_current` before the output is written, tried again while the store is
+    unreachable, as the output put is: the answers are in memory and the lease holds."""
+    for attempt in range(1, tries + 1):
+        try:
+            ensure_current(store, order)
+            return
+        except StoreUnavailable as exc:
+            if attempt == tries:
+                raise
+            log.warning("staging of %s not checked (%s): retry %d", order.run, exc, attempt)
+            time.sleep(OUTPUT_WRITE.delay_s(attempt))
 
 
 def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:

@@ -72,6 +72,8 @@ def worker(
     """
     settings = settings.model_copy(update={"role": "gpu"})
     groups = gpu_groups(settings.gpus, settings.tp_size)
+    if settings.engine is None and not settings.model:
+        print(emulator_banner(worker_queue(settings)), file=sys.stderr, flush=True)
     if print_engine_command:
         from genfleet.workers.engine.kinds import print_engine_command as engine_command
 
@@ -89,6 +91,20 @@ def worker(
     concurrency = str(settings.worker_concurrency)
     queue = worker_queue(settings)  # its model's queue: it takes no other model's orders
     run_celery(settings, ["--queues", queue, "--concurrency", concurrency], name)
+
+
+def emulator_banner(queue: str) -> str:
+    """What a worker started with no model and no `--engine` says first, on stderr: that it
+    runs the emulator (synthetic answers) and takes only the emulator's queue, never a
+    model's, so a forgotten `--model` cannot pass for a GPU worker."""
+    line = "!" * 78
+    return (
+        f"{line}\n"
+        f"  genfleet worker: no --model and no --engine given: running the ENGINE EMULATOR.\n"
+        f"  Its answers are synthetic. It consumes only {queue}, never a model's queue.\n"
+        f"  For a real engine: genfleet worker --model PATH (or --engine external|command).\n"
+        f"{line}"
+    )
 
 
 def run_group_workers(settings: Settings, groups: list[str | None], hostname: str | None) -> None:

@@ -9,12 +9,12 @@ Every answer is mapped here, at the seam (`answer_error` for statuses, `parse_ch
   consuming rather than spend every batch's retries.
 - other 5xx and 4xx, a 200 with `finish_reason "abort"` or without a choice → RequestFailed:
   a failed try, sent again, then an error record; never stored as a completion.
-- connection refused/reset, a timeout → EngineDown: retried after the supervisor has the
-  engine up again.
+- connection refused/reset, a connect timeout → EngineDown: retried after the supervisor has
+  the engine up again; a request past its deadline → RequestTimedOut (that prompt's error).
 The hot path decodes with orjson and builds no validation models per request. It speaks HTTP
 through aiohttp (with a pool of a few hundred connections it sustains ~10x httpx's request
 rate on one core); `timeout_s` is a deadline for the whole request (connect, queue on the
-engine, generation, body).
+engine, generation, body), the client's own or the one a call passes (`workers/deadline`).
 """
 
 from __future__ import annotations
@@ -32,8 +32,10 @@ from genfleet.common.errors import (
     EngineBusy,
     EngineConfigError,
     EngineDown,
+    EngineUnreachable,
     RequestFailed,
     RequestRejected,
+    RequestTimedOut,
 )
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
 from genfleet.workers.engine.launch import auth_headers
@@ -223,11 +225,15 @@ class _AiohttpPost:
         )
         return self._session
 
-    async def __call__(self, body: bytes) -> tuple[int, bytes, str | None]:
-        """(status, body, Retry-After); transport failures raise EngineDown."""
+    async def __call__(
+        self, body: bytes, timeout_s: float | None = None
+    ) -> tuple[int, bytes, str | None]:
+        """(status, body, Retry-After); transport failures raise EngineDown, the request's
+        deadline (`timeout_s`, else the session's) RequestTimedOut."""
         session = self._session or self._open()
+        timeout = self._timeout if timeout_s is None else self._deadline(timeout_s)
         try:
-            async with session.post(self._url, data=body) as response:
+            async with session.post(self._url, data=body, timeout=timeout) as response:
                 payload = await response.read()
                 status = response.status
                 # Retry-After matters only on a refusal: no header lookup per completion.
@@ -236,10 +242,17 @@ class _AiohttpPost:
                     payload,
                     None if status == 200 else response.headers.get("Retry-After"),
                 )
+        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
+            raise EngineUnreachable(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
         except TimeoutError as exc:
-            raise EngineDown(f"request timed out: {exc.__class__.__name__}") from exc
+            raise RequestTimedOut(
+                f"request timed out after {timeout.total:.0f} s: {exc.__class__.__name__}"
+            ) from exc
         except aiohttp.ClientError as exc:
             raise EngineDown(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
+
+    def _deadline(self, timeout_s: float) -> aiohttp.ClientTimeout:
+        return aiohttp.ClientTimeout(total=timeout_s, connect=self._timeout.connect)
 
     async def aclose(self) -> None:
         if self._session is not None:
@@ -271,10 +284,13 @@ class EngineClient:
         url = base_url.rstrip("/") + "/v1/chat/completions"
         self._post = _AiohttpPost(url, headers, timeout_s, max_connections)
 
-    async def chat(self, record: PromptRecord, params: GenerationParams) -> ChatResult:
+    async def chat(
+        self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
+    ) -> ChatResult:
+        """One completion; `timeout_s` is this request's deadline (default the client's)."""
         body = orjson.dumps(request_body(record, params, self.model, self.thinking))
         started = time.monotonic()
-        status, payload, retry_after = await self._post(body)
+        status, payload, retry_after = await self._post(body, timeout_s)
         if status == 200:
             try:
                 data = orjson.loads(payload)

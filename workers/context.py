@@ -53,6 +53,14 @@ class TaskRuntime(Protocol):
     @property
     def monitor(self) -> Monitor | None: ...
 
+    @property
+    def model_identity(self) -> dict[str, Any] | None:
+        """The checkpoint fingerprint the worker computed at start (`engine.fingerprint`)."""
+
+    @property
+    def model_runs(self) -> set[str]:
+        """The runs already found to be generated with this worker's checkpoint."""
+
     def refuse_work(self, message: str) -> None:
         """The engine refuses this worker itself (401/403/404): stop consuming, say why."""
 

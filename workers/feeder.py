@@ -18,6 +18,13 @@ What each answer does to a prompt (the client maps HTTP to these errors):
   still succeeds. Otherwise the engine is what is broken and the batch's try fails instead.
 - engine down: the prompt waits for the supervisor to bring it back and is retried; if it
   cannot come back, the batch fails and its finished prompts survive as a checkpoint.
+- engine died with it in flight: the prompt becomes a suspect and goes back through the
+  `SuspectLane`, alone once it has been in flight at two deaths; a suspect the engine dies
+  on again while alone (and while other prompts succeed) is that prompt's error record,
+  never sent again: one prompt that crashes the engine costs one record, not its batch or
+  its worker's restart budget.
+- past its deadline (`workers/deadline`: its max_tokens at the engine's measured pace): an
+  error record at once, provided the engine serves other prompts; the batch goes on.
 - engine refuses the worker (401/403/404): the batch stops; the task stops the worker
   consuming.
 """
@@ -25,12 +32,15 @@ What each answer does to a prompt (the client maps HTTP to these errors):
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
 import threading
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
 from genfleet.common.backoff import BUSY, PROMPT_RETRY
@@ -38,21 +48,34 @@ from genfleet.common.errors import (
     BatchTerminated,
     EngineBusy,
     EngineDown,
+    EngineUnreachable,
     RequestFailed,
     RequestRejected,
+    RequestTimedOut,
 )
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
 from genfleet.workers.client import ChatResult
+from genfleet.workers.deadline import DeadlinePolicy, SequencePace, max_tokens_of
 
 log = logging.getLogger("genfleet.feeder")
 T = TypeVar("T")
 
 
 class EngineHandle(Protocol):
-    """The supervisor (or an external engine) as the feeder sees it: wait for it to be up."""
+    """The supervisor (or an external engine) as the feeder sees it: wait for it to be up;
+    `deaths` counts the exits a prompt in flight may have caused, `last_error` the latest,
+    `alive()` whether its process runs (True when it cannot tell)."""
 
     @property
     def state(self) -> str: ...
+
+    @property
+    def deaths(self) -> int: ...
+
+    @property
+    def last_error(self) -> str | None: ...
+
+    def alive(self) -> bool: ...
 
     def wait_up(self, timeout_s: float) -> None: ...
 
@@ -62,7 +85,9 @@ class ChatClient(Protocol):
 
     model: str
 
-    async def chat(self, record: PromptRecord, params: GenerationParams) -> ChatResult: ...
+    async def chat(
+        self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
+    ) -> ChatResult: ...
 
     async def aclose(self) -> None: ...
 
@@ -160,6 +185,92 @@ class InflightLimiter:
         self.release()
 
 
+class SuspectLane:
+    """Prompts that were in flight when the engine died go back to it through here.
+
+    Most of them are innocent, so the lane opens slowly: one suspect at a time, twice as many
+    after each one that succeeds, one again after a death. A prompt in flight at two deaths
+    goes alone (`solo`: no other suspect in the engine meanwhile), first. Suspects are
+    ranked by deaths seen, then by how late they were sent before the death (a prompt that
+    kills the engine on arrival is the last one sent). All on the feeder's loop.
+
+        lane = SuspectLane()
+        alone = await lane.enter((-deaths, -sent_at), solo=deaths >= 2)
+        lane.leave(ok=True)             # it succeeded: the lane widens
+        lane.died()                     # the engine died: one at a time again
+    """
+
+    MAX_WIDTH = 64
+
+    def __init__(self) -> None:
+        self.width = 1
+        self.held = 0
+        self.solo = False  # a solo suspect is in the engine: nobody else enters
+        self._order = itertools.count()
+        self._waiting: list[tuple[tuple[float, float], int, bool, asyncio.Future[bool]]] = []
+
+    def _grantable(self, solo: bool) -> bool:
+        if self.solo:
+            return False
+        return self.held == 0 if solo else self.held < self.width
+
+    def _grant(self, solo: bool) -> bool:
+        self.held += 1
+        self.solo = solo
+        return solo or self.width == 1
+
+    async def enter(self, rank: tuple[float, float], solo: bool) -> bool:
+        """Wait for this suspect's turn; True when it goes alone among suspects."""
+        if not self._waiting and self._grantable(solo):
+            return self._grant(solo)
+        turn: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (rank, next(self._order), solo, turn))
+        try:
+            return await turn
+        except asyncio.CancelledError:
+            if turn.done() and not turn.cancelled():
+                self.leave(ok=False)  # granted as it was cancelled
+            raise
+
+    def leave(self, ok: bool) -> None:
+        self.held -= 1
+        self.solo = False
+        if ok:
+            self.width = min(self.width * 2, self.MAX_WIDTH)
+        self._wake()
+
+    def died(self) -> None:
+        self.width = 1
+
+    def _wake(self) -> None:
+        while self._waiting:
+            _rank, _n, solo, turn = self._waiting[0]
+            if turn.done():
+                heapq.heappop(self._waiting)
+                continue
+            if not self._grantable(solo):
+                return
+            heapq.heappop(self._waiting)
+            turn.set_result(self._grant(solo))
+
+
+@dataclass
+class _Tries:
+    """One prompt's tries so far (see `Feeder._one`)."""
+
+    attempt: int = 0  # failed tries: engine down, abort, 5xx
+    refusals: int = 0  # backpressure answers in a row
+    busy_since: float | None = None
+    failing_since: float | None = None
+    waiting: bool = True  # counted in Feeder.waiting until it first holds a limiter slot
+    sent_at: float = 0.0
+    deaths_at_send: int = 0
+    deaths: int = 0  # engine deaths while it was in flight
+    first_death_s: float | None = None
+    alone: bool = False  # its last send was alone among suspects
+    in_lane: bool = False  # it holds its lane slot until the engine it failed on is back
+
+
 class Feeder:
     """The worker's one loop and one limiter; `run_batch` is called from any thread."""
 
@@ -174,11 +285,16 @@ class Feeder:
         busy_timeout_s: float = 1800.0,
         identity: dict[str, Any] | None = None,
         backoff_s: Callable[[int], float] = retry_backoff_s,
+        deadline: DeadlinePolicy | None = None,
         on_batch_sent: Callable[[str, str], None] | None = None,
     ) -> None:
         """`on_batch_sent(run, batch)` fires (on the feeder's loop) once every prompt of a
         batch is in the engine: the worker hands that batch's slot to the next one."""
         self.max_inflight = max_inflight
+        self.deadline = deadline  # None: the client's own timeout for every request
+        self.pace = SequencePace()  # per-sequence tok/s of recent completions
+        self.timeouts_total = 0  # requests that outlived their deadline
+        self.crashes_total = 0  # prompts given an error record for crashing the engine
         self.retries = retries
         self.engine_wait_s = engine_wait_s
         self.busy_timeout_s = busy_timeout_s
@@ -205,6 +321,7 @@ class Feeder:
         self._thread.start()
         self._client: ChatClient = self.call(self._make(client_factory))
         self._limiter = InflightLimiter(max_inflight)
+        self._lane = SuspectLane()
 
     async def _make(self, factory: Callable[[], ChatClient]) -> ChatClient:
         return factory()
@@ -326,73 +443,194 @@ class Feeder:
         on_record: Callable[[int, CompletionRecord], None],
         progress: tuple[list[int], Callable[[], None]],
     ) -> None:
-        unsent, on_sent = progress
-        attempt = 0  # failed tries: engine down, abort, 5xx
-        refusals = 0  # backpressure answers in a row
-        busy_since: float | None = None
-        failing_since: float | None = None
-        waiting = True  # counted in self.waiting until it first holds a limiter slot
+        tries = _Tries()
         while True:
             try:
-                async with self._limiter:
-                    if waiting:
-                        waiting = False
-                        self.waiting -= 1
-                        unsent[0] -= 1
-                        if unsent[0] == 0:
-                            on_sent()
-                    self.inflight += 1
-                    try:
-                        result = await self._client.chat(record, params)
-                    finally:
-                        self.inflight -= 1
+                result = await self._send(record, params, tries, progress)
             except RequestRejected as exc:
                 on_record(index, self._record(run, batch, record, exc))
                 return
+            except RequestTimedOut as exc:
+                on_record(index, self._record(run, batch, record, await self._late(exc, tries)))
+                return
             except EngineBusy as exc:
-                now = time.monotonic()
-                busy_since = now if busy_since is None else busy_since
-                if now - busy_since > self.busy_timeout_s:
-                    raise EngineDown(
-                        f"the engine answered busy for {now - busy_since:.0f} s "
-                        f"(busy_timeout_s): {exc}"
-                    ) from exc
-                self.busy_total += 1
-                refusals += 1
-                self._limiter.shrink(now)
-                await asyncio.sleep(busy_delay_s(exc.retry_after_s, refusals))
+                await self._busy(exc, tries)
                 continue
             except RequestFailed as exc:
-                busy_since, refusals = None, 0
-                failing_since = time.monotonic() if failing_since is None else failing_since
-                attempt += 1
-                self.failed_tries_total += 1
-                if attempt > self.retries:
-                    if await self._serves_others(failing_since):
-                        on_record(index, self._record(run, batch, record, exc))
-                        return
-                    raise EngineDown(
-                        f"{record.id} failed {attempt} times ({exc}) and the engine serves no "
-                        "other prompt either"
-                    ) from exc
-                log.warning("%s/%s %s: %s; try %d", run, batch, record.id, exc, attempt)
-                await asyncio.sleep(self.backoff_s(attempt))
+                if await self._failed(run, batch, record, exc, tries):
+                    on_record(index, self._record(run, batch, record, exc))
+                    return
                 continue
             except EngineDown as exc:
-                busy_since, refusals = None, 0
-                attempt += 1
-                if attempt > self.retries:
-                    raise
-                log.warning("%s/%s %s: %s; retry %d", run, batch, record.id, exc, attempt)
-                await asyncio.sleep(self.backoff_s(attempt))
-                await asyncio.to_thread(self._engine.wait_up, self.engine_wait_s)
+                crash = await self._down(run, batch, record, exc, tries)
+                if crash is not None:
+                    on_record(index, self._record(run, batch, record, crash))
+                    return
                 continue
             now = time.monotonic()
             self.last_success_s = now
+            self.pace.add(result.usage.completion_tokens, result.latency_s)
             self._canary = (record, params)
             self._limiter.completed(now)
             on_record(index, self._record(run, batch, record, result))
             return
+
+    async def _send(
+        self,
+        record: PromptRecord,
+        params: GenerationParams,
+        tries: _Tries,
+        progress: tuple[list[int], Callable[[], None]],
+    ) -> ChatResult:
+        """One try: through the suspect lane when the engine died with it in flight, then a
+        limiter slot, then the engine, with this request's own deadline."""
+        unsent, on_sent = progress
+        timeout_s = self._deadline_s(record, params)
+        suspect = tries.deaths > 0
+        if suspect:
+            rank = (-float(tries.deaths), -tries.sent_at)
+            tries.alone = await self._lane.enter(rank, solo=tries.deaths >= 2)
+        ok = False
+        try:
+            async with self._limiter:
+                if tries.waiting:
+                    tries.waiting = False
+                    self.waiting -= 1
+                    unsent[0] -= 1
+                    if unsent[0] == 0:
+                        on_sent()
+                if not self._engine.alive():  # dead, its exit not seen yet: never sent
+                    raise EngineUnreachable("the engine process is not running")
+                self.inflight += 1
+                tries.sent_at = time.monotonic()
+                tries.deaths_at_send = self._engine.deaths
+                try:
+                    result = await self._client.chat(record, params, timeout_s)
+                finally:
+                    self.inflight -= 1
+            ok = True
+            return result
+        except EngineDown as exc:
+            if suspect and not isinstance(exc, RequestTimedOut):
+                # Alone if no other suspect is in the engine as it fails. And it may be dying:
+                # no other suspect goes until `_down` has seen it back (else one sent into
+                # the dying engine would look as if it had been in flight at the death).
+                tries.alone = tries.alone or self._lane.held == 1
+                tries.in_lane, suspect = True, False
+            raise
+        finally:
+            if suspect:
+                self._lane.leave(ok)
+
+    async def _late(self, exc: RequestTimedOut, tries: _Tries) -> RequestFailed:
+        """Past its deadline: the prompt's error record, if the engine serves others."""
+        self.timeouts_total += 1
+        if await self._serves_others(tries.sent_at):
+            return RequestFailed(0, "timeout", f"no answer within its deadline: {exc}")
+        raise EngineDown(
+            f"a request outlived its deadline ({exc}) and the engine serves no other prompt either"
+        ) from exc
+
+    async def _busy(self, exc: EngineBusy, tries: _Tries) -> None:
+        """Backpressure: wait and send again; only a long spell of it fails the batch's try."""
+        now = time.monotonic()
+        tries.busy_since = now if tries.busy_since is None else tries.busy_since
+        if now - tries.busy_since > self.busy_timeout_s:
+            raise EngineDown(
+                f"the engine answered busy for {now - tries.busy_since:.0f} s "
+                f"(busy_timeout_s): {exc}"
+            ) from exc
+        self.busy_total += 1
+        tries.refusals += 1
+        self._limiter.shrink(now)
+        await asyncio.sleep(busy_delay_s(exc.retry_after_s, tries.refusals))
+
+    async def _failed(
+        self, run: str, batch: str, record: PromptRecord, exc: RequestFailed, tries: _Tries
+    ) -> bool:
+        """A failed try (abort, 5xx): True when the prompt is done trying (an error record)."""
+        tries.busy_since, tries.refusals = None, 0
+        now = time.monotonic()
+        tries.failing_since = now if tries.failing_since is None else tries.failing_since
+        tries.attempt += 1
+        self.failed_tries_total += 1
+        if tries.attempt > self.retries:
+            if await self._serves_others(tries.failing_since):
+                return True
+            raise EngineDown(
+                f"{record.id} failed {tries.attempt} times ({exc}) and the engine serves no "
+                "other prompt either"
+            ) from exc
+        log.warning("%s/%s %s: %s; try %d", run, batch, record.id, exc, tries.attempt)
+        await asyncio.sleep(self.backoff_s(tries.attempt))
+        return False
+
+    async def _down(
+        self, run: str, batch: str, record: PromptRecord, exc: EngineDown, tries: _Tries
+    ) -> RequestFailed | None:
+        """The engine went down: wait until it is back, count the death if the prompt was in
+        flight at it, and blame the prompt (its error record) when the engine died again
+        with it alone among suspects while other prompts succeeded."""
+        held, tries.in_lane = tries.in_lane, False
+        try:
+            return await self._down_counted(run, batch, record, exc, tries)
+        finally:
+            if held:
+                self._lane.leave(ok=False)
+
+    async def _down_counted(
+        self, run: str, batch: str, record: PromptRecord, exc: EngineDown, tries: _Tries
+    ) -> RequestFailed | None:
+        """`_down` with the lane slot, if any, still held."""
+        tries.busy_since, tries.refusals = None, 0
+        tries.attempt += 1
+        if tries.attempt > self.retries:
+            raise exc
+        log.warning("%s/%s %s: %s; retry %d", run, batch, record.id, exc, tries.attempt)
+        await asyncio.sleep(self.backoff_s(tries.attempt))
+        await self._settle(tries.deaths_at_send)
+        await asyncio.to_thread(self._engine.wait_up, self.engine_wait_s)
+        reached = not isinstance(exc, EngineUnreachable)  # else never in flight
+        if reached and self._engine.deaths > tries.deaths_at_send:
+            tries.deaths += 1
+            self._lane.died()
+            if tries.first_death_s is None:
+                tries.first_death_s = time.monotonic()
+            elif tries.alone and await self._serves_others(tries.first_death_s):
+                self.crashes_total += 1
+                log.error(
+                    "%s/%s %s: the engine died %d times with it in flight: an error record, "
+                    "not sent again",
+                    run,
+                    batch,
+                    record.id,
+                    tries.deaths,
+                )
+                return RequestFailed(
+                    0,
+                    "engine_crash",
+                    f"the engine died {tries.deaths} times with this prompt in flight, the "
+                    f"last time as the only suspect sent ({self._engine.last_error}); not "
+                    "sent again",
+                )
+        return None
+
+    async def _settle(self, deaths: int, within_s: float = 2.0) -> None:
+        """A connection failed while the engine still reads ready: give its supervisor a
+        moment to see the exit, so the death is counted before the prompt is sent again."""
+        deadline = time.monotonic() + within_s
+        engine = self._engine
+        while engine.state == "ready" and engine.deaths == deaths and not engine.alive():
+            if time.monotonic() > deadline:
+                return
+            await asyncio.sleep(0.1)
+
+    def _deadline_s(self, record: PromptRecord, params: GenerationParams) -> float | None:
+        """This request's deadline: its token budget at the engine's measured pace."""
+        if self.deadline is None:
+            return None
+        budget = max_tokens_of(record.params, params.max_tokens)
+        return self.deadline.deadline_s(budget, self.pace.tokens_per_s())
 
     async def _serves_others(self, failing_since: float) -> bool:
         """Whether the engine serves prompts other than one that failed every try.

@@ -4,8 +4,10 @@ Checked when a batch starts (or resumes, on a redelivery) and, for cancel, while
 
 - an order for another model goes back to its own queue, never generated here (a worker
   serves one model; the emulator is a model of its own);
-- an order of a deleted run, enqueued before the deletion, is dropped: a run of the same name
-  staged since then must never receive another incarnation's batch;
+- an order of a deleted run is dropped: a run of the same name staged since then must never
+  receive another incarnation's batch. The deletion's tombstone names the staging it
+  deleted, and an order names its staging, so no clock of two hosts is compared (the
+  store's claim is checked again before every write: `genfleet.workers.provenance`);
 - an order of a cancelled run is parked: acknowledged, not generated; its checkpoint stays,
   and enqueueing the run again (`genfleet enqueue --resume RUN`) sends it anew.
 
@@ -30,17 +32,12 @@ log = logging.getLogger("genfleet.tasks")
 Verdict = Literal["generate", "hand_back", "drop", "park"]
 
 
-def decide(
-    my_queue: str,
-    its_queue: str,
-    enqueued_at: float,
-    deleted_at: float | None,
-    cancelled: bool,
-) -> Verdict:
-    """What to do with an order, from the facts alone (a table test covers every row)."""
+def decide(my_queue: str, its_queue: str, deleted: bool, cancelled: bool) -> Verdict:
+    """What to do with an order, from the facts alone (a table test covers every row).
+    `deleted`: the order's staging is the one a deletion removed (`deleted_staging`)."""
     if its_queue != my_queue:
         return "hand_back"
-    if deleted_at is not None and enqueued_at <= deleted_at:
+    if deleted:
         return "drop"
     if cancelled:
         return "park"
@@ -52,12 +49,11 @@ def gate(
 ) -> dict[str, Any] | None:
     """None when this worker should generate `work`; else the task's result saying why not
     (for `hand_back`, the caller sends the order to `queue`)."""
-    deleted = client.get(keys.deleted_key(work.run))
+    tombstone = client.get(keys.deleted_key(work.run))
     verdict = decide(
         my_queue,
         its_queue,
-        work.enqueued_at,
-        float(deleted) if deleted is not None else None,
+        deleted_staging(tombstone, work.staging),
         is_cancelled(client, work.run),
     )
     result: dict[str, Any] = {"run": work.run, "batch": work.batch, verdict: True}
@@ -82,6 +78,16 @@ def gate(
         log.warning("%s/%s: the run is cancelled; batch parked, not started", work.run, work.batch)
         Ledger(client).park(work.run, work.batch)
     return result
+
+
+def deleted_staging(tombstone: bytes | str | None, staging: str) -> bool:
+    """Whether a deletion's tombstone (`keys.deleted_key`, holding the staging id it
+    deleted) covers an order of `staging`. An order of an older genfleet names no staging:
+    every one is dropped while the tombstone lives."""
+    if tombstone is None:
+        return False
+    deleted = tombstone.decode() if isinstance(tombstone, bytes) else str(tombstone)
+    return not staging or deleted == staging
 
 
 def is_cancelled(client: RedisCommands, run: str) -> bool:

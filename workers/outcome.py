@@ -7,7 +7,10 @@ middleware applies one `compute_backoff`). A table test covers every row:
 | error                                  | action    | what follows                          |
 |----------------------------------------|-----------|---------------------------------------|
 | BatchCancelled (run cancelled)         | park      | acked, not failed; a resume resends   |
-| BatchInputMissing (staged input gone)  | fail      | failed set at once: no try can help   |
+| BatchSuperseded (staging replaced)     | drop      | acked, nothing written; the batch's   |
+|                                        |           | state is the new staging's: untouched |
+| BatchInputMissing (staged input gone;  | fail      | failed set at once: no try can help   |
+|   BatchInputMismatch: not the order's) |           |                                       |
 | EngineConfigError (401/403/404)        | hand_back | back to the queue untouched, no try   |
 |                                        |           | spent; this worker stops consuming    |
 | BatchTerminated (operator's revoke)    | fail      | failed set; `genfleet retry` resends  |
@@ -34,13 +37,14 @@ from genfleet.common.errors import (
     BatchCancelled,
     BatchInputMissing,
     BatchInterrupted,
+    BatchSuperseded,
     BatchTerminated,
     EngineConfigError,
     EngineError,
     StoreError,
 )
 
-Action = Literal["park", "hand_back", "requeue", "retry", "fail"]
+Action = Literal["park", "drop", "hand_back", "requeue", "retry", "fail"]
 
 # Errors a later try can get past: the engine restarting, the store or Redis unreachable.
 RETRYABLE = (EngineError, StoreError, redis.RedisError, ConnectionError, TimeoutError)
@@ -80,6 +84,8 @@ def outcome(
     described = f"{type(exc).__name__}: {exc}"
     if isinstance(exc, BatchCancelled):
         return Outcome("park", str(exc))
+    if isinstance(exc, BatchSuperseded):
+        return Outcome("drop", str(exc))
     if isinstance(exc, BatchInputMissing):
         return Outcome("fail", str(exc), described)
     if isinstance(exc, EngineConfigError):

@@ -23,8 +23,11 @@ from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
 from genfleet.workers.client import EngineClient, ThinkingSwitch
+from genfleet.workers.deadline import DeadlinePolicy
+from genfleet.workers.engine.crashes import CRASH_LOOP_REPEATS, crash_suggestion
 from genfleet.workers.engine.external import ExternalEngine
 from genfleet.workers.engine.families import choose
+from genfleet.workers.engine.fingerprint import checkpoint_identity
 from genfleet.workers.engine.launch import auth_headers
 from genfleet.workers.engine.ports import pick_port, private_dir
 from genfleet.workers.engine.supervisor import EngineSupervisor
@@ -49,10 +52,12 @@ class WorkerRuntime:
         settings: Settings,
         hostname: str,
         on_exhausted: Callable[[str], None] | None = None,
+        on_recovered: Callable[[], None] | None = None,
     ) -> None:
         self.settings = settings
         self.hostname = hostname
         self.on_exhausted = on_exhausted
+        self.on_recovered = on_recovered
         self.queue = worker_queue(settings)  # the one queue (model) this worker serves
         # Every store call ends well inside the lease it runs under (a hung put cannot outlast
         # it); the lease heartbeat has a client of its own whose calls end inside one beat.
@@ -69,6 +74,10 @@ class WorkerRuntime:
         self.arch: str | None = None  # the checkpoint's architectures[0], when preflight read it
         self.watchdog: StallWatchdog | None = None
         self.celery_worker: Any = None  # the WorkController, set by the engine bootstep
+        # The checkpoint fingerprint (`engine.fingerprint`), and the runs already found to
+        # match it (so the run's record is read once per run, not per batch).
+        self.model_identity: dict[str, Any] | None = None
+        self.model_runs: set[str] = set()
         self._slots_lock = threading.Lock()
         self._released = 0
         self._released_by: set[tuple[str, str]] = set()  # batches whose slot was handed on
@@ -111,6 +120,7 @@ class WorkerRuntime:
         choice = choose(settings, self.arch)
         thinking = ThinkingSwitch(choice.thinking_key, choice.thinking_default)
         log.info("%s", choice.describe().removeprefix("# "))
+        self.model_identity = checkpoint_identity(settings, choice)
         self.feeder = Feeder(
             lambda: EngineClient(
                 base_url,
@@ -126,6 +136,11 @@ class WorkerRuntime:
             engine_wait_s=min(settings.startup_timeout_s, 1800.0),
             busy_timeout_s=settings.busy_timeout_s,
             identity=identity,
+            deadline=DeadlinePolicy(
+                settings.request_timeout_s,
+                settings.request_min_tokens_per_s,
+                settings.request_deadline_margin,
+            ),
             on_batch_sent=self._batch_sent,
         )
         log.info(
@@ -189,19 +204,97 @@ class WorkerRuntime:
         if acted:
             self._finding("engine_stalled", figures, suggestion)
 
-    def _finding(self, cause: str, numbers: dict[str, Any], suggestion: str) -> None:
+    def engine_alarm(self) -> dict[str, Any] | None:
+        """The engine's state when it needs a person: its restart budget spent (a cool-down)
+        or a crash loop (the same last error on consecutive deaths); None otherwise."""
+        engine = self.engine
+        if not isinstance(engine, EngineSupervisor):
+            return None
+        crash = engine.crash
+        exhausted = engine.state == "exhausted"
+        if not exhausted and not (crash and crash["loop"]):
+            return None
+        return {
+            "worker": self.hostname,
+            "queue": self.queue,
+            "gpus": self.settings.gpus,
+            "state": engine.state,
+            "exhausted": exhausted,
+            "crash": crash,
+            "last_error": engine.last_error,
+            "ts": time.time(),
+            **engine.budget(),
+        }
+
+    def _engine_died(self) -> None:
+        """After each engine death: a crash loop is published once it is one."""
+        alarm = self.engine_alarm()
+        crash = alarm["crash"] if alarm is not None else None
+        if crash and crash["loop"] and crash["repeats"] == CRASH_LOOP_REPEATS:
+            suggestion = (
+                f"crash loop, the same error {crash['repeats']} times: {crash['error']} — "
+                f"{crash_suggestion(crash)}"
+            )
+            self._finding("crash_loop", alarm or {}, suggestion, "underused")
+        self._publish_alarm(alarm)
+
+    def _engine_exhausted(self, message: str) -> None:
+        """The restart budget is spent: stop consuming (the bootstep's callback), say so in
+        the findings and the alarms key, for the cool-down."""
+        alarm = self.engine_alarm()
+        if alarm is not None:
+            crash = alarm["crash"] or {}
+            suggestion = (
+                f"restart budget spent ({alarm['restarts_in_window']} restarts in "
+                f"{alarm['restart_window_s']:.0f} s); last error: "
+                f"{crash.get('error') or alarm['last_error']} — {crash_suggestion(crash)}; "
+                f"the worker takes work again in {alarm['cooldown_left_s'] or 0:.0f} s"
+            )
+            self._finding("restart_budget_spent", alarm, suggestion, "underused")
+        self._publish_alarm(alarm)
+        if self.on_exhausted is not None:
+            self.on_exhausted(message)
+
+    def _engine_recovered(self) -> None:
+        """The engine serves again after its cool-down: consume again."""
+        self._publish_alarm(self.engine_alarm())
+        if self.on_recovered is not None:
+            self.on_recovered()
+
+    def _publish_alarm(self, alarm: dict[str, Any] | None) -> None:
+        try:
+            if alarm is None:
+                self.redis.hdel(keys.engine_alarms_key(), self.hostname)
+            else:
+                self.redis.hset(keys.engine_alarms_key(), self.hostname, orjson.dumps(alarm))
+        except redis.RedisError as exc:
+            log.warning("could not publish the engine's state: %s", exc)
+
+    def _finding(
+        self,
+        cause: str,
+        numbers: dict[str, Any],
+        suggestion: str,
+        verdict: str = "unresponsive",
+    ) -> None:
         """A finding the worker itself makes: log, `gpu_report`, and the findings stream."""
         finding = {
             "worker": self.hostname,
             "gpu_uuid": None,
-            "verdict": "unresponsive",
+            "verdict": verdict,
             "cause": cause,
             "numbers": numbers,
             "suggestion": suggestion,
             "ts": time.time(),
             "run": None,
         }
-        log.error("ENGINE STALLED on %s: %s", self.hostname, orjson.dumps(numbers).decode())
+        log.error(
+            "%s on %s: %s — %s",
+            cause.upper().replace("_", " "),
+            self.hostname,
+            suggestion,
+            orjson.dumps(numbers).decode(),
+        )
         self.findings.append(finding)
         del self.findings[:-50]
         try:
@@ -235,13 +328,18 @@ class WorkerRuntime:
             stop_timeout_s=settings.stop_timeout_s,
             restart_budget=settings.restart_budget,
             restart_backoff_s=settings.restart_backoff_s,
-            on_exhausted=self.on_exhausted,
+            on_exhausted=self._engine_exhausted,
+            restart_window_s=settings.restart_window_s,
+            restart_cooldown_s=settings.restart_cooldown_s,
+            on_recovered=self._engine_recovered,
+            on_death=self._engine_died,
         )
 
     def engine_state(self) -> EngineState:
         """What the engine and the client are doing now (no HTTP: the supervisor's view)."""
         engine = self.engine
         feeder = self.feeder
+        supervised = engine if isinstance(engine, EngineSupervisor) else None
         return EngineState.observe(
             engine.state if engine else "stopped",
             engine.server_info if engine else {},
@@ -249,6 +347,8 @@ class WorkerRuntime:
             inflight_cap=feeder.inflight_cap if feeder else 0,
             restarts=engine.restarts if engine else 0,
             waiting=feeder.waiting if feeder else 0,
+            budget=supervised.budget() if supervised else None,
+            crash=supervised.crash if supervised else None,
         )
 
     def tokens_total(self) -> int:
@@ -351,6 +451,8 @@ class WorkerRuntime:
             del self.findings[:-50]
 
     def stop(self) -> None:
+        if self.engine_alarm() is not None:
+            self._publish_alarm(None)  # a stopped worker's engine is nobody's alarm
         if self.watchdog is not None:
             self.watchdog.stop()
         if self.monitor is not None:

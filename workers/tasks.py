@@ -32,7 +32,7 @@ from kombu.exceptions import OperationalError
 from genfleet.common import keys
 from genfleet.common.backoff import BATCH_RETRY
 from genfleet.common.celery_config import GENERATE_TASK, POWER_WATCH_TASK, REAPER_TASK
-from genfleet.common.errors import BatchFailed
+from genfleet.common.errors import BatchFailed, BatchSuperseded, StoreError, ThinkingUnsupported
 from genfleet.common.ledger import Ledger, Running, running_field
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import RedisCommands
@@ -46,6 +46,7 @@ from genfleet.workers.observe.headlines import batch_headline, not_generated_hea
 from genfleet.workers.observe.sampler import batch_share
 from genfleet.workers.outcome import Outcome, counts_a_try, outcome
 from genfleet.workers.pool import BatchRequest, HeldRequest
+from genfleet.workers.provenance import ensure_current, model_refusal, thinking_refusal
 from genfleet.workers.reconcile import Lapses, reconcile_orders
 
 log = logging.getLogger("genfleet.tasks")
@@ -64,6 +65,7 @@ def generate_batch(self: BatchTask, order: dict[str, Any]) -> dict[str, Any]:
     early = _admit(runtime, work, order, worker)
     if early is not None:
         return early
+    _check_model(runtime, work)
     monitor = runtime.monitor
     if monitor is not None:
         monitor.batch_started(work.run)
@@ -109,6 +111,13 @@ def _apply(
         ledger.park(work.run, work.batch)
         parked = {"run": work.run, "batch": work.batch, "cancelled": True}
         return {"summary": not_generated_headline(parked), **parked}
+    if verdict.action == "drop":
+        # Not this run's order any more: its batch's state (queued, failed) belongs to the
+        # staging that replaced it, so only this delivery's running entry goes.
+        log.error("%s", exc)
+        _safe_release(ledger, work)
+        dropped = {"run": work.run, "batch": work.batch, "drop": True, "superseded": True}
+        return {"summary": not_generated_headline(dropped), **dropped}
     if verdict.action == "hand_back":
         # Every prompt would get the same answer: spend no try, hand the order back for a
         # worker that is configured right, and stop this one taking more.
@@ -153,14 +162,45 @@ def _admit(
             # parked as poison: running it would crash one more worker.
             log.error("%s/%s is parked as poison: not running it", work.run, work.batch)
             return {"run": work.run, "batch": work.batch, "worker": worker, "parked": True}
+        # Before the claim: an order of a superseded staging must not take the running entry
+        # of the run's batch of the same name (the new staging's, maybe running elsewhere).
+        ensure_current(runtime.store, work)
         ledger.claim(order, worker, time.time())
-    except (redis.RedisError, OperationalError) as exc:
+    except (redis.RedisError, StoreError, OperationalError) as exc:
         # OperationalError: the hand-back could not be sent (the broker is down); acking this
         # message would lose the only copy of the order.
         raise Reject(
-            f"{field}: Redis failed before the batch started: {exc}", requeue=True
+            f"{field}: Redis or the store failed before the batch started: {exc}", requeue=True
         ) from exc
+    except BatchSuperseded as exc:
+        log.error("%s", exc)
+        dropped = {"run": work.run, "batch": work.batch, "drop": True, "superseded": True}
+        return {"summary": not_generated_headline(dropped), **dropped}
     return None
+
+
+def _check_model(runtime: TaskRuntime, work: WorkOrder) -> None:
+    """Refuse an order this worker's model cannot answer as the run asks: another checkpoint
+    than the run's is handed back (this worker stops taking work, saying why); `--no-thinking`
+    on a model without a switch fails the batch (no worker of this model could honour it)."""
+    identity = runtime.model_identity
+    if identity is None:
+        return
+    refused = thinking_refusal(work, identity)
+    if refused is not None:
+        error = ThinkingUnsupported(refused)
+        _fail(runtime.redis, work, f"{type(error).__name__}: {error}", error)
+        raise BatchFailed(refused) from error
+    if work.run in runtime.model_runs:
+        return
+    reason = model_refusal(runtime.store, work.run, identity)
+    if reason is None:
+        runtime.model_runs.add(work.run)
+        return
+    log.error("%s/%s: %s", work.run, work.batch, reason)
+    _safe_release(Ledger(runtime.redis), work)
+    runtime.refuse_work(f"{work.run}/{work.batch} handed back: {reason}")
+    raise Reject(reason, requeue=True)
 
 
 class _Spend:

@@ -87,14 +87,15 @@ def read_source(source: str | Path, options: ReaderOptions | None = None) -> Ite
 
 
 def _samples(item: PromptRecord, samples: int) -> Iterator[PromptRecord]:
-    """`samples` records of `item` (its sample 0 first); a body's `n` multiplies them, and
-    with a `seed` each of those gets its own (seed + sample), or all n answers would match."""
+    """`samples` records of `item` (its sample 0 first); a body's `n` multiplies them. With a
+    `seed`, sample k is sent with seed + k (sample 0 keeps the seed as given), whether the
+    copies come from `n` or `--samples`: with one seed for all, every answer would match."""
     params = dict(item.params or {})
     n = params.pop("n", 1)
     item.params = params or None
     yield item
     for sample in range(1, samples * n):
         own = item.params
-        if n > 1 and "seed" in params:
+        if isinstance(params.get("seed"), int):
             own = {**params, "seed": params["seed"] + sample}
         yield PromptRecord(item.id, item.messages, sample, own, item.custom_id, item.previous)

@@ -16,20 +16,49 @@ from genfleet.common.records import ROLES, PromptRecord
 
 @dataclass(slots=True)
 class Reject:
-    """An input line that was refused, and exactly where and why."""
+    """An input line that was refused, and exactly where and why.
+
+    `truncated`: the file could not be read past this point (corrupt mid-file), so more than
+    one line is lost: `rows_unread` says how many (None: the file does not say). The run
+    records such a source as not read whole (`Manifest.sources_unread`).
+    """
 
     file: str
     line: int | None
     field: str | None
     reason: str
+    truncated: bool = False
+    rows_unread: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.file, "line": self.line, "field": self.field, "reason": self.reason}
+        data: dict[str, Any] = {
+            "file": self.file,
+            "line": self.line,
+            "field": self.field,
+            "reason": self.reason,
+        }
+        if self.truncated:
+            data.update(truncated=True, rows_unread=self.rows_unread)
+        return data
 
     def __str__(self) -> str:
         where = f"{self.file}:{self.line}" if self.line is not None else self.file
         field = f" [{self.field}]" if self.field else ""
         return f"{where}{field}: {self.reason}"
+
+
+def truncated(file: str, reason: str, rows_read: int, rows_total: int | None) -> Reject:
+    """The reject of a file that stopped being readable after `rows_read` rows."""
+    unread = None if rows_total is None else max(rows_total - rows_read, 0)
+    count = "an unknown number of" if unread is None else f"{unread} of {rows_total}"
+    return Reject(
+        file,
+        None,
+        None,
+        f"{reason}; {count} rows were not read (the {rows_read} before were)",
+        truncated=True,
+        rows_unread=unread,
+    )
 
 
 @dataclass(frozen=True, slots=True)

@@ -21,7 +21,7 @@ from typing import Any
 
 import orjson
 
-from genfleet.common.readers.fields import Located, ReaderOptions, Reject
+from genfleet.common.readers.fields import Located, ReaderOptions, Reject, truncated
 from genfleet.common.readers.parquet import import_pyarrow, resolve_columns, rows_from_batches
 
 
@@ -106,8 +106,23 @@ def read_hf_disk(path: Path, options: ReaderOptions) -> Iterator[Located]:
         yield columns
         return
     batches = _all_batches(pa, files, columns.names())
+    rows_read = 0  # one item per row, record or reject
     try:
-        yield from rows_from_batches(name, directory.resolve().name, batches, columns)
+        for item in rows_from_batches(name, directory.resolve().name, batches, columns):
+            rows_read += 1
+            yield item
     except (pa.ArrowException, OSError) as exc:
         # Later rows could not be numbered reliably: stop this dataset, keep what was read.
-        yield Reject(name, None, None, f"unreadable Arrow data after some rows: {exc}")
+        reason = f"unreadable Arrow data after some rows: {exc}"
+        yield truncated(name, reason, rows_read, _expected_rows(directory))
+
+
+def _expected_rows(directory: Path) -> int | None:
+    """The split's row count as `dataset_info.json` records it, when it does."""
+    try:
+        info = orjson.loads((directory / "dataset_info.json").read_bytes())
+        splits = info.get("splits") or {}
+        counts = [int(split["num_examples"]) for split in splits.values()]
+    except (OSError, orjson.JSONDecodeError, AttributeError, KeyError, TypeError, ValueError):
+        return None
+    return counts[0] if len(counts) == 1 else None

@@ -34,6 +34,7 @@ from genfleet.common.readers.fields import (
     default_id_base,
     sharegpt_turns,
     split_answer,
+    truncated,
 )
 from genfleet.common.readers.s3source import SourcePath
 from genfleet.common.records import PromptRecord
@@ -184,8 +185,27 @@ def read_parquet(path: SourcePath, options: ReaderOptions) -> Iterator[Located]:
                 yield columns
                 continue
             base = default_id_base(file, path)
-            batches = handle.iter_batches(batch_size=ROWS_PER_BATCH, columns=columns.names())
-            try:
-                yield from rows_from_batches(name, base, batches, columns)
-            except (pa.ArrowException, OSError) as exc:
-                yield Reject(name, None, None, f"Parquet file is corrupt after some rows: {exc}")
+            yield from _row_groups(pa, handle, name, base, columns)
+
+
+def _row_groups(pa: Any, handle: Any, name: str, base: str, columns: Columns) -> Iterator[Located]:
+    """The file's rows, one row group at a time: a row group that cannot be read (corrupt
+    pages) costs its own rows, reported with their count, and the next group is read. Row
+    numbers come from the footer, so they stay the file's own after a lost group."""
+    start = 0
+    for group in range(handle.num_row_groups):
+        size = handle.metadata.row_group(group).num_rows
+        batches = handle.iter_batches(
+            batch_size=ROWS_PER_BATCH, row_groups=[group], columns=columns.names()
+        )
+        rows_read = 0  # one item per row, record or reject
+        try:
+            for item in rows_from_batches(name, base, batches, columns, start=start):
+                rows_read += 1
+                yield item
+        except (pa.ArrowException, OSError) as exc:
+            reason = (
+                f"Parquet row group {group} (rows {start}-{start + size - 1}) is corrupt: {exc}"
+            )
+            yield truncated(name, reason, rows_read, size)
+        start += size

@@ -26,11 +26,17 @@ def _client_error(url: str, exc: Exception) -> InputError:
 
 
 class _RangedReader(io.RawIOBase):
-    """A seekable, read-only view of one S3 object; every read is a ranged GET."""
+    """A seekable, read-only view of one version of an S3 object; every read is a ranged GET
+    conditional on the ETag the object had when it was opened (`IfMatch`), so an object
+    replaced while it is read, even by one of the same length, fails the read (412) instead of
+    giving a mix of two versions."""
 
-    def __init__(self, client: Any, bucket: str, key: str, size: int, url: str) -> None:
+    def __init__(
+        self, client: Any, bucket: str, key: str, size: int, url: str, etag: str | None = None
+    ) -> None:
         self._client, self._bucket, self._key, self._url = client, bucket, key, url
         self._size = size
+        self._etag = etag
         self._pos = 0
 
     def readable(self) -> bool:
@@ -54,12 +60,24 @@ class _RangedReader(io.RawIOBase):
             return 0
         from botocore.exceptions import BotoCoreError, ClientError
 
+        condition = {"IfMatch": self._etag} if self._etag else {}
         try:
             response = self._client.get_object(
-                Bucket=self._bucket, Key=self._key, Range=f"bytes={self._pos}-{end - 1}"
+                Bucket=self._bucket,
+                Key=self._key,
+                Range=f"bytes={self._pos}-{end - 1}",
+                **condition,
             )
             data: bytes = response["Body"].read()
-        except (BotoCoreError, ClientError) as exc:
+        except ClientError as exc:
+            status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            if status == 412:
+                raise InputError(
+                    f"{self._url}: object changed while it was read (it was ETag "
+                    f"{self._etag} when opened): read it again once it no longer changes"
+                ) from exc
+            raise _client_error(self._url, exc) from exc
+        except BotoCoreError as exc:
             raise _client_error(self._url, exc) from exc
         if len(data) != end - self._pos:  # the object changed under us: never read a mix
             raise InputError(f"{self._url}: object changed while it was read")
@@ -88,6 +106,11 @@ class S3Path:
 
     def _head(self) -> int | None:
         """The object's size, or None when there is no object under exactly this key."""
+        found = self._head_object()
+        return None if found is None else int(found["ContentLength"])
+
+    def _head_object(self) -> dict[str, Any] | None:
+        """The object's HEAD response, or None when there is no object under this key."""
         from botocore.exceptions import BotoCoreError, ClientError
 
         if not self.key:
@@ -100,7 +123,8 @@ class S3Path:
             raise _client_error(str(self), exc) from exc
         except BotoCoreError as exc:
             raise _client_error(str(self), exc) from exc
-        return int(head["ContentLength"])
+        found: dict[str, Any] = head
+        return found
 
     def _children(self) -> list[str]:
         """Names of the objects directly under this prefix (not deeper), in name order."""
@@ -130,10 +154,11 @@ class S3Path:
     def open(self, mode: str = "rb") -> IO[bytes]:
         if mode != "rb":
             raise ValueError(f"S3 sources are read-only, not {mode!r}")
-        size = self._head()
-        if size is None:
+        head = self._head_object()
+        if head is None:
             raise InputError(f"{self}: no such object")
-        raw = _RangedReader(self._client, self.bucket, self.key, size, str(self))
+        size, etag = int(head["ContentLength"]), head.get("ETag")
+        raw = _RangedReader(self._client, self.bucket, self.key, size, str(self), etag)
         return io.BufferedReader(raw, buffer_size=CHUNK_BYTES)
 
     def read_bytes(self) -> bytes:

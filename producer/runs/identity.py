@@ -9,7 +9,10 @@ The prompts' fingerprint is the sha256 of the staged records as JSON lines in in
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
+import secrets
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -161,18 +164,103 @@ def run_model(manifest: Manifest) -> ModelRef:
 
 
 def claim_run(
-    store: Store, run: str, params: GenerationParams, ref: ModelRef, staging: dict[str, Any]
-) -> None:
-    """Bind a run to its model and parameters before its first batch is staged, so that an
-    interrupted staging is not finished with other settings (its outputs would mix both)."""
-    claim = RunIdentity("", params.model_dump(), staging, ref.model, ref.engine)
+    store: Store,
+    run: str,
+    params: GenerationParams,
+    ref: ModelRef,
+    staging: dict[str, Any],
+    fingerprint: str,
+    source: str,
+    locate: Callable[[], str | None] | None = None,
+) -> str:
+    """Bind a run to its prompts, model and parameters before its first batch is staged, so
+    that an interrupted staging is never finished with other data or settings (its inputs,
+    checkpoints and outstanding orders would mix both): a claim that differs is refused
+    (RunMismatch naming each difference). Returns the claim's staging id, which every work
+    order of the run carries; staging the same data again keeps it.
+
+    A claim of an older genfleet recorded no fingerprint: it cannot be checked, so it is
+    refused too (`genfleet delete RUN` removes it). `locate`, called only when the prompts
+    differ, says where (`first_difference`).
+    """
+    claim = RunIdentity(fingerprint, params.model_dump(), staging, ref.model, ref.engine, source)
     raw = store.get(keys.claim_key(run))
     if raw is not None:
         data = orjson.loads(raw)
-        before = RunIdentity("", data["params"], data["staging"], data["model"], data["engine"])
+        before = RunIdentity(
+            data.get("fingerprint") or "(not recorded by this older claim)",
+            data["params"],
+            data["staging"],
+            data["model"],
+            data["engine"],
+            data.get("source") or "",
+        )
         differences = before.differences(claim)
-        if differences:
-            raise RunMismatch(mismatch_message(run, differences))
-        return
-    body = {"params": claim.params, "staging": staging, "model": ref.model, "engine": ref.engine}
+        if before.fingerprint != fingerprint and locate is not None:
+            where = locate()
+            if where:
+                differences.insert(1, where)
+        if differences or not data.get("staging_id"):
+            raise RunMismatch(interrupted_message(run, differences))
+        return str(data["staging_id"])
+    staging_id = secrets.token_hex(16)
+    body = {
+        "params": claim.params,
+        "staging": staging,
+        "model": ref.model,
+        "engine": ref.engine,
+        "fingerprint": fingerprint,
+        "source": source,
+        "staging_id": staging_id,
+    }
     store.put(keys.claim_key(run), orjson.dumps(body))
+    return staging_id
+
+
+def first_difference(
+    store: Store, run: str, source: str, options: ReaderOptions, settings: Settings
+) -> str | None:
+    """Where `source`, batched as `settings` say, first differs from the batches an
+    interrupted staging of `run` left in the store: the batch and prompt id, or that every
+    staged batch matches and the data differs after them. Reads the source once more; only
+    a refusal calls it."""
+    from genfleet.producer.batching import make_batches
+
+    records = (item for item in read_source(source, options) if not isinstance(item, Reject))
+    batches = make_batches(
+        records,
+        settings.batch_size,
+        settings.batch_max_tokens,
+        settings.max_tokens,
+        settings.batch_tail,
+    )
+    for index, batch in enumerate(batches):
+        staged = store.get(keys.input_key(run, keys.batch_id(index)))
+        if staged is None:
+            if not index:
+                return None
+            return (
+                f"first difference: after the {index} batches staged so far, which hold "
+                f"the same prompts"
+            )
+        lines = gzip.decompress(staged).splitlines()
+        for position, record in enumerate(batch):
+            if position >= len(lines) or lines[position] != orjson.dumps(record.to_json()):
+                return (
+                    f"first difference: {keys.batch_id(index)}, prompt {record.id!r} "
+                    f"(sample {record.sample})"
+                )
+        if len(lines) != len(batch):
+            return f"first difference: {keys.batch_id(index)} staged {len(lines)} prompts"
+    return None
+
+
+def interrupted_message(run: str, differences: list[str]) -> str:
+    lines = "\n".join(f"  {line}" for line in differences) or "  (an older claim: unchecked)"
+    return (
+        f"run {run!r} has an interrupted staging (no manifest yet) of other inputs or "
+        f"settings:\n{lines}\n"
+        f"Nothing was staged or enqueued. Stage this data as its own run (--run NEW), run the "
+        f"same command with the data it was staged with to finish it, or remove it first "
+        f"(`genfleet delete {run}`)."
+    )

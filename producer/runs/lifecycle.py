@@ -21,7 +21,7 @@ import redis
 from genfleet.common import keys
 from genfleet.common.errors import GenfleetError, InputError
 from genfleet.common.ledger import Ledger
-from genfleet.common.manifest import Manifest
+from genfleet.common.manifest import Manifest, current_staging
 from genfleet.common.redis_conn import text
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store
@@ -162,8 +162,12 @@ def delete_run(
     from genfleet.producer.broker import purge_orders  # Celery: only when needed
 
     result = DeleteResult(run=run, orders_removed=cancelled.orders_removed)
-    # The tombstone first: from now on a stray order of this run is dropped by workers.
-    client.set(keys.deleted_key(run), time.time(), ex=settings.visibility_timeout_s)
+    # The tombstone first: from now on a stray order of this run's staging is dropped by
+    # workers. It names the staging, not a time (that would compare this host's clock with
+    # the workers'); a late batch that got past it still finds the claim gone (or another
+    # staging's) before it writes anything, and drops itself.
+    staging = current_staging(store, run) or ""
+    client.set(keys.deleted_key(run), staging, ex=settings.visibility_timeout_s)
     for queue in _work_queues(client):
         result.orders_removed += len(purge_orders(client, queue, run, unacked=True))
     result.redis_keys = _delete_redis(client, run)

@@ -159,6 +159,32 @@ def test_an_interrupted_staging_is_not_finished_with_another_model(
     assert set(redis_client.keys("gpu.*")) == {b"gpu.emulator"}  # no order for the model
 
 
+def test_an_interrupted_staging_is_not_finished_with_other_data(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis
+) -> None:
+    root, env, source = stage_x(tmp_path, redis_url, 30)
+    (root / keys.manifest_key("x")).unlink()  # as if staging stopped before its manifest
+    inputs_before = {k: v for k, v in store_snapshot(root).items() if "/inputs/" in k}
+    orders_before = redis_client.llen("gpu.emulator")
+    write(source, [f"q{i}" + (" edited" if i == 25 else "") for i in range(30)])
+
+    result = enqueue(str(source), "--run", "x", "--batch-size", "10", env=env)
+
+    message = " ".join(result.output.split())
+    assert result.exit_code == 2, message
+    assert "prompts: the run holds" in message and "interrupted staging" in message
+    assert "first difference: batch-000002, prompt" in message  # q25 of batches of 10
+    assert not (root / keys.manifest_key("x")).exists()
+    assert {k: v for k, v in store_snapshot(root).items() if "/inputs/" in k} == inputs_before
+    assert redis_client.llen("gpu.emulator") == orders_before
+    # The data it was staged with finishes it.
+    write(source, [f"q{i}" for i in range(30)])
+    finished = enqueue(str(source), "--run", "x", "--batch-size", "10", env=env)
+    assert finished.exit_code == 0, finished.output
+    assert (root / keys.manifest_key("x")).exists()
+    assert redis_client.llen("gpu.emulator") == orders_before  # nothing sent twice
+
+
 def genfleet(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         ["genfleet", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240

@@ -56,7 +56,9 @@ class FakeChat:
         self.closed = False
         self._lock = threading.Lock()
 
-    async def chat(self, record: PromptRecord, params: GenerationParams) -> ChatResult:
+    async def chat(
+        self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
+    ) -> ChatResult:
         with self._lock:
             self.calls[record.id] += 1
             self.sent.append(record)
@@ -93,6 +95,11 @@ class FakeEngine:
         self.state = "ready"
         self.down = down
         self.waits = 0
+        self.deaths = 0
+        self.last_error: str | None = None
+
+    def alive(self) -> bool:
+        return True
 
     def wait_up(self, timeout_s: float) -> None:
         self.waits += 1

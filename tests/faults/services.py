@@ -3,7 +3,8 @@
 - RedisServer: a `redis-server` of the test's own (AOF on, password set) that can be shut
   down and started again on the same port and directory.
 - FlakyS3: a bucket on a moto S3 server reached through FlakyProxy, a TCP proxy whose link
-  the test can cut and restore, or hang (bytes held, no error) and let flow again; moto
+  the test can cut and restore, hang (bytes held, no error) and let flow again, or slow
+  (every answer's chunks held a while, each call slower but inside its timeouts); moto
   loses its state when it restarts, so the outage is made at the proxy instead.
 - FakeEngine: a small OpenAI-compatible server that answers 500 to marked prompts while
   `poison` is on, for batches whose every request fails.
@@ -94,6 +95,8 @@ class FlakyProxy:
         self.upstream = upstream
         self.refused = 0
         self.held = 0  # chunks that arrived while hung: calls that felt the hang
+        self.reply_delay_s = 0.0  # `slow()`: each chunk of an answer is held this long
+        self.delayed = 0  # answer chunks held by `slow()`
         self._up = threading.Event()
         self._up.set()
         self._flowing = threading.Event()
@@ -131,6 +134,11 @@ class FlakyProxy:
     def flow(self) -> None:
         self._flowing.set()
 
+    def slow(self, delay_s: float) -> None:
+        """Hold each chunk of the upstream's answers `delay_s` (0: full speed again): a store
+        that answers every call, late. Requests pass at once."""
+        self.reply_delay_s = delay_s
+
     def close(self) -> None:
         self._closed.set()
         self._flowing.set()
@@ -157,10 +165,10 @@ class FlakyProxy:
                 continue
             with self._lock:
                 self._sockets.update((conn, upstream))
-            for src, dst in ((conn, upstream), (upstream, conn)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+            for src, dst, answers in ((conn, upstream, False), (upstream, conn, True)):
+                threading.Thread(target=self._pump, args=(src, dst, answers), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, answers: bool = False) -> None:
         with contextlib.suppress(OSError):
             src.settimeout(None)
             while data := src.recv(65536):
@@ -169,6 +177,11 @@ class FlakyProxy:
                         self.held += 1
                 while not self._flowing.wait(0.2):
                     if self._closed.is_set():
+                        return
+                if answers and self.reply_delay_s > 0:
+                    with self._lock:
+                        self.delayed += 1
+                    if self._closed.wait(self.reply_delay_s):
                         return
                 dst.sendall(data)
         for sock in (src, dst):

@@ -70,12 +70,14 @@ def test_store_hanging_longer_than_the_lease_does_not_run_a_batch_twice(
     for worker in (control, *workers):
         worker.wait_ready()
     stage(settings, "hang", tmp_path / "prompts.jsonl")
-    running = wait_for(
-        lambda: held_leases(redis_client, "hang") - outputs(store, "hang"),
-        60,
-        "a batch to be running",
-        0.05,
-    )
+
+    def generating() -> set[str]:
+        """Batches past their store reads: leased (the lease comes first), no output, and a
+        checkpoint part written, so their only store calls left are puts."""
+        held = held_leases(redis_client, "hang") - outputs(store, "hang")
+        return {b for b in held if any(True for _ in store.list(keys.parts_prefix("hang", b)))}
+
+    running = wait_for(generating, 60, "a batch to be generating", 0.05)
 
     flaky_s3.proxy.hang()
     hung_at = time.monotonic()
@@ -107,3 +109,50 @@ def test_store_hanging_longer_than_the_lease_does_not_run_a_batch_twice(
     # generated yet) were tried again.
     tried = {k.decode() for k in redis_client.hgetall(keys.attempts_key("hang"))}
     assert not tried & running, f"a hung put cost a try: {sorted(tried & running)}"
+
+
+SLOW_LEASE_S = 2.0
+# Each answer chunk of the store held this long: under the workers' read timeout (1 s, the
+# floor for a lease this short), but a batch's first store reads (output, input, parts) take
+# longer together than the lease.
+SLOW_REPLY_S = 0.7
+
+
+def test_slow_store_reads_do_not_let_the_reaper_take_a_live_batch(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+    flaky_s3: FlakyS3,
+) -> None:
+    env = base_env(
+        redis_url,
+        flaky_s3.store_url,
+        s3_endpoint_url=flaky_s3.endpoint_url,
+        lease_ttl_s=SLOW_LEASE_S,
+        reaper_interval_s=0.5,
+        checkpoint_interval_s=30,
+        log_dir=tmp_path,
+    )
+    control = start_worker(env, role="control")
+    worker = start_worker({**env, "GENFLEET_PORT": str(free_port())})
+    ids = write_prompts(tmp_path / "prompts.jsonl", 50)
+    # Staged at full speed, straight to the store: only the worker's calls are slow.
+    direct = fault_settings(redis_url, flaky_s3.store_url, s3_endpoint_url=flaky_s3.direct_url)
+    store = open_run_store(direct)
+    for each in (control, worker):
+        each.wait_ready()
+    flaky_s3.proxy.slow(SLOW_REPLY_S)
+    stage(direct, "slow", tmp_path / "prompts.jsonl")
+    wait_run_done(direct, redis_client, "slow", 120, store)
+    result, _rows = assert_exactly_once(direct, "slow", ids, redis_client, store)
+    assert result.errors == 0
+    assert flaky_s3.proxy.delayed > 0, "no store answer was slowed"
+    # No batch was taken from its live worker: none lost, none re-enqueued, each run once.
+    assert not redis_client.hgetall(keys.lost_key("slow"))
+    runs = wait_for(
+        lambda: r if len(r := runs_per_batch([worker])) == 2 else None,
+        20,
+        "every batch's result in the log",
+    )
+    assert set(runs.values()) == {1}, f"batches run more than once: {runs}"

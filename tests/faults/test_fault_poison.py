@@ -89,3 +89,52 @@ def test_batch_that_kills_its_worker_is_parked_after_three_deliveries(
     wait_run_done(settings, redis_client, "poison", 120, store)
     assert_exactly_once(settings, "poison", ids, redis_client, store)
     assert not redis_client.hexists(keys.failed_key("poison"), POISON)
+
+
+POISON_PROMPT = "POISON-PROMPT"
+
+
+def consuming(hostnames: list[str]) -> set[str]:
+    """Which of `hostnames` consume the emulator's work queue now."""
+    from genfleet.workers.app import app
+
+    replies = app.control.inspect(destination=hostnames, timeout=2).active_queues() or {}
+    return {w for w, queues in replies.items() if any(q["name"] == "gpu.emulator" for q in queues)}
+
+
+def test_a_prompt_that_crashes_the_engine_costs_one_record_and_no_worker(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    """Two workers whose engines exit whenever they receive one particular prompt: that
+    prompt becomes an error record naming the crash, every other prompt is answered, and both
+    workers still consume. (It used to be re-sent after every restart until each worker's
+    budget was spent and both stopped consuming, with the run stuck half done.)"""
+    store_url = (tmp_path / "store").as_uri()
+    env = base_env(
+        redis_url,
+        store_url,
+        engine_extra_args=f"--emulator-crash-on-prompt {POISON_PROMPT}",
+        log_dir=tmp_path,
+    )
+    workers = [start_worker({**env, "GENFLEET_PORT": str(free_port())}) for _ in range(2)]
+    for worker in workers:
+        worker.wait_ready()
+    poison = 57
+    source = tmp_path / "prompts.jsonl"
+    ids = write_prompts(source, 200, marked={poison: f"{POISON_PROMPT}: what is 1 + 1?"})
+    settings = fault_settings(redis_url, store_url, batch_size=50)
+    store = open_run_store(settings)
+    stage(settings, "crasher", source)
+    wait_run_done(settings, redis_client, "crasher", 90, store)
+
+    _result, rows = assert_exactly_once(settings, "crasher", ids, redis_client, store)
+    errors = [row for row in rows if row["error"] is not None]
+    assert [row["id"] for row in errors] == [ids[poison]]
+    assert errors[0]["error"]["type"] == "engine_crash"
+    assert "emulated crash" in errors[0]["error"]["message"]  # the crash, by its last line
+    assert not redis_client.hgetall(keys.failed_key("crasher"))
+    hostnames = [w.hostname for w in workers]
+    assert consuming(hostnames) == set(hostnames)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import socket
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,7 +30,7 @@ from genfleet.common.store import Store, open_store
 from genfleet.producer import export as export_module
 from genfleet.producer.batching import make_batches
 from genfleet.producer.enqueue import stage
-from genfleet.producer.export import RunIncomplete, export_run
+from genfleet.producer.export import OutputMismatch, RunIncomplete, export_run
 
 RUN = "run-1"
 
@@ -86,11 +87,22 @@ def finish(
     for entry in manifest.batches:
         if entry.batch in skip:
             continue
-        prompts = [PromptRecord.from_json(d) for d in decode_jsonl_gz(store.get(entry.key) or b"")]
-        rows = [completion(p, manifest.run, entry.batch) for p in prompts for _ in range(repeat)]
+        staged = store.get(entry.key) or b""
+        prompts = [PromptRecord.from_json(d) for d in decode_jsonl_gz(staged)]
+        digests = line_sha256s(gzip.decompress(staged))
+        rows = [
+            {**completion(p, manifest.run, entry.batch), "prompt_sha256": digest}
+            for p, digest in zip(prompts, digests, strict=True)
+            for _ in range(repeat)
+        ]
         assert store.put_if_absent(
             keys.output_key(manifest.run, entry.batch), encode_jsonl_gz(rows)
         )
+
+
+def line_sha256s(raw: bytes) -> list[str]:
+    """What an output row names as its prompt: the sha256 of the prompt's staged line."""
+    return [hashlib.sha256(line).hexdigest() for line in raw.splitlines()]
 
 
 def prompts(n: int) -> list[PromptRecord]:
@@ -127,7 +139,9 @@ def test_jsonl_export_is_complete_and_in_input_order(
     assert [r["id"] for r in rows] == [p.id for p in inputs]
     assert (result.records, result.errors, result.duplicates) == (23, 1, 0)
     assert (result.batches_total, result.batches_exported, result.missing_batches) == (6, 6, [])
-    assert rows[0] == completion(inputs[0], RUN, "batch-000000")
+    staged = decode_jsonl_gz(store.get(manifest.batches[0].key) or b"")
+    digest = line_sha256s(orjson.dumps(next(staged)))[0]
+    assert rows[0] == {**completion(inputs[0], RUN, "batch-000000"), "prompt_sha256": digest}
     assert [p.name for p in out.parent.iterdir()] == ["export.jsonl"]  # no temp file left
 
 
@@ -329,3 +343,59 @@ def test_s3_store_to_s3_export(s3_endpoint: str) -> None:
     client = boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1")
     body = client.get_object(Bucket="bkt", Key="exports/run-1.jsonl.gz")["Body"].read()
     assert [r["id"] for r in decode_jsonl_gz(body)] == [p.id for p in inputs]
+
+
+def test_every_sample_exports_as_its_own_custom_id(
+    settings: Settings, store: Store, tmp_path: Path
+) -> None:
+    source = tmp_path / "requests.jsonl"
+    body = {"model": "m", "messages": [{"role": "user", "content": "q"}], "seed": 3}
+    requests = [{"custom_id": f"req-{i}", "body": body} for i in range(2)]
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in requests))
+    settings = settings.model_copy(update={"samples": 3})
+    manifest, _ = stage(
+        settings,
+        store,
+        RUN,
+        str(source),
+        ReaderOptions(samples=3),
+        lambda orders: len(orders),
+        set(),
+    )
+    finish(store, manifest)
+    out = tmp_path / "results.jsonl"
+    export_run(settings, RUN, str(out), "openai")
+    ids = [line["custom_id"] for line in read_jsonl(out)]
+    assert ids == [
+        "req-0", "req-0-sample-1", "req-0-sample-2", "req-1", "req-1-sample-1", "req-1-sample-2"
+    ]  # fmt: skip
+
+
+def test_an_output_that_does_not_answer_the_staged_prompts_is_not_exported(
+    settings: Settings, store: Store, tmp_path: Path
+) -> None:
+    source = tmp_path / "prompts.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(6)))
+    settings = settings.model_copy(update={"batch_size": 3})
+    manifest, _ = stage(
+        settings, store, RUN, str(source), ReaderOptions(), lambda orders: len(orders), set()
+    )
+    finish(store, manifest, skip=frozenset({"batch-000001"}))
+    # batch-000001's output answers other prompts under the same ids (an interrupted staging
+    # of other data, finished by a worker before the input was staged anew).
+    entry = manifest.batches[1]
+    old = [
+        PromptRecord(p["id"], [{"role": "user", "content": "old " + str(i)}])
+        for i, p in enumerate(decode_jsonl_gz(store.get(entry.key) or b""))
+    ]
+    digests = line_sha256s(b"".join(orjson.dumps(p.to_json()) + b"\n" for p in old))
+    rows = [
+        {**completion(p, RUN, entry.batch), "prompt_sha256": d}
+        for p, d in zip(old, digests, strict=True)
+    ]
+    store.put_if_absent(keys.output_key(RUN, entry.batch), encode_jsonl_gz(rows))
+    out = tmp_path / "out.jsonl"
+
+    with pytest.raises(OutputMismatch, match="batch-000001 does not answer"):
+        export_run(settings, RUN, str(out), "jsonl")
+    assert not out.exists()

@@ -14,6 +14,7 @@ import pytest
 from genfleet.common.errors import InputError
 from genfleet.common.readers import ReaderOptions, Reject, detect_format, read_source
 from genfleet.common.records import PromptRecord
+from tests.support import corrupt_parquet
 
 
 def lines(path: Path, rows: list[Any]) -> Path:
@@ -451,6 +452,15 @@ def test_n_becomes_samples_each_with_its_own_seed(tmp_path: Path) -> None:
     assert all(r.params is None for r in records[3:])
 
 
+def test_samples_of_a_seeded_body_each_get_their_own_seed(tmp_path: Path) -> None:
+    path = lines(tmp_path / "b.jsonl", [openai_line("r1", seed=5), openai_line("r2", n=2, seed=9)])
+    records, rejects = split(read_source(path, ReaderOptions(samples=3)))
+    assert rejects == []
+    seeds = [(r.id, r.sample, (r.params or {})["seed"]) for r in records]
+    assert seeds[:3] == [("r1", 0, 5), ("r1", 1, 6), ("r1", 2, 7)]  # not three equal answers
+    assert [seed for _, _, seed in seeds[3:]] == [9, 10, 11, 12, 13, 14]
+
+
 @pytest.mark.parametrize(
     ("body", "field", "reason"),
     [
@@ -477,3 +487,31 @@ def test_a_field_genfleet_cannot_honour_rejects_the_line(
     (reject,) = rejects
     assert (reject.file, reject.line, reject.field) == (str(path), 2, field)
     assert reason in reject.reason
+
+
+def test_a_parquet_file_corrupt_mid_file_loses_only_its_bad_row_group_and_says_how_many(
+    tmp_path: Path,
+) -> None:
+    path = corrupt_parquet(tmp_path / "data.parquet", 500, 100, bad_group=2)
+    records, rejects = split(read_source(path))
+    assert [r.id for r in records] == [f"p{i:04d}" for i in [*range(200), *range(300, 500)]]
+    (reject,) = rejects
+    assert (reject.truncated, reject.rows_unread) == (True, 100)
+    assert reject.to_json()["rows_unread"] == 100
+
+
+def test_a_saved_dataset_corrupt_mid_file_says_how_many_rows_were_not_read(
+    tmp_path: Path,
+) -> None:
+    tables = [pa.table({"prompt": [f"q{j}-{i}" for i in range(6)]}) for j in range(2)]
+    path = save_dataset(tmp_path / "saved", tables)
+    info = {"features": {}, "splits": {"train": {"name": "train", "num_examples": 12}}}
+    (path / "dataset_info.json").write_bytes(orjson.dumps(info))
+    second = path / "data-00001-of-00002.arrow"
+    second.write_bytes(second.read_bytes()[: second.stat().st_size // 2])  # cut mid-file
+
+    records, rejects = split(read_source(path))
+
+    assert 6 <= len(records) < 12
+    (reject,) = rejects
+    assert (reject.truncated, reject.rows_unread) == (True, 12 - len(records))

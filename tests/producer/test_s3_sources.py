@@ -16,15 +16,18 @@ import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import redis
 
 from genfleet.common.errors import InputError
+from genfleet.common.manifest import Manifest
 from genfleet.common.readers import ReaderOptions, read_source
 from genfleet.common.readers.jsonl import read_jsonl
 from genfleet.common.readers.s3source import CHUNK_BYTES, s3_source
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
-from tests.support import new_bucket
+from genfleet.producer.status import run_status
+from tests.support import corrupt_parquet, new_bucket
 
 pytestmark = pytest.mark.integration
 
@@ -156,3 +159,40 @@ def test_default_ids_in_an_s3_folder_name_the_shard(bucket: Bucket) -> None:
         "a.jsonl:2",
         "b.jsonl:1",
     ]
+
+
+def test_a_source_replaced_while_it_is_read_fails_even_at_the_same_length(
+    bucket: Bucket,
+) -> None:
+    rows = prompts(0, 50)
+    url = bucket.put("changing/prompts.jsonl", jsonl(rows))
+    edited = jsonl([{**row, "prompt": row["prompt"].upper()} for row in rows])
+    assert len(edited) == len(jsonl(rows))
+    with s3_source(url, bucket.endpoint, "us-east-1").open() as handle:
+        raw = handle.raw  # ranged GETs of the object as it was when opened
+        assert raw.read(10) == jsonl(rows)[:10]
+        bucket.put("changing/prompts.jsonl", edited)
+        with pytest.raises(InputError, match="changed while it was read"):
+            raw.read(10)
+
+
+def test_a_run_staged_from_a_corrupt_parquet_says_it_holds_less_than_its_source(
+    bucket: Bucket, redis_url: str, redis_client: redis.Redis, tmp_path: Path
+) -> None:
+    local = corrupt_parquet(tmp_path / "data.parquet", 500, 100, bad_group=3)
+    url = bucket.put("incoming/data.parquet", local.read_bytes())
+    settings = Settings(
+        redis_url=redis_url,
+        store=new_bucket(bucket.endpoint),
+        s3_endpoint_url=bucket.endpoint,
+        batch_size=100,
+    )
+    result = enqueue_run(settings, "cut", url, reader_options(settings))
+    assert (result.prompts, result.rejects) == (400, 1)
+    assert (result.sources_unread, result.rows_unread) == ([url], 100)
+    store = open_store(settings.store, bucket.endpoint)
+    manifest = Manifest.load(store, "cut")
+    assert manifest is not None
+    assert (manifest.sources_unread, manifest.rows_unread) == ([url], 100)
+    report = run_status(store, redis_client, "cut")
+    assert (report["sources_unread"], report["rows_unread"]) == ([url], 100)

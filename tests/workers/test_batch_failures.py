@@ -7,11 +7,13 @@ ExceptionGroup).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import redis
 
@@ -164,7 +166,9 @@ def test_an_aborted_answer_in_a_checkpoint_is_sent_again_not_kept(
         "r", "batch-000000", PromptRecord("p1", [{"role": "user", "content": "q1"}])
     )
     aborted.finish_reason = "abort"
-    kept = completion("r", "batch-000000", PromptRecord("p0", [{"role": "user", "content": "q0"}]))
+    p0 = PromptRecord("p0", [{"role": "user", "content": "q0"}])
+    kept = completion("r", "batch-000000", p0)
+    kept.prompt_sha256 = hashlib.sha256(orjson.dumps(p0.to_json())).hexdigest()  # as staged
     store.put(
         keys.part_key("r", "batch-000000", 0),
         encode_jsonl_gz([kept.to_json(), aborted.to_json()]),

@@ -8,14 +8,17 @@ reads, and which prompts the engine was asked again on a retry.
 
 from __future__ import annotations
 
+import gzip
+import hashlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import orjson
 import pytest
 
 from genfleet.common import keys
-from genfleet.common.errors import EngineDown, StoreUnavailable
+from genfleet.common.errors import BatchInputMismatch, BatchSuperseded, EngineDown, StoreUnavailable
 from genfleet.common.records import (
     GenerationParams,
     PromptRecord,
@@ -23,6 +26,8 @@ from genfleet.common.records import (
     decode_jsonl_gz,
     encode_jsonl_gz,
 )
+from genfleet.common.routing import ModelRef
+from genfleet.producer.runs.identity import claim_run
 from genfleet.workers.batch import BatchInputMissing, BatchInterrupted, BatchSummary, execute
 from genfleet.workers.feeder import Feeder
 from tests.fakes.engine import FakeChat, FakeEngine
@@ -293,3 +298,103 @@ def test_a_batch_counts_even_when_its_parts_cannot_be_deleted(
 
     assert summary.completions == 3 and store.exists(keys.output_key(RUN, BATCH))
     assert counters(db)["completion_tokens"] == 21
+
+
+def staged_order(
+    store: MemoryStore, texts: list[str], hashed: bool = False, staging: str | None = None
+) -> WorkOrder:
+    """Stage prompts p0.. with `texts`; their order, carrying (`hashed`) the staged content's
+    hash as the producer computes it and the `staging` id, when asked."""
+    bound: dict[str, str] = {} if staging is None else {"staging": staging}
+    records = [
+        PromptRecord(id=f"p{i}", messages=[{"role": "user", "content": text}])
+        for i, text in enumerate(texts)
+    ]
+    lines = [orjson.dumps(r.to_json()) for r in records]
+    store.put(keys.input_key(RUN, BATCH), gzip.compress(b"".join(x + b"\n" for x in lines)))
+    if hashed:  # sha256 over the lines' sha256s, newline-joined
+        each = "\n".join(hashlib.sha256(line).hexdigest() for line in lines)
+        bound["input_sha256"] = hashlib.sha256(each.encode()).hexdigest()
+    return WorkOrder(
+        run=RUN,
+        batch=BATCH,
+        key=keys.input_key(RUN, BATCH),
+        params=PARAMS,
+        model="emulator",
+        engine="emulator",
+        prompts=len(records),
+        **bound,
+    )
+
+
+def claim(store: MemoryStore) -> str:
+    """Claim the run as the producer does; returns its staging id."""
+    return claim_run(store, RUN, PARAMS, ModelRef("emulator", "emulator"), {}, "f", "src")
+
+
+def test_a_checkpoint_of_another_prompt_under_the_same_id_is_not_kept(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    store = MemoryStore()
+    # p0..p2 asking q0..q2; the try fails after p0 and p1 are checkpointed
+    failing = FakeChat(failures={"p2": [EngineDown("engine gone")]})
+    with pytest.raises(EngineDown):
+        run(stage(store, 3), store, db, feeders(failing))
+    assert list(store.list(keys.parts_prefix(RUN, BATCH)))
+    # The same batch staged again with p1 edited (an interrupted staging finished with
+    # other data): p1's checkpoint answers the old question and must not stand for the new.
+    order = staged_order(store, ["q0", "q1, edited", "q2"])
+    again = FakeChat()
+
+    summary = run(order, store, db, feeders(again))
+
+    assert dict(again.calls) == {"p1": 1, "p2": 1} and summary.resumed == 1
+    rows = output_rows(store)
+    assert [row["messages"][0]["content"] for row in rows] == ["q0", "q1, edited", "q2"]
+    assert all(row["prompt_sha256"] for row in rows)
+
+
+def test_an_input_that_is_not_the_orders_is_refused(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    store = MemoryStore()
+    order = staged_order(store, ["q0", "q1"], hashed=True)
+    staged_order(store, ["q0", "other"])  # the input object now holds other prompts
+    chat = FakeChat()
+
+    with pytest.raises(BatchInputMismatch, match="is not the one"):
+        run(order, store, db, feeders(chat))
+    assert sum(chat.calls.values()) == 0
+    assert not store.exists(keys.output_key(RUN, BATCH))
+
+
+def test_a_batch_whose_run_is_deleted_and_staged_anew_while_it_runs_writes_nothing(
+    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+) -> None:
+    store = MemoryStore()
+    order = staged_order(store, ["q0", "q1", "q2"], hashed=True, staging=claim(store))
+    gate = threading.Event()
+    chat = FakeChat(gate=gate, ungated={"p0"})
+    feeder = feeders(chat)
+    outcome: list[BaseException] = []
+
+    def go() -> None:
+        try:
+            run(order, store, db, feeder, checkpoint_interval_s=0)
+        except BaseException as exc:  # noqa: BLE001 - the test reads it
+            outcome.append(exc)
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    wait_for(lambda: chat.inflight == 2, 10, "two prompts running")
+    # `genfleet delete` then a new staging of the same data under the same name: another
+    # staging id (whatever any clock says).
+    store.delete_prefix(f"{RUN}/")
+    again = staged_order(store, ["q0", "q1", "q2"], hashed=True, staging=claim(store))
+    assert again.staging != order.staging
+    gate.set()
+    thread.join(timeout=10)
+
+    assert [type(exc) for exc in outcome] == [BatchSuperseded]
+    assert not store.exists(keys.output_key(RUN, BATCH))
+    assert list(store.list(keys.parts_prefix(RUN, BATCH))) == []

@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -21,7 +22,7 @@ from celery.exceptions import Reject
 from genfleet.common import keys
 from genfleet.common.backoff import Backoff
 from genfleet.common.errors import EngineBusy, EngineConfigError, EngineDown, RequestFailed
-from genfleet.common.ledger import running_field
+from genfleet.common.ledger import Ledger, running_field
 from genfleet.common.records import (
     GenerationParams,
     PromptRecord,
@@ -29,10 +30,14 @@ from genfleet.common.records import (
     decode_jsonl_gz,
     encode_jsonl_gz,
 )
+from genfleet.common.routing import ModelRef
 from genfleet.common.settings import Settings
+from genfleet.producer.runs.identity import claim_run
 from genfleet.workers import tasks as tasks_module
 from genfleet.workers.batch import BatchSummary
 from genfleet.workers.context import BatchTask, TaskRuntime
+from genfleet.workers.engine.families import choose
+from genfleet.workers.engine.fingerprint import checkpoint_identity
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.tasks import BatchFailed, generate_batch, reap
 from tests.fakes.engine import FakeChat, FakeEngine
@@ -59,6 +64,8 @@ class FakeRuntime:
     finished: list[BatchSummary] = field(default_factory=list)
 
     refused: list[str] = field(default_factory=list)
+    model_identity: dict[str, Any] | None = None
+    model_runs: set[str] = field(default_factory=set)
     ended: list[tuple[str, str]] = field(default_factory=list)
 
     def after_batch(self, summary: BatchSummary) -> None:
@@ -399,3 +406,126 @@ def test_the_reaper_spares_a_lease_re_set_after_its_first_look() -> None:
     assert requeued == []
     reap(db, store, TTL_S, NOW + 1 + TTL_S / 2, requeued.append)
     assert len(requeued) == 1
+
+
+def test_an_order_naming_another_runs_input_is_refused_not_generated(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    chat = FakeChat()
+    runtime = make_runtime(chat)
+    order = stage(runtime, 3)
+    # Run "b"'s prompts, and an order of run "r" that names them (anyone who can send a task
+    # can write one): r's output must never be built from b's prompts.
+    foreign = keys.input_key("b", BATCH)
+    runtime.store.put(foreign, runtime.store.get(keys.input_key(RUN, BATCH)) or b"")
+    runtime.store.delete_prefix(keys.input_key(RUN, BATCH))
+
+    with pytest.raises(ValueError, match="is not the staged input"):
+        generate_batch({**order, "key": foreign})
+    assert sum(chat.calls.values()) == 0
+    assert not runtime.store.exists(keys.output_key(RUN, BATCH))
+    assert WorkOrder.model_validate({**order, "key": ""}).key == keys.input_key(RUN, BATCH)
+
+
+def test_an_order_of_a_deleted_staging_is_dropped_whatever_the_clocks_say(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    chat = FakeChat()
+    runtime = make_runtime(chat)
+    # The producer's clock runs an hour ahead of the host that deleted the run.
+    order = {**stage(runtime, 3), "enqueued_at": 1_700_003_600.0, "staging": "s-old"}
+    runtime.redis.set(keys.deleted_key(RUN), b"s-old")
+
+    assert generate_batch(order)["drop"] is True
+    assert sum(chat.calls.values()) == 0
+    assert not runtime.store.exists(keys.output_key(RUN, BATCH))
+
+
+def test_an_order_of_a_superseded_staging_is_dropped_and_leaves_the_new_ones_state(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    chat = FakeChat()
+    runtime = make_runtime(chat)
+    order = {**stage(runtime, 3), "staging": "s-old"}
+    staging = claim_run(
+        runtime.store, RUN, PARAMS, ModelRef("emulator", "emulator"), {}, "f", "src"
+    )
+    assert staging != "s-old"  # the run was staged anew: its own order is queued, and runs
+    Ledger(runtime.redis).claim({**order, "staging": staging}, "other@w", 1_700_000_000.0)
+
+    result = generate_batch(order)
+
+    assert result["superseded"] is True
+    assert sum(chat.calls.values()) == 0
+    assert not runtime.store.exists(keys.output_key(RUN, BATCH))
+    assert state(runtime) == {"running": True, "attempts": 0, "failed": None, "queued": True}
+    entry = orjson.loads(runtime.redis.hget(keys.running_key(), f"{RUN}/{BATCH}") or b"{}")
+    assert entry["worker"] == "other@w"  # the new staging's running entry is untouched
+
+
+def identity(**settings: Any) -> dict[str, Any]:
+    """The model identity a worker with these settings computes at start."""
+    chosen = Settings(**settings)
+    return checkpoint_identity(chosen, choose(chosen, None))
+
+
+def test_a_worker_serving_another_checkpoint_hands_the_run_back_saying_why(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    first = make_runtime(FakeChat())
+    first.model_identity = identity()
+    order = stage(first, 3)
+    assert generate_batch(order)["completions"] == 3  # the run is bound to its model
+    first.store.delete_prefix(keys.output_key(RUN, BATCH))
+    first.redis.sadd(keys.queued_key(RUN), BATCH)
+    chat = FakeChat()
+    other = make_runtime(chat)  # the same served name, another reasoning parser
+    other.store, other.redis = first.store, first.redis
+    other.model_identity = identity(reasoning_parser="deepseek-r1")
+
+    with pytest.raises(Reject) as refused:
+        generate_batch(order)
+
+    assert refused.value.requeue is True
+    assert sum(chat.calls.values()) == 0
+    assert not other.store.exists(keys.output_key(RUN, BATCH))
+    assert len(other.refused) == 1 and "reasoning_parser" in other.refused[0]
+    assert state(other) == {"running": False, "attempts": 0, "failed": None, "queued": True}
+
+
+def test_no_thinking_on_a_model_without_a_switch_is_refused_not_ignored(
+    make_runtime: Callable[..., FakeRuntime],
+) -> None:
+    chat = FakeChat()
+    runtime = make_runtime(chat)
+    runtime.model_identity = identity(thinking_switch="none")
+    no_thinking = PARAMS.model_dump()  # PARAMS asks for no thinking
+
+    with pytest.raises(BatchFailed, match="no thinking switch"):
+        generate_batch({**stage(runtime, 2), "params": no_thinking})
+
+    assert sum(chat.calls.values()) == 0
+    assert state(runtime)["failed"] == "ThinkingUnsupported"
+    with pytest.raises(ValueError, match="--no-thinking needs a thinking switch"):
+        Settings(thinking=False, thinking_switch="none")  # and refused where it is given
+
+
+def test_the_checkpoint_fingerprint_follows_config_weights_and_quantization(
+    tmp_path: Path,
+) -> None:
+    (tmp_path / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"a": "1"}}')
+    base = identity(model=str(tmp_path))
+    assert base["config_sha256"] and base["weights_index_sha256"]
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {"a": "2"}}')
+    reweighted = identity(model=str(tmp_path))
+    (tmp_path / "config.json").write_text(
+        '{"architectures": ["Qwen3ForCausalLM"], "quantization_config": {"quant_method": "fp8"}}'
+    )
+    quantized = identity(model=str(tmp_path))
+    fingerprints = {base["fingerprint"], reweighted["fingerprint"], quantized["fingerprint"]}
+    assert len(fingerprints) == 3 and quantized["quantization"] == "fp8"
+    assert (
+        identity(model=str(tmp_path), engine_extra_args="--quantization awq")["quantization"]
+        == "awq"
+    )

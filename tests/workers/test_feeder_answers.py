@@ -18,6 +18,7 @@ from aiohttp import web
 from genfleet.common.errors import EngineConfigError, EngineDown
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
 from genfleet.workers.client import EngineClient
+from genfleet.workers.deadline import DeadlinePolicy
 from genfleet.workers.feeder import Feeder, InflightLimiter
 from tests.support import free_port
 
@@ -51,6 +52,7 @@ class ScriptedEngine:
         self.bodies: list[dict[str, Any]] = []
         self.running = 0
         self.most_running = 0
+        self.slow: dict[str, float] = {}  # prompt text → seconds its answer takes
         self.port = free_port()
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
@@ -67,7 +69,7 @@ class ScriptedEngine:
         self.running += 1
         self.most_running = max(self.most_running, self.running)
         try:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(self.slow.get(text, 0.01))
             status, answer, headers = self.script(text, n)
         finally:
             self.running -= 1
@@ -93,6 +95,11 @@ class ScriptedEngine:
 
 class AlwaysUp:
     state = "ready"
+    deaths = 0
+    last_error = None
+
+    def alive(self) -> bool:
+        return True
 
     def wait_up(self, timeout_s: float) -> None:
         return None
@@ -149,6 +156,24 @@ def test_backpressure_fails_nothing_and_shrinks_the_limit(
     assert feeder.busy_total == 40
     assert feeder.inflight_cap < 8  # halved on backpressure, not yet recovered
     assert set(engine.seen.values()) == {3}
+
+
+def test_a_request_past_its_deadline_is_its_prompts_error_record_never_its_batchs(
+    engine_with: Callable[[Script], ScriptedEngine],
+) -> None:
+    engine = engine_with(lambda text, n: ok(text))
+    engine.slow["p3"] = 3.0  # one long completion
+    # max_tokens 64 at 1000 tok/s: a deadline of 0.5 + 0.064 s, far below 3 s
+    future, results, feeder = run_batch(engine, 8, deadline=DeadlinePolicy(0.5, 1000.0, 1.0))
+
+    assert future.exception() is None  # the batch finished
+    assert len(results) == 8
+    late = results[3]
+    assert late.content is None and late.error is not None
+    assert late.error["type"] == "timeout" and "deadline" in late.error["message"]
+    assert all(r.error is None for i, r in results.items() if i != 3)
+    assert engine.seen["p3"] == 1  # not sent again: waiting once more would cost as long
+    assert feeder.timeouts_total == 1
 
 
 def test_backpressure_past_its_deadline_fails_the_try_never_the_prompt(

@@ -9,8 +9,10 @@ import redis
 from genfleet.common.backoff import BATCH_RETRY, Backoff
 from genfleet.common.errors import (
     BatchCancelled,
+    BatchInputMismatch,
     BatchInputMissing,
     BatchInterrupted,
+    BatchSuperseded,
     BatchTerminated,
     EngineConfigError,
     EngineDown,
@@ -27,6 +29,8 @@ NAME = "r/batch-000007"
     [
         (BatchCancelled("run cancelled"), 0, "park", ""),
         (BatchInputMissing("input gone"), 0, "fail", "BatchInputMissing: input gone"),
+        (BatchInputMismatch("other prompts"), 0, "fail", "BatchInputMismatch: other prompts"),
+        (BatchSuperseded("run staged anew"), 0, "drop", ""),
         (EngineConfigError("401 from the engine"), 0, "hand_back", ""),
         (BatchTerminated("r/b terminated by an operator"), 0, "fail", "BatchInterrupted: r/b"),
         (BatchInterrupted("shutting down"), 0, "requeue", ""),

@@ -246,7 +246,59 @@ CASES: list[tuple[str, float, float, dict[str, Any], int, tuple[str, str | None]
         0,
         ("underused", "engine_capped"),
     ),
-]
+    ("a crash loop while work waits", 79, 700, {"up": False, **IDLE_ENGINE,
+     "crash": {"error": "RuntimeError: x", "repeats": 3, "loop": True}}, 5,
+     ("underused", "crash_loop")),
+    ("a crash loop is named with nothing queued", 79, 700, {"up": False, **IDLE_ENGINE,
+     "crash": {"error": "RuntimeError: x", "repeats": 3, "loop": True}}, 0,
+     ("idle", "crash_loop")),
+    ("the restart budget spent, work waits", 79, 700, {"up": False, "exhausted": True,
+     **IDLE_ENGINE}, 5, ("underused", "restart_budget_spent")),
+    ("a crash loop beats its spent budget", 79, 700, {"up": False, "exhausted": True,
+     **IDLE_ENGINE, "crash": {"error": "E: y", "repeats": 5, "loop": True}}, 5,
+     ("underused", "crash_loop")),
+    ("flaky deaths are no crash loop: engine down", 79, 700, {"up": False, "restarting": True,
+     **FEW_INFLIGHT, "crash": {"error": "E: y", "repeats": 1, "loop": False}}, 5,
+     ("underused", "engine_down")),
+]  # fmt: skip
+
+
+CUDA_GRAPH_CRASH = {
+    "error": "RuntimeError: The expanded size of the tensor (33554432) must match the "
+    "existing size (33558528) at non-singleton dimension 0",
+    "repeats": 5,
+    "loop": True,
+    "known": "sglang_cuda_graph_verify_buffers",
+    "what": "SGLang crashes once the running batch reaches its largest captured CUDA graph",
+    "workaround": "--disable-cuda-graph avoids it",
+}
+
+
+def test_engine_alarms_name_the_error_and_the_fix() -> None:
+    from genfleet.workers.observe.headlines import finding_line, watch_headlines
+
+    looping = recorded(79, up=False, exhausted=True, cooldown_left_s=540.0,
+                       restarts_in_window=5, restart_budget=5, restart_window_s=3600.0,
+                       crash=CUDA_GRAPH_CRASH, **IDLE_ENGINE)  # fmt: skip
+    (finding,) = diagnose({"w1": looping}, fleet(3), NOW)
+    assert finding.cause == "crash_loop"
+    assert CUDA_GRAPH_CRASH["error"] in finding.suggestion
+    assert "--disable-cuda-graph" in finding.suggestion and "5 times" in finding.suggestion
+    (row,) = verdicts({"w1": looping}, fleet(3), NOW)
+    assert row["why"] == finding.suggestion  # what `top` prints under its table
+    line = finding_line(finding.to_json())
+    assert "crash loop" in line and "--disable-cuda-graph" in line and "33554432" in line
+    assert "crash_loop" in watch_headlines([row], [finding.to_json()]).splitlines()[0]
+
+    spent = recorded(79, up=False, exhausted=True, cooldown_left_s=540.0,
+                     restarts_in_window=5, restart_budget=5, restart_window_s=3600.0,
+                     crash={"error": "ValueError: flaky", "repeats": 1, "loop": False},
+                     **IDLE_ENGINE)  # fmt: skip
+    (finding,) = diagnose({"w1": spent}, fleet(3), NOW)
+    assert finding.cause == "restart_budget_spent"
+    assert "540 s" in finding.suggestion and "5 restarts in 3600 s" in finding.suggestion
+    line = finding_line(finding.to_json())
+    assert "restart budget spent (5 in 3600 s), back in 540 s: ValueError: flaky" in line
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,7 @@ receives an order for another model hands it back, never generating it."""
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,32 +15,40 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.broker import orders_in_broker
 from genfleet.producer.enqueue import enqueue_run, reader_options
-from genfleet.workers.lifecycle import decide
+from genfleet.workers.lifecycle import decide, deleted_staging
 from tests.faults.helpers import assert_exactly_once, wait_run_done, write_prompts
 from tests.support import Worker, base_env, wait_for
 
 
 @pytest.mark.parametrize(
-    ("my_queue", "its_queue", "enqueued_at", "deleted_at", "cancelled", "verdict"),
+    ("my_queue", "its_queue", "deleted", "cancelled", "verdict"),
     [
-        ("gpu.emulator", "gpu.emulator", 10.0, None, False, "generate"),
-        ("gpu.emulator", "gpu.q", 10.0, None, False, "hand_back"),
-        ("gpu.emulator", "gpu.q", 10.0, 20.0, True, "hand_back"),  # its own workers decide
-        ("gpu.q", "gpu.q", 10.0, 20.0, False, "drop"),  # enqueued before the run was deleted
-        ("gpu.q", "gpu.q", 30.0, 20.0, False, "generate"),  # a new run of the same name
-        ("gpu.q", "gpu.q", 30.0, 20.0, True, "park"),
-        ("gpu.q", "gpu.q", 30.0, None, True, "park"),
+        ("gpu.emulator", "gpu.emulator", False, False, "generate"),
+        ("gpu.emulator", "gpu.q", False, False, "hand_back"),
+        ("gpu.emulator", "gpu.q", True, True, "hand_back"),  # its own workers decide
+        ("gpu.q", "gpu.q", True, False, "drop"),  # an order of the deleted staging
+        ("gpu.q", "gpu.q", True, True, "drop"),
+        ("gpu.q", "gpu.q", False, True, "park"),
     ],
 )
 def test_decide(
-    my_queue: str,
-    its_queue: str,
-    enqueued_at: float,
-    deleted_at: float | None,
-    cancelled: bool,
-    verdict: str,
+    my_queue: str, its_queue: str, deleted: bool, cancelled: bool, verdict: str
 ) -> None:
-    assert decide(my_queue, its_queue, enqueued_at, deleted_at, cancelled) == verdict
+    assert decide(my_queue, its_queue, deleted, cancelled) == verdict
+
+
+@pytest.mark.parametrize(
+    ("tombstone", "staging", "deleted"),
+    [
+        (None, "s1", False),
+        (b"s1", "s1", True),  # the deleted staging's order
+        (b"s1", "s2", False),  # a new run of the same name: whatever the clocks say
+        (b"", "", True),  # an older order names no staging: dropped while the tombstone lives
+        (b"s1", "", True),
+    ],
+)
+def test_deleted_staging(tombstone: bytes | None, staging: str, deleted: bool) -> None:
+    assert deleted_staging(tombstone, staging) is deleted
 
 
 @pytest.mark.integration
@@ -88,3 +97,22 @@ def test_an_order_for_another_model_is_handed_back_never_generated(
     assert list(store.list("model-run/outputs/")) == []
     assert list(store.list("model-run/parts/")) == []
     assert redis_client.hget(keys.counters_key("model-run"), "started_at") is None
+
+
+def test_a_worker_with_no_model_and_no_engine_says_it_runs_the_emulator_first(
+    tmp_path: Path,
+) -> None:
+    env = base_env("redis://127.0.0.1:1/0", tmp_path.as_uri())
+    command = ["genfleet", "worker", "--print-engine-command"]
+    bare = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    named = subprocess.run(
+        [*command, "--model", "/m/q", "--served-model-name", "q"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bare.returncode == 0 and named.returncode == 0, bare.stderr + named.stderr
+    assert "gpu.emulator" in bare.stderr.splitlines()[2]  # before anything else it says
+    assert "emulator" in bare.stdout  # what it launches: the emulator
+    assert named.stderr == ""

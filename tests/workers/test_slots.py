@@ -35,7 +35,9 @@ class SlowClient:
     def __init__(self) -> None:
         self.release = asyncio.Event()
 
-    async def chat(self, record: PromptRecord, params: GenerationParams) -> object:
+    async def chat(
+        self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
+    ) -> object:
         await self.release.wait()
         raise asyncio.CancelledError  # never reached in this test: the batch is cancelled
 
@@ -45,6 +47,11 @@ class SlowClient:
 
 class Up:
     state = "ready"
+    deaths = 0
+    last_error = None
+
+    def alive(self) -> bool:
+        return True
 
     def wait_up(self, timeout_s: float) -> None:
         return None

@@ -21,6 +21,7 @@ class ExternalEngine:
     """
 
     restarts = 0
+    deaths = 0  # it cannot be watched dying: no prompt is ever blamed for it
     last_error: str | None = None
     log_tail: collections.deque[str] = collections.deque(maxlen=1)
     pid = None
@@ -47,6 +48,9 @@ class ExternalEngine:
         except httpx.TransportError:
             return False
         return response.status_code == 200
+
+    def alive(self) -> bool:
+        return True  # not ours to watch: its failures are seen as connection errors
 
     def start(self, timeout_s: float = 60.0) -> dict[str, Any]:
         self.state = "starting"

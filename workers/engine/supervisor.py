@@ -8,9 +8,14 @@ refused while loading, 503 until warm-up ends, then 200.
 
 If the engine dies while serving, requests in flight fail fast (connection errors), the
 supervisor restarts it with exponential backoff, and callers block in `wait_up()` until it is
-back. When the restart budget is spent the supervisor turns `exhausted` and calls
-`on_exhausted` so the worker stops taking work. An engine that is alive but stalled (see
-`watchdog`) is killed with `kill_stalled()` and then restarted the same way.
+back. The restart budget is a rate: `restart_budget` restarts per `restart_window_s`. When it
+is spent the supervisor turns `exhausted` and calls `on_exhausted` so the worker stops taking
+work; after `restart_cooldown_s` it starts the engine again and, once it serves, calls
+`on_recovered` so the worker consumes again, rather than idle its GPU for the rest of a run.
+Each death's last error line is kept (`crash`, see `crashes`): the same one on consecutive
+deaths is a crash loop, named with its workaround when it is a known engine crash. An engine
+that is alive but stalled (see `watchdog`) is killed with `kill_stalled()` and then restarted
+the same way.
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ import orjson
 from genfleet.common.backoff import Backoff
 from genfleet.common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
 from genfleet.common.private import die_with_parent as _die_with_parent
+from genfleet.workers.engine.crashes import (
+    crash_report,
+    known_crash,
+    last_error_line,
+    restart_allowed,
+)
 from genfleet.workers.engine.launch import EngineLaunch, auth_headers, engine_env
 from genfleet.workers.engine.ports import open_private, private_dir, release_port
 
@@ -55,6 +66,10 @@ class EngineSupervisor:
         restart_budget: int = 5,
         restart_backoff_s: float = 2.0,
         on_exhausted: Callable[[str], None] | None = None,
+        restart_window_s: float = 3600.0,
+        restart_cooldown_s: float = 600.0,
+        on_recovered: Callable[[], None] | None = None,
+        on_death: Callable[[], None] | None = None,
     ) -> None:
         self.launch = launch
         self.gpus = gpus
@@ -64,8 +79,20 @@ class EngineSupervisor:
         self.restart_budget = restart_budget
         self.restart_backoff_s = restart_backoff_s
         self.on_exhausted = on_exhausted
+        self.restart_window_s = restart_window_s
+        self.restart_cooldown_s = restart_cooldown_s
+        self.on_recovered = on_recovered
+        self.on_death = on_death  # after each death is recorded (crash, deaths): publish it
         self.state: State = "stopped"
-        self.restarts = 0
+        self.restarts = 0  # since the worker started (a figure; the budget is a rate)
+        self.exits = 0  # unexpected exits, stalls killed included
+        # Exits no known engine crash explains: a prompt in flight may have caused them (the
+        # feeder counts them per prompt; see feeder.SuspectLane).
+        self.deaths = 0
+        self.crash_lines: collections.deque[str | None] = collections.deque(maxlen=20)
+        self.cooldown_until: float | None = None  # monotonic; while exhausted
+        self._last_death_s: float | None = None
+        self._restart_times: collections.deque[float] = collections.deque(maxlen=1000)
         self.server_info: dict[str, Any] = {}
         self.last_error: str | None = None
         self.log_tail: collections.deque[str] = collections.deque(maxlen=200)
@@ -88,6 +115,11 @@ class EngineSupervisor:
     @property
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
+
+    def alive(self) -> bool:
+        """Whether the engine process runs now (a dead one's exit may not be seen yet)."""
+        proc = self._proc
+        return proc is not None and proc.poll() is None
 
     def start(self) -> dict[str, Any]:
         """Spawn the engine and wait until it serves; returns its /server_info (or {})."""
@@ -115,6 +147,30 @@ class EngineSupervisor:
                 if remaining <= 0:
                     raise EngineDown(f"engine not back within {timeout_s:.0f} s ({self.state})")
                 self._changed.wait(min(remaining, 1.0))
+
+    @property
+    def crash(self) -> dict[str, Any] | None:
+        """What the recent deaths say (`crashes.crash_report`): None before the first, and
+        once the last is older than the restart window (an engine serving for that long is
+        no longer in a crash loop)."""
+        last = self._last_death_s
+        if not self.crash_lines or last is None:
+            return None
+        if time.monotonic() - last >= self.restart_window_s:
+            return None
+        return crash_report(list(self.crash_lines))
+
+    def budget(self, now: float | None = None) -> dict[str, Any]:
+        """The restart budget now: restarts in the window, the rate, the cool-down left."""
+        now = time.monotonic() if now is None else now
+        recent = sum(1 for ts in self._restart_times if now - ts < self.restart_window_s)
+        until = self.cooldown_until
+        return {
+            "restarts_in_window": recent,
+            "restart_budget": self.restart_budget,
+            "restart_window_s": self.restart_window_s,
+            "cooldown_left_s": round(max(until - now, 0.0), 1) if until is not None else None,
+        }
 
     def refresh_info(self) -> dict[str, Any]:
         """Read /server_info again (accept length changes as the engine generates)."""
@@ -186,6 +242,7 @@ class EngineSupervisor:
         except OSError as exc:
             raise EngineStartError(f"cannot run {self.launch.argv[0]!r}: {exc}") from exc
         self._proc = proc
+        self.log_tail.clear()  # this process's lines: its last error is its own
         self._pump = threading.Thread(
             target=self._pump_logs, args=(proc,), name="engine-log", daemon=True
         )
@@ -283,20 +340,57 @@ class EngineSupervisor:
             if self._stopping.is_set():
                 return
             reason, self._kill_reason = self._kill_reason, None
+            self._set_state("restarting")  # callers wait from now on, and see the death counted
+            line = self._record_death(proc)
             self.last_error = reason or f"engine exited with code {code}"
+            if line and not reason:
+                self.last_error += f": {line}"
             log.error("%s; last lines:\n%s", self.last_error, "\n".join(list(self.log_tail)[-20:]))
+            if self.on_death:
+                self.on_death()
             if not self._restart():
                 return
 
+    def _record_death(self, proc: subprocess.Popen[bytes]) -> str | None:
+        """Count an unexpected exit and keep its last error line (after the log pump drained
+        the process's last lines)."""
+        if self._pump is not None:
+            self._pump.join(timeout=2.0)
+        line = last_error_line(self.log_tail)
+        with self._lock:
+            self.exits += 1
+            if known_crash(line) is None:
+                self.deaths += 1
+            self.crash_lines.append(line)
+            self._last_death_s = time.monotonic()
+        return line
+
     def _restart(self) -> bool:
-        while self.restarts < self.restart_budget and not self._stopping.is_set():
+        """Restart within the budget (a rate); when it is spent, cool down and try again.
+        False only when the supervisor is stopping."""
+        exhausted = False
+        while not self._stopping.is_set():
+            now = time.monotonic()
+            if not restart_allowed(
+                self._restart_times, now, self.restart_budget, self.restart_window_s
+            ):
+                if not self._cool_down():
+                    return False
+                exhausted = True
+                continue
+            self._restart_times.append(now)
             self.restarts += 1
             self._set_state("restarting")
-            backoff = Backoff(base_s=self.restart_backoff_s).delay_s(self.restarts - 1)
+            # Doubling with the restarts in the window, not over the worker's life.
+            recent = self.budget(now)["restarts_in_window"]
+            backoff = Backoff(
+                base_s=self.restart_backoff_s, cap_s=self.restart_backoff_s * 64
+            ).delay_s(recent - 1)
             log.warning(
-                "restarting engine (%d of %d) in %.1f s",
-                self.restarts,
+                "restarting engine (%d of %d in %.0f s) in %.1f s",
+                recent,
                 self.restart_budget,
+                self.restart_window_s,
                 backoff,
             )
             if self._stopping.wait(backoff):
@@ -304,22 +398,55 @@ class EngineSupervisor:
             try:
                 self._spawn()
                 self._wait_ready()
-                return True
             except (EngineStartError, EngineDown) as exc:
+                if self._stopping.is_set():
+                    return False
                 self.last_error = str(exc).splitlines()[0]
+                if isinstance(exc, EngineStartError):
+                    with self._lock:
+                        self.crash_lines.append(last_error_line(exc.log_tail))
+                        self._last_death_s = time.monotonic()
                 log.error("engine restart failed: %s", self.last_error)
-        if self._stopping.is_set():
-            return False
+                continue
+            if exhausted and self.on_recovered:
+                log.warning("engine is back after its cool-down: this worker takes work again")
+                self.on_recovered()
+            return True
+        return False
+
+    def _cool_down(self) -> bool:
+        """The budget is spent: stop taking work, wait `restart_cooldown_s`, then let the
+        caller try again with a fresh window. False when stopped meanwhile."""
+        crash = self.crash or {}
+        loop = ""
+        if crash.get("loop"):
+            loop = f"; a crash loop, the same error {crash['repeats']} times"
+            if crash.get("workaround"):
+                loop += f" ({crash['what']}: {crash['workaround']})"
+        again = (
+            f"tries again in {self.restart_cooldown_s:.0f} s"
+            if self.restart_budget
+            else "does not restart it (restart budget 0)"
+        )
         message = (
-            f"engine restart budget spent ({self.restart_budget} restarts); last error: "
-            f"{self.last_error}; this worker stops taking work"
+            f"engine restart budget spent ({self.restart_budget} restarts in "
+            f"{self.restart_window_s:.0f} s); last error: {self.last_error}{loop}; this worker "
+            f"stops taking work and {again}"
         )
         self.last_error = message
+        self.cooldown_until = time.monotonic() + self.restart_cooldown_s
         self._set_state("exhausted")
         log.error(message)
         if self.on_exhausted:
             self.on_exhausted(message)
-        return False
+        if self.restart_budget == 0:  # no restart at all, ever (tune, tests): no cool-down
+            self.cooldown_until = None
+            return False
+        if self._stopping.wait(self.restart_cooldown_s):
+            return False
+        self.cooldown_until = None
+        self._restart_times.clear()
+        return True
 
     def _terminate(self, proc: subprocess.Popen[bytes]) -> None:
         if proc.poll() is not None:

@@ -9,6 +9,11 @@ A GPU is underused when its mean power over the window is below `threshold × en
 while work waits for it (the queue holds work orders, or its worker has requests or batches
 in flight). The cause is the first that applies, in this order:
 
+    crash_loop       the engine died with the same last error on consecutive restarts: a
+                     restart will not fix it (a known engine crash is named with its
+                     workaround); a finding whether or not work waits
+    restart_budget_spent  the engine's restart budget (a rate) is spent: the worker takes no
+                     work until its cool-down ends; a finding whether or not work waits
     engine_down      the engine is down or restarting, now or during the window
     mtp_off          speculative decoding is off (speculative_algorithm is None)
     mtp_ineffective  accept length below min_accept_length: MTP weights likely missing
@@ -39,10 +44,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from genfleet.workers.engine.crashes import crash_suggestion
 from genfleet.workers.observe.engine_state import accept_length_judges_mtp
 from genfleet.workers.observe.headlines import waiting_work
 
 CAUSES = (
+    "crash_loop",
+    "restart_budget_spent",
     "engine_down",
     "mtp_off",
     "mtp_ineffective",
@@ -131,6 +139,13 @@ class FleetState:
 
 
 _SUGGESTIONS = {
+    "crash_loop": "the engine dies the same way on every restart ({crash_repeats} times: "
+    "{crash_error}): {crash_fix}",
+    "restart_budget_spent": (
+        "the engine's restart budget is spent ({restarts_in_window} restarts in "
+        "{restart_window}): no work taken until its cool-down ends in {cooldown_left}; last "
+        "error: {crash_error}"
+    ),
     "engine_down": "the engine is down or restarting: read the worker's engine log",
     "mtp_off": "speculative decoding is off: run with MTP on (--mtp) if the model has MTP heads",
     "mtp_ineffective": (
@@ -163,6 +178,9 @@ def _causes(
     """Every cause of underuse that applies, in precedence order; the last is `idle`, why the
     GPU lacks work when the client is not what holds it back (see `_idle_cause`)."""
     found = []
+    alarm = engine_alarm(engine)
+    if alarm is not None:
+        found.append(alarm)
     if down:
         found.append("engine_down")
     # An engine without /server_info (a generic command) cannot say whether MTP is on:
@@ -188,6 +206,32 @@ def _causes(
     else:
         found.append(idle)
     return found
+
+
+def engine_alarm(engine: Mapping[str, Any]) -> str | None:
+    """`crash_loop` or `restart_budget_spent` when the engine needs a person, else None."""
+    if (engine.get("crash") or {}).get("loop"):
+        return "crash_loop"
+    if engine.get("exhausted"):
+        return "restart_budget_spent"
+    return None
+
+
+def _alarm_numbers(engine: Mapping[str, Any]) -> dict[str, Any]:
+    """The figures of an engine alarm, as the suggestions quote them."""
+    crash = engine.get("crash") or {}
+    left = engine.get("cooldown_left_s")
+    window = engine.get("restart_window_s")
+    return {
+        "crash_error": crash.get("error") or "none in its log",
+        "crash_repeats": crash.get("repeats") or 0,
+        "crash_known": crash.get("known"),
+        "crash_fix": crash_suggestion(crash) if crash else "",
+        "restarts_in_window": engine.get("restarts_in_window") or 0,
+        "restart_budget": engine.get("restart_budget"),
+        "restart_window": f"{window:.0f} s" if window else "its window",
+        "cooldown_left": f"{left:.0f} s" if left is not None else "a while",
+    }
 
 
 # Causes read from how the engine is fed, which a window that began idle cannot judge.
@@ -258,8 +302,15 @@ def _judge_gpu(
         "backlog_elsewhere": backlog_elsewhere,
         "staging": ", ".join(staging),
     }
+    alarm = engine_alarm(engine)
+    if alarm is not None:
+        numbers.update(_alarm_numbers(engine))
     causes = _causes(engine, down, fleet, min_accept_length, idle)
-    if down and waits:
+    if alarm is not None:
+        # Not a matter of power: the engine cannot serve until someone (or the cool-down)
+        # acts, whether or not work waits right now.
+        verdict, cause = ("underused" if waits else "idle"), alarm
+    elif down and waits:
         verdict, cause = "underused", "engine_down"
     elif power is None or not limit:
         verdict, cause = "unknown", None
@@ -296,15 +347,18 @@ def _judge_gpu(
     }
     if cause is None:
         return row, None
+    suggestion = _SUGGESTIONS[cause].format(
+        **numbers, waiting=waiting_work(fleet.queue_depth, numbers["active_batches"] or 0)
+    )
+    if alarm is not None:
+        row["why"] = suggestion  # `top` prints it under the table: the error and the fix
     finding = Finding(
         worker=worker,
         gpu_uuid=row["gpu_uuid"],
         verdict=verdict,
         cause=cause,
         numbers=numbers,
-        suggestion=_SUGGESTIONS[cause].format(
-            **numbers, waiting=waiting_work(fleet.queue_depth, numbers["active_batches"] or 0)
-        ),
+        suggestion=suggestion,
         ts=now,
         run=_run_of(engine, fleet),
     )

@@ -40,6 +40,13 @@ class EngineState:
     waiting: int = 0  # prompts of this worker's batches not yet sent (the limiter is full)
     runs: list[str] = field(default_factory=list)
     spec_reported: bool = True  # False: the engine has no /server_info to say if MTP is on
+    # The restart budget (a rate) and how the engine last died (`engine.crashes`):
+    exhausted: bool = False  # budget spent: not taking work until its cool-down ends
+    cooldown_left_s: float | None = None
+    restarts_in_window: int = 0
+    restart_budget: int | None = None
+    restart_window_s: float | None = None
+    crash: dict[str, Any] | None = None  # error, repeats, loop, known, what, workaround
 
     @classmethod
     def observe(
@@ -51,14 +58,24 @@ class EngineState:
         inflight_cap: int = 0,
         restarts: int = 0,
         waiting: int = 0,
+        budget: Mapping[str, Any] | None = None,
+        crash: Mapping[str, Any] | None = None,
     ) -> EngineState:
         """The state of an engine in `lifecycle` (the supervisor's `state`: stopped, starting,
         ready, restarting, exhausted) whose last /server_info was `server_info`, with the
-        client's limiter; no HTTP, so it is cheap to read every second."""
+        client's limiter, its restart `budget` (`EngineSupervisor.budget()`) and `crash`
+        report; no HTTP, so it is cheap to read every second."""
+        figures = budget or {}
         return cls(
             up=lifecycle == "ready",
             restarting=lifecycle == "restarting",
             restarts=restarts,
+            exhausted=lifecycle == "exhausted",
+            cooldown_left_s=figures.get("cooldown_left_s"),
+            restarts_in_window=int(figures.get("restarts_in_window") or 0),
+            restart_budget=figures.get("restart_budget"),
+            restart_window_s=figures.get("restart_window_s"),
+            crash=dict(crash) if crash else None,
             inflight=inflight,
             inflight_cap=inflight_cap,
             waiting=waiting,

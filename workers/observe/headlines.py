@@ -18,6 +18,8 @@ from typing import Any
 
 # The knob to turn, per cause, in a few words (diagnosis.py holds the long suggestion).
 FIXES = {
+    "crash_loop": "a restart will not fix it",
+    "restart_budget_spent": "not taking work until its cool-down ends",
     "engine_down": "read the engine log",
     "mtp_off": "run with MTP on",
     "mtp_ineffective": "check the checkpoint's MTP weights (genfleet preflight)",
@@ -99,6 +101,8 @@ def not_generated_headline(result: Mapping[str, Any]) -> str:
     where = f"{result.get('run')}/{result.get('batch')}"
     if result.get("handed_back"):
         return _clean(f"{where}: an order for another model: handed back to {result.get('queue')}")
+    if result.get("superseded"):
+        return _clean(f"{where}: an order of a staging the run no longer has: dropped")
     if result.get("drop"):
         return _clean(f"{where}: its run was deleted: dropped")
     return _clean(f"{where}: the run is cancelled: parked (enqueue --resume resumes it)")
@@ -127,6 +131,8 @@ def finding_line(finding: Mapping[str, Any]) -> str:
         facts.append(f"{100 * power / limit:.0f} % of {limit:.0f} W")
     if cause == "mtp_ineffective" and numbers.get("accept_length") is not None:
         facts.append(f"accept {numbers['accept_length']:.2f}")
+    if cause in ("crash_loop", "restart_budget_spent"):
+        return _clean(f"{who}: {engine_alarm_line(cause, numbers)}")
     fix = FIXES.get(cause, "")
     if cause == "client_limited" and not numbers.get("queue_depth"):
         # The queue reads 0 because this worker reserved the batches: say what waits.
@@ -138,6 +144,21 @@ def finding_line(finding: Mapping[str, Any]) -> str:
         )
     facts.append(f"{cause} — {fix}" if fix else cause)
     return _clean(f"{who}: {', '.join(facts)}")
+
+
+def engine_alarm_line(cause: str, numbers: Mapping[str, Any]) -> str:
+    """An engine that needs a person, in one line: `crash loop (3 times): RuntimeError: … —
+    --disable-cuda-graph avoids it …` or `restart budget spent (5 in 3600 s), back in 540 s:
+    RuntimeError: …`."""
+    error = str(numbers.get("crash_error") or "no error in its log")[:160]
+    fix = str(numbers.get("crash_fix") or FIXES[cause])
+    if cause == "crash_loop":
+        return f"crash loop ({numbers.get('crash_repeats')} times): {error} — {fix}"
+    return (
+        f"restart budget spent ({numbers.get('restarts_in_window')} in "
+        f"{numbers.get('restart_window')}), back in {numbers.get('cooldown_left')}: {error}"
+        + (f" — {fix}" if numbers.get("crash_known") else "")
+    )
 
 
 def watch_headlines(

@@ -105,6 +105,9 @@ def table(view: tuple[list[dict[str, Any]], dict[str, float]]) -> Table:
     )
     if not data:
         grid.caption += " — no GPU worker answered (are workers running on this Redis?)"
+    for row in data:
+        if row.get("why"):  # an engine that needs a person: its error and the fix
+            grid.caption += f"\n{row.get('worker')}: {row.get('cause')} — {row['why']}"
     return grid
 
 

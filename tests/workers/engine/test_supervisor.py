@@ -295,3 +295,96 @@ def test_engine_log_is_never_opened_through_a_symlink(tmp_path: Path) -> None:
         sup.start()
     sup.stop()
     assert target.read_text() == ""
+
+
+CRASH_LINE = (
+    "RuntimeError: The expanded size of the tensor (33554432) must match the existing size "
+    "(33558528) at non-singleton dimension 0"
+)
+
+
+def crashing_engine(port: int, marker: Path) -> EngineLaunch:
+    """An engine that serves, and while `marker` exists dies shortly after it starts, its
+    last log line CRASH_LINE (as SGLang 0.5.15 does at its largest CUDA graph)."""
+    code = (
+        "import http.server, os, sys, threading, time\n"
+        "def crash():\n"
+        "    time.sleep(0.3)\n"
+        "    if os.path.exists(sys.argv[2]):\n"
+        "        print('Scheduler hit an exception: Traceback (most recent call last):')\n"
+        "        print(sys.argv[3], flush=True)\n"
+        "        os._exit(1)\n"
+        "threading.Thread(target=crash, daemon=True).start()\n"
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])),\n"
+        "    http.server.SimpleHTTPRequestHandler).serve_forever()\n"
+    )
+    return EngineLaunch(
+        kind="command",
+        argv=[sys.executable, "-c", code, str(port), str(marker), CRASH_LINE],
+        port=port,
+        health_path="/",
+    )
+
+
+def test_spent_budget_cools_down_then_serves_again_and_names_the_crash_loop(
+    tmp_path: Path,
+) -> None:
+    marker = tmp_path / "crash"
+    exhausted: list[str] = []
+    recovered = threading.Event()
+    sup = EngineSupervisor(
+        crashing_engine(free_port(), marker),
+        startup_timeout_s=20,
+        restart_budget=2,
+        restart_window_s=600,
+        restart_cooldown_s=1.5,
+        restart_backoff_s=0.05,
+        on_exhausted=exhausted.append,
+        on_recovered=recovered.set,
+    )
+    try:
+        sup.start()
+        marker.touch()  # from now on it dies the same way each time it starts
+        wait_for(lambda: exhausted, 30, "the restart budget to be spent")
+        assert sup.state == "exhausted"
+        budget = sup.budget()
+        assert budget["restarts_in_window"] == 2 and budget["cooldown_left_s"] is not None
+        crash = sup.crash
+        assert crash is not None and crash["loop"] and crash["error"] == CRASH_LINE
+        assert crash["known"] == "sglang_cuda_graph_verify_buffers"
+        assert "--disable-cuda-graph" in exhausted[0] and CRASH_LINE in exhausted[0]
+        with pytest.raises(RestartBudgetExhausted):
+            sup.wait_up(0.1)
+        marker.unlink()  # fixed: after the cool-down it starts and stays up
+        assert recovered.wait(30), "the engine never came back after its cool-down"
+        sup.wait_up(5)
+        assert sup.state == "ready" and sup.budget()["cooldown_left_s"] is None
+    finally:
+        sup.stop()
+
+
+def test_restart_budget_counts_over_a_window_not_a_lifetime() -> None:
+    exhausted = threading.Event()
+    sup = EngineSupervisor(
+        http_engine(free_port()),
+        startup_timeout_s=20,
+        restart_budget=1,
+        restart_window_s=0.5,
+        restart_backoff_s=0.05,
+        on_exhausted=lambda message: exhausted.set(),
+    )
+    try:
+        sup.start()
+        for crash in range(1, 4):  # one crash per window, three windows: never spent
+            pid = sup.pid
+            assert pid is not None
+            time.sleep(0.6)  # the last restart leaves the window
+            os.killpg(pid, signal.SIGKILL)
+            wait_for(lambda p=pid: sup.pid != p and sup.state == "ready", 20, "a restart")
+            assert sup.restarts == crash and not exhausted.is_set()
+        assert sup.exits == 3 and sup.deaths == 3
+        assert sup.crash is not None  # the last death is recent
+        # serving for a whole window: no crash to report any more
+        wait_for(lambda: sup.crash is None, 10, "the last death to leave the window")
+    finally:
+        sup.stop()

@@ -5,6 +5,12 @@ accepts every SGLang flag: the ones that change what the emulator reports or how
 are parsed (with `allow_abbrev=True`, so `--tp 2` and `--speculative-algo NEXTN` work), and
 everything else (GPU-only flags, parsers, unknown flags) is left aside by `parse_known_args`.
 Speculative defaults follow `arg_groups/speculative_hook.py` (see sglang-contract.md §1.2).
+
+A few flags are the emulator's own, for fault tests, passed with `--engine-extra-args` (real
+SGLang refuses them): it dies the way an engine does, its last log line an error:
+
+    --emulator-crash-at-running 8 --emulator-crash-line "RuntimeError: ..."   # at a load level
+    --emulator-crash-on-prompt POISON     # on receiving a chat request whose messages hold it
 """
 
 from __future__ import annotations
@@ -67,6 +73,19 @@ class SpecConfig:
         return max(self.eagle_topk * self.num_steps, self.num_draft_tokens)
 
 
+DEFAULT_CRASH_LINE = "RuntimeError: emulated engine crash (--emulator-crash-at-running)"
+
+
+@dataclass(frozen=True, slots=True)
+class CrashKnobs:
+    """When the emulator dies on purpose: once `at_running` requests run (printing `line`
+    as its last error, as SGLang's scheduler does), or on receiving `on_prompt`."""
+
+    at_running: int | None = None
+    line: str = DEFAULT_CRASH_LINE
+    on_prompt: str | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class EngineArgs:
     """Everything the emulator needs from its argv, after SGLang's defaulting rules."""
@@ -93,6 +112,7 @@ class EngineArgs:
     architectures: list[str]
     model_type: str
     extra: dict[str, Any]
+    crash: CrashKnobs | None = None
 
     @property
     def reserved_tokens(self) -> int:
@@ -153,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
         dest="mamba_radix_cache_strategy",
         default="auto",
     )
+    # The emulator's own (fault tests): see the module docstring.
+    p.add_argument("--emulator-crash-at-running", type=int, default=None)
+    p.add_argument("--emulator-crash-line", default=DEFAULT_CRASH_LINE)
+    p.add_argument("--emulator-crash-on-prompt", default=None)
     return p
 
 
@@ -302,6 +326,18 @@ def parse_args(argv: list[str]) -> EngineArgs:
             "attention_backend": ns.attention_backend,
             "mamba_radix_cache_strategy": ns.mamba_radix_cache_strategy,
         },
+        crash=crash_knobs(ns),
+    )
+
+
+def crash_knobs(ns: argparse.Namespace) -> CrashKnobs | None:
+    """The emulator's crash flags, None when none is given."""
+    if ns.emulator_crash_at_running is None and ns.emulator_crash_on_prompt is None:
+        return None
+    if ns.emulator_crash_at_running is not None and ns.emulator_crash_at_running < 1:
+        raise LaunchError("--emulator-crash-at-running must be at least 1")
+    return CrashKnobs(
+        ns.emulator_crash_at_running, ns.emulator_crash_line, ns.emulator_crash_on_prompt
     )
 
 

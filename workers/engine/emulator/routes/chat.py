@@ -223,6 +223,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
         body = await read_json(request, SCHEMA)
     except ApiError as exc:
         return json_response(exc.body_a(), exc.status)
+    engine.check_crash(body.get("messages"))
     fault = engine.draw_fault()
     if fault == "429":
         engine.log_request({"body": body, "outcome": "429", "id": None})

@@ -14,6 +14,7 @@ import logging
 import math
 import os
 import random
+import sys
 import uuid
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -171,6 +172,24 @@ class Engine:
             logging.shutdown()
             os._exit(1)
 
+    def check_crash(self, messages: Any) -> None:
+        """Die on a request whose messages hold `--emulator-crash-on-prompt`."""
+        crash = self.args.crash
+        if crash is None or crash.on_prompt is None:
+            return
+        if crash.on_prompt in orjson.dumps(messages).decode():
+            self._crash(f"RuntimeError: emulated crash on a prompt holding {crash.on_prompt!r}")
+
+    def _crash(self, line: str) -> None:
+        """Exit as SGLang's scheduler does on an exception: a traceback, its last line the
+        error, then the parent's notice."""
+        log.error("Scheduler hit an exception: Traceback (most recent call last):", extra=TP0)
+        sys.stderr.write('  File "emulator/sim/engine.py", in submit\n' + line + "\n")
+        log.error("Received sigquit from a child process. It usually means the child failed.")
+        logging.shutdown()
+        sys.stderr.flush()
+        os._exit(1)
+
     def check_lengths(self, prompt_tokens: int, max_tokens: int | None) -> int | None:
         """The tokenizer's context checks (§4); returns max_tokens, clipped under auto-truncate."""
         args = self.args
@@ -252,6 +271,13 @@ class Engine:
             seq.waker = waker
             seq.stream = stream
             self.scheduler.submit(seq, now)
+        crash = self.args.crash
+        if (
+            crash is not None
+            and crash.at_running
+            and len(self.scheduler.running) >= crash.at_running
+        ):
+            self._crash(crash.line)
         self._work.set()
         self._power_changed(now)
 

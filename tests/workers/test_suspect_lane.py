@@ -1,0 +1,93 @@
+"""The suspect lane's rules, on one event loop: one suspect at a time after a death, twice as
+many after each success, solo suspects alone and first, the latest sent before the death
+first among equals."""
+
+from __future__ import annotations
+
+import asyncio
+
+from genfleet.workers.feeder import SuspectLane
+
+
+async def settle() -> None:
+    for _ in range(5):
+        await asyncio.sleep(0)
+
+
+def test_one_at_a_time_then_twice_as_many_after_each_success() -> None:
+    async def scenario() -> list[int]:
+        lane = SuspectLane()
+        granted: list[int] = []
+
+        async def suspect(n: int) -> None:
+            await lane.enter((-1.0, -float(n)), solo=False)
+            granted.append(n)
+
+        tasks = [asyncio.create_task(suspect(n)) for n in range(7)]
+        await settle()
+        widths = [len(granted)]  # one alone
+        for _ in range(3):
+            for _ in range(lane.held):
+                lane.leave(ok=True)
+            await settle()
+            widths.append(lane.held)
+        await asyncio.gather(*tasks)
+        return widths
+
+    # 1 alone; its success opens 2; both succeed: 4 (only 4 left)
+    assert asyncio.run(scenario())[:3] == [1, 2, 4]
+
+
+def test_a_death_narrows_the_lane_to_one() -> None:
+    async def scenario() -> tuple[int, bool]:
+        lane = SuspectLane()
+        lane.width = 8
+        assert await lane.enter((-1.0, 0.0), solo=False) is False  # not alone: width 8
+        lane.died()
+        lane.leave(ok=False)
+        return lane.width, await lane.enter((-1.0, 0.0), solo=False)
+
+    assert asyncio.run(scenario()) == (1, True)
+
+
+def test_solo_suspects_go_first_and_alone_then_the_latest_sent() -> None:
+    async def scenario() -> list[str]:
+        lane = SuspectLane()
+        order: list[str] = []
+        blocker = await lane.enter((-1.0, 0.0), solo=False)  # one in the engine already
+        assert blocker is True
+
+        async def suspect(name: str, deaths: int, sent_at: float) -> None:
+            alone = await lane.enter((-float(deaths), -sent_at), solo=deaths >= 2)
+            order.append(f"{name}:{'alone' if alone else 'with others'}:{lane.held}")
+            await asyncio.sleep(0)
+            lane.leave(ok=True)
+
+        tasks = [
+            asyncio.create_task(suspect("early", 1, 10.0)),
+            asyncio.create_task(suspect("late", 1, 20.0)),
+            asyncio.create_task(suspect("twice", 2, 5.0)),
+        ]
+        await settle()
+        assert order == []  # the lane is full
+        lane.leave(ok=True)  # width 2 now, but the solo one goes first, alone
+        await asyncio.gather(*tasks)
+        return order
+
+    assert asyncio.run(scenario()) == ["twice:alone:1", "late:with others:2", "early:with others:2"]
+
+
+def test_a_cancelled_waiter_gives_its_turn_away() -> None:
+    async def scenario() -> bool:
+        lane = SuspectLane()
+        await lane.enter((-1.0, 0.0), solo=False)
+        waiting = asyncio.create_task(lane.enter((-1.0, -5.0), solo=False))
+        other = asyncio.create_task(lane.enter((-1.0, -1.0), solo=False))
+        await settle()
+        waiting.cancel()
+        await settle()
+        lane.leave(ok=False)
+        await asyncio.wait_for(other, 1.0)
+        return lane.held == 1
+
+    assert asyncio.run(scenario())
