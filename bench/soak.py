@@ -16,8 +16,8 @@ be all), and the prompts redone per fault kind.
     python bench/soak.py                       # 20,000 prompts, 20 minutes of faults
     python bench/soak.py --duration-s 60 --prompts 1500 --clean-prompts 500   # a short one
 
-Poison prompts (a prompt that crashes the engine) are not in the schedule: the emulator has no
-knob for one in this tree.
+Poison prompts (a prompt that crashes the engine) are not in the schedule yet: the emulator's
+`--emulator-crash-on-prompt TEXT` (through `--engine-extra-args`) could make one.
 """
 
 from __future__ import annotations
