@@ -159,6 +159,9 @@ class Settings(BaseSettings):
     # (a batch that crashes its worker would otherwise travel the fleet forever).
     max_deliveries: int = Field(default=3, ge=1)
     reaper_interval_s: float = Field(default=30.0, gt=0)
+    # `run` and `status --watch` give up on a run when, for this many leases (or the engine's
+    # start-up time, if longer), no prompt finished and no batch of it was held by a worker.
+    wait_deadline_leases: int = Field(default=10, ge=1)
     # The repetition guard (workers/repetition.py): a streaming answer whose last
     # repetition_min_span_chars (and at least repetition_min_repeats copies) are one block of
     # repetition_min_block_chars … repetition_max_block_chars repeated is stopped and recorded

@@ -48,10 +48,12 @@ from genfleet.producer.status import (
     energy_text,
     engine_alarm_text,
     read_findings,
+    run_is_held,
     run_status,
     stall_facts,
     stall_reason,
     unconsumed_queue,
+    wait_deadline_s,
 )
 
 # A run still this long is checked for a queue that no live worker consumes.
@@ -186,13 +188,16 @@ def status(
         check = queue_check(settings)
         if watch:
             stall_s = settings.engine_stall_timeout_s
-            watch_run(objects, client, run, None, stall_s, settings.queue, check)
+            deadline_s = wait_deadline_s(settings)
+            watch_run(objects, client, run, None, stall_s, settings.queue, check, deadline_s)
         report = run_status(
             objects, client, run, gpu_hour_cost=settings.gpu_hour_cost, queue_prefix=settings.queue
         )
         report["unconsumed"] = None
         if report["state"] in {"queued", "running"}:
             report["unconsumed"] = check(report)
+    except WaitExpired as exc:
+        fail(str(exc), 1)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     if json_out:  # the warning is the JSON's `unconsumed`
@@ -235,11 +240,16 @@ def watch_run(
     stall_s: float = 300.0,
     queue: str = "gpu",
     queue_check: QueueCheck | None = None,
+    deadline_s: float | None = None,
 ) -> None:
     """A progress bar with tok/s and ETA until the run is done or failed. When nothing has
     moved (prompts answered, batches done or failed) for `stall_s`, it says so and why, once
     per still spell. Sooner, after QUEUE_CHECK_S still, `queue_check` asks whether a live
-    worker consumes the run's queue and, when none does, says so at once."""
+    worker consumes the run's queue and, when none does, says so at once.
+
+    With `deadline_s`, it gives up (WaitExpired, saying why) once nothing has moved and no
+    worker has held a batch of the run for that long: a deadline that follows the work, not
+    the run's size."""
     with Progress(
         TextColumn("[bold]{task.fields[run]}"),
         BarColumn(),
@@ -250,6 +260,7 @@ def watch_run(
     ) as progress:
         task = progress.add_task("run", total=None, run=run, rate=0, eta="-")
         moved_at, last, warned, asked = time.monotonic(), None, False, False
+        worked_at = moved_at
         unconsumed: dict[str, Any] | None = None
         while True:
             report = run_status(objects, client, run)
@@ -263,6 +274,20 @@ def watch_run(
                 unconsumed = None
             still_s = time.monotonic() - moved_at
             waiting = report["state"] in {"queued", "running"}
+            if deadline_s is not None and waiting:
+                if run_is_held(client, run):
+                    worked_at = time.monotonic()
+                worked_at = max(worked_at, moved_at)
+                if time.monotonic() - worked_at >= deadline_s:
+                    facts = stall_facts(client, run, _run_queue(queue, report))
+                    reason = stall_reason(
+                        report, still_s=still_s, now=time.time(), unconsumed=unconsumed, **facts
+                    )
+                    raise WaitExpired(
+                        f"{run}: stopped waiting after {deadline_s:.0f} s in which no prompt "
+                        f"finished and no worker held a batch of it ({reason}); the run goes "
+                        f"on when work comes back: `genfleet status {run} --watch`"
+                    )
             if queue_check and waiting and still_s >= min(stall_s or QUEUE_CHECK_S, QUEUE_CHECK_S):
                 if not asked or (stall_s and still_s >= stall_s and not warned):
                     unconsumed = queue_check(report)
@@ -291,6 +316,10 @@ def watch_run(
             if check is not None:
                 check()
             time.sleep(1.0)
+
+
+class WaitExpired(GenfleetError):
+    """A wait on a run gave up: nothing moved and nothing held its batches for too long."""
 
 
 def _run_queue(prefix: str, report: dict[str, Any]) -> str:

@@ -18,6 +18,7 @@ from genfleet.common.ledger import Ledger
 from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import text
 from genfleet.common.routing import ModelRef, work_queue
+from genfleet.common.settings import Settings
 from genfleet.common.store import Store
 from genfleet.common.throughput import run_tokens_per_s
 from genfleet.producer.enqueue import done_batches
@@ -312,3 +313,17 @@ def stall_facts(client: redis.Redis, run: str, queue: str) -> dict[str, Any]:
         pipe.llen(name)
     depth = sum(int(n) for n in pipe.execute())
     return {"workers_seen": seen, "findings": read_findings(client, run), "queue_depth": depth}
+
+
+def run_is_held(client: redis.Redis, run: str) -> bool:
+    """Whether a live worker holds a batch of `run` now (a running entry whose lease is
+    alive): work goes on even while no prompt finishes (a long completion, a slow store)."""
+    leases = [keys.lease_key(run, batch) for batch in Ledger(client).running_batches(run)]
+    return bool(leases) and bool(client.exists(*leases))
+
+
+def wait_deadline_s(settings: Settings) -> float:
+    """How long `run` and `status --watch` wait with no prompt finished and no batch held:
+    `wait_deadline_leases` leases, or the engine's start-up time if longer (a worker loading
+    its engine holds no batch yet)."""
+    return max(settings.wait_deadline_leases * settings.lease_ttl_s, settings.startup_timeout_s)

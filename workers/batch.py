@@ -187,7 +187,15 @@ def _why(exc: BaseException, order: WorkOrder, finished: int, todo: int) -> Base
 def _check_cancelled(
     order: WorkOrder, cancelled: Callable[[], bool] | None, finished: int, todo: int
 ) -> None:
-    if cancelled is not None and cancelled():
+    if cancelled is None:
+        return
+    try:
+        stop = cancelled()
+    except redis.RedisError as exc:
+        # A broker blip is no cancel: the batch goes on, and the next tick asks again.
+        log.warning("%s/%s: cancel not checked (%s): going on", order.run, order.batch, exc)
+        return
+    if stop:
         raise BatchCancelled(
             f"{order.run}/{order.batch}: the run was cancelled; stopped after {finished} of "
             f"{todo} prompts (checkpointed)"

@@ -8,7 +8,6 @@ when it stops. The bootstep attaches it to the worker and to the generate task's
 from __future__ import annotations
 
 import logging
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -30,7 +29,7 @@ from genfleet.workers.engine.external import ExternalEngine
 from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.fingerprint import checkpoint_identity
 from genfleet.workers.engine.launch import auth_headers
-from genfleet.workers.engine.ports import pick_port
+from genfleet.workers.engine.ports import pick_port, private_dir
 from genfleet.workers.engine.supervisor import EngineSupervisor
 from genfleet.workers.engine.watchdog import StallWatchdog, WatchedEngine
 from genfleet.workers.feeder import Feeder, default_max_inflight
@@ -87,7 +86,9 @@ class WorkerRuntime:
     def start(self) -> None:
         # httpx logs every request at INFO: once a second per worker from the telemetry loop.
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        settings = self.settings
+        from genfleet.workers.engine.kinds import with_engine_key
+
+        self.settings = settings = with_engine_key(self.settings)
         kind = settings.engine_kind
         if kind == "emulator":
             log.warning(
@@ -320,7 +321,7 @@ class WorkerRuntime:
         port = pick_port(settings.engine_host, settings.port)
         launch = engine_launch(settings, port, arch=self.arch)
         assert launch is not None
-        log_dir = Path(settings.log_dir or Path(tempfile.gettempdir()) / "genfleet-logs")
+        log_dir = Path(settings.log_dir) if settings.log_dir else private_dir("logs")
         safe_host = self.hostname.replace("@", "_").replace("/", "_")
         return EngineSupervisor(
             launch,
