@@ -4,7 +4,8 @@ The emulator runs in zero-time mode (`GENFLEET_EMULATOR_STEP_BASE_MS=0`,
 `..._STEP_PER_REQUEST_MS=0`: a request completes on arrival), so what is measured is the hot
 path a worker runs per prompt: the `Feeder` (one loop, one limiter, a task per prompt, a
 `CompletionRecord` per result, the batch's collector) and the `EngineClient` (request body,
-HTTP, orjson decode). Batches of `--batch-size` are run by `--concurrency` threads, each
+HTTP, the SSE stream read chunk by chunk with the repetition guard on, orjson decode).
+Batches of `--batch-size` are run by `--concurrency` threads, each
 waiting on its batch's future, as a worker's Celery threads do. Each client gets a fresh
 emulator; both share the machine's cores with it, so the figure is a floor.
 
@@ -14,9 +15,9 @@ emulator; both share the machine's cores with it, so the figure is a floor.
 The EngineClient speaks aiohttp, its one HTTP path (httpx managed about a tenth of its rate
 at hundreds of connections, see RESULTS.md). In the same run, a bare aiohttp loop (one
 session, one semaphore, the same bodies, orjson decode, nothing else) runs the same requests
-against its own fresh emulator: the ratio `client_vs_bare` (goal >= 0.8) compares on any
-machine, where the rate moves with it. The last lines are `requests_per_s: N` and
-`client_vs_bare: X`.
+against its own fresh emulator, streaming too (each chunk decoded): the ratio
+`client_vs_bare` (goal >= 0.8) compares on any machine, where the rate moves with it. The
+last lines are `requests_per_s: N` and `client_vs_bare: X`.
 """
 
 from __future__ import annotations
@@ -119,9 +120,9 @@ def measure_bare(url: str, records: list[PromptRecord], inflight: int) -> tuple[
     import aiohttp
     import orjson
 
-    from genfleet.workers.client import request_body
+    from genfleet.workers.client import request_body, streamed_body
 
-    bodies = [orjson.dumps(request_body(r, PARAMS, "bench-model")) for r in records]
+    bodies = [orjson.dumps(streamed_body(request_body(r, PARAMS, "bench-model"))) for r in records]
     headers = {"Content-Type": "application/json"}
 
     async def run_all() -> tuple[float, int]:
@@ -131,9 +132,15 @@ def measure_bare(url: str, records: list[PromptRecord], inflight: int) -> tuple[
             target = f"{url}/v1/chat/completions"
 
             async def one(body: bytes) -> int:
+                finished = 0
                 async with limiter, session.post(target, data=body) as response:
-                    data = orjson.loads(await response.read())
-                    return 1 if response.status == 200 and data.get("choices") else 0
+                    # the least a streaming client does: read the stream, decode each chunk
+                    for line in (await response.read()).split(b"\n"):
+                        if line.startswith(b"data: {"):
+                            chunk = orjson.loads(line[6:])
+                            for choice in chunk.get("choices") or ():
+                                finished |= choice.get("finish_reason") is not None
+                    return 1 if response.status == 200 and finished else 0
 
             await asyncio.gather(*(one(b) for b in bodies[:500]))  # open the pool
             started = time.perf_counter()

@@ -4,7 +4,7 @@ One emulator configuration (the worker's own engine argv: EAGLE MTP, `--max-runn
 64`, lognormal completion lengths, time-scaled), the same prompts, three clients run one after
 the other in this one process, each against a fresh emulator started with identical knobs:
 
-(a) direct: keeps exactly the engine's cap (64) in flight, like `sglang.bench_serving
+(a) direct: keeps exactly the engine's cap (64) in flight, streaming, like `sglang.bench_serving
     --max-concurrency 64`: aiohttp + asyncio straight at the emulator;
 (b) genfleet: `enqueue_run` → Redis → a real `python -m genfleet.workers worker` process (its engine
     started by its own supervisor from the same knobs) → one output object per batch;
@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._emulator import Emulator, Sampler, emulator_env, forget_run, free_port  # noqa: E402
 from genfleet.common.records import GenerationParams, PromptRecord  # noqa: E402
-from genfleet.workers.client import request_body  # noqa: E402
+from genfleet.workers.client import request_body, streamed_body  # noqa: E402
 
 CAP = 64
 MODEL = "genfleet/emulated"
@@ -130,6 +130,7 @@ async def _post_all(
     url: str, bodies: list[bytes], concurrency: int, batch: int | None
 ) -> tuple[float, int, int]:
     """(a) or (c): the time of the last response, and tokens and completions received.
+    Streamed answers (SSE), read chunk by chunk as genfleet's client reads them.
 
     aiohttp, as `sglang.bench_serving` uses: with 64+ connections httpx's pool is itself the
     bottleneck (a few hundred requests/s), and a reference client must not be one.
@@ -147,8 +148,13 @@ async def _post_all(
                 url + "/v1/chat/completions", data=body, headers=headers
             ) as response:
                 response.raise_for_status()
-                data = orjson.loads(await response.read())
-            tokens += int(data["usage"]["completion_tokens"])
+                usage = None
+                # the least a streaming client does: read the stream, decode each chunk
+                for line in (await response.read()).split(b"\n"):
+                    if line.startswith(b"data: {"):
+                        usage = orjson.loads(line[6:]).get("usage") or usage
+            assert usage is not None, "a stream without usage"
+            tokens += int(usage["completion_tokens"])
             completions += 1
             last = time.time()
 
@@ -259,6 +265,9 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--max-inflight", type=int, default=None, help="default: the worker's")
     parser.add_argument("--worker-concurrency", type=int, default=3)
+    parser.add_argument(
+        "--stream-chunk-tokens", type=int, default=None, help="default: the worker's"
+    )
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/13")
     args = parser.parse_args()
     count = args.prompts or (3000 if args.quick else 4000)
@@ -285,11 +294,14 @@ def main() -> None:
         }
         if args.max_inflight:
             knobs["max_inflight"] = args.max_inflight
+        if args.stream_chunk_tokens:
+            knobs["stream_chunk_tokens"] = args.stream_chunk_tokens
         env = emulator_env(knobs)
         argv = engine_command(env)
         source = tmp / "prompts.jsonl"
         records = write_prompts(source, count)
-        bodies = [orjson.dumps(request_body(r, params, MODEL)) for r in records]
+        # streamed, as genfleet's client asks (the usage arrives in the stream's last chunk)
+        bodies = [orjson.dumps(streamed_body(request_body(r, params, MODEL))) for r in records]
         print(
             f"{count} prompts, mean {mean} / max {max_tokens} tokens, cap {CAP}, "
             f"time scale {args.time_scale:g}, batches of {args.batch_size}, "

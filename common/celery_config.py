@@ -35,7 +35,10 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
-        "worker_cancel_long_running_tasks_on_connection_loss": True,
+        # A broker blip costs nothing already done: running batches keep running across the
+        # reconnect and ack on the new connection (genfleet's consumer, workers/reconnect).
+        "worker_cancel_long_running_tasks_on_connection_loss": False,
+        "worker_consumer": "genfleet.workers.reconnect:Consumer",
         "worker_enable_soft_shutdown_on_idle": True,
         # A cold shutdown (SIGQUIT, a second Ctrl-C) also gives running batches the grace
         # period, then the pool cancels them: they checkpoint and go back to the queue.

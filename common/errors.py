@@ -132,11 +132,14 @@ class RequestFailed(GenfleetError):
     """One try of one prompt failed while the engine answers: `finish_reason "abort"` on a
     200, a 5xx, a response that is not a chat completion. Sent again; after its tries it
     becomes an error record (never a completion) if the engine served other prompts meanwhile.
+    `tokens`: what the engine generated for the try before it failed, when it said (an abort's
+    partial answer); the error record counts them as spent.
     """
 
-    def __init__(self, status: int, kind: str, message: str) -> None:
+    def __init__(self, status: int, kind: str, message: str, tokens: int = 0) -> None:
         self.status = status
         self.kind = kind
+        self.tokens = tokens
         super().__init__(message)
 
 

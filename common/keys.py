@@ -219,6 +219,19 @@ def running_key() -> str:
     return f"{PREFIX}:running"
 
 
+def missing_key() -> str:
+    """Hash `run/batch` → when the beat first saw that queued batch held by no order (its own
+    clock); the reconciler sends it again a lease later. Fields go when the batch reappears."""
+    return f"{PREFIX}:missing"
+
+
+def lapsed_key() -> str:
+    """Hash `run/batch` → when the reaper first found that running batch's lease lapsed (the
+    beat's own clock); it reaps only on a later look, a heartbeat on, so a lease that lapsed
+    while Redis was away and that its live worker re-sets is not taken for a death."""
+    return f"{PREFIX}:lapsed"
+
+
 def findings_key() -> str:
     """Stream of power-watch findings, capped at findings_maxlen entries."""
     return f"{PREFIX}:findings"

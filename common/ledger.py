@@ -42,7 +42,7 @@ from __future__ import annotations
 import base64
 import itertools
 from collections.abc import Collection, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -127,6 +127,8 @@ class Tally:
     completion_tokens: int
     reasoning_tokens: int
     done_at: float
+    # More of the run's counters to add: where the batch's tokens went (common/waste.py).
+    more: dict[str, int] = field(default_factory=dict)
 
 
 class Ledger:
@@ -218,6 +220,8 @@ class Ledger:
             pipe.hincrby(counters, "errors", tally.errors)
             pipe.hincrby(counters, "completion_tokens", tally.completion_tokens)
             pipe.hincrby(counters, "reasoning_tokens", tally.reasoning_tokens)
+            for name, value in tally.more.items():
+                pipe.hincrby(counters, name, value)
             pipe.hset(counters, "last_done_at", tally.done_at)
             progress.mark_written(pipe, run, batch, prompts)
         else:

@@ -155,7 +155,8 @@ class CompletionRecord:
     """One output line: what was asked, what came back, and how (engine, tokens, latency).
 
     `error` is None for a completion, `{"type", "message"}` for a prompt the engine refused
-    (too long, bad parameters): an error record still counts the prompt as done.
+    (too long, bad parameters): an error record still counts the prompt as done. An answer the
+    repetition guard stopped has `finish_reason "repetition"`: done, but never a kept answer.
     """
 
     id: str
@@ -181,6 +182,9 @@ class CompletionRecord:
     # result of the staged prompt only when this matches, and export checks it against the
     # manifest. None only in records of an older genfleet.
     prompt_sha256: str | None = None
+    # finish_reason "repetition": the loop the guard stopped (field, start_char,
+    # start_token_estimate, block_chars, repeats, tokens_saved); None otherwise.
+    repetition: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

@@ -106,6 +106,9 @@ class Settings(BaseSettings):
     engine_api_key: SecretStr | None = None
     engine_log_level: str = "info"
     engine_extra_args: str = ""  # passed through to the engine, shell-split
+    # SGLang's --stream-interval: answers stream a chunk every this many tokens, often enough
+    # for the repetition guard, rare enough to cost the engine nothing.
+    stream_chunk_tokens: int = Field(default=32, ge=1)
     mtp: bool = True
     speculative_algorithm: str = "EAGLE"
     speculative_num_steps: int = Field(default=3, ge=1)
@@ -159,6 +162,18 @@ class Settings(BaseSettings):
     # How often the control worker lists running runs' outputs and repairs Redis's progress
     # copy from them (what `status` reads): a lost count is right again within this long.
     reconcile_interval_s: float = Field(default=120.0, gt=0)
+    # `run` and `status --watch` give up on a run when, for this many leases (or the engine's
+    # start-up time, if longer), no prompt finished and no batch of it was held by a worker.
+    wait_deadline_leases: int = Field(default=10, ge=1)
+    # The repetition guard (workers/repetition.py): a streaming answer whose last
+    # repetition_min_span_chars (and at least repetition_min_repeats copies) are one block of
+    # repetition_min_block_chars … repetition_max_block_chars repeated is stopped and recorded
+    # as finish_reason "repetition".
+    repetition_guard: bool = True
+    repetition_min_span_chars: int = Field(default=3000, ge=1)
+    repetition_min_repeats: int = Field(default=8, ge=2)
+    repetition_min_block_chars: int = Field(default=10, ge=1)
+    repetition_max_block_chars: int = Field(default=1500, ge=1)
 
     # --- watching ---------------------------------------------------------------------------
     # One power-watch round per power window: each round judges a fresh minute, and in Flower
@@ -191,6 +206,11 @@ class Settings(BaseSettings):
     emulator_429_rate: float = Field(default=0.0, ge=0.0, le=1.0)  # 429 with Retry-After
     emulator_retry_after_s: float = Field(default=1.0, ge=0.0)
     emulator_abort_rate: float = Field(default=0.0, ge=0.0, le=1.0)  # 200, finish "abort"
+    # Share of prompts whose answer falls into a loop (one block repeated to max_tokens) after
+    # a drawn number of tokens, and share whose answer repeats legitimately (tables, lists,
+    # code, a refrain, an enumeration): what the repetition guard must stop, and must not.
+    emulator_loop_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    emulator_legit_repeat_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     # "sglang": usage.reasoning_tokens; "openai": usage.completion_tokens_details.reasoning_tokens
     emulator_usage_shape: Literal["sglang", "openai"] = "sglang"
     # Enforce fewer running requests than configured, as SGLang does when KV or the mamba

@@ -21,6 +21,7 @@ from genfleet.common.redis_conn import connect
 from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
+from genfleet.common.waste import waste_text
 from genfleet.producer.console import (
     Json,
     RedisUrl,
@@ -47,10 +48,12 @@ from genfleet.producer.status import (
     energy_text,
     engine_alarm_text,
     read_findings,
+    run_is_held,
     run_status,
     stall_facts,
     stall_reason,
     unconsumed_queue,
+    wait_deadline_s,
 )
 
 # A run still this long is checked for a queue that no live worker consumes.
@@ -191,7 +194,8 @@ def status(
         check = queue_check(settings)
         if watch:
             stall_s = settings.engine_stall_timeout_s
-            watch_run(objects, client, run, None, stall_s, settings.queue, check)
+            deadline_s = wait_deadline_s(settings)
+            watch_run(objects, client, run, None, stall_s, settings.queue, check, deadline_s)
         report = run_status(
             objects,
             client,
@@ -203,6 +207,8 @@ def status(
         report["unconsumed"] = None
         if report["state"] in {"queued", "running"}:
             report["unconsumed"] = check(report)
+    except WaitExpired as exc:
+        fail(str(exc), 1)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     if json_out:  # the warning is the JSON's `unconsumed`
@@ -219,6 +225,8 @@ def status(
         out.print(f"  engine {escape(engine_alarm_text(alarm, time.time()))}", highlight=False)
     if energy := energy_text(report):
         out.print(f"  energy: {energy}", highlight=False)
+    if waste := waste_text(report.get("waste") or {}):
+        out.print(f"  {waste}", highlight=False)
 
 
 def status_line(report: dict[str, Any]) -> str:
@@ -245,11 +253,16 @@ def watch_run(
     stall_s: float = 300.0,
     queue: str = "gpu",
     queue_check: QueueCheck | None = None,
+    deadline_s: float | None = None,
 ) -> None:
     """A progress bar with tok/s and ETA until the run is done or failed. When nothing has
     moved (prompts answered, batches done or failed) for `stall_s`, it says so and why, once
     per still spell. Sooner, after QUEUE_CHECK_S still, `queue_check` asks whether a live
-    worker consumes the run's queue and, when none does, says so at once."""
+    worker consumes the run's queue and, when none does, says so at once.
+
+    With `deadline_s`, it gives up (WaitExpired, saying why) once nothing has moved and no
+    worker has held a batch of the run for that long: a deadline that follows the work, not
+    the run's size."""
     with Progress(
         TextColumn("[bold]{task.fields[run]}"),
         BarColumn(),
@@ -260,6 +273,7 @@ def watch_run(
     ) as progress:
         task = progress.add_task("run", total=None, run=run, rate=0, eta="-")
         moved_at, last, warned, asked = time.monotonic(), None, False, False
+        worked_at = moved_at
         unconsumed: dict[str, Any] | None = None
         while True:
             report = run_status(objects, client, run)
@@ -273,6 +287,20 @@ def watch_run(
                 unconsumed = None
             still_s = time.monotonic() - moved_at
             waiting = report["state"] in {"queued", "running"}
+            if deadline_s is not None and waiting:
+                if run_is_held(client, run):
+                    worked_at = time.monotonic()
+                worked_at = max(worked_at, moved_at)
+                if time.monotonic() - worked_at >= deadline_s:
+                    facts = stall_facts(client, run, _run_queue(queue, report))
+                    reason = stall_reason(
+                        report, still_s=still_s, now=time.time(), unconsumed=unconsumed, **facts
+                    )
+                    raise WaitExpired(
+                        f"{run}: stopped waiting after {deadline_s:.0f} s in which no prompt "
+                        f"finished and no worker held a batch of it ({reason}); the run goes "
+                        f"on when work comes back: `genfleet status {run} --watch`"
+                    )
             if queue_check and waiting and still_s >= min(stall_s or QUEUE_CHECK_S, QUEUE_CHECK_S):
                 if not asked or (stall_s and still_s >= stall_s and not warned):
                     unconsumed = queue_check(report)
@@ -301,6 +329,10 @@ def watch_run(
             if check is not None:
                 check()
             time.sleep(1.0)
+
+
+class WaitExpired(GenfleetError):
+    """A wait on a run gave up: nothing moved and nothing held its batches for too long."""
 
 
 def _run_queue(prefix: str, report: dict[str, Any]) -> str:
@@ -349,13 +381,20 @@ def export(
     redis_url: RedisUrl = None,
     store: StoreUrl = None,
     s3_endpoint_url: S3Endpoint = None,
+    with_stopped: Annotated[
+        bool,
+        typer.Option("--with-stopped", help='keep loops the guard stopped (finish "repetition")'),
+    ] = False,
 ) -> None:
-    """Write RUN's completions to one file (or numbered shards), deduplicated, in input order."""
+    """Write RUN's completions to one file (or numbered shards), deduplicated, in input order;
+    loops the repetition guard stopped only with --with-stopped."""
     from genfleet.producer.export import export_run
 
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
     try:
-        result = export_run(settings, run, out_path, fmt, partial, shard_size, previous)
+        result = export_run(
+            settings, run, out_path, fmt, partial, shard_size, previous, with_stopped=with_stopped
+        )
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
     missing = len(result.missing_batches)
@@ -368,7 +407,13 @@ def export(
         f"run {run}: exported {result.records} records ({result.errors} error records) from "
         f"{result.batches_exported}/{result.batches_total} batches to {target} "
         f"({result.format})"
-        + (f"; {plural(missing, 'batch', 'batches')} not done yet" if missing else ""),
+        + (f"; {plural(missing, 'batch', 'batches')} not done yet" if missing else "")
+        + (
+            f"; {plural(result.stopped_left_out, 'stopped loop')} left out (--with-stopped "
+            "keeps them)"
+            if result.stopped_left_out
+            else ""
+        ),
         highlight=False,
     )
 

@@ -35,6 +35,7 @@ from genfleet.common.manifest import BatchEntry, Manifest
 from genfleet.common.records import batch_digest
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, new_temp_file, s3_client, store_of
+from genfleet.common.waste import is_stopped
 
 ExportFormat = Literal["jsonl", "parquet", "openai"]
 FORMATS: tuple[str, ...] = ("jsonl", "parquet", "openai")
@@ -65,6 +66,7 @@ class ExportResult:
     batches_exported: int = 0
     missing_batches: list[str] = field(default_factory=list)
     shards: list[str] = field(default_factory=list)  # with --shard-size: the files, in order
+    stopped_left_out: int = 0  # loops the repetition guard stopped, without --with-stopped
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -419,6 +421,7 @@ def export_run(
     partial: bool = False,
     shard_size: int | None = None,
     previous: bool = True,
+    with_stopped: bool = False,
 ) -> ExportResult:
     """Write every finished record of `run` to `out`, deduplicated, in input order.
 
@@ -426,7 +429,9 @@ def export_run(
     `partial`; then the finished batches are exported and the rest listed in the result.
     With `shard_size`, records go to numbered files (`shard_name`) of that many each.
     A `--regenerate` run's records keep their old answers (`previous`) unless `previous` is
-    False (`--no-previous`).
+    False (`--no-previous`). Answers the repetition guard stopped (`finish_reason
+    "repetition"`) are left out, and counted, unless `with_stopped`: a loop is never an
+    answer to train on by accident.
     """
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}: use {', '.join(FORMATS)}")
@@ -439,6 +444,8 @@ def export_run(
         raise RunIncomplete(run, scan.missing, total)
     result = ExportResult(run=run, path=out, format=fmt, batches_total=total)
     records = scan.records() if previous else _without_previous(scan.records())
+    if not with_stopped:
+        records = _without_stopped(records, result)
     if shard_size is None:
         _write_target(settings, scan, partial, out, records, result, previous)
     else:
@@ -453,6 +460,16 @@ def export_run(
     result.batches_exported = scan.batches_read
     result.missing_batches = list(scan.missing)
     return result
+
+
+def _without_stopped(
+    records: Iterator[dict[str, Any]], result: ExportResult
+) -> Iterator[dict[str, Any]]:
+    for record in records:
+        if is_stopped(record):
+            result.stopped_left_out += 1
+            continue
+        yield record
 
 
 def _write_target(

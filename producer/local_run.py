@@ -20,16 +20,18 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import orjson
+import redis
 import typer
 
 from genfleet.common import keys
 from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import fail, with_settings
 from genfleet.common.manifest import Manifest
+from genfleet.common.private import die_with_parent, open_private
 from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.store import store_of
-from genfleet.producer.commands import Format, queue_check, watch_run
+from genfleet.producer.commands import Format, WaitExpired, queue_check, watch_run
 from genfleet.producer.console import (
     Json,
     console,
@@ -45,8 +47,9 @@ from genfleet.producer.enqueue import (
     reader_options,
     regenerate_advice,
 )
+from genfleet.producer.local_fleet import FleetLock
 from genfleet.producer.runs.identity import existing_run
-from genfleet.producer.status import read_findings, run_status
+from genfleet.producer.status import read_findings, run_status, wait_deadline_s
 
 COMPRESSED = (".gz", ".zst", ".bz2", ".xz")
 
@@ -68,22 +71,28 @@ def default_run_name(source: str) -> str:
 
 
 class Children:
-    """The worker processes this run started; stopped together, never left behind."""
+    """The worker processes this run started; stopped together, never left behind: each one
+    holds the fleet's lock (`keep_fds`) and gets SIGTERM if this process dies, even by
+    SIGKILL."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, keep_fds: tuple[int, ...] = ()) -> None:
         self.log_dir = log_dir
+        self.keep_fds = keep_fds
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def start(self, name: str, args: list[str], env: dict[str, str]) -> None:
-        log = (self.log_dir / f"{name}.log").open("ab")
-        self.procs[name] = subprocess.Popen(
-            [sys.executable, "-m", "genfleet.workers", *args],
-            env=env,
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
+        fd = open_private(self.log_dir / f"{name}.log", os.O_WRONLY | os.O_APPEND)
+        with os.fdopen(fd, "ab") as log:
+            self.procs[name] = subprocess.Popen(
+                [sys.executable, "-m", "genfleet.workers", *args],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                pass_fds=self.keep_fds,
+                preexec_fn=die_with_parent,
+            )
 
     def dead(self) -> dict[str, int]:
         return {n: p.returncode for n, p in self.procs.items() if p.poll() is not None}
@@ -121,7 +130,8 @@ def _wait(children: Children, settings: Settings, run: str) -> dict[str, Any]:
             )
 
     stall_s = settings.engine_stall_timeout_s
-    watch_run(store, client, run, check, stall_s, settings.queue, queue_check(settings))
+    deadline_s = wait_deadline_s(settings)
+    watch_run(store, client, run, check, stall_s, settings.queue, queue_check(settings), deadline_s)
     return run_status(store, client, run)
 
 
@@ -180,8 +190,13 @@ def run_command(
         raise typer.Exit(0)
     settings = settings.model_copy(update={"log_dir": str(log_dir)})
     env = {**os.environ, **settings.child_env()}
-    children = Children(log_dir)
+    try:
+        lock = FleetLock.take(log_dir)
+    except GenfleetError as exc:
+        fail(str(exc))
+    children = Children(log_dir, keep_fds=(lock.fd,))
     console.print(f"store {settings.store}; logs in {log_dir}", highlight=False)
+    previous_term = signal.signal(signal.SIGTERM, _interrupt)
     try:
         children.start("worker", ["worker"], env)
         children.start("control", ["control"], env)
@@ -198,16 +213,27 @@ def run_command(
         if result.ends_with_answer:
             console.print(f"  {regenerate_advice(result.ends_with_answer)}", highlight=False)
         report = _wait(children, settings, run)
+    except WaitExpired as exc:
+        fail(str(exc), 1)
     except (GenfleetError, ValueError) as exc:
-        children.stop()
         fail(str(exc))
+    except redis.RedisError as exc:
+        fail(f"Redis failed ({exc}); the workers are stopped, finished batches are kept")
     except KeyboardInterrupt:
         console.print("interrupted: stopping workers (finished batches are kept)")
-        children.stop()
         raise typer.Exit(130) from None
-    children.stop()
+    finally:
+        # Whatever ended the wait (an error of any kind, Ctrl-C, SIGTERM): stop the fleet.
+        children.stop()
+        lock.release()
+        signal.signal(signal.SIGTERM, previous_term)
     _summary(settings, report, json_out)
     raise typer.Exit(0 if report["state"] == "done" else 1)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM (`kill`, a service manager) ends the wait as Ctrl-C does: the fleet stops."""
+    raise KeyboardInterrupt
 
 
 def _finished(settings: Settings, run: str) -> dict[str, Any] | None:

@@ -2,7 +2,9 @@
 
 One streaming pass over the run's output objects (the same deduplicated, input-ordered records
 `export` writes) counts finish reasons, errors by type, empty and short answers and answers
-with reasoning but no content, and the distribution of completion and reasoning tokens.
+with reasoning but no content, loops the repetition guard stopped (never counted as answers
+worth keeping), the distribution of completion and reasoning tokens, and where the generated
+tokens went (`waste`: kept, short, cut at max_tokens, stopped, errors; common/waste.py).
 
 Percentiles are exact and memory is bounded by the number of distinct token counts, not by
 the number of records: each distribution is a histogram (count per token value), and a
@@ -19,6 +21,7 @@ from collections import Counter
 from typing import Any
 
 from genfleet.common.settings import Settings
+from genfleet.common.waste import KINDS, STOPPED, WasteTally
 from genfleet.producer.export import scan_run
 
 SHORT_CHARS = 32  # an answer under this many characters says nothing a trainer can use
@@ -52,10 +55,12 @@ def _share(part: int, whole: int) -> float:
 def _flags(report: dict[str, Any], threshold: float) -> list[str]:
     """One line per problem a person should look at before training on the run."""
     flags: list[str] = []
-    answers = report["records"] - report["errors"]
+    # a stopped loop is neither an error nor an answer: counted apart, out of the answer shares
+    answers = report["records"] - report["errors"] - report.get("stopped", 0)
     checks = (
         ("short_or_empty_answers", report["short_answers"], answers),
         ("length_capped", report["length_capped"], answers),
+        ("stopped_loops", report.get("stopped", 0), report["records"]),
         ("reasoning_without_content", report["reasoning_without_content"], answers),
         ("errors", report["errors"], report["records"]),
     )
@@ -180,7 +185,8 @@ def build_report(
     characters, or fewer than `short_tokens` content tokens (completion minus reasoning
     tokens) when that is given; `short_answers` includes the empty ones, which
     `empty_answers` counts on their own. Error records count in `errors` and
-    `errors_by_type` only, not in the answer statistics.
+    `errors_by_type` only, not in the answer statistics; answers the repetition guard stopped
+    count in `stopped` (and `finish_reasons`, `waste`) only, likewise.
     """
     scan = scan_run(settings, run)
     finish: Counter[str] = Counter()
@@ -188,15 +194,20 @@ def build_report(
     completion: Counter[int] = Counter()
     reasoning: Counter[int] = Counter()
     records = empty = short = reasoning_only = 0
+    waste = WasteTally()
     old_answers = PreviousAnswers(short_chars)
     for record in scan.records():
         records += 1
         old_answers.add(record)
         error = record.get("error")
         if error:
+            waste.add(record)
             errors_by_type[str(error.get("type") or "error")] += 1
             continue
         finish[str(record.get("finish_reason"))] += 1
+        if record.get("finish_reason") == STOPPED:  # counted apart, never as an answer
+            waste.add(record)
+            continue
         usage = record.get("usage") or {}
         completion_tokens = int(usage.get("completion_tokens") or 0)
         reasoning_tokens = int(usage.get("reasoning_tokens") or 0)
@@ -209,8 +220,10 @@ def build_report(
                 reasoning_only += 1
         content_tokens = completion_tokens - reasoning_tokens
         few_tokens = short_tokens is not None and content_tokens < short_tokens
-        if len(content) < short_chars or few_tokens:
+        is_short = len(content) < short_chars or few_tokens
+        if is_short:
             short += 1
+        waste.add(record, is_short)
     report: dict[str, Any] = {
         "run": run,
         "batches_total": len(scan.manifest.batches),
@@ -231,9 +244,12 @@ def build_report(
         "short_tokens": short_tokens,
         "threshold": threshold,
     }
+    report["stopped"] = finish.get(STOPPED, 0)
     report["previous"] = old_answers.to_json()  # None: the run replaced no old answers
     report["flags"] = _flags(report, threshold)
     report["energy"] = _energy(settings, run)
+    j_per_token = report["energy"]["j_per_token"] if report["energy"] else None
+    report["waste"] = waste.figures(j_per_token)
     return report
 
 
@@ -258,12 +274,40 @@ def _energy(settings: Settings, run: str) -> dict[str, Any] | None:
     return energy_figures(counters, settings.gpu_hour_cost)
 
 
+def waste_table(figures: dict[str, Any] | None) -> Any:
+    """Where the tokens went: each kind's records, tokens and share (and kWh where measured),
+    then the tokens the repetition guard saved."""
+    from rich.table import Table
+
+    grid = Table(title="where the tokens went")
+    for column in ("kind", "records", "tokens", "share", "kWh"):
+        grid.add_column(column, justify="left" if column == "kind" else "right")
+    if not figures:
+        return grid
+    energy = figures.get("energy_kwh") or {}
+    names = {"short": "short or empty", "length": "cut at max_tokens", "stopped": "loops stopped"}
+    for kind in KINDS:
+        kwh = f"{energy[kind]:.4g}" if kind in energy else "-"
+        grid.add_row(
+            names.get(kind, kind),
+            f"{figures['records'][kind]:,}",
+            f"{figures['tokens'][kind]:,}",
+            f"{figures['tokens_share'][kind]:.1%}",
+            kwh,
+        )
+    grid.caption = (
+        f"repetition guard: {figures['tokens_saved']:,} tokens saved "
+        f"({figures['tokens_saved_share']:.1%} of what the run would have generated)"
+    )
+    return grid
+
+
 def render_report(report: dict[str, Any]) -> str:
     """The report as text tables, for a terminal or a log."""
     from rich.console import Console
     from rich.table import Table
 
-    answers = report["records"] - report["errors"]
+    answers = report["records"] - report["errors"] - report.get("stopped", 0)
     summary = Table(title=f"run {report['run']}", show_header=False)
     summary.add_column("what")
     summary.add_column("count", justify="right")
@@ -273,6 +317,7 @@ def render_report(report: dict[str, Any]) -> str:
         ("records", report["records"], None),
         ("errors", report["errors"], report["records"]),
         ("length capped", report["length_capped"], answers),
+        ("loops stopped (repetition)", report.get("stopped", 0), report["records"]),
         ("empty answers", report["empty_answers"], answers),
         (f"short answers (< {report['short_chars']} chars)", report["short_answers"], answers),
         ("reasoning without content", report["reasoning_without_content"], answers),
@@ -300,7 +345,7 @@ def render_report(report: dict[str, Any]) -> str:
 
     buffer = io.StringIO()
     console = Console(file=buffer, width=100, force_terminal=False, color_system=None)
-    for table in (summary, tokens, reasons):
+    for table in (summary, tokens, reasons, waste_table(report.get("waste"))):
         console.print(table)
     if report.get("previous"):
         console.print(previous_table(report["previous"]))

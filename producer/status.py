@@ -19,6 +19,7 @@ from genfleet.common.errors import InputError
 from genfleet.common.ledger import Ledger
 from genfleet.common.redis_conn import text
 from genfleet.common.routing import ModelRef, work_queue
+from genfleet.common.settings import Settings
 from genfleet.common.store import Store
 from genfleet.common.throughput import run_tokens_per_s
 
@@ -198,12 +199,22 @@ def run_status(
         "store": store.url,
         "reconciled_at": snap.reconciled_at,
         **energy_figures(counters, gpu_hour_cost),
+        "waste": run_waste(counters),
     }
 
 
 # A run's failed batches shown by `status`: their count is exact, their errors a sample, so
 # that a run with 4,000 failed batches answers as fast as one with four.
 FAILED_SHOWN = 100
+
+
+def run_waste(counters: dict[str, str]) -> dict[str, Any]:
+    """Where the run's tokens went so far (common/waste.py), from the workers' counters, with
+    energy per kind where the GPUs had an energy counter."""
+    from genfleet.common.waste import WasteTally
+
+    j_per_token = energy_figures(counters, None)["j_per_token"]
+    return WasteTally.from_counters(counters).figures(j_per_token)
 
 
 def read_findings(client: redis.Redis, run: str | None = None, count: int = 200) -> list[Any]:
@@ -319,3 +330,17 @@ def stall_facts(client: redis.Redis, run: str, queue: str) -> dict[str, Any]:
         pipe.llen(name)
     depth = sum(int(n) for n in pipe.execute())
     return {"workers_seen": seen, "findings": read_findings(client, run), "queue_depth": depth}
+
+
+def run_is_held(client: redis.Redis, run: str) -> bool:
+    """Whether a live worker holds a batch of `run` now (a running entry whose lease is
+    alive): work goes on even while no prompt finishes (a long completion, a slow store)."""
+    leases = [keys.lease_key(run, batch) for batch in Ledger(client).running_batches(run)]
+    return bool(leases) and bool(client.exists(*leases))
+
+
+def wait_deadline_s(settings: Settings) -> float:
+    """How long `run` and `status --watch` wait with no prompt finished and no batch held:
+    `wait_deadline_leases` leases, or the engine's start-up time if longer (a worker loading
+    its engine holds no batch yet)."""
+    return max(settings.wait_deadline_leases * settings.lease_ttl_s, settings.startup_timeout_s)

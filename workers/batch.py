@@ -49,6 +49,7 @@ from genfleet.common.records import (
 )
 from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.store import Store
+from genfleet.common.waste import WasteTally
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.lifecycle import Lease
 from genfleet.workers.provenance import ensure_current, kept_parts, read_staged
@@ -79,6 +80,8 @@ class BatchSummary:
     energy_j: float | None = None  # the batch's share of its GPUs' energy (None: no counter)
     gpu_s: float = 0.0  # the batch's share of its GPUs' time
     finish_reasons: dict[str, int] = field(default_factory=dict)
+    # Where the batch's tokens went (common/waste.py): the run's counters' increments.
+    waste: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -205,7 +208,15 @@ def _why(exc: BaseException, order: WorkOrder, finished: int, todo: int) -> Base
 def _check_cancelled(
     order: WorkOrder, cancelled: Callable[[], bool] | None, finished: int, todo: int
 ) -> None:
-    if cancelled is not None and cancelled():
+    if cancelled is None:
+        return
+    try:
+        stop = cancelled()
+    except redis.RedisError as exc:
+        # A broker blip is no cancel: the batch goes on, and the next tick asks again.
+        log.warning("%s/%s: cancel not checked (%s): going on", order.run, order.batch, exc)
+        return
+    if stop:
         raise BatchCancelled(
             f"{order.run}/{order.batch}: the run was cancelled; stopped after {finished} of "
             f"{todo} prompts (checkpointed)"
@@ -463,7 +474,9 @@ def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
 
 
 def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float) -> None:
+    tally = WasteTally()
     for row in rows:
+        tally.add(row)
         if row.get("error"):
             summary.errors += 1
             continue
@@ -473,6 +486,7 @@ def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float
         summary.reasoning_tokens += int(usage.get("reasoning_tokens") or 0)
         reason = str(row.get("finish_reason"))
         summary.finish_reasons[reason] = summary.finish_reasons.get(reason, 0) + 1
+    summary.waste = tally.to_counters()
     summary.duration_s = round(time.monotonic() - started, 3)
     if summary.duration_s > 0:
         summary.tokens_per_s = round(summary.completion_tokens / summary.duration_s, 1)
@@ -486,7 +500,13 @@ def _mark_done(client: RedisCommands, order: WorkOrder) -> None:
 
 def _count(client: RedisCommands, order: WorkOrder, summary: BatchSummary) -> None:
     """Live counters, after the output is in the store (the store is the truth)."""
-    tally = Tally(summary.errors, summary.completion_tokens, summary.reasoning_tokens, time.time())
+    tally = Tally(
+        summary.errors,
+        summary.completion_tokens,
+        summary.reasoning_tokens,
+        time.time(),
+        more=summary.waste,
+    )
     Ledger(client).done(order.run, order.batch, tally, prompts=summary.prompts)
 
 

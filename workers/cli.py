@@ -12,7 +12,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -140,7 +139,10 @@ def run_celery(settings: Settings, args: list[str], hostname: str) -> None:
     from genfleet.workers.app import configure, startup_failures
 
     configure(settings)
-    flags = ["--hostname", hostname, "--loglevel", "INFO", "--task-events", "--without-mingle"]
+    # No gossip: it would have every worker consume every other worker's heartbeats and task
+    # events (O(workers²) messages); the events are still sent, for Flower and `top`.
+    flags = ["--hostname", hostname, "--loglevel", "INFO", "--task-events"]
+    flags += ["--without-mingle", "--without-gossip"]
     # `app.start`, not `worker_main`, which drops the exit code: a worker whose engine step
     # failed (a checkpoint preflight refused) must not exit 0, or a supervisor sees success.
     code = celery_app.start(["worker", *args, *flags])
@@ -153,13 +155,16 @@ def run_celery(settings: Settings, args: list[str], hostname: str) -> None:
 @with_settings(exclude={"role"})
 def control(settings: Settings, hostname: Hostname = None) -> None:
     """Start the one control worker: beat (power-watch, lease reaper) with no engine."""
+    from genfleet.common.private import private_dir
+
     settings = settings.model_copy(update={"role": "control"})
-    schedule = Path(settings.log_dir or tempfile.gettempdir()) / "genfleet-beat-schedule"
-    # Beat cannot open its schedule in a folder that does not exist yet (a fresh --log-dir the
-    # GPU workers would create later): it logs the error and no power-watch ever runs.
-    schedule.parent.mkdir(parents=True, exist_ok=True)
+    name = hostname or f"control@{socket.gethostname()}"
+    # Beat's schedule is a shelve (pickle) file: loading one someone else wrote runs their
+    # code as this worker, so it lives in this user's own 0700 directory (made here, so beat
+    # can open it), never in /tmp or a shared --log-dir.
+    schedule = private_dir("beat") / f"{name.replace('/', '_')}.schedule"
     args = ["--beat", "--schedule", str(schedule), "--queues", "control", "--concurrency", "2"]
-    run_celery(settings, args, hostname or f"control@{socket.gethostname()}")
+    run_celery(settings, args, name)
 
 
 @with_settings()

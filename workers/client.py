@@ -11,6 +11,10 @@ Every answer is mapped here, at the seam (`answer_error` for statuses, `parse_ch
   a failed try, sent again, then an error record; never stored as a completion.
 - connection refused/reset, a connect timeout → EngineDown: retried after the supervisor has
   the engine up again; a request past its deadline → RequestTimedOut (that prompt's error).
+Answers stream (SSE, `workers/stream.py`): an in-stream error chunk maps by its `code` as the
+status above would; a stream that ends before its finish chunk is a failed try; an answer the
+repetition guard stops is a result with `finish_reason "repetition"` and its `repetition`
+figures (where the loop began, the block, the budget it did not spend).
 The hot path decodes with orjson and builds no validation models per request. It speaks HTTP
 through aiohttp (with a pool of a few hundred connections it sustains ~10x httpx's request
 rate on one core); `timeout_s` is a deadline for the whole request (connect, queue on the
@@ -39,6 +43,8 @@ from genfleet.common.errors import (
 )
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
 from genfleet.workers.engine.launch import auth_headers
+from genfleet.workers.repetition import RepetitionRule
+from genfleet.workers.stream import ChatStream
 
 # The longest Retry-After honoured: a server asking for more is waited on in steps of this.
 MAX_RETRY_AFTER_S = 60.0
@@ -54,6 +60,7 @@ class ChatResult:
     request_id: str | None
     model: str | None
     logprobs: Any = None
+    repetition: dict[str, Any] | None = None  # the loop the guard stopped (finish "repetition")
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,8 +155,104 @@ def parse_chat(data: Any, latency_s: float) -> ChatResult:
             "abort",
             f"the engine aborted the request after {result.usage.completion_tokens} tokens "
             f"(finish_reason abort, request {result.request_id})",
+            tokens=result.usage.completion_tokens,
         )
     return result
+
+
+# What genfleet adds to every request: a stream, with the usage so far on every chunk (for the
+# tokens of an answer stopped mid-way) and in a final chunk.
+STREAM_FIELDS: dict[str, Any] = {
+    "stream": True,
+    "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+}
+
+
+def streamed_body(body: dict[str, Any]) -> dict[str, Any]:
+    """A request body asking for SGLang's stream (a prompt's own stream fields never reach
+    here: the readers drop them as genfleet's own)."""
+    return {**body, **STREAM_FIELDS}
+
+
+def stream_result(
+    stream: ChatStream, latency_s: float, max_tokens: int | None = None
+) -> ChatResult:
+    """A finished (or stopped) stream → ChatResult, mapped like a non-streamed answer:
+    an in-stream error as its code's status, an abort or a cut stream as a failed try."""
+    if stream.error is not None:
+        code = stream.error.get("code")
+        status = code if isinstance(code, int) and 400 <= code < 600 else 500
+        error = answer_error(status, orjson.dumps({"error": stream.error}))
+        if isinstance(error, RequestFailed) and status == 500:
+            error = RequestFailed(200, error.kind, f"in-stream error: {error}")
+        raise error
+    usage = stream.usage or {}
+    completion = int(usage.get("completion_tokens") or 0)
+    repetition: dict[str, Any] | None = None
+    finish = stream.finish_reason
+    if stream.loop is not None:
+        finish = "repetition"
+        repetition = loop_figures(stream, completion, max_tokens)
+        completion = int(repetition["completion_tokens"])
+    elif finish is None:
+        raise RequestFailed(
+            200,
+            "bad_response",
+            f"the stream ended before its finish chunk (request {stream.request_id}, "
+            f"{completion} tokens so far)",
+            tokens=completion,
+        )
+    if finish == "abort":
+        raise RequestFailed(
+            200,
+            "abort",
+            f"the engine aborted the request after {completion} tokens "
+            f"(finish_reason abort, request {stream.request_id})",
+            tokens=completion,
+        )
+    return ChatResult(
+        content="".join(stream.content),
+        reasoning="".join(stream.reasoning) or None,
+        finish_reason=finish,
+        usage=Usage(
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            completion_tokens=completion,
+            reasoning_tokens=min(reasoning_tokens(usage), completion),
+        ),
+        latency_s=latency_s,
+        request_id=stream.request_id,
+        model=stream.model,
+        logprobs={"content": stream.logprobs} if stream.logprobs is not None else None,
+        repetition=repetition,
+    )
+
+
+def loop_figures(stream: ChatStream, completion: int, max_tokens: int | None) -> dict[str, Any]:
+    """Where the stopped loop began and what stopping it saved.
+
+    `completion_tokens` is the engine's count at the last chunk (continuous usage); a server
+    that sends none gets an estimate from the text (4 characters a token), said so by
+    `tokens_estimated`. `start_token_estimate` scales the loop's first character by the
+    answer's own characters per token; `tokens_saved` is the budget not spent.
+    """
+    assert stream.loop is not None
+    reasoning_chars = sum(map(len, stream.reasoning))
+    chars = reasoning_chars + sum(map(len, stream.content))
+    estimated = completion == 0
+    if estimated:
+        completion = (chars + 3) // 4
+    before = reasoning_chars if stream.loop_field == "content" else 0
+    start = before + stream.loop.start_char
+    figures: dict[str, Any] = {
+        "field": stream.loop_field,
+        **stream.loop.to_json(),
+        "start_token_estimate": round(start * completion / chars) if chars else 0,
+        "completion_tokens": completion,
+        "tokens_saved": max(0, max_tokens - completion) if max_tokens else None,
+    }
+    if estimated:
+        figures["tokens_estimated"] = True
+    return figures
 
 
 def error_message(payload: bytes) -> tuple[str, str]:
@@ -251,12 +354,68 @@ class _AiohttpPost:
         except aiohttp.ClientError as exc:
             raise EngineDown(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
 
+    async def stream(
+        self, body: bytes, sink: ChatStream, timeout_s: float | None = None
+    ) -> tuple[int, bytes, str | None]:
+        """POST and feed the SSE body to `sink` line by line as it arrives; (status, body,
+        Retry-After) with the body empty once streamed. When `sink` says stop before the end
+        (a loop), the connection is closed at once: SGLang aborts a request whose client is
+        gone. A 200 that is not an event stream (a server that does not stream) comes back
+        whole, to be read as a plain completion. Failures map as `__call__`'s do."""
+        session = self._session or self._open()
+        timeout = self._timeout if timeout_s is None else self._deadline(timeout_s)
+        try:
+            async with session.post(self._url, data=body, timeout=timeout) as response:
+                status = response.status
+                if status != 200:
+                    return status, await response.read(), response.headers.get("Retry-After")
+                if response.content_type != "text/event-stream":
+                    return status, await response.read(), None
+                if not await _feed(response, sink):
+                    return status, b"", None
+                if not sink.done:
+                    response.close()
+                return status, b"", None
+        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
+            raise EngineUnreachable(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
+        except TimeoutError as exc:
+            raise RequestTimedOut(
+                f"request timed out after {timeout.total:.0f} s: {exc.__class__.__name__}"
+            ) from exc
+        except aiohttp.ClientError as exc:
+            raise EngineDown(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
+
     def _deadline(self, timeout_s: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=timeout_s, connect=self._timeout.connect)
 
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+async def _feed(response: aiohttp.ClientResponse, sink: ChatStream) -> bool:
+    """Lines of the body to `sink` until it says stop (True) or the body ends (False).
+    Split here rather than with `readline`, which caps a line at 128 KiB."""
+    pending: list[bytes] = []
+    async for data in response.content.iter_any():
+        if b"\n" not in data:
+            pending.append(data)
+            continue
+        if pending:
+            data = b"".join((*pending, data))
+            pending = []
+        *lines, rest = data.split(b"\n")
+        for line in lines:
+            if line and sink.feed(line):  # blank lines only separate events
+                return True
+        if rest:
+            pending.append(rest)
+    if pending:
+        return sink.feed(b"".join(pending))
+    return False
+
+
+DEFAULT_RULE = RepetitionRule()
 
 
 class EngineClient:
@@ -276,22 +435,30 @@ class EngineClient:
         timeout_s: float = 3600.0,
         max_connections: int = 256,
         thinking: ThinkingSwitch | None = None,
+        repetition: RepetitionRule | None = DEFAULT_RULE,
     ) -> None:
         headers = {"Content-Type": "application/json", **auth_headers(api_key)}
         self.model = model
         self.timeout_s = timeout_s
         self.thinking = thinking or ThinkingSwitch()
+        self.repetition = repetition  # None: the guard is off, answers still stream
         url = base_url.rstrip("/") + "/v1/chat/completions"
         self._post = _AiohttpPost(url, headers, timeout_s, max_connections)
 
     async def chat(
         self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
     ) -> ChatResult:
-        """One completion; `timeout_s` is this request's deadline (default the client's)."""
-        body = orjson.dumps(request_body(record, params, self.model, self.thinking))
+        """One completion, streamed (the guard watching it); `timeout_s` is this request's
+        deadline (default the client's)."""
+        fields = streamed_body(request_body(record, params, self.model, self.thinking))
+        body = orjson.dumps(fields)
+        stream = ChatStream(self.repetition)
         started = time.monotonic()
-        status, payload, retry_after = await self._post(body, timeout_s)
+        status, payload, retry_after = await self._post.stream(body, stream, timeout_s)
         if status == 200:
+            if not payload:
+                max_tokens = fields.get("max_completion_tokens") or fields.get("max_tokens")
+                return stream_result(stream, time.monotonic() - started, max_tokens)
             try:
                 data = orjson.loads(payload)
             except orjson.JSONDecodeError as exc:

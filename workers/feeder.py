@@ -53,7 +53,8 @@ from genfleet.common.errors import (
     RequestRejected,
     RequestTimedOut,
 )
-from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
+from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord, Usage
+from genfleet.common.waste import WasteTally
 from genfleet.workers.client import ChatResult
 from genfleet.workers.deadline import DeadlinePolicy, SequencePace, max_tokens_of
 
@@ -269,6 +270,7 @@ class _Tries:
     first_death_s: float | None = None
     alone: bool = False  # its last send was alone among suspects
     in_lane: bool = False  # it holds its lane slot until the engine it failed on is back
+    spent: int = 0  # tokens the engine generated in tries that failed (an abort's)
 
 
 class Feeder:
@@ -306,6 +308,7 @@ class Feeder:
         self.tokens_total = 0
         self.busy_total = 0  # answers that were backpressure (429, queue full)
         self.failed_tries_total = 0  # aborts, 5xx: tries sent again
+        self.waste = WasteTally()  # where this worker's tokens went (common/waste.py)
         self.last_success_s = -float("inf")  # monotonic time of the last completion
         self._canary: tuple[PromptRecord, GenerationParams] | None = None  # last success
         self._engine = engine
@@ -457,8 +460,9 @@ class Feeder:
                 await self._busy(exc, tries)
                 continue
             except RequestFailed as exc:
+                tries.spent += exc.tokens
                 if await self._failed(run, batch, record, exc, tries):
-                    on_record(index, self._record(run, batch, record, exc))
+                    on_record(index, self._record(run, batch, record, exc, tries.spent))
                     return
                 continue
             except EngineDown as exc:
@@ -661,8 +665,12 @@ class Feeder:
         batch: str,
         record: PromptRecord,
         result: ChatResult | RequestRejected | RequestFailed,
+        spent_tokens: int = 0,
     ) -> CompletionRecord:
+        """The prompt's output record; an error record's usage counts the tokens its failed
+        tries generated (`spent_tokens`: GPU time that bought nothing)."""
         if isinstance(result, RequestRejected | RequestFailed):
+            self.waste.add({"error": True, "usage": {"completion_tokens": spent_tokens}})
             return CompletionRecord(
                 id=record.id,
                 run=run,
@@ -671,6 +679,7 @@ class Feeder:
                 reasoning=None,
                 content=None,
                 finish_reason=None,
+                usage=Usage(completion_tokens=spent_tokens),
                 model=self._client.model,
                 engine=self.identity,
                 error={"type": result.kind, "message": str(result)},
@@ -678,6 +687,14 @@ class Feeder:
                 custom_id=record.custom_id,
             )
         self.tokens_total += result.usage.completion_tokens
+        self.waste.add(
+            {
+                "finish_reason": result.finish_reason,
+                "content": result.content,
+                "usage": {"completion_tokens": result.usage.completion_tokens},
+                "repetition": result.repetition,
+            }
+        )
         return CompletionRecord(
             id=record.id,
             run=run,
@@ -694,6 +711,7 @@ class Feeder:
             custom_id=record.custom_id,
             request_id=result.request_id,
             logprobs=result.logprobs,
+            repetition=result.repetition,
         )
 
     def close(self) -> None:

@@ -1,8 +1,7 @@
 """Celery's threads pool, able to stop running batches when Celery asks it to.
 
 Threads cannot be killed, and Celery's own threads pool answers a request to terminate a job
-(a cold shutdown: SIGQUIT or a second Ctrl-C; a lost broker connection with
-`worker_cancel_long_running_tasks_on_connection_loss`) with NotImplementedError, after which
+(a cold shutdown: SIGQUIT or a second Ctrl-C) with NotImplementedError, after which
 the worker hangs. Here terminating means cancelling the worker's running batches: each one
 checkpoints what finished and hands its batch back to the queue, so the stop completes and
 nothing is lost.
@@ -18,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -64,7 +64,47 @@ class TaskPool(ThreadTaskPool):  # type: ignore[misc]
             log.warning("terminating: %d running batches checkpointed and handed back", cancelled)
 
 
-class BatchRequest(Request):  # type: ignore[misc]
+class HeldRequest(Request):  # type: ignore[misc]
+    """A request of a genfleet task (every one is acked late) that outlives a broker blip:
+    it keeps running across the reconnect and acks, or hands back, on the new channel
+    (`workers.reconnect`)."""
+
+    def acknowledge(self) -> None:
+        if self._on_the_broker("ack", lambda: Request.acknowledge(self)):
+            super().acknowledge()
+
+    def reject(self, requeue: bool = False) -> None:
+        later = lambda: Request.reject(self, requeue=requeue)  # noqa: E731
+        if self._on_the_broker("hand back" if requeue else "reject", later):
+            super().reject(requeue=requeue)
+
+    def _on_the_broker(self, what: str, later: Any) -> bool:
+        """Wait for a channel to `what` the message on (after a broker blip the task kept
+        running, `workers.reconnect`); False, and the message is left to the broker's
+        redelivery, when the broker did not come back in time. The consumer's own thread
+        (a request revoked or expired before it ran) never waits: it is the one that
+        reconnects, so the action is done (`later`) once it has."""
+        from genfleet.workers.reconnect import defer, wait_for_channel
+
+        acknowledged: bool = self.acknowledged  # type: ignore[has-type]
+        if acknowledged or self.message.channel is not None:
+            return True
+        if threading.current_thread() is threading.main_thread():
+            defer(later)
+            return False
+        if wait_for_channel(self.message):
+            return True
+        log.error(
+            "%s: the broker did not come back, could not %s the message; it is delivered again "
+            "after the visibility timeout (a finished batch is then skipped)",
+            self.id,
+            what,
+        )
+        self.acknowledged = True
+        return False
+
+
+class BatchRequest(HeldRequest):
     """A generate_batch request whose terminate stops its own batch, not the worker's others.
 
     Every task of a threads pool shares the worker's pid, so the pool's `terminate_job(pid)`

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -31,7 +30,7 @@ from genfleet.workers.engine.external import ExternalEngine
 from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.fingerprint import checkpoint_identity
 from genfleet.workers.engine.launch import auth_headers
-from genfleet.workers.engine.ports import pick_port
+from genfleet.workers.engine.ports import pick_port, private_dir
 from genfleet.workers.engine.supervisor import EngineSupervisor
 from genfleet.workers.engine.watchdog import StallWatchdog, WatchedEngine
 from genfleet.workers.feeder import Feeder, default_max_inflight
@@ -42,6 +41,7 @@ from genfleet.workers.observe.engine_state import (
 )
 from genfleet.workers.observe.power_watch import fleet_state
 from genfleet.workers.observe.sampler import Monitor, make_sampler
+from genfleet.workers.repetition import repetition_rule
 
 log = logging.getLogger("genfleet.worker")
 
@@ -87,7 +87,9 @@ class WorkerRuntime:
     def start(self) -> None:
         # httpx logs every request at INFO: once a second per worker from the telemetry loop.
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        settings = self.settings
+        from genfleet.workers.engine.kinds import with_engine_key
+
+        self.settings = settings = with_engine_key(self.settings)
         kind = settings.engine_kind
         if kind == "emulator":
             log.warning(
@@ -129,6 +131,7 @@ class WorkerRuntime:
                 timeout_s=settings.request_timeout_s,
                 max_connections=max_inflight + 8,
                 thinking=thinking,
+                repetition=repetition_rule(settings),
             ),
             engine,
             max_inflight,
@@ -158,6 +161,7 @@ class WorkerRuntime:
             base_url,
             fleet=lambda now: fleet_state(self.redis, settings, now),
             engine_pid=lambda: getattr(self.engine, "pid", None),
+            waste=lambda: self.feeder.waste.to_counters() if self.feeder else {},
         )
         self.monitor.start()
         self._start_watchdog(api_key)
@@ -318,7 +322,7 @@ class WorkerRuntime:
         port = pick_port(settings.engine_host, settings.port)
         launch = engine_launch(settings, port, arch=self.arch)
         assert launch is not None
-        log_dir = Path(settings.log_dir or Path(tempfile.gettempdir()) / "genfleet-logs")
+        log_dir = Path(settings.log_dir) if settings.log_dir else private_dir("logs")
         safe_host = self.hostname.replace("@", "_").replace("/", "_")
         return EngineSupervisor(
             launch,

@@ -12,9 +12,10 @@
 - reap_leases (beat): re-enqueues batches whose worker vanished (lease expired, no output),
   so a SIGKILLed worker's batch finishes elsewhere in minutes, not after the visibility timeout;
   a batch whose worker died `max_deliveries` times is parked in the failed set as poison (it
-  would otherwise crash the fleet one worker at a time, forever).
+  would otherwise crash the fleet one worker at a time, forever). Then it sends again the
+  orders that were lost (genfleet.workers.reconcile).
 - reconcile_progress (beat): repairs Redis's progress copy (what `status` reads) from the
-  store's listing of each running run's outputs (genfleet.common.progress.reconcile_runs).
+  store's listing of each running run's outputs (genfleet.common.reconcile.reconcile_runs).
 - power_watch (beat): see genfleet.workers.observe.power_watch.
 """
 
@@ -28,6 +29,7 @@ from typing import Any, NoReturn
 import redis
 from celery import Task
 from celery.exceptions import Reject, Retry
+from kombu.exceptions import OperationalError
 
 from genfleet.common import keys
 from genfleet.common.backoff import BATCH_RETRY
@@ -50,8 +52,9 @@ from genfleet.workers.lifecycle import Lease, gate, is_cancelled
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.observe.sampler import batch_share
 from genfleet.workers.outcome import Outcome, counts_a_try, outcome
-from genfleet.workers.pool import BatchRequest
+from genfleet.workers.pool import BatchRequest, HeldRequest
 from genfleet.workers.provenance import ensure_current, model_refusal, thinking_refusal
+from genfleet.workers.reconcile import Lapses, reconcile_orders
 
 log = logging.getLogger("genfleet.tasks")
 
@@ -170,7 +173,9 @@ def _admit(
         # of the run's batch of the same name (the new staging's, maybe running elsewhere).
         ensure_current(runtime.store, work)
         ledger.claim(order, worker, time.time())
-    except (redis.RedisError, StoreError) as exc:
+    except (redis.RedisError, StoreError, OperationalError) as exc:
+        # OperationalError: the hand-back could not be sent (the broker is down); acking this
+        # message would lose the only copy of the order.
         raise Reject(
             f"{field}: Redis or the store failed before the batch started: {exc}", requeue=True
         ) from exc
@@ -311,7 +316,7 @@ def _safe_release(ledger: Ledger, work: WorkOrder) -> None:
         log.warning("could not clear running entry %s", running_field(work.run, work.batch))
 
 
-@app.task(name=REAPER_TASK)  # type: ignore[untyped-decorator]
+@app.task(name=REAPER_TASK, Request=HeldRequest)  # type: ignore[untyped-decorator]
 def reap_leases() -> dict[str, Any]:
     """Re-enqueue running batches whose lease expired and whose output does not exist; park
     those whose worker died `max_deliveries` times."""
@@ -319,16 +324,16 @@ def reap_leases() -> dict[str, Any]:
     from genfleet.common.store import store_of
 
     settings = settings_of(app)
-    return reap(
-        connect(settings),
-        store_of(settings),
-        settings.lease_ttl_s,
-        time.time(),
-        lambda order: generate_batch.apply_async(
+    client, store = connect(settings), store_of(settings)
+
+    def send(order: dict[str, Any]) -> None:
+        generate_batch.apply_async(
             kwargs={"order": order}, queue=order_queue(settings.queue, order)
-        ),
-        settings.max_deliveries,
-    )
+        )
+
+    reaped = reap(client, store, settings.lease_ttl_s, time.time(), send, settings.max_deliveries)
+    lost = reconcile_orders(client, store, settings.lease_ttl_s, lambda o: send(o.model_dump()))
+    return {**reaped, "resent": lost["resent"]}
 
 
 def reap(
@@ -344,12 +349,15 @@ def reap(
     parked in the failed set when its worker died `max_deliveries` times."""
     found: dict[str, list[str]] = {"requeued": [], "finished": [], "parked": []}
     ledger = Ledger(client)
+    lapses = Lapses(client, lease_ttl_s)  # type: ignore[arg-type]
     for claimed in ledger.running():
         run, batch = claimed.run, claimed.batch
         if client.exists(keys.lease_key(run, batch)):
             continue
         if now - claimed.claimed_at < lease_ttl_s:
             continue  # claimed but the first lease write may not have landed yet
+        if not lapses.confirmed(claimed.field, now):
+            continue  # a first look: a live worker re-sets its lease within a heartbeat
         if store.exists(keys.output_key(run, batch)):
             ledger.release(run, batch)
             found["finished"].append(claimed.field)
@@ -361,6 +369,7 @@ def reap(
             continue  # another reaper won this one
         outcome = _lost(ledger, claimed, requeue, max_deliveries)
         found[outcome].append(claimed.field)
+    lapses.forget_others()
     return {**found, "ts": now}
 
 
@@ -408,7 +417,7 @@ def _lost(
     return "requeued"
 
 
-@app.task(name=POWER_WATCH_TASK)  # type: ignore[untyped-decorator]
+@app.task(name=POWER_WATCH_TASK, Request=HeldRequest)  # type: ignore[untyped-decorator]
 def power_watch() -> dict[str, Any]:
     from genfleet.workers.observe.power_watch import run_power_watch
 

@@ -112,7 +112,9 @@ def test_every_field_reaches_the_engine_and_an_unsupported_one_is_a_reject(
     assert {k: own[k] for k in expected} == expected  # the line's own fields win
     assert own["max_tokens"] == 200
     assert own["chat_template_kwargs"] == {"custom": 7, "enable_thinking": False}
-    assert "stream" not in own and own["model"] != "gpt-x"
+    # the line's own stream fields are dropped: genfleet streams every answer its own way
+    assert own["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
+    assert own["model"] != "gpt-x"
 
     (run_level,) = bodies["run-level"]
     assert (run_level["top_k"], run_level["min_p"], run_level["repetition_penalty"]) == (

@@ -4,6 +4,7 @@ production path) against a small local server that answers what each case needs.
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -98,6 +99,8 @@ def test_success_is_parsed_and_the_request_is_plain_openai() -> None:
             "max_tokens": 64,
             "temperature": 0.6,
             "top_p": 0.95,
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
     ]
     assert state.headers[0]["Authorization"] == "Bearer k"
@@ -266,3 +269,187 @@ def test_the_thinking_switch_of_each_family(
 ) -> None:
     params = PARAMS.model_copy(update={"thinking": thinking})
     assert request_body(RECORD, params, "m", switch).get("chat_template_kwargs") == kwargs
+
+
+def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **extra: Any) -> Any:
+    """One SGLang chat stream chunk (choice 0), or with `choices=[]` the usage chunk."""
+    head: dict[str, Any] = {"id": OK["id"], "object": "chat.completion.chunk", "model": "m"}
+    if "choices" in extra:
+        return {**head, **extra}
+    choice = {"index": 0, "delta": delta or {}, "logprobs": None, "finish_reason": finish}
+    return {**head, "choices": [choice], **extra}
+
+
+class StreamServer:
+    """Streams the SSE lines it was given (a generator may run forever); records whether the
+    client went away before the stream's end."""
+
+    def __init__(self, lines: Any) -> None:
+        self.lines = lines
+        self.bodies: list[dict[str, Any]] = []
+        self.closed_early = asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self.bodies.append(orjson.loads(await request.read()))
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for line in self.lines:
+                payload = line if isinstance(line, bytes) else orjson.dumps(line)
+                await response.write(b"data: " + payload + b"\n\n")
+                await asyncio.sleep(0)
+        except (ConnectionResetError, RuntimeError):
+            self.closed_early.set()  # the client closed the stream
+        return response
+
+
+async def _with_stream(lines: Any, **client_args: Any) -> Any:
+    state = StreamServer(lines)
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", state.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    client = EngineClient(f"http://127.0.0.1:{port}", model="m", timeout_s=10, **client_args)
+    try:
+        return await client.chat(RECORD, PARAMS), state
+    finally:
+        await client.aclose()
+        await runner.cleanup()
+
+
+def test_a_stream_is_assembled_like_a_whole_answer() -> None:
+    usage = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12, "reasoning_tokens": 3}
+    logprob = {"token": "4", "bytes": [52], "logprob": -0.1, "top_logprobs": []}
+    lines = [
+        chunk({"role": "assistant", "content": "", "reasoning_content": None}),
+        chunk({"reasoning_content": "2+"}),
+        chunk({"reasoning_content": "2"}),
+        chunk({"reasoning_content": None, "content": "4"}, logprobs=None),
+        {**chunk({"content": "."}), "choices": [{"index": 0, "delta": {"content": "!"},
+                                                  "logprobs": {"content": [logprob]}}]},
+        chunk({"reasoning_content": None}, "stop"),
+        chunk(choices=[], usage=usage),
+        b"[DONE]",
+    ]  # fmt: skip
+    result, state = run(_with_stream(lines))
+    assert (result.reasoning, result.content, result.finish_reason) == ("2+2", "4!", "stop")
+    assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (5, 7)
+    assert result.usage.reasoning_tokens == 3
+    assert (result.request_id, result.model) == (OK["id"], "m")
+    assert result.logprobs == {"content": [logprob]}
+    assert result.repetition is None
+    assert state.bodies[0]["stream"] is True
+    assert state.bodies[0]["stream_options"]["include_usage"] is True
+
+
+@pytest.mark.parametrize(
+    ("error", "raised"),
+    [
+        ({"message": "Input length (9 tokens) exceeds", "type": "BAD_REQUEST", "code": 400},
+         RequestRejected),
+        ({"message": "The request queue is full.", "type": "SERVICE_UNAVAILABLE", "code": 503},
+         EngineBusy),
+        ({"message": "scheduler died", "type": "INTERNAL", "code": 500}, RequestFailed),
+        ({"message": "no code"}, RequestFailed),
+    ],
+)  # fmt: skip
+def test_an_in_stream_error_maps_like_its_status(error: dict[str, Any], raised: type) -> None:
+    lines = [chunk({"role": "assistant", "content": ""}), {"error": error}, b"[DONE]"]
+    with pytest.raises(raised, match=error["message"][:12]):
+        run(_with_stream(lines))
+
+
+def test_a_stream_that_does_not_finish_is_a_failed_try() -> None:
+    cases = [
+        ([chunk({"content": "half an ans"})], "bad_response"),  # cut before the finish chunk
+        ([chunk({"content": "partial"}), chunk({}, "abort"), b"[DONE]"], "abort"),
+        ([b"{not json"], "bad_response"),
+    ]
+    for lines, kind in cases:
+        with pytest.raises(RequestFailed) as info:
+            run(_with_stream(lines))
+        assert info.value.kind == kind
+
+
+def looping(prefix: str, block: str, max_chunks: int, tokens_per_chunk: int = 32) -> Any:
+    """A stream that answers `prefix`, then `block` forever (or `max_chunks` chunks and a
+    length finish), 4 characters a token, with continuous usage."""
+    text = prefix + block * (max_chunks * tokens_per_chunk * 4 // len(block) + 1)
+    size = tokens_per_chunk * 4
+    yield chunk({"role": "assistant", "content": ""})
+    for i in range(max_chunks):
+        used = {"prompt_tokens": 5, "completion_tokens": (i + 1) * tokens_per_chunk}
+        yield chunk({"reasoning_content": text[i * size : (i + 1) * size]}, usage=used)
+    yield chunk({}, "length")
+    yield chunk(choices=[], usage={"completion_tokens": max_chunks * tokens_per_chunk})
+    yield b"[DONE]"
+
+
+def test_a_looping_stream_is_stopped_at_once_and_kept_as_repetition() -> None:
+    prefix = "Let me think about the sum of the first odd numbers. " * 3
+    block = "Wait, let me recount the odd numbers once more from the start. "
+    params_tokens = PARAMS.max_tokens * 1000  # a budget far above what the loop spends
+    record = PromptRecord("p1", RECORD.messages, params={"max_tokens": params_tokens})
+
+    async def go() -> Any:
+        state = StreamServer(looping(prefix, block, max_chunks=10_000))
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", state.handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        client = EngineClient(f"http://127.0.0.1:{port}", model="m", timeout_s=10)
+        try:
+            result = await client.chat(record, PARAMS)
+            await asyncio.wait_for(state.closed_early.wait(), 5)  # the server saw it go
+            return result
+        finally:
+            await client.aclose()
+            await runner.cleanup()
+
+    result = run(go())
+    loop = result.repetition
+    assert result.finish_reason == "repetition"
+    assert loop["field"] == "reasoning" and loop["block_chars"] == len(block)
+    assert abs(loop["start_char"] - len(prefix)) < len(block)
+    assert len(result.reasoning) < len(prefix) + 3000 + 2 * 256 + 2 * 128  # stopped at once
+    assert result.usage.completion_tokens == loop["completion_tokens"]
+    assert result.usage.completion_tokens == len(result.reasoning) // 4  # the engine's count
+    assert loop["tokens_saved"] == params_tokens - result.usage.completion_tokens
+    assert abs(loop["start_token_estimate"] - len(prefix) // 4) <= len(block)
+
+
+def test_with_the_guard_off_a_loop_runs_to_its_end() -> None:
+    block = "Wait, let me recount the odd numbers once more from the start. "
+    result, state = run(_with_stream(looping("", block, max_chunks=60), repetition=None))
+    assert result.finish_reason == "length"
+    assert result.usage.completion_tokens == 60 * 32
+    assert not state.closed_early.is_set()
+
+
+GOLDEN_STREAM = Path(__file__).resolve().parents[1] / "golden" / "sglang-0.5.15" / "chat_stream.sse"
+
+
+def test_a_stream_recorded_from_real_sglang_is_assembled() -> None:
+    """SGLang 0.5.15's own chat stream (tests/golden), served back over HTTP: the client puts
+    together the same reasoning, finish reason and usage the stream carries."""
+    payloads = [
+        line[len(b"data: ") :]
+        for line in GOLDEN_STREAM.read_bytes().splitlines()
+        if line.startswith(b"data: ")
+    ]
+    chunks = [orjson.loads(p) for p in payloads if p != b"[DONE]"]
+    deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
+    usage = chunks[-1]["usage"]
+    result, _ = run(_with_stream(payloads))
+    assert result.reasoning == "".join(d.get("reasoning_content") or "" for d in deltas)
+    assert result.content == "".join(d.get("content") or "" for d in deltas)
+    assert result.finish_reason == "length" and result.repetition is None
+    assert (result.usage.completion_tokens, result.usage.reasoning_tokens) == (
+        usage["completion_tokens"],
+        usage["reasoning_tokens"],
+    )
+    assert result.request_id == chunks[0]["id"]

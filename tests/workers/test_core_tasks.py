@@ -292,6 +292,10 @@ def test_the_reaper_requeues_only_batches_whose_worker_vanished() -> None:
     db.set(keys.lease_key(RUN, "batch-000001"), "w1", px=int(TTL_S * 1000))
     requeued: list[dict[str, Any]] = []
 
+    # A first look at a lapsed lease takes nothing: a live worker whose lease lapsed while
+    # Redis was away re-sets it within a heartbeat. Half a lease on, it is a death.
+    first = reap(db, store, TTL_S, NOW - TTL_S / 2, requeued.append)
+    assert (requeued, first["requeued"]) == ([], [])
     report = reap(db, store, TTL_S, NOW, requeued.append)
 
     assert requeued == [lost]
@@ -385,6 +389,23 @@ def test_backpressure_and_a_failing_prompt_never_fail_the_batch(
     # p3 failed right after p2 succeeded: p2 sent again (the canary) said the engine serves
     assert chat.calls["p2"] == 2
     assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": False}
+
+
+def test_the_reaper_spares_a_lease_re_set_after_its_first_look() -> None:
+    """A blip longer than the lease: every lease lapsed while Redis was away; the live
+    worker's heartbeat re-sets its lease before the reaper's second look, so nothing is
+    re-enqueued (it would run twice)."""
+    db, store = MemoryRedis(), MemoryStore()
+    running(db, "batch-000001", NOW - 100)
+    requeued: list[dict[str, Any]] = []
+    reap(db, store, TTL_S, NOW - TTL_S, requeued.append)  # the lease lapsed: first look
+    db.set(keys.lease_key(RUN, "batch-000001"), "w1", px=int(TTL_S * 1000))  # the heartbeat
+    reap(db, store, TTL_S, NOW, requeued.append)
+    db.delete(keys.lease_key(RUN, "batch-000001"))  # later its worker dies
+    reap(db, store, TTL_S, NOW + 1, requeued.append)  # a fresh first look
+    assert requeued == []
+    reap(db, store, TTL_S, NOW + 1 + TTL_S / 2, requeued.append)
+    assert len(requeued) == 1
 
 
 def test_an_order_naming_another_runs_input_is_refused_not_generated(

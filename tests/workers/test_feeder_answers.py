@@ -202,7 +202,7 @@ def test_a_prompt_failing_every_try_becomes_an_error_record_and_the_batch_goes_o
     kind: str,
 ) -> None:
     engine = engine_with(lambda text, n: failure() if text == "p3" else ok(text))
-    future, results, _ = run_batch(engine, 6, retries=2)
+    future, results, feeder = run_batch(engine, 6, retries=2)
 
     assert future.exception() is None
     assert len(results) == 6
@@ -210,6 +210,10 @@ def test_a_prompt_failing_every_try_becomes_an_error_record_and_the_batch_goes_o
     assert bad.error is not None and bad.error["type"] == kind
     assert (bad.content, bad.finish_reason) == (None, None)
     assert engine.seen["p3"] == 3  # the first try and two more
+    # the tokens its tries generated (an abort says how many: 5 each) are counted as spent
+    spent = 3 * 5 if kind == "abort" else 0
+    assert bad.usage.completion_tokens == spent
+    assert feeder.waste.tokens["error"] == spent
     good = [r for i, r in results.items() if i != 3]
     assert all(r.error is None and r.finish_reason == "stop" for r in good)
 

@@ -75,6 +75,23 @@ BATCH = {
             "run/batch-000004: 30 prompts, 43,586 tok, 4,407 tok/s in 33 s, "
             "another copy wrote the output first, gpu@vm GPU 0",
         ),
+        (
+            {
+                "waste": {
+                    "waste_kept_tokens": 33586,
+                    "waste_stopped_tokens": 10000,
+                    "waste_stopped_records": 2,
+                    "waste_tokens_saved": 61440,
+                }
+            },
+            "run/batch-000004: 30 prompts, 43,586 tok, 4,407 tok/s in 33 s, accept 2.6, "
+            "kept 77%, 2 loops stopped (61,440 tok saved), gpu@vm GPU 0",
+        ),
+        (
+            {"waste": {"waste_kept_tokens": 43586, "waste_kept_records": 30}},
+            "run/batch-000004: 30 prompts, 43,586 tok, 4,407 tok/s in 33 s, accept 2.6, "
+            "gpu@vm GPU 0",
+        ),
     ],
 )
 def test_batch_headline(changes: dict[str, Any], line: str) -> None:

@@ -153,3 +153,6 @@ def test_top_first_minute_figures_are_the_runs_real_rate(
     )
     assert all(abs(o) <= 0.10 for o in off.values()), (real, figures)
     assert data[0]["worker"] == worker.hostname
+    # where the worker's tokens went, per row and for the fleet (plain answers: mostly kept)
+    assert row["waste"]["generated_tokens"] > 0 and totals["waste"]["generated_tokens"] > 0
+    assert totals["waste"]["tokens"]["kept"] > 0 and totals["waste"]["loops_stopped"] == 0

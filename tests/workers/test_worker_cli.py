@@ -237,9 +237,14 @@ def test_control_beat_runs_with_a_log_dir_not_made_yet(
     tmp_path: Path, redis_url: str, start_worker: Callable[..., Worker]
 ) -> None:
     logs = tmp_path / "not-yet" / "logs"
-    env = base_env(redis_url, f"file://{tmp_path / 'store'}", log_dir=logs)
+    env = {
+        **base_env(redis_url, f"file://{tmp_path / 'store'}", log_dir=logs),
+        "TMPDIR": str(tmp_path),
+    }
     control = start_worker(env, role="control")
-    wait_for(lambda: any(logs.glob("genfleet-beat-schedule*")), 60, "beat's schedule file", 0.2)
+    # beat's schedule is kept in the user's private directory, whatever --log-dir says
+    beat = tmp_path / f"genfleet-{os.getuid()}" / "beat"
+    wait_for(lambda: beat.is_dir() and any(beat.iterdir()), 60, "beat's schedule file", 0.2)
     assert control.proc.poll() is None
 
 
@@ -303,3 +308,63 @@ def test_settings_are_handed_to_the_celery_app_once(tmp_path: Path) -> None:
         [sys.executable, "-c", FROM_ENVIRONMENT], env=env, capture_output=True, text=True
     )
     assert from_env.returncode == 0 and from_env.stdout.strip() == "env", from_env.stderr
+
+
+def test_a_worker_listens_to_no_other_workers_events(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis, start_worker: Callable[..., Worker]
+) -> None:
+    """Gossip is off: a worker's only Pub/Sub subscription is its remote-control mailbox, so
+    it does not consume every other worker's heartbeats and task events (Flower still gets
+    them: the worker sends them, tests/workers/test_flower.py)."""
+    worker = start_worker(base_env(redis_url, (tmp_path / "store").as_uri(), port=free_port()))
+    worker.wait_ready()
+    db = str(redis_client.connection_pool.connection_kwargs.get("db", 0))
+    subscribers = [
+        c for c in redis_client.client_list() if c["db"] == db and int(c.get("psub", 0)) > 0
+    ]
+    assert len(subscribers) == 1, subscribers
+
+
+def test_engines_get_a_key_and_logs_and_schedules_stay_private_by_default(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis, start_worker: Callable[..., Worker]
+) -> None:
+    """With no --engine-api-key and no --log-dir: the engine has a key of its own (not on its
+    argv) that the worker uses; its log and beat's schedule (a pickle) live in this user's
+    0700 directory, not in a shared /tmp path."""
+    import stat
+
+    import httpx
+
+    from tests.faults.helpers import engine_pid
+
+    store = (tmp_path / "store").as_uri()
+    port = free_port()
+    env = {**base_env(redis_url, store, port=port), "TMPDIR": str(tmp_path)}
+    worker = start_worker(env)
+    control = start_worker(env, role="control")
+    worker.wait_ready()
+    control.wait_ready()
+    private = tmp_path / f"genfleet-{os.getuid()}"
+
+    config = orjson.loads((private / "engines" / f"engine-{port}.yaml").read_bytes())
+    key = config["api-key"]
+    assert len(key) >= 32
+    pid = engine_pid(worker)
+    assert pid is not None and key.encode() not in Path(f"/proc/{pid}/cmdline").read_bytes()
+    base = f"http://127.0.0.1:{port}"
+    assert httpx.get(f"{base}/server_info").status_code == 401
+    assert httpx.get(f"{base}/server_info", headers={"Authorization": f"Bearer {key}"}).is_success
+
+    settings = Settings(redis_url=redis_url, store=store, batch_size=10)
+    source = write_source(tmp_path / "k.jsonl", 20)
+    enqueue_run(settings, "keyed", str(source), reader_options(settings))
+    assert len(finish(tmp_path, redis_client, settings, "keyed")) == 20
+
+    for folder in (private / "logs", private / "beat"):
+        assert stat.S_IMODE(os.lstat(folder).st_mode) == 0o700, folder
+    logs = list((private / "logs").iterdir())
+    assert logs and all(stat.S_IMODE(os.lstat(p).st_mode) == 0o600 for p in logs)
+    assert all(key not in p.read_text(errors="replace") for p in logs)
+    assert list((private / "beat").iterdir()), "no beat schedule in the private directory"
+    assert not list(tmp_path.glob("genfleet-beat-schedule*"))
+    assert not (tmp_path / "genfleet-logs").exists()

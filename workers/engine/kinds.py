@@ -11,9 +11,13 @@
 from __future__ import annotations
 
 import dataclasses
+import secrets
 import shlex
 import string
 import sys
+from collections.abc import Callable
+
+from pydantic import SecretStr
 
 from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
@@ -46,6 +50,29 @@ def engine_launch(settings: Settings, port: int, arch: str | None = None) -> Eng
     if kind == "command":
         return command_launch(settings, port)
     return None
+
+
+def with_engine_key(settings: Settings, token: Callable[[], str] | None = None) -> Settings:
+    """`settings` with an API key of its own for an engine genfleet launches on loopback
+    (SGLang, the emulator) when none is given: without one, any local user reaches SGLang's
+    admin endpoints (flush the cache, update weights, abort requests).
+
+    The key reaches the engine through its 0600 `--config` file, never argv, and the worker's
+    client, watchdog and supervisor send it. A user's `--engine-command` gets only the key
+    it is given (it could not read one made up here), and an external engine is someone
+    else's.
+
+    >>> with_engine_key(Settings(), lambda: "k").engine_api_key.get_secret_value()
+    'k'
+    """
+    if settings.engine_api_key is not None or settings.engine_kind not in ("sglang", "emulator"):
+        return settings
+    key = (token or _new_key)()
+    return settings.model_copy(update={"engine_api_key": SecretStr(key)})
+
+
+def _new_key() -> str:
+    return secrets.token_urlsafe(32)
 
 
 def emulator_launch(settings: Settings, port: int, arch: str | None = None) -> EngineLaunch:

@@ -1,7 +1,8 @@
 """Engine ports on this host: free, and reserved so two workers never pick the same one.
 
-Lock files live in a directory of this user's own (0700, checked to be a real directory owned
-by this user, not a link someone planted in /tmp) and are opened without following symlinks.
+Lock files live in a directory of this user's own (`common/private.py`: 0700, checked to be a
+real directory owned by this user, not a link someone planted in /tmp) and are opened without
+following symlinks.
 """
 
 from __future__ import annotations
@@ -9,12 +10,14 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
-import stat
-import tempfile
 from pathlib import Path
 from typing import IO
 
 from genfleet.common.errors import EngineStartError
+from genfleet.common.private import NotPrivate, open_private
+from genfleet.common.private import private_dir as common_private_dir
+
+__all__ = ["open_private", "pick_port", "port_is_free", "private_dir", "release_port"]
 
 
 def port_is_free(host: str, port: int) -> bool:
@@ -31,30 +34,12 @@ _RESERVED: dict[int, IO[str]] = {}
 
 
 def private_dir(name: str, root: Path | None = None) -> Path:
-    """`root/genfleet-UID/name` (root: the temp directory), each level 0700 and this user's.
-
-    Raises EngineStartError when a level is a symlink, not a directory, someone else's, or
-    open to others: a predictable path in /tmp is otherwise an invitation.
-    """
-    base = (root or Path(tempfile.gettempdir())) / f"genfleet-{os.getuid()}"
-    for path in (base, base / name):
-        try:
-            path.mkdir(mode=0o700)
-        except FileExistsError:
-            pass
-        info = os.lstat(path)
-        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid():
-            raise EngineStartError(f"{path} is not a directory of this user's own: remove it")
-        if stat.S_IMODE(info.st_mode) & 0o077:
-            raise EngineStartError(
-                f"{path} is open to other users (mode {stat.S_IMODE(info.st_mode):o}): chmod 700 it"
-            )
-    return base / name
-
-
-def open_private(path: Path, flags: int = os.O_RDWR) -> int:
-    """Open (creating, 0600) a file without following a symlink at its name."""
-    return os.open(path, flags | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    """`common.private.private_dir`, its refusal an EngineStartError (the engine cannot start
+    without its port locks and config file)."""
+    try:
+        return common_private_dir(name, root)
+    except NotPrivate as exc:
+        raise EngineStartError(str(exc)) from exc
 
 
 def pick_port(host: str, preferred: int, span: int = 200) -> int:

@@ -27,6 +27,10 @@ static steps. From 0.5.13.post1 the steps also follow the batch size (`DEFAULT_A
 candidate steps [1,3,7] below 8 running requests, [0,1,3] from 8, [0,1] from 32, [0] from 64)
 and `--speculative-num-steps` must be one of the candidates.
 
+`--stream-interval` (tokens between the chunks of a streamed answer; SGLang's default is 1)
+is in every supported release: `server_args.py` in 0.5.11, `arg_groups/fields/serving.py`
+from the dataclass era on (0.5.23 too).
+
 `sglang serve` (console script `sglang = sglang.cli.main:main`) exists from 0.5.5 on; older
 releases get `python -m sglang.launch_server`, which newer ones still accept with a warning.
 """
@@ -122,6 +126,8 @@ def sglang_launch(
     if settings.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(settings.mem_fraction_static)]
     argv += ["--max-running-requests", str(max_running)]
+    # Chunks every few dozen tokens, for the repetition guard (every release has the flag).
+    argv += ["--stream-interval", str(settings.stream_chunk_tokens)]
     if settings.context_length is not None:
         argv += ["--context-length", str(settings.context_length)]
     if choice.reasoning_parser:

@@ -37,6 +37,7 @@ import orjson
 
 from genfleet.common.backoff import Backoff
 from genfleet.common.errors import EngineDown, EngineStartError, RestartBudgetExhausted
+from genfleet.common.private import die_with_parent as _die_with_parent
 from genfleet.workers.engine.crashes import (
     crash_report,
     known_crash,
@@ -49,17 +50,6 @@ from genfleet.workers.engine.ports import open_private, private_dir, release_por
 log = logging.getLogger("genfleet.engine")
 
 State = Literal["stopped", "starting", "ready", "restarting", "exhausted"]
-
-
-def _die_with_parent() -> None:
-    """In the child: get SIGTERM when the worker dies, even by SIGKILL (Linux only)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class EngineSupervisor:
@@ -237,8 +227,7 @@ class EngineSupervisor:
         if self.launch.config:
             argv += ["--config", str(self._write_config())]
         if self.log_path and self._log_file is None:
-            self.log_path.parent.mkdir(parents=True, exist_ok=True)
-            self._log_file = self.log_path.open("ab", buffering=0)
+            self._log_file = open_log(self.log_path)
         log.info("starting engine: %s", self.launch.describe())
         try:
             proc = subprocess.Popen(
@@ -271,7 +260,11 @@ class EngineSupervisor:
 
     def _pump_logs(self, proc: subprocess.Popen[bytes]) -> None:
         assert proc.stdout is not None
+        # SGLang logs its server_args at start, the API key among them: never kept as is.
+        secret = self.launch.api_key.encode() if self.launch.api_key else None
         for raw in proc.stdout:
+            if secret is not None:
+                raw = raw.replace(secret, b"***")
             line = raw.decode("utf-8", "replace").rstrip()
             self.log_tail.append(line)
             if self._log_file:
@@ -484,3 +477,15 @@ def _info_line(info: dict[str, Any]) -> str:
         f"max_running_requests={info.get('max_running_requests')} "
         f"context_length={info.get('context_length')} version={info.get('version')}"
     )
+
+
+def open_log(path: Path) -> Any:
+    """The engine's log, appended to: its directory made 0700 when this creates it, the file
+    0600 and never opened through a symlink (a log holds prompts and the engine's settings;
+    a predictable path in a shared directory is otherwise an invitation)."""
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        fd = open_private(path, os.O_WRONLY | os.O_APPEND)
+    except OSError as exc:  # ELOOP: a symlink where the log should be
+        raise EngineStartError(f"cannot open the engine log {path}: {exc}") from exc
+    return os.fdopen(fd, "ab", buffering=0)

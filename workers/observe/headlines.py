@@ -16,6 +16,8 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from genfleet.common.waste import WasteTally
+
 # The knob to turn, per cause, in a few words (diagnosis.py holds the long suggestion).
 FIXES = {
     "crash_loop": "a restart will not fix it",
@@ -70,7 +72,8 @@ def gpu_label(gpus: str | None) -> str:
 
 def batch_headline(summary: Mapping[str, Any]) -> str:
     """One line for a finished batch, e.g.
-    `run/batch-000004: 30 prompts, 43,586 tok, 4,407 tok/s in 33 s, accept 2.6, gpu@vm GPU 0`.
+    `run/batch-000004: 30 prompts, 43,586 tok, 4,407 tok/s in 33 s, accept 2.6, gpu@vm GPU 0`,
+    with `kept 81%, 2 loops stopped (61,440 tok saved)` when some tokens will not be kept.
     """
     where = f"{summary.get('run')}/{summary.get('batch')}"
     worker = " ".join(p for p in (summary.get("worker") or "", gpu_label(summary.get("gpus"))) if p)
@@ -86,6 +89,8 @@ def batch_headline(summary: Mapping[str, Any]) -> str:
         parts.append(f"accept {float(summary['accept_length']):.1f}")
     if summary.get("errors"):
         parts.append(plural(int(summary["errors"]), "error record"))
+    if waste := waste_words(summary.get("waste") or {}):
+        parts.append(waste)
     if summary.get("resumed"):
         parts.append(f"{int(summary['resumed']):,} from a checkpoint")
     if summary.get("duplicate"):
@@ -93,6 +98,22 @@ def batch_headline(summary: Mapping[str, Any]) -> str:
     if worker:
         parts.append(worker)
     return _clean(f"{where}: {', '.join(parts)}")
+
+
+def waste_words(counters: Mapping[str, Any]) -> str:
+    """A batch's tokens that will not be kept, from its waste counters (common/waste.py):
+    `kept 81%, 2 loops stopped (61,440 tok saved)`; '' when every token was kept."""
+    tally = WasteTally.from_counters(counters).figures()
+    generated = tally["generated_tokens"]
+    if not generated or tally["tokens"]["kept"] == generated:
+        return ""
+    words = [f"kept {tally['tokens_share']['kept']:.0%}"]
+    if tally["loops_stopped"]:
+        words.append(
+            f"{plural(tally['loops_stopped'], 'loop')} stopped "
+            f"({tally['tokens_saved']:,} tok saved)"
+        )
+    return ", ".join(words)
 
 
 def not_generated_headline(result: Mapping[str, Any]) -> str:

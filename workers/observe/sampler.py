@@ -55,8 +55,10 @@ class Monitor:
         clock: Callable[[], float] = time.time,
         fleet: Callable[[float], FleetState] | None = None,
         engine_pid: Callable[[], int | None] = lambda: None,
+        waste: Callable[[], dict[str, int]] | None = None,
     ) -> None:
         self.settings = settings
+        self._waste = waste  # the feeder's waste counters since the worker started
         self._engine_pid = engine_pid
         self.worker = worker
         self.sampler = sampler
@@ -188,6 +190,7 @@ class Monitor:
             **self.window.summary(now),
             "node": socket.gethostname(),
             **node,
+            **({"waste": self._waste()} if self._waste is not None else {}),
         }
 
     def stop(self) -> None:

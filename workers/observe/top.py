@@ -19,6 +19,7 @@ from rich.table import Table
 from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.throughput import fleet_tokens_per_s
+from genfleet.common.waste import WasteTally, waste_text
 from genfleet.workers.observe.diagnosis import verdicts
 from genfleet.workers.observe.node import node_rows
 from genfleet.workers.observe.power_watch import snapshot
@@ -37,7 +38,7 @@ COLUMNS = (
 )
 
 
-def rows(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, float]]:
+def rows(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One verdict row per GPU (with its worker's 10-minute tok/s), and fleet tok/s."""
     client = connect(settings)
     now = time.time()
@@ -55,13 +56,20 @@ def rows(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, float]]:
     # A worker younger than the window is averaged over its own life, not the whole window.
     since = {w: float(s["first_ts"]) for w, s in samples.items() if s.get("first_ts")}
     last_10m = fleet_tokens_per_s(client, now, 600.0, since)
+    fleet_waste = WasteTally()
+    for sample in samples.values():
+        fleet_waste.merge(WasteTally.from_counters(sample.get("waste") or {}))
     for row in data:
         row["tokens_per_s_10m"] = round(last_10m.get(str(row["worker"]), 0.0), 1)
-    totals = {
+        counters = samples.get(str(row["worker"]), {}).get("waste")
+        if counters is not None:
+            row["waste"] = WasteTally.from_counters(counters).figures()
+    totals: dict[str, Any] = {
         "fleet_tokens_per_s_1m": round(
             fleet_tokens_per_s(client, now, 60.0, since).get("", 0.0), 1
         ),
         "fleet_tokens_per_s_10m": round(last_10m.get("", 0.0), 1),
+        "waste": fleet_waste.figures(),  # since each worker started
     }
     return data, totals
 
@@ -74,7 +82,7 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
-def table(view: tuple[list[dict[str, Any]], dict[str, float]]) -> Table:
+def table(view: tuple[list[dict[str, Any]], dict[str, Any]]) -> Table:
     data, totals = view
     grid = Table(title=f"genfleet top — {time.strftime('%H:%M:%S')}", expand=True)
     for title, _ in COLUMNS:
@@ -102,6 +110,8 @@ def table(view: tuple[list[dict[str, Any]], dict[str, float]]) -> Table:
         f"{totals['fleet_tokens_per_s_10m']:,.1f} tok/s (10 min, or since the oldest worker "
         "started)"
     )
+    if waste := waste_text(totals.get("waste") or {}):
+        grid.caption += f"\nfleet {waste} (since each worker started)"
     if not data:
         grid.caption += " — no GPU worker answered (are workers running on this Redis?)"
     for row in data:

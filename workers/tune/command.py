@@ -30,7 +30,6 @@ from __future__ import annotations
 import itertools
 import logging
 import sys
-import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,8 +46,8 @@ from genfleet.common.records import GenerationParams, PromptRecord
 from genfleet.common.settings import Settings
 from genfleet.workers.client import EngineClient, ThinkingSwitch
 from genfleet.workers.engine.families import choose
-from genfleet.workers.engine.kinds import engine_launch
-from genfleet.workers.engine.ports import pick_port
+from genfleet.workers.engine.kinds import engine_launch, with_engine_key
+from genfleet.workers.engine.ports import pick_port, private_dir
 from genfleet.workers.engine.preflight import checkpoint_arch
 from genfleet.workers.engine.sglang_argv import DEFAULT_MAX_RUNNING_REQUESTS
 from genfleet.workers.engine.supervisor import EngineSupervisor
@@ -120,7 +119,7 @@ def start_engine(settings: Settings, config: TuneConfig) -> tuple[EngineSupervis
     update: dict[str, Any] = {"mtp": config.mtp, "speculative_adaptive": config.adaptive}
     if config.max_running_requests is not None:
         update["max_running_requests"] = config.max_running_requests
-    each = settings.model_copy(update=update)
+    each = with_engine_key(settings.model_copy(update=update))
     arch = None
     if each.engine_kind == "sglang":
         from genfleet.workers.engine.preflight import preflight
@@ -129,7 +128,7 @@ def start_engine(settings: Settings, config: TuneConfig) -> tuple[EngineSupervis
     port = pick_port(each.engine_host, each.port)
     launch = engine_launch(each, port, arch=arch)
     assert launch is not None  # external engines are refused in tune_options
-    log_dir = Path(each.log_dir or Path(tempfile.gettempdir()) / "genfleet-logs")
+    log_dir = Path(each.log_dir) if each.log_dir else private_dir("logs")
     label = config.label.replace(":", "-")
     supervisor = EngineSupervisor(
         launch,

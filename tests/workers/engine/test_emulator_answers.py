@@ -7,6 +7,7 @@ from pathlib import Path
 import httpx
 import orjson
 
+from genfleet.workers.repetition import RepetitionDetector, RepetitionRule
 from tests.support import StartEmulator
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
@@ -61,3 +62,46 @@ def test_a_lower_enforced_cap_is_reported_per_dp_rank(
     httpx.post(f"{emulator.base_url}/v1/chat/completions", json=body, timeout=10)
     (entry,) = [orjson.loads(line) for line in log.read_bytes().splitlines()]
     assert entry["body"] == body and entry["outcome"] == "ok" and len(entry["id"]) == 32
+
+
+def _texts(emulator_url: str, count: int, **extra: object) -> list[dict[str, object]]:
+    answers = []
+    with httpx.Client(base_url=emulator_url, timeout=30) as client:
+        for i in range(count):
+            body = {**CHAT, "messages": [{"role": "user", "content": f"q{i}"}], **extra}
+            answers.append(client.post("/v1/chat/completions", json=body).json())
+    return answers
+
+
+def test_looping_answers_repeat_one_block_to_max_tokens(start_emulator: StartEmulator) -> None:
+    emulator = start_emulator(
+        "--reasoning-parser", "qwen3", env={"GENFLEET_EMULATOR_LOOP_RATE": "1"}
+    )
+    rule = RepetitionRule()
+    for answer in _texts(emulator.base_url, 6, max_tokens=3000):
+        choice = answer["choices"][0]  # type: ignore[index]
+        assert choice["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] == 3000  # type: ignore[index]
+        text = choice["message"]["reasoning_content"]
+        detector = RepetitionDetector(rule)
+        loops = [detector.feed(text[i : i + 128]) for i in range(0, len(text), 128)]
+        assert any(loops), text[-300:]
+
+
+def test_legitimately_repetitive_answers_are_never_loops(start_emulator: StartEmulator) -> None:
+    emulator = start_emulator(
+        "--reasoning-parser",
+        "qwen3",
+        env={
+            "GENFLEET_EMULATOR_LEGIT_REPEAT_RATE": "1",
+            "GENFLEET_EMULATOR_MEAN_COMPLETION_TOKENS": "4000",
+        },
+    )
+    starts = set()
+    for answer in _texts(emulator.base_url, 12, max_tokens=6000, ignore_eos=True):
+        content = answer["choices"][0]["message"]["content"]  # type: ignore[index]
+        starts.add(content[:4])
+        assert content.count("\n") + content.count("item ") >= 20  # rows, lines, items
+        detector = RepetitionDetector(RepetitionRule())
+        assert not any(detector.feed(content[i : i + 128]) for i in range(0, len(content), 128))
+    assert len(starts) >= 3  # tables, lists, code, refrains, enumerations: several kinds

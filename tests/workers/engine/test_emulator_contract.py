@@ -234,6 +234,35 @@ def test_chat_stream_format(client: httpx.Client) -> None:
     assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] > 0
 
 
+def test_chat_stream_interval_and_continuous_usage(start_emulator: StartEmulator) -> None:
+    """`--stream-interval 16` (no MTP: one token a step): text chunks at least 16 tokens
+    apart, each with the usage so far under `continuous_usage_stats`; the final usage chunk
+    as before."""
+    emulator = start_emulator("--reasoning-parser", "qwen3", "--stream-interval", "16")
+    body = {
+        "messages": [{"role": "user", "content": "stream me in sixteens"}],
+        "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        "max_tokens": 400,
+        "ignore_eos": True,
+    }
+    with httpx.Client(base_url=emulator.base_url, timeout=10) as c:
+        with c.stream("POST", "/v1/chat/completions", json=body) as r:
+            events = sse_events(r)
+    assert events[-1] == "[DONE]"
+    texts = [
+        e for e in events[:-1] if e["choices"] and set(e["choices"][0]["delta"]) - {"role"}
+        and (e["choices"][0]["delta"].get("content") or e["choices"][0]["delta"].get(
+            "reasoning_content"))
+    ]  # fmt: skip
+    counts = [e["usage"]["completion_tokens"] for e in texts]
+    assert counts == sorted(counts) and counts[-1] == 400
+    # At most one write per 16 tokens (a write may hold a reasoning and a content chunk; a
+    # busy event loop coalesces more), where the default interval writes after every token.
+    assert len(set(counts)) <= 400 // 16 + 1
+    assert events[-2]["choices"] == [] and events[-2]["usage"]["completion_tokens"] == 400
+
+
 def test_generate_non_stream_and_stream(client: httpx.Client) -> None:
     body: dict[str, Any] = {"text": "The capital city of France is"}
     one = client.post("/generate", json=body).json()

@@ -181,6 +181,7 @@ def test_maximal_settings_emit_every_flag_the_builder_knows() -> None:
         "--port",
         "--mem-fraction-static",
         "--max-running-requests",
+        "--stream-interval",
         "--context-length",
         "--reasoning-parser",
         "--tool-call-parser",

@@ -252,6 +252,51 @@ def test_engine_gets_an_explicit_environment_and_its_key_by_config_file(
     assert not Path(config_path).exists()  # removed when the engine stopped
 
 
+def test_engine_log_is_private_and_never_holds_the_api_key(tmp_path: Path) -> None:
+    """SGLang logs its server_args, the API key among them, at start: the log genfleet keeps
+    (0600, in a directory it makes 0700) and the lines it shows on a failure say `***`."""
+    port = free_port()
+    code = (
+        "import http.server, sys; "
+        "print(\"server_args=ServerArgs(api_key='engine-key', port=%s)\" % sys.argv[1], "
+        "flush=True); "
+        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), "
+        "http.server.SimpleHTTPRequestHandler).serve_forever()"
+    )
+    launch = EngineLaunch(
+        kind="command",
+        argv=[sys.executable, "-c", code, str(port)],
+        port=port,
+        health_path="/",
+        api_key="engine-key",
+    )
+    log = tmp_path / "logs" / "engine.log"
+    sup = EngineSupervisor(launch, log_path=log, startup_timeout_s=20)
+    sup.start()
+    try:
+        wait_for(lambda: "server_args" in log.read_text(), 5, "the engine's first line")
+    finally:
+        sup.stop()
+    assert "engine-key" not in log.read_text()
+    assert "api_key='***'" in log.read_text()
+    assert not any("engine-key" in line for line in sup.log_tail)
+    assert stat.S_IMODE(os.stat(log).st_mode) == 0o600
+    assert stat.S_IMODE(os.stat(log.parent).st_mode) == 0o700
+
+
+def test_engine_log_is_never_opened_through_a_symlink(tmp_path: Path) -> None:
+    target = tmp_path / "someone-elses-file"
+    target.write_text("")
+    log = tmp_path / "engine.log"
+    log.symlink_to(target)
+    port = free_port()
+    sup = EngineSupervisor(http_engine(port), log_path=log, startup_timeout_s=20)
+    with pytest.raises(EngineStartError):
+        sup.start()
+    sup.stop()
+    assert target.read_text() == ""
+
+
 CRASH_LINE = (
     "RuntimeError: The expanded size of the tensor (33554432) must match the existing size "
     "(33558528) at non-singleton dimension 0"

@@ -113,6 +113,7 @@ class EngineArgs:
     model_type: str
     extra: dict[str, Any]
     crash: CrashKnobs | None = None
+    stream_interval: int = 1  # --stream-interval: tokens between a stream's chunks
 
     @property
     def reserved_tokens(self) -> int:
@@ -150,6 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dp-size", "--data-parallel-size", dest="dp_size", type=int, default=1)
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--max-queued-requests", type=int, default=None)
+    p.add_argument("--stream-interval", type=int, default=1)
     p.add_argument("--context-length", type=human_int, default=None)
     p.add_argument("--reasoning-parser", default=None)
     p.add_argument("--speculative-algorithm", default=None)
@@ -320,6 +322,7 @@ def parse_args(argv: list[str]) -> EngineArgs:
         allow_auto_truncate=ns.allow_auto_truncate,
         architectures=[str(a) for a in architectures],
         model_type=str(config.get("model_type", "emulated")),
+        stream_interval=max(1, ns.stream_interval),
         extra={
             "tool_call_parser": ns.tool_call_parser,
             "trust_remote_code": ns.trust_remote_code,
@@ -373,6 +376,7 @@ def server_args_dict(args: EngineArgs) -> dict[str, Any]:
         "skip_server_warmup": args.skip_server_warmup,
         "allow_auto_truncate": args.allow_auto_truncate,
         "decode_log_interval": 40,
+        "stream_interval": args.stream_interval,
         "disable_overlap_schedule": False,
         "enable_mixed_chunk": False,
         "speculative_algorithm": spec.algorithm if spec else None,

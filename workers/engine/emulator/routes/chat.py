@@ -27,8 +27,11 @@ from genfleet.workers.engine.emulator.routes.validate import (
 from genfleet.workers.engine.emulator.sim.engine import Engine
 from genfleet.workers.engine.emulator.sim.model import Sequence
 from genfleet.workers.engine.emulator.sim.text import (
+    CHARS_PER_TOKEN,
     EOS_TOKEN_ID,
     chat_prompt,
+    legit_text,
+    loop_text,
     prompt_seed,
     synth_text,
 )
@@ -50,11 +53,24 @@ class Choice:
     finished: bool = False
 
     def texts(self, generated: int) -> tuple[str, str]:
-        """(reasoning_content, content) after `generated` tokens; each grows by appending."""
-        seed, r_total = self.seq.seed, self.reasoning_tokens
+        """(reasoning_content, content) after `generated` tokens; each grows by appending.
+
+        A looping answer turns into one block repeated (in its reasoning when it thinks); a
+        legitimately repetitive one answers with a table, a list, code, a refrain or an
+        enumeration after its reasoning."""
+        seq, r_total = self.seq, self.reasoning_tokens
+        seed = seq.seed
         r = min(generated, r_total)
-        reasoning = synth_text(seed, r)
-        content = synth_text(seed, generated - r, start=r_total)
+        if seq.text_kind == "loop":
+            text = loop_text(seed, generated, seq.loop_at, seq.loop_block)
+            split = r * CHARS_PER_TOKEN
+            reasoning, content = text[:split], text[split:]
+        elif seq.text_kind != "plain":
+            reasoning = synth_text(seed, r)
+            content = legit_text(seq.text_kind, seed, generated - r)
+        else:
+            reasoning = synth_text(seed, r)
+            content = synth_text(seed, generated - r, start=r_total)
         if self.separate or r_total == 0:
             return reasoning, content
         marker = THINK_END if r == r_total else ""
@@ -72,6 +88,7 @@ class ChatRequest:
     include_usage: bool
     return_meta_info: bool
     choices: list[Choice]
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage per chunk
 
     @property
     def seqs(self) -> list[Sequence]:
@@ -140,6 +157,8 @@ def parse(body: dict[str, Any], engine: Engine) -> ChatRequest:
         and stream_options.get("include_usage") is True,
         return_meta_info=body.get("return_meta_info") is True,
         choices=choices,
+        continuous_usage=isinstance(stream_options, dict)
+        and stream_options.get("continuous_usage_stats") is True,
     )
 
 
@@ -280,8 +299,10 @@ async def _stream(
             for c in req.choices
         ]
         await resp.write(b"".join(first))
+        shape = engine.knobs.usage_shape
         while True:
-            out = [part for c in req.choices for part in _progress(head, c)]
+            so_far = usage(req, shape) if req.continuous_usage else None
+            out = [part for c in req.choices for part in _progress(head, c, so_far)]
             if out:
                 await resp.write(b"".join(out))
             if all(c.finished for c in req.choices):
@@ -299,7 +320,11 @@ async def _stream(
 
 
 def _chunk(
-    head: dict[str, Any], c: Choice, delta: dict[str, Any], finish: str | None = None
+    head: dict[str, Any],
+    c: Choice,
+    delta: dict[str, Any],
+    finish: str | None = None,
+    so_far: dict[str, Any] | None = None,
 ) -> bytes:
     choice = {
         "index": c.index,
@@ -308,21 +333,24 @@ def _chunk(
         "finish_reason": finish,
         "matched_stop": c.matched_stop if finish else None,
     }
+    if so_far is not None:  # continuous_usage_stats: SGLang adds it to every text chunk
+        return sse({**head, "choices": [choice], "usage": so_far})
     return sse({**head, "choices": [choice]})
 
 
-def _progress(head: dict[str, Any], c: Choice) -> list[bytes]:
+def _progress(head: dict[str, Any], c: Choice, so_far: dict[str, Any] | None) -> list[bytes]:
     """The delta chunks since the last write, and the finish chunk once the sequence is done."""
     if c.finished:
         return []
     out = []
     reasoning, content = c.texts(c.seq.generated)
     if len(reasoning) > c.sent_reasoning:
-        out.append(_chunk(head, c, {"reasoning_content": reasoning[c.sent_reasoning :]}))
+        part: dict[str, Any] = {"reasoning_content": reasoning[c.sent_reasoning :]}
+        out.append(_chunk(head, c, part, so_far=so_far))
         c.sent_reasoning = len(reasoning)
     if len(content) > c.sent_content:
         delta = {"reasoning_content": None, "content": content[c.sent_content :]}
-        out.append(_chunk(head, c, delta))
+        out.append(_chunk(head, c, delta, so_far=so_far))
         c.sent_content = len(content)
     if c.seq.done:
         out.append(_chunk(head, c, {"reasoning_content": None}, c.seq.finish_reason))

@@ -31,6 +31,7 @@ from genfleet.workers.engine.emulator.sim.model import (
     plan_length,
 )
 from genfleet.workers.engine.emulator.sim.power import EnergyMeter, PowerModel
+from genfleet.workers.engine.emulator.sim.text import draw_loop, draw_text_kind
 
 if TYPE_CHECKING:
     from genfleet.common.settings import Settings
@@ -60,6 +61,8 @@ class Knobs:
     rate_429: float = 0.0
     retry_after_s: float = 1.0
     abort_rate: float = 0.0
+    loop_rate: float = 0.0
+    legit_repeat_rate: float = 0.0
     usage_shape: str = "sglang"
     effective_max_running_requests: int | None = None
     request_log: str | None = None
@@ -83,6 +86,8 @@ class Knobs:
             rate_429=s.emulator_429_rate,
             retry_after_s=s.emulator_retry_after_s,
             abort_rate=s.emulator_abort_rate,
+            loop_rate=s.emulator_loop_rate,
+            legit_repeat_rate=s.emulator_legit_repeat_rate,
             usage_shape=s.emulator_usage_shape,
             effective_max_running_requests=s.emulator_effective_max_running_requests,
             request_log=s.emulator_request_log,
@@ -229,20 +234,29 @@ class Engine:
         ]
         if max_tokens is not None:
             caps.append(max_tokens)
+        kind = draw_text_kind(seed, self.knobs.loop_rate, self.knobs.legit_repeat_rate)
+        looping = kind == "loop"  # a loop never reaches its end: it runs to the cap
         target, reason = plan_length(
-            seed, self.knobs.mean_completion_tokens, caps, ignore_eos, min_tokens
+            seed, self.knobs.mean_completion_tokens, caps, ignore_eos or looping, min_tokens
         )
-        return Sequence(
+        seq = Sequence(
             rid=uuid.uuid4().hex,
             prompt_tokens=prompt_tokens,
             target_tokens=target,
             finish_reason=reason,
             seed=seed,
             arrived_s=self.clock(),
+            text_kind=kind,
         )
+        if looping:
+            seq.loop_at, seq.loop_block = draw_loop(seed, target)
+        return seq
 
     def reasoning_tokens(self, seq: Sequence) -> int:
-        """Tokens of a thinking completion spent reasoning: 70 % of its uncut length."""
+        """Tokens of a thinking completion spent reasoning: 70 % of its uncut length (all of
+        it for a loop, which never gets out of its thinking)."""
+        if seq.text_kind == "loop":
+            return seq.target_tokens
         natural = natural_length(seq.seed, self.knobs.mean_completion_tokens)
         return min(seq.target_tokens, max(1, round(REASONING_SHARE * natural)))
 
@@ -270,6 +284,7 @@ class Engine:
                 continue
             seq.waker = waker
             seq.stream = stream
+            seq.stream_every = self.args.stream_interval
             self.scheduler.submit(seq, now)
         crash = self.args.crash
         if (
@@ -331,10 +346,12 @@ class Engine:
 
     def _step(self, now: float) -> None:
         s = self.scheduler
-        for seq in s.running:
-            if seq.stream:
+        finished = s.step(now)
+        for seq in s.running:  # a stream's chunk once --stream-interval tokens are unsent
+            if seq.stream and seq.generated - seq.streamed_at >= seq.stream_every:
+                seq.streamed_at = seq.generated
                 seq.waker.set()
-        for seq in s.step(now):
+        for seq in finished:
             seq.waker.set()
         if s.due_fold():
             s.fold(now)

@@ -164,7 +164,12 @@ class Sequence:
     first_token_s: float | None = None
     finished_s: float | None = None
     waker: Any = None  # an asyncio.Event of the HTTP request, set when this sequence finishes
-    stream: bool = False  # also set the waker after every step that advances it
+    stream: bool = False  # also set the waker once `stream_every` tokens are unsent
+    stream_every: int = 1  # --stream-interval
+    streamed_at: int = 0  # tokens generated when the waker was last set for the stream
+    text_kind: str = "plain"  # "loop", a legit kind (sim/text.py) or "plain"
+    loop_at: int = 0  # a loop's first token
+    loop_block: int = 0  # a loop's block, in tokens
 
     @property
     def done(self) -> bool:
@@ -243,6 +248,7 @@ class Scheduler:
             self.waiting.remove(seq)
         seq.finished_s = now
         self.tallies.aborted += 1
+        self.tallies.generation_tokens += seq.generated  # spent, even if nobody reads them
         self._fill(now)
 
     def step(self, now: float) -> list[Sequence]:

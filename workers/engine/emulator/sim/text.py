@@ -80,3 +80,93 @@ def synth_text(seed: int, tokens: int, start: int = 0) -> str:
 def synth_ids(seed: int, tokens: int) -> list[int]:
     """Output token ids matching `synth_text`, for /generate's `output_ids`."""
     return [(seed + i * 7919) % VOCAB_SIZE for i in range(tokens)]
+
+
+# --- answers that repeat: loops the repetition guard must stop, structure it must not -------
+
+LEGIT_KINDS = ("table", "list", "code", "refrain", "enumeration")
+LOOP_BLOCK_TOKENS = (3, 5, 12, 30, 75, 150, 200)  # 12 … 800 characters
+LOOP_START_TOKENS = (64, 1200)  # a loop begins this many tokens in, at the earliest and latest
+_CHORUS = "Oh the night is long and the road goes on, so we sing it again until the dawn.\n"
+_legit_cache: dict[tuple[str, int], str] = {}
+
+
+def _draw(seed: int, salt: int) -> float:
+    """A uniform [0, 1) draw of the prompt's seed, independent of its length's draws."""
+    return zlib.crc32(seed.to_bytes(8, "little", signed=False), salt) / 2**32
+
+
+def draw_text_kind(seed: int, loop_rate: float, legit_rate: float) -> str:
+    """The kind of answer of the prompt with this seed: `loop`, one of LEGIT_KINDS or
+    `plain`, at the given rates."""
+    u = _draw(seed & 0xFFFFFFFF, 0x5EED)
+    if u < loop_rate:
+        return "loop"
+    if u < loop_rate + legit_rate:
+        return LEGIT_KINDS[int(_draw(seed & 0xFFFFFFFF, 0x1E617) * len(LEGIT_KINDS))]
+    return "plain"
+
+
+def draw_loop(seed: int, target_tokens: int) -> tuple[int, int]:
+    """(the token the loop begins at, its block in tokens) for a looping prompt."""
+    low, high = LOOP_START_TOKENS
+    start = low + int(_draw(seed & 0xFFFFFFFF, 0x100F) * (high - low))
+    block = LOOP_BLOCK_TOKENS[int(_draw(seed & 0xFFFFFFFF, 0xB10C) * len(LOOP_BLOCK_TOKENS))]
+    return max(0, min(start, target_tokens - 1)), block
+
+
+def loop_block(seed: int, block_tokens: int) -> str:
+    """The block a loop repeats: filler whose shortest period is its own length."""
+    for shift in range(64):
+        block = synth_text(seed ^ 0x2F6B, block_tokens, start=shift)
+        if (block + block).find(block, 1) == len(block):
+            return block
+    raise AssertionError("no aperiodic block")  # filler text is never this regular
+
+
+def loop_text(seed: int, tokens: int, start_tokens: int, block_tokens: int) -> str:
+    """`tokens` tokens of an answer that turns at `start_tokens` into one block repeated."""
+    if tokens <= start_tokens:
+        return synth_text(seed, tokens)
+    block = loop_block(seed, block_tokens)
+    looped = tokens - start_tokens
+    copies = looped // block_tokens + 1
+    return synth_text(seed, start_tokens) + (block * copies)[: looped * CHARS_PER_TOKEN]
+
+
+def _word(i: int) -> str:
+    return _WORDS[(i * 2654435761 >> 5) % len(_WORDS)]
+
+
+def _legit_line(kind: str, i: int, variant: int) -> str:
+    """Line `i` of a legitimately repetitive answer: the structure repeats, the content not."""
+    if kind == "table":
+        head = "| # | name | value | note |\n|---|------|-------|------|\n" if i == 0 else ""
+        return head + f"| {i} | {_word(i)} | {(i * 37 + variant) % 1000} | {_word(i * 7 + 3)} |\n"
+    if kind == "list":
+        return f"{i + 1}. Check that the {_word(i)} {_word(i * 3 + 1)} is {_word(i * 5 + 2)}.\n"
+    if kind == "code":
+        return f"    if key == {i}:\n        return handle_{_word(i)}(value, {i * 3 + variant})\n"
+    if kind == "refrain":
+        verse = f"Verse {i + 1}: the {_word(i)} and the {_word(i * 3)} went {_word(i * 7)}.\n"
+        return verse + _CHORUS
+    return f"item {i + variant}, "
+
+
+def legit_text(kind: str, seed: int, tokens: int) -> str:
+    """`tokens` tokens of a table, a numbered list, code, a song with its refrain or a long
+    enumeration: repetition a person wants, which the guard must never stop."""
+    chars = max(0, tokens) * CHARS_PER_TOKEN
+    key = (kind, seed % 5)
+    text = _legit_cache.get(key, "")
+    if len(text) < chars:
+        lines: list[str] = []
+        size, i = 0, 0
+        want = max(chars, 2 * len(text), 16384)
+        while size < want:
+            line = _legit_line(kind, i, key[1])
+            lines.append(line)
+            size += len(line)
+            i += 1
+        text = _legit_cache[key] = "".join(lines)
+    return text[:chars]

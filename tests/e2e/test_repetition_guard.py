@@ -1,0 +1,136 @@
+"""A real worker against an emulator where 5 % of prompts loop and 10 % repeat legitimately:
+every loop is stopped within 2,000 tokens of its start and kept apart, no other answer is
+stopped, and status, report and export say so.
+
+Which prompts loop, and where, is the emulator's own plan for each prompt (its seed), read
+with the emulator's functions: the ground truth the guard is held to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+import redis
+
+from genfleet.common.settings import Settings
+from genfleet.common.store import open_store
+from genfleet.producer.enqueue import enqueue_run, reader_options
+from genfleet.producer.export import export_run
+from genfleet.producer.report import build_report, render_report
+from genfleet.producer.status import run_status
+from genfleet.workers.engine.emulator.sim.text import (
+    chat_prompt,
+    draw_loop,
+    draw_text_kind,
+    prompt_seed,
+)
+from tests.support import Worker, base_env, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+PROMPTS = 200
+LOOP_RATE = 0.05
+LEGIT_RATE = 0.10
+MAX_TOKENS = 8192
+
+
+def planned(text: str) -> tuple[str, int]:
+    """The emulator's plan for a prompt: its kind of answer and, for a loop, its first token."""
+    key, _ = chat_prompt([{"role": "user", "content": text}], thinking=True)
+    seed = prompt_seed(key, 0)
+    kind = draw_text_kind(seed, LOOP_RATE, LEGIT_RATE)
+    return kind, draw_loop(seed, MAX_TOKENS)[0] if kind == "loop" else 0
+
+
+def test_loops_are_stopped_early_and_kept_apart_and_nothing_else_is(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    texts = {
+        f"q{n:04d}": f"Question {n}: list the first {n} primes and explain." for n in range(PROMPTS)
+    }
+    plans = {i: planned(text) for i, text in texts.items()}
+    loops = {i for i, (kind, _) in plans.items() if kind == "loop"}
+    legit = {i for i, (kind, _) in plans.items() if kind not in {"loop", "plain"}}
+    assert len(loops) >= 4 and len(legit) >= 8  # the plan holds both kinds
+    source = tmp_path / "prompts.jsonl"
+    source.write_bytes(
+        b"".join(orjson.dumps({"id": i, "prompt": t}) + b"\n" for i, t in texts.items())
+    )
+    store_url = (tmp_path / "store").as_uri()
+    env = base_env(
+        redis_url,
+        store_url,
+        emulator_loop_rate=LOOP_RATE,
+        emulator_legit_repeat_rate=LEGIT_RATE,
+        emulator_max_completion_tokens=MAX_TOKENS,
+        emulator_mean_completion_tokens=600,
+        max_tokens=MAX_TOKENS,
+        batch_size=50,
+    )
+    worker = start_worker(env)
+    settings = Settings(redis_url=redis_url, store=store_url, batch_size=50, max_tokens=MAX_TOKENS)
+    enqueue_run(settings, "loops", str(source), reader_options(settings))
+    worker.wait_ready()
+    store = open_store(store_url)
+    status = wait_for(
+        lambda: (
+            (r := run_status(store, redis_client, "loops"))["state"] in {"done", "failed"} and r
+        ),
+        180,
+        "the run to end",
+        0.5,
+    )
+    assert status["state"] == "done", status
+
+    everything = tmp_path / "all.jsonl"
+    export_run(settings, "loops", str(everything), "jsonl", False, with_stopped=True)
+    rows: dict[str, dict[str, Any]] = {
+        row["id"]: row for row in map(orjson.loads, everything.read_bytes().splitlines())
+    }
+    assert set(rows) == set(texts)
+    stopped = {i for i, row in rows.items() if row["finish_reason"] == "repetition"}
+    assert stopped == loops  # every loop stopped, and nothing else
+    for i in stopped:
+        row, loop_at = rows[i], plans[i][1]
+        figures = row["repetition"]
+        generated = row["usage"]["completion_tokens"]
+        assert generated - loop_at <= 2000, (i, loop_at, figures)
+        assert abs(figures["start_token_estimate"] - loop_at) <= 200  # within one block
+        assert figures["tokens_saved"] == MAX_TOKENS - generated
+        assert row["error"] is None and row["reasoning"]
+    for i in legit:
+        assert rows[i]["finish_reason"] in {"stop", "length"} and rows[i]["content"]
+
+    kept = tmp_path / "kept.jsonl"
+    result = export_run(settings, "loops", str(kept), "jsonl", False)
+    assert result.stopped_left_out == len(loops)
+    kept_ids = {orjson.loads(line)["id"] for line in kept.read_bytes().splitlines()}
+    assert kept_ids == set(texts) - loops
+
+    saved = sum(rows[i]["repetition"]["tokens_saved"] for i in loops)
+    report = build_report(settings, "loops")
+    assert render_report(report)  # the text tables take the new figures
+    waste = report["waste"]
+    assert report["stopped"] == waste["loops_stopped"] == len(loops)
+    empty = [i for i, r in rows.items() if i not in loops and not (r["content"] or "").strip()]
+    assert report["empty_answers"] == len(empty)  # a loop is not an empty answer either
+    assert waste["tokens"]["stopped"] == sum(rows[i]["usage"]["completion_tokens"] for i in loops)
+    assert waste["tokens_saved"] == saved
+    # the live counters agree (written just after each output: waited for, not raced)
+    live = wait_for(
+        lambda: (
+            (r := run_status(store, redis_client, "loops"))["waste"]["tokens"] == waste["tokens"]
+            and r
+        ),
+        30,
+        "the waste counters",
+        0.2,
+    )["waste"]
+    assert (live["loops_stopped"], live["tokens_saved"]) == (len(loops), saved)

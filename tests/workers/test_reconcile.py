@@ -1,0 +1,113 @@
+"""Lost orders: the reconciler's decision as a table, and a lost order sent again on a real
+fleet (control worker + GPU worker), with `status --watch` giving up, saying why, where no
+worker ever comes."""
+
+from __future__ import annotations
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import redis
+
+from genfleet.common.ledger import work_order_of
+from genfleet.workers.reconcile import RunOrders, reconcile
+from tests.faults.helpers import (
+    assert_exactly_once,
+    fault_settings,
+    stage,
+    wait_run_done,
+    write_prompts,
+)
+from tests.support import ROOT, Worker, base_env, free_port
+
+LEASE_S = 60.0
+
+
+def orders(queued: str, held: str = "", done: str = "") -> RunOrders:
+    return RunOrders(frozenset(queued.split()), frozenset(held.split()), frozenset(done.split()))
+
+
+@pytest.mark.parametrize(
+    ("facts", "missing_since", "now", "resend", "watch", "finished"),
+    [
+        # every queued batch held somewhere: nothing to do, nothing watched
+        (orders("a b", held="a b"), {}, 100.0, [], {}, []),
+        # first look at a missing batch: watched from now, not sent
+        (orders("a b", held="a"), {}, 100.0, [], {"b": 100.0}, []),
+        # missing, but for less than a lease
+        (orders("a b", held="a"), {"b": 50.0}, 100.0, [], {"b": 50.0}, []),
+        # missing for a lease: sent again (and no longer watched)
+        (orders("a b", held="a"), {"b": 40.0}, 100.0, ["b"], {}, []),
+        # held again since it was seen missing: forgotten
+        (orders("a b", held="a b"), {"b": 0.0}, 100.0, [], {}, []),
+        # not held but done: not missing, taken off the queued set
+        (orders("a b", held="a", done="b"), {"b": 0.0}, 100.0, [], {}, ["b"]),
+        # a watched batch no longer queued (failed, parked, cancelled): forgotten
+        (orders("a", held="a"), {"b": 0.0}, 100.0, [], {}, []),
+    ],
+)
+def test_reconcile_sends_again_only_what_was_missing_for_a_lease(
+    facts: RunOrders,
+    missing_since: dict[str, float],
+    now: float,
+    resend: list[str],
+    watch: dict[str, float],
+    finished: list[str],
+) -> None:
+    verdict = reconcile(facts, missing_since, now, LEASE_S)
+    assert (verdict.resend, verdict.missing_since, verdict.finished) == (resend, watch, finished)
+
+
+def drop_order(client: redis.Redis, run: str, batch: str, queue: str = "gpu.emulator") -> None:
+    """Remove `batch`'s waiting work order from the broker, as a lost hand-back leaves it."""
+    for raw in client.lrange(queue, 0, -1):
+        if work_order_of(raw) == (run, batch):
+            assert client.lrem(queue, 0, raw)
+            return
+    raise AssertionError(f"no order of {run}/{batch} in {queue}")
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_lost_order_is_sent_again_and_the_run_finishes(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store = (tmp_path / "store").as_uri()
+    settings = fault_settings(redis_url, store, batch_size=20)
+    ids = write_prompts(tmp_path / "prompts.jsonl", 60)
+    stage(settings, "lost", tmp_path / "prompts.jsonl")
+    drop_order(redis_client, "lost", "batch-000001")
+    env = base_env(redis_url, store, lease_ttl_s=2, reaper_interval_s=0.5, port=free_port())
+    start_worker(env, role="control").wait_ready()
+    start_worker(env).wait_ready()
+    wait_run_done(settings, redis_client, "lost", 60)
+    assert_exactly_once(settings, "lost", ids, redis_client)
+
+
+@pytest.mark.integration
+def test_status_watch_gives_up_when_nothing_works_on_the_run(
+    tmp_path: Path, redis_url: str
+) -> None:
+    """No worker comes: after `wait_deadline_leases` leases with no prompt finished and no
+    batch held, `status --watch` exits 1 and says why, instead of waiting forever."""
+    store = (tmp_path / "store").as_uri()
+    settings = fault_settings(redis_url, store, batch_size=20)
+    write_prompts(tmp_path / "prompts.jsonl", 40)
+    stage(settings, "idle", tmp_path / "prompts.jsonl")
+    env = base_env(redis_url, store, lease_ttl_s=1, wait_deadline_leases=2, startup_timeout_s=1)
+    watched = subprocess.run(
+        ["genfleet", "status", "idle", "--watch"],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert watched.returncode == 1, watched.stdout + watched.stderr
+    assert watched.stderr.strip(), "it stopped without saying why"

@@ -1,0 +1,127 @@
+"""A broker blip costs nothing already done: running batches keep running across a reconnect.
+
+Celery's default on a lost broker connection is to close the channel, which on Redis puts every
+message the worker holds back in the queue (kombu's `QoS.restore_unacked_once`) while the
+batches still run: a second copy of each, or, with
+`worker_cancel_long_running_tasks_on_connection_loss`, every completion in flight thrown away.
+When Redis is down at that moment the restore fails instead, and the closed channel can no
+longer ack: each order comes back only after the visibility timeout, hours later.
+
+So here, when the connection is lost (`Consumer.on_connection_error_after_connected`), the
+deliveries of the batches the worker holds are taken off the old channel (nothing restores them:
+they are not lost, they run), and when the consumer connects again (`Consumer.connect`) they are
+given the new channel, counted there as delivered (the prefetch limit holds). A batch that ends
+meanwhile waits for that (`BatchRequest` calls `wait_for_channel`) and acks, or hands back, on
+the new channel: the broker's copy of the order (kombu's unacked hash, kept across a Redis
+restart by its AOF) is removed there.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from celery.worker.consumer import Consumer as CeleryConsumer
+
+log = logging.getLogger("genfleet.worker")
+
+# How long a finished batch waits for the broker to come back before it gives up acking: the
+# broker then delivers the order again after its visibility timeout, and that copy finds the
+# output and is skipped. Longer than a blip, shorter than anyone would wait on one thread.
+ACK_WAIT_S = 600.0
+
+
+# Acks and hand-backs the consumer's own thread was asked for while the broker was away (a
+# request revoked or expired before it ran): done by `Consumer.connect` once it reconnected.
+_deferred: list[Callable[[], object]] = []
+
+
+def defer(action: Callable[[], object]) -> None:
+    _deferred.append(action)
+
+
+def held_messages(requests: Any) -> list[tuple[Any, bool]]:
+    """The messages of the tasks this worker holds (batches, the control worker's beat tasks;
+    running or waiting on a pool thread) that are neither acked nor handed back yet, each with
+    whether it is a batch's (counted against the prefetch limit on the new channel: a beat
+    task stuck on the outage must not keep the worker from taking the next ones)."""
+    from genfleet.workers.pool import BatchRequest, HeldRequest
+
+    return [
+        (r.message, isinstance(r, BatchRequest))
+        for r in tuple(requests)
+        if isinstance(r, HeldRequest) and not r.acknowledged and r.message is not None
+    ]
+
+
+class Consumer(CeleryConsumer):  # type: ignore[misc]
+    """Celery's consumer, keeping the worker's batches across a reconnect (see above)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # held messages with no channel until the next connect, and whether each is a batch's
+        self.orphans: list[tuple[Any, bool]] = []
+
+    def on_connection_error_after_connected(self, exc: Exception) -> None:
+        from celery.worker.state import reserved_requests
+
+        channel = _default_channel(self.connection)
+        detached = 0
+        for message, counted in held_messages(reserved_requests):
+            if message.channel is not None and message.channel is channel:
+                channel.qos._delivered.pop(message.delivery_tag, None)
+                detached += 1
+            message.channel = None
+            if all(message is not m for m, _ in self.orphans):
+                self.orphans.append((message, counted))
+        if self.orphans:
+            log.warning(
+                "broker connection lost: %d tasks keep running (%d taken off the old "
+                "channel), acked on the new connection",
+                len(self.orphans),
+                detached,
+            )
+        super().on_connection_error_after_connected(exc)
+
+    def connect(self) -> Any:
+        connection = super().connect()
+        if self.orphans:
+            channel = connection.default_channel
+            for message, counted in self.orphans:
+                message.channel = channel
+                # A batch counts as delivered on the new channel, so the prefetch limit still
+                # holds: otherwise the worker takes a full prefetch more while its batches run,
+                # and orders it cannot start yet would wait, unclaimed, on a worker that may die.
+                if counted:
+                    channel.qos._delivered[message.delivery_tag] = message
+            log.info("broker connection back: %d running tasks moved to it", len(self.orphans))
+            self.orphans = []
+        while _deferred:
+            action = _deferred.pop(0)
+            try:
+                action()
+            except Exception:  # noqa: BLE001 - one message's ack must not stop the consumer
+                log.exception("a deferred ack failed: the broker delivers that message again")
+        return connection
+
+
+def _default_channel(connection: Any) -> Any:
+    """The connection's channel if it has one already (never opens one)."""
+    return getattr(connection, "_default_channel", None) if connection is not None else None
+
+
+def wait_for_channel(message: Any, timeout_s: float = ACK_WAIT_S, poll_s: float = 0.2) -> bool:
+    """Block until `message` has an open channel to ack on (True), or `timeout_s` passes or
+    the worker is stopping (False: a stopping worker must not hang on a broker that is down;
+    the batch's lease lapses and the reaper sends its order again)."""
+    from celery.worker import state
+
+    deadline = time.monotonic() + timeout_s
+    while message.channel is None or getattr(message.channel, "closed", False):
+        stopping = state.should_stop is not None or state.should_terminate is not None
+        if stopping or time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True

@@ -1,0 +1,122 @@
+"""One streamed chat completion, put together from its SSE lines as they arrive.
+
+SGLang's chat stream (sglang-contract.md §3): `data: {chunk}` lines, a first chunk with the
+role, `delta.reasoning_content` / `delta.content` pieces (every `--stream-interval` tokens;
+with `stream_options.continuous_usage_stats` each carries the usage so far), a finish chunk,
+the usage chunk (`choices: []`, `stream_options.include_usage`), then `data: [DONE]`. An
+error after the stream started is an in-stream `data: {"error": {…}}` on the HTTP 200.
+
+The repetition guard watches the reasoning and the content as they grow; when either ends in
+a loop, `feed` says stop and the client closes the stream (SGLang aborts a request whose
+client went away). What was generated is kept, with `finish_reason "repetition"`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from genfleet.common.errors import RequestFailed
+from genfleet.workers.repetition import Loop, RepetitionDetector, RepetitionRule
+
+DATA = b"data:"
+DONE = b"[DONE]"
+
+
+class ChatStream:
+    """The parts of one answer so far; `feed(line)` → True once it must be stopped."""
+
+    __slots__ = (
+        "reasoning",
+        "content",
+        "finish_reason",
+        "usage",
+        "request_id",
+        "model",
+        "logprobs",
+        "error",
+        "done",
+        "loop",
+        "loop_field",
+        "_guards",
+    )
+
+    def __init__(self, rule: RepetitionRule | None) -> None:
+        self.reasoning: list[str] = []
+        self.content: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, Any] | None = None  # the last usage seen (final or continuous)
+        self.request_id: str | None = None
+        self.model: str | None = None
+        self.logprobs: list[Any] | None = None
+        self.error: dict[str, Any] | None = None
+        self.done = False  # `data: [DONE]` arrived
+        self.loop: Loop | None = None
+        self.loop_field: str | None = None
+        self._guards = (
+            (RepetitionDetector(rule), RepetitionDetector(rule)) if rule is not None else None
+        )
+
+    def feed(self, line: bytes) -> bool:
+        """One line of the body; True when the answer must stop (a loop, an error, the end)."""
+        if not line.startswith(DATA):
+            return False  # blank separators, SSE comments
+        payload = line[len(DATA) :].strip()
+        if payload == DONE:
+            self.done = True
+            return True
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise RequestFailed(200, "bad_response", f"not a stream chunk: {exc}") from exc
+        if not isinstance(chunk, dict):
+            raise RequestFailed(200, "bad_response", f"not a stream chunk: {payload[:200]!r}")
+        if "error" in chunk:
+            self.error = chunk["error"] if isinstance(chunk["error"], dict) else chunk
+            return True
+        if self.request_id is None:
+            self.request_id = chunk.get("id")
+            self.model = chunk.get("model")
+        usage = chunk.get("usage")
+        if usage:
+            self.usage = usage
+        for choice in chunk.get("choices") or ():
+            if choice.get("index", 0) == 0 and self._choice(choice):
+                return True
+        return False
+
+    def _choice(self, choice: dict[str, Any]) -> bool:
+        delta = choice.get("delta") or {}
+        finish = choice.get("finish_reason")
+        if finish is not None:
+            self.finish_reason = finish
+        logprobs = choice.get("logprobs")
+        if isinstance(logprobs, dict) and logprobs.get("content"):
+            self.logprobs = (self.logprobs or []) + list(logprobs["content"])
+        stop = False
+        text = delta.get("reasoning_content")
+        if text:
+            self.reasoning.append(text)
+            stop = self._guard(0, "reasoning", text)
+        text = delta.get("content")
+        if text:
+            self.content.append(text)
+            stop = self._guard(1, "content", text) or stop
+        return stop
+
+    def _guard(self, at: int, name: str, text: str) -> bool:
+        if self._guards is None or self.loop is not None:
+            return False
+        loop = self._guards[at].feed(text)
+        if loop is None:
+            return False
+        self.loop, self.loop_field = loop, name
+        return True
+
+    @property
+    def chars(self) -> int:
+        """Characters of reasoning and content received."""
+        if self._guards is not None:
+            return self._guards[0].chars + self._guards[1].chars
+        return sum(map(len, self.reasoning)) + sum(map(len, self.content))
