@@ -46,6 +46,7 @@ from genfleet.producer.runs.identity import (
     claim_run,
     fingerprint_source,
     first_difference,
+    is_stream,
     run_model,
     staging_params,
 )
@@ -187,7 +188,9 @@ def stage(
     The source is read twice: once for its fingerprint, which the claim records before any
     batch is staged (an interrupted staging is finished only with the same data), then to
     stage it; a source that changed between the two is refused before the manifest is
-    written, so the run never says it holds prompts it does not.
+    written, so the run never says it holds prompts it does not. A stream (a named pipe,
+    `/dev/stdin`) is read once, as it is staged: its fingerprint goes to the manifest, and an
+    interrupted staging of it is never finished (`claim_run` refuses it).
     """
     result = EnqueueResult(run=run, staged=True)
     split = _Split(read_source(source, options))
@@ -197,7 +200,7 @@ def stage(
     entries: list[BatchEntry] = []
     pending: list[WorkOrder] = []
     held = _Held()
-    fingerprint = fingerprint_source(source, options)
+    fingerprint = None if is_stream(source) else fingerprint_source(source, options)
     staging_id = claim_run(
         store,
         run,
@@ -283,7 +286,7 @@ def stage(
         # with other settings (typically --regenerate).
         store.delete_prefix(keys.claim_key(run))
         raise InputError(reason)
-    if digest.hexdigest() != fingerprint:
+    if fingerprint is not None and digest.hexdigest() != fingerprint:
         raise InputError(
             f"{source} changed while it was staged (fingerprint {fingerprint[:12]} when the "
             f"run was claimed, {digest.hexdigest()[:12]} as staged): no manifest written; "

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -25,10 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from celery.concurrency.thread import TaskPool as ThreadTaskPool
-from celery.worker.request import Request
 
 from genfleet.common.backoff import Backoff
 from genfleet.workers.context import BatchTask
+from genfleet.workers.reconnect import HeldRequest
 
 log = logging.getLogger("genfleet.worker")
 
@@ -64,46 +63,6 @@ class TaskPool(ThreadTaskPool):  # type: ignore[misc]
             log.warning("terminating: %d running batches checkpointed and handed back", cancelled)
 
 
-class HeldRequest(Request):  # type: ignore[misc]
-    """A request of a genfleet task (every one is acked late) that outlives a broker blip:
-    it keeps running across the reconnect and acks, or hands back, on the new channel
-    (`workers.reconnect`)."""
-
-    def acknowledge(self) -> None:
-        if self._on_the_broker("ack", lambda: Request.acknowledge(self)):
-            super().acknowledge()
-
-    def reject(self, requeue: bool = False) -> None:
-        later = lambda: Request.reject(self, requeue=requeue)  # noqa: E731
-        if self._on_the_broker("hand back" if requeue else "reject", later):
-            super().reject(requeue=requeue)
-
-    def _on_the_broker(self, what: str, later: Any) -> bool:
-        """Wait for a channel to `what` the message on (after a broker blip the task kept
-        running, `workers.reconnect`); False, and the message is left to the broker's
-        redelivery, when the broker did not come back in time. The consumer's own thread
-        (a request revoked or expired before it ran) never waits: it is the one that
-        reconnects, so the action is done (`later`) once it has."""
-        from genfleet.workers.reconnect import defer, wait_for_channel
-
-        acknowledged: bool = self.acknowledged  # type: ignore[has-type]
-        if acknowledged or self.message.channel is not None:
-            return True
-        if threading.current_thread() is threading.main_thread():
-            defer(later)
-            return False
-        if wait_for_channel(self.message):
-            return True
-        log.error(
-            "%s: the broker did not come back, could not %s the message; it is delivered again "
-            "after the visibility timeout (a finished batch is then skipped)",
-            self.id,
-            what,
-        )
-        self.acknowledged = True
-        return False
-
-
 class BatchRequest(HeldRequest):
     """A generate_batch request whose terminate stops its own batch, not the worker's others.
 
@@ -113,6 +72,9 @@ class BatchRequest(HeldRequest):
     operator stopped it on purpose: `genfleet retry` resends it). A request not started yet
     is only marked revoked, which Celery checks before it runs.
     """
+
+    # A batch holds a prefetch slot on the new channel after a reconnect (`workers.reconnect`).
+    counts_against_prefetch = True
 
     def terminate(self, pool: Any, signal: Any = None) -> None:
         order = (self.kwargs or {}).get("order") or {}

@@ -19,11 +19,13 @@ restart by its AOF) is removed there.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 from celery.worker.consumer import Consumer as CeleryConsumer
+from celery.worker.request import Request
 
 log = logging.getLogger("genfleet.worker")
 
@@ -47,13 +49,53 @@ def held_messages(requests: Any) -> list[tuple[Any, bool]]:
     running or waiting on a pool thread) that are neither acked nor handed back yet, each with
     whether it is a batch's (counted against the prefetch limit on the new channel: a beat
     task stuck on the outage must not keep the worker from taking the next ones)."""
-    from genfleet.workers.pool import BatchRequest, HeldRequest
-
     return [
-        (r.message, isinstance(r, BatchRequest))
+        (r.message, r.counts_against_prefetch)
         for r in tuple(requests)
         if isinstance(r, HeldRequest) and not r.acknowledged and r.message is not None
     ]
+
+
+class HeldRequest(Request):  # type: ignore[misc]
+    """A request of a genfleet task (every one is acked late) that outlives a broker blip:
+    it keeps running across the reconnect and acks, or hands back, on the new channel
+    (above)."""
+
+    # Whether the request holds a prefetch slot on the new channel (a batch's does; a beat
+    # task stuck on the outage must not keep the worker from taking the next orders).
+    counts_against_prefetch = False
+
+    def acknowledge(self) -> None:
+        if self._on_the_broker("ack", lambda: Request.acknowledge(self)):
+            super().acknowledge()
+
+    def reject(self, requeue: bool = False) -> None:
+        later = lambda: Request.reject(self, requeue=requeue)  # noqa: E731
+        if self._on_the_broker("hand back" if requeue else "reject", later):
+            super().reject(requeue=requeue)
+
+    def _on_the_broker(self, what: str, later: Any) -> bool:
+        """Wait for a channel to `what` the message on (after a broker blip the task kept
+        running, `workers.reconnect`); False, and the message is left to the broker's
+        redelivery, when the broker did not come back in time. The consumer's own thread
+        (a request revoked or expired before it ran) never waits: it is the one that
+        reconnects, so the action is done (`later`) once it has."""
+        acknowledged: bool = self.acknowledged  # type: ignore[has-type]
+        if acknowledged or self.message.channel is not None:
+            return True
+        if threading.current_thread() is threading.main_thread():
+            defer(later)
+            return False
+        if wait_for_channel(self.message):
+            return True
+        log.error(
+            "%s: the broker did not come back, could not %s the message; it is delivered again "
+            "after the visibility timeout (a finished batch is then skipped)",
+            self.id,
+            what,
+        )
+        self.acknowledged = True
+        return False
 
 
 class Consumer(CeleryConsumer):  # type: ignore[misc]

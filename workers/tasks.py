@@ -52,9 +52,10 @@ from genfleet.workers.lifecycle import Lease, gate, is_cancelled
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.observe.sampler import batch_share
 from genfleet.workers.outcome import Outcome, counts_a_try, outcome
-from genfleet.workers.pool import BatchRequest, HeldRequest
+from genfleet.workers.pool import BatchRequest
 from genfleet.workers.provenance import ensure_current, model_refusal, thinking_refusal
 from genfleet.workers.reconcile import Lapses, reconcile_orders
+from genfleet.workers.reconnect import HeldRequest
 
 log = logging.getLogger("genfleet.tasks")
 
@@ -72,7 +73,6 @@ def generate_batch(self: BatchTask, order: dict[str, Any]) -> dict[str, Any]:
     early = _admit(runtime, work, order, worker)
     if early is not None:
         return early
-    _check_model(runtime, work)
     monitor = runtime.monitor
     if monitor is not None:
         monitor.batch_started(work.run)
@@ -172,6 +172,10 @@ def _admit(
         # Before the claim: an order of a superseded staging must not take the running entry
         # of the run's batch of the same name (the new staging's, maybe running elsewhere).
         ensure_current(runtime.store, work)
+        # Also before the claim: its store read must not stand between the running entry and
+        # the lease (taken by `execute` before any other read), or a slow store lets the
+        # reaper take a batch whose worker is alive.
+        _check_model(runtime, work)
         ledger.claim(order, worker, time.time())
     except (redis.RedisError, StoreError, OperationalError) as exc:
         # OperationalError: the hand-back could not be sent (the broker is down); acking this
@@ -205,7 +209,6 @@ def _check_model(runtime: TaskRuntime, work: WorkOrder) -> None:
         runtime.model_runs.add(work.run)
         return
     log.error("%s/%s: %s", work.run, work.batch, reason)
-    _safe_release(Ledger(runtime.redis), work)
     runtime.refuse_work(f"{work.run}/{work.batch} handed back: {reason}")
     raise Reject(reason, requeue=True)
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import hashlib
+import os
 import secrets
+import stat
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +44,23 @@ def staging_params(settings: Settings) -> dict[str, Any]:
     if settings.regenerate:  # the same: named only when set
         staging["regenerate"] = True
     return staging
+
+
+# What a claim records for a source that can be read only once: its fingerprint is taken as it
+# is staged (and written to the manifest), never before.
+STREAM_FINGERPRINT = "(a stream, read once: its content is known only as it is staged)"
+
+
+def is_stream(source: str) -> bool:
+    """Whether `source` can be read only once: a named pipe, a character device
+    (`/dev/stdin`) or a socket, rather than a file, a folder or an S3 object."""
+    if source.startswith("s3://"):
+        return False
+    try:
+        mode = os.stat(source).st_mode
+    except OSError:
+        return False
+    return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
 def fingerprint_source(source: str, options: ReaderOptions) -> str:
@@ -169,7 +188,7 @@ def claim_run(
     params: GenerationParams,
     ref: ModelRef,
     staging: dict[str, Any],
-    fingerprint: str,
+    fingerprint: str | None,
     source: str,
     locate: Callable[[], str | None] | None = None,
 ) -> str:
@@ -180,15 +199,25 @@ def claim_run(
     order of the run carries; staging the same data again keeps it.
 
     A claim of an older genfleet recorded no fingerprint: it cannot be checked, so it is
-    refused too (`genfleet delete RUN` removes it). `locate`, called only when the prompts
-    differ, says where (`first_difference`).
+    refused too (`genfleet delete RUN` removes it). So is an interrupted staging of a stream
+    (`fingerprint` None, `is_stream`): what it staged can never be compared with what the
+    stream gives now. `locate`, called only when the prompts differ, says where
+    (`first_difference`).
     """
-    claim = RunIdentity(fingerprint, params.model_dump(), staging, ref.model, ref.engine, source)
+    claim = RunIdentity(
+        fingerprint or STREAM_FINGERPRINT,
+        params.model_dump(),
+        staging,
+        ref.model,
+        ref.engine,
+        source,
+    )
     raw = store.get(keys.claim_key(run))
     if raw is not None:
         data = orjson.loads(raw)
+        older = "(not recorded by this older claim)"
         before = RunIdentity(
-            data.get("fingerprint") or "(not recorded by this older claim)",
+            data.get("fingerprint") or (STREAM_FINGERPRINT if data.get("staging_id") else older),
             data["params"],
             data["staging"],
             data["model"],
@@ -196,7 +225,13 @@ def claim_run(
             data.get("source") or "",
         )
         differences = before.differences(claim)
-        if before.fingerprint != fingerprint and locate is not None:
+        unknown = fingerprint is None or not data.get("fingerprint")
+        if unknown:
+            differences.append(
+                "the staging read a stream (a named pipe or device), which can be read once: "
+                "what it staged cannot be compared with the data given now"
+            )
+        elif before.fingerprint != fingerprint and locate is not None:
             where = locate()
             if where:
                 differences.insert(1, where)
