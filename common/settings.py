@@ -227,6 +227,15 @@ class Settings(BaseSettings):
     def _store_url(cls, value: str) -> str:
         return store_url(value)
 
+    @field_validator("engine_api_key")
+    @classmethod
+    def _key_not_a_flag(cls, value: SecretStr | None) -> SecretStr | None:
+        # The key reaches SGLang through its --config file, which SGLang turns into argv:
+        # a key beginning with '-' is read as the next flag and the engine does not start.
+        if value is not None and value.get_secret_value().startswith("-"):
+            raise ValueError("must not begin with '-' (the engine would read it as a flag)")
+        return value
+
     @field_validator("chat_template_kwargs")
     @classmethod
     def _kwargs_object(cls, value: str | None) -> str | None:

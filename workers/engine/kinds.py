@@ -72,7 +72,9 @@ def with_engine_key(settings: Settings, token: Callable[[], str] | None = None) 
 
 
 def _new_key() -> str:
-    return secrets.token_urlsafe(32)
+    """Hex: a URL-safe token can begin with '-', which SGLang's config parsing (and the
+    emulator's) would read as a flag, and the engine would not start (1 start in 32)."""
+    return secrets.token_hex(32)
 
 
 def emulator_launch(settings: Settings, port: int, arch: str | None = None) -> EngineLaunch:
