@@ -18,16 +18,18 @@ from typer.testing import CliRunner
 
 from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK
-from tests.faults.helpers import (
+from tests.faults.services import POISON, FakeEngine
+from tests.support import (
+    Worker,
     assert_exactly_once,
+    base_env,
     fault_settings,
     open_run_store,
     stage,
+    wait_for,
     wait_run_done,
     write_prompts,
 )
-from tests.faults.services import POISON, FakeEngine
-from tests.support import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
