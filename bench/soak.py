@@ -42,9 +42,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.faults.chaos import ACTIONS, Fleet, fleet, run_state  # noqa: E402
-from tests.faults.helpers import stage  # noqa: E402
-from tests.faults.helpers import write_prompts as write_plain  # noqa: E402
-from tests.support import control_app  # noqa: E402
+from tests.support import control_app, stage  # noqa: E402
+from tests.support import write_prompts as write_plain  # noqa: E402
 
 SOAK_ACTIONS = (*ACTIONS, "broker_blip", "kill_producer")
 BLIP_S = 4.0

@@ -23,8 +23,10 @@ engine, generation, body), the client's own or the one a call passes (`workers/d
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -303,6 +305,23 @@ def answer_error(status: int, payload: bytes, retry_after: str | None = None) ->
     return RequestFailed(status, kind or "http_error", text)
 
 
+@contextlib.contextmanager
+def _transport_errors(timeout: aiohttp.ClientTimeout) -> Iterator[None]:
+    """aiohttp's failures as genfleet's, in one place: a request that never connected
+    (EngineUnreachable), one past its deadline (RequestTimedOut), anything else on the wire
+    (EngineDown)."""
+    try:
+        yield
+    except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
+        raise EngineUnreachable(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
+    except TimeoutError as exc:
+        raise RequestTimedOut(
+            f"request timed out after {timeout.total:.0f} s: {exc.__class__.__name__}"
+        ) from exc
+    except aiohttp.ClientError as exc:
+        raise EngineDown(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
+
+
 class _AiohttpPost:
     """One aiohttp session, a keep-alive pool, a prebuilt URL."""
 
@@ -335,7 +354,7 @@ class _AiohttpPost:
         deadline (`timeout_s`, else the session's) RequestTimedOut."""
         session = self._session or self._open()
         timeout = self._timeout if timeout_s is None else self._deadline(timeout_s)
-        try:
+        with _transport_errors(timeout):
             async with session.post(self._url, data=body, timeout=timeout) as response:
                 payload = await response.read()
                 status = response.status
@@ -345,14 +364,6 @@ class _AiohttpPost:
                     payload,
                     None if status == 200 else response.headers.get("Retry-After"),
                 )
-        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
-            raise EngineUnreachable(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
-        except TimeoutError as exc:
-            raise RequestTimedOut(
-                f"request timed out after {timeout.total:.0f} s: {exc.__class__.__name__}"
-            ) from exc
-        except aiohttp.ClientError as exc:
-            raise EngineDown(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
 
     async def stream(
         self, body: bytes, sink: ChatStream, timeout_s: float | None = None
@@ -364,7 +375,7 @@ class _AiohttpPost:
         whole, to be read as a plain completion. Failures map as `__call__`'s do."""
         session = self._session or self._open()
         timeout = self._timeout if timeout_s is None else self._deadline(timeout_s)
-        try:
+        with _transport_errors(timeout):
             async with session.post(self._url, data=body, timeout=timeout) as response:
                 status = response.status
                 if status != 200:
@@ -376,14 +387,6 @@ class _AiohttpPost:
                 if not sink.done:
                     response.close()
                 return status, b"", None
-        except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
-            raise EngineUnreachable(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
-        except TimeoutError as exc:
-            raise RequestTimedOut(
-                f"request timed out after {timeout.total:.0f} s: {exc.__class__.__name__}"
-            ) from exc
-        except aiohttp.ClientError as exc:
-            raise EngineDown(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
 
     def _deadline(self, timeout_s: float) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=timeout_s, connect=self._timeout.connect)

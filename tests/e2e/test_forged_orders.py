@@ -22,8 +22,7 @@ from genfleet.common.store import Store, open_store
 from genfleet.producer.broker import make_client_app
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.runs.lifecycle import delete_run
-from tests.faults.helpers import wait_run_done, write_prompts
-from tests.support import Worker, base_env, wait_for
+from tests.support import Worker, base_env, wait_for, wait_run_done, write_prompts
 
 pytestmark = pytest.mark.integration
 

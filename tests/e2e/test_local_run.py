@@ -103,8 +103,7 @@ def test_a_second_run_is_refused_while_the_first_fleet_lives(
     import os
     import signal
 
-    from tests.faults.helpers import write_prompts
-    from tests.support import wait_for
+    from tests.support import wait_for, write_prompts
 
     store = (tmp_path / "store").as_uri()
     env = {

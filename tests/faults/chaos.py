@@ -25,16 +25,18 @@ from typing import Any
 import redis
 
 from genfleet.common.settings import Settings
-from tests.faults.helpers import (
+from tests.faults.services import FlakyProxy, RedisServer
+from tests.support import (
+    Worker,
     assert_exactly_once,
+    base_env,
     engine_pid,
     fault_settings,
+    free_port,
     open_run_store,
     stage,
     write_prompts,
 )
-from tests.faults.services import FlakyProxy, RedisServer
-from tests.support import Worker, base_env, free_port
 
 ACTIONS = ("kill_worker", "kill_engine", "stop_engine", "kill_clients", "s3_outage")
 WORKER_SETTINGS: dict[str, Any] = {

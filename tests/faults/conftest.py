@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.services import FakeEngine, FlakyProxy, FlakyS3, RedisServer
+from tests.fakes.http_engine import PoisonEngine
+from tests.faults.services import FlakyProxy, FlakyS3, RedisServer
 from tests.support import free_port
 
 
@@ -55,8 +56,8 @@ def flaky_s3(s3_server: str) -> Iterator[FlakyS3]:
 
 
 @pytest.fixture
-def fake_engine() -> Iterator[FakeEngine]:
-    server = FakeEngine()
+def fake_engine() -> Iterator[PoisonEngine]:
+    server = PoisonEngine()
     thread = threading.Thread(target=server.serve_forever, name="fake-engine", daemon=True)
     thread.start()
     yield server

@@ -6,29 +6,21 @@
   the test can cut and restore, hang (bytes held, no error) and let flow again, or slow
   (every answer's chunks held a while, each call slower but inside its timeouts); moto
   loses its state when it restarts, so the outage is made at the proxy instead.
-- FakeEngine: a small OpenAI-compatible server that answers 500 to marked prompts while
-  `poison` is on, for batches whose every request fails.
+(The engine that answers 500 to marked prompts is `tests.fakes.http_engine.PoisonEngine`.)
 """
 
 from __future__ import annotations
 
 import contextlib
-import http.server
 import socket
 import struct
 import subprocess
-import sys
 import threading
-import uuid
 from pathlib import Path
-from typing import Any
 
-import orjson
 import redis
 
 from tests.support import wait_for
-
-POISON = "POISON"
 
 
 class RedisServer:
@@ -218,70 +210,3 @@ class FlakyS3:
     @property
     def endpoint_url(self) -> str:
         return self.proxy.url
-
-
-class FakeEngine(http.server.ThreadingHTTPServer):
-    """An OpenAI-compatible engine that answers 500 to every marked prompt while `poison`, and
-    to every prompt while `broken`."""
-
-    daemon_threads = True
-
-    def __init__(self) -> None:
-        super().__init__(("127.0.0.1", 0), _FakeEngineHandler)
-        self.poison = True
-        self.broken = False
-        self.failed_requests = 0
-        self.url = f"http://127.0.0.1:{self.server_address[1]}"
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that hung up before its answer is the client's business, not this
-        engine's: no traceback on stderr for it. Anything else is still printed."""
-        if not isinstance(sys.exc_info()[1], ConnectionError):
-            super().handle_error(request, client_address)
-
-
-class _FakeEngineHandler(http.server.BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: FakeEngine
-
-    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
-        pass
-
-    def _reply(self, status: int, body: dict[str, Any]) -> None:
-        data = orjson.dumps(body)
-        self.send_response(status)
-        self.send_header("Content-Type", "application/json")
-        self.send_header("Content-Length", str(len(data)))
-        self.end_headers()
-        self.wfile.write(data)
-
-    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
-        if self.path == "/health":
-            self._reply(200, {})
-        elif self.path == "/server_info":
-            self._reply(200, {"max_running_requests": 16, "version": "fake"})
-        else:
-            self._reply(404, {"error": {"message": "not found", "type": "NotFound"}})
-
-    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
-        body = orjson.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
-        text = " ".join(str(m.get("content")) for m in body.get("messages", []))
-        if self.server.broken or (self.server.poison and POISON in text):
-            self.server.failed_requests += 1
-            self._reply(500, {"error": {"message": "internal error", "type": "InternalError"}})
-            return
-        self._reply(
-            200,
-            {
-                "id": uuid.uuid4().hex,
-                "model": body.get("model"),
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": f"echo: {text[:40]}"},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": len(text) // 4, "completion_tokens": 4},
-            },
-        )

@@ -22,16 +22,20 @@ import redis
 
 from genfleet.common import keys
 from genfleet.common.ledger import work_order_of
-from tests.faults.helpers import (
+from tests.faults.services import RedisServer
+from tests.support import (
+    Worker,
+    answering,
     assert_exactly_once,
+    base_env,
     fault_settings,
+    free_port,
     open_run_store,
     stage,
+    wait_for,
     wait_run_done,
     write_prompts,
 )
-from tests.faults.services import RedisServer
-from tests.support import Worker, answering, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

@@ -15,14 +15,16 @@ from pydantic import SecretStr
 
 from genfleet.common.settings import Settings
 from genfleet.producer.status import read_findings, run_status
-from tests.faults.helpers import (
+from tests.support import (
+    Worker,
     assert_exactly_once,
+    base_env,
     fault_settings,
     open_run_store,
     stage,
+    wait_for,
     write_prompts,
 )
-from tests.support import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

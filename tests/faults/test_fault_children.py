@@ -15,17 +15,20 @@ import redis
 
 from genfleet.common import keys
 from genfleet.workers.pool import restart_delay_s
-from tests.faults.helpers import (
+from tests.support import (
+    Worker,
     assert_exactly_once,
+    base_env,
     child_pids,
     fault_settings,
+    free_port,
     open_run_store,
     pid_alive,
     stage,
+    wait_for,
     wait_run_done,
     write_prompts,
 )
-from tests.support import Worker, base_env, free_port, wait_for
 
 
 @pytest.mark.parametrize(

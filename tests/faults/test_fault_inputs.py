@@ -18,16 +18,18 @@ from typer.testing import CliRunner
 
 from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK
-from tests.faults.helpers import (
+from tests.fakes.http_engine import POISON, PoisonEngine
+from tests.support import (
+    Worker,
     assert_exactly_once,
+    base_env,
     fault_settings,
     open_run_store,
     stage,
+    wait_for,
     wait_run_done,
     write_prompts,
 )
-from tests.faults.services import POISON, FakeEngine
-from tests.support import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
@@ -45,7 +47,7 @@ def test_a_broken_engine_parks_batches_in_the_failed_set_and_retry_completes_the
     redis_url: str,
     redis_client: redis.Redis,
     start_worker: Callable[..., Worker],
-    fake_engine: FakeEngine,
+    fake_engine: PoisonEngine,
 ) -> None:
     store_url = (tmp_path / "store").as_uri()
     # The engine answers 500 to everything: not the prompts' fault, so no error records; the
@@ -105,7 +107,7 @@ def test_poison_prompts_among_served_ones_become_error_records_and_the_batch_goe
     redis_url: str,
     redis_client: redis.Redis,
     start_worker: Callable[..., Worker],
-    fake_engine: FakeEngine,
+    fake_engine: PoisonEngine,
 ) -> None:
     store_url = (tmp_path / "store").as_uri()
     poison = {i: f"{POISON} {i}" for i in range(0, 100, 10)}  # one in ten, in every batch

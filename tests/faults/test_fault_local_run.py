@@ -10,9 +10,8 @@ import pytest
 
 from genfleet.common import keys
 from tests.e2e.test_local_run import processes_with_env
-from tests.faults.helpers import write_prompts
 from tests.faults.services import RedisServer
-from tests.support import ROOT, base_env, wait_for
+from tests.support import ROOT, base_env, wait_for, write_prompts
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

@@ -17,20 +17,24 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from tests.faults.helpers import (
+from tests.support import (
+    Worker,
     assert_exactly_once,
+    base_env,
     engine_pid,
+    engine_report,
     fault_settings,
+    free_port,
     leases_of,
     open_run_store,
     outputs,
     pid_alive,
     reaped,
     stage,
+    wait_for,
     wait_run_done,
     write_prompts,
 )
-from tests.support import Worker, base_env, engine_report, free_port, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

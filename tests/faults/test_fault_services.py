@@ -18,18 +18,21 @@ import redis
 from typer.testing import CliRunner
 
 from genfleet.common import keys
-from tests.faults.helpers import (
+from tests.faults.services import FlakyS3, RedisServer
+from tests.support import (
+    Worker,
     assert_counters_backed,
     assert_exactly_once,
+    base_env,
     fault_settings,
+    free_port,
     open_run_store,
     outputs,
     stage,
+    wait_for,
     wait_run_done,
     write_prompts,
 )
-from tests.faults.services import FlakyS3, RedisServer
-from tests.support import Worker, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

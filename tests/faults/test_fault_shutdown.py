@@ -19,15 +19,17 @@ from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.producer.status import run_status
 from genfleet.workers.observe.power_watch import queue_depth
-from tests.faults.helpers import (
+from tests.support import (
+    Worker,
     assert_exactly_once,
+    base_env,
     fault_settings,
     open_run_store,
     stage,
+    wait_for,
     wait_run_done,
     write_prompts,
 )
-from tests.support import Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

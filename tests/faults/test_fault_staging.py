@@ -20,16 +20,19 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from tests.faults.helpers import (
+from tests.support import (
+    ROOT,
+    Worker,
     assert_exactly_once,
+    base_env,
     fault_settings,
     leases_of,
     open_run_store,
     outputs,
+    wait_for,
     wait_run_done,
     write_prompts,
 )
-from tests.support import ROOT, Worker, base_env, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

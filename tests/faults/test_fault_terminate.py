@@ -12,17 +12,20 @@ import redis
 from genfleet.common import keys
 from genfleet.common.redis_conn import text
 from genfleet.producer import commands
-from tests.faults.helpers import (
+from tests.support import (
+    Worker,
     assert_exactly_once,
+    base_env,
     fault_settings,
+    free_port,
     leases_of,
     open_run_store,
     outputs,
     stage,
+    wait_for,
     wait_run_done,
     write_prompts,
 )
-from tests.support import Worker, base_env, free_port, wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

@@ -20,8 +20,9 @@ from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.export import export_run, shard_name
-from tests.producer.test_export import RUN, finish, prompts, read_jsonl, stage_prompts
-from tests.support import new_bucket
+from tests.support import finish, new_bucket, prompts, read_jsonl, stage_prompts
+
+RUN = "run-1"
 
 NOBODY = 65534
 

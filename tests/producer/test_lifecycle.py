@@ -18,8 +18,15 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.runs.lifecycle import running_batches
 from genfleet.producer.status import run_status
-from tests.faults.helpers import assert_exactly_once, outputs, wait_run_done, write_prompts
-from tests.support import Worker, base_env, wait_for
+from tests.support import (
+    Worker,
+    assert_exactly_once,
+    base_env,
+    outputs,
+    wait_for,
+    wait_run_done,
+    write_prompts,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

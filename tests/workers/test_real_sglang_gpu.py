@@ -39,17 +39,21 @@ from genfleet.common.settings import Settings
 from genfleet.producer.status import read_findings, run_status
 from genfleet.workers.engine.kinds import engine_launch
 from genfleet.workers.engine.supervisor import EngineSupervisor
-from tests.faults.helpers import (
+from tests.faults.services import RedisServer
+from tests.support import (
+    ROOT,
+    Worker,
     assert_exactly_once,
+    base_env,
     child_pids,
     fault_settings,
+    free_port,
     open_run_store,
     pid_alive,
     stage,
+    wait_for,
     write_prompts,
 )
-from tests.faults.services import RedisServer
-from tests.support import ROOT, Worker, base_env, free_port, wait_for
 
 MODELS = Path(os.environ.get("GENFLEET_GPU_MODELS", "/tmp/m"))
 Q35, Q35_NOMTP, DENSE = MODELS / "q35", MODELS / "q35_nomtp", MODELS / "dense"

@@ -13,14 +13,17 @@ import redis
 
 from genfleet.common.ledger import work_order_of
 from genfleet.workers.reconcile import RunOrders, reconcile
-from tests.faults.helpers import (
+from tests.support import (
+    ROOT,
+    Worker,
     assert_exactly_once,
+    base_env,
     fault_settings,
+    free_port,
     stage,
     wait_run_done,
     write_prompts,
 )
-from tests.support import ROOT, Worker, base_env, free_port
 
 LEASE_S = 60.0
 

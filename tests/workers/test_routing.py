@@ -16,8 +16,14 @@ from genfleet.common.store import open_store
 from genfleet.producer.broker import orders_in_broker
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.workers.lifecycle import decide, deleted_staging
-from tests.faults.helpers import assert_exactly_once, wait_run_done, write_prompts
-from tests.support import Worker, base_env, wait_for
+from tests.support import (
+    Worker,
+    assert_exactly_once,
+    base_env,
+    wait_for,
+    wait_run_done,
+    write_prompts,
+)
 
 
 @pytest.mark.parametrize(

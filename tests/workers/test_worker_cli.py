@@ -335,7 +335,7 @@ def test_engines_get_a_key_and_logs_and_schedules_stay_private_by_default(
 
     import httpx
 
-    from tests.faults.helpers import engine_pid
+    from tests.support import engine_pid
 
     store = (tmp_path / "store").as_uri()
     port = free_port()
