@@ -118,6 +118,14 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             message.channel = None
             if all(message is not m for m, _ in self.orphans):
                 self.orphans.append((message, counted))
+        if channel is not None:
+            # What is still delivered on the old channel runs nowhere here: an ack or a hand-back
+            # that failed with the connection. kombu restores it when the channel closes — a
+            # second copy in the queue or, with Redis away, a crash of the whole worker (its
+            # restore opens a connection that is gone). Its copy in the broker's unacked hash
+            # comes back after the visibility timeout instead (a batch whose output exists is
+            # then skipped).
+            channel.qos._delivered.clear()
         if self.orphans:
             log.warning(
                 "broker connection lost: %d tasks keep running (%d taken off the old "
