@@ -20,6 +20,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -119,6 +120,11 @@ class Stack:
     worker: Worker
     control: Worker
     engine_url: str
+    api_key: str  # the worker's engine key, given here so a test can call the engine too
+
+    @property
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
 
     def engine_pid(self) -> int:
         wait_for(lambda: len(engine_pids(self.worker)) == 1, 60, "one engine process")
@@ -143,6 +149,8 @@ def worker_stack(tmp: Path, model: Path, hostname: str, port: int, **extra: str)
     server.start()
     store = f"file://{tmp / 'store'}"
     env = base_env(server.url, store, log_dir=tmp / "logs")
+    api_key = secrets.token_hex(16)
+    env["GENFLEET_ENGINE_API_KEY"] = api_key
     env["PYTHONPATH"] = os.environ.get("PYTHONPATH", str(ROOT))
     env.update(ENGINE_ENV)
     env |= {
@@ -163,7 +171,7 @@ def worker_stack(tmp: Path, model: Path, hostname: str, port: int, **extra: str)
     try:
         worker.wait_ready(420)
         control.wait_ready(60)
-        yield Stack(env, settings, client, worker, control, f"http://127.0.0.1:{port}")
+        yield Stack(env, settings, client, worker, control, f"http://127.0.0.1:{port}", api_key)
     finally:
         worker.stop(60)
         control.stop(30)
@@ -256,7 +264,7 @@ def test_no_mtp_raises_no_mtp_finding(tmp_path: Path) -> None:
         ids = stack.run("dense", 100, tmp_path)
         wait_for(lambda: stack.progress("dense")["state"] == "done", 240, "run dense", 1.0)
         assert_exactly_once(stack.settings, "dense", ids, stack.client)
-        info = httpx.get(f"{stack.engine_url}/server_info", timeout=30).json()
+        info = httpx.get(f"{stack.engine_url}/server_info", headers=stack.auth, timeout=30).json()
         assert info["speculative_algorithm"] is None
         judged = time.monotonic() + 12  # two power-watch passes after the run
         wait_for(lambda: time.monotonic() > judged, 20, "two power-watch passes", 0.5)
@@ -279,12 +287,13 @@ def test_run_end_to_end_with_mtp(mtp_stack: Stack, tmp_path: Path) -> None:
 
 
 def test_accept_length_and_cap_read_from_the_real_engine(mtp_stack: Stack) -> None:
-    info = httpx.get(f"{mtp_stack.engine_url}/server_info", timeout=30).json()
+    info = httpx.get(f"{mtp_stack.engine_url}/server_info", headers=mtp_stack.auth, timeout=30)
+    info = info.json()
     assert info["speculative_algorithm"] == "EAGLE"
     assert info["max_running_requests"] == 256
     state = info["internal_states"][0]
     assert 1.0 <= state["avg_spec_accept_length"] < 1.2  # random draft weights
-    metrics = httpx.get(f"{mtp_stack.engine_url}/metrics", timeout=30).text
+    metrics = httpx.get(f"{mtp_stack.engine_url}/metrics", headers=mtp_stack.auth, timeout=30).text
     for name in ("sglang:num_running_reqs", "sglang:spec_accept_length", "sglang:num_queue_reqs"):
         assert any(line.startswith(name + "{") for line in metrics.splitlines()), name
     top = subprocess.run(
@@ -319,7 +328,8 @@ def test_streamed_chat_shapes(mtp_stack: Stack) -> None:
         "max_tokens": 40,
     }
     events: list[Any] = []
-    with httpx.stream("POST", f"{mtp_stack.engine_url}/v1/chat/completions", json=body) as r:
+    url = f"{mtp_stack.engine_url}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, headers=mtp_stack.auth) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
