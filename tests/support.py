@@ -16,30 +16,37 @@ import contextlib
 import gzip
 import hashlib
 import os
+import re
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import orjson
 import redis
+import yaml
 from pydantic import SecretStr
 
 from genfleet.common import keys
 from genfleet.common.celery_config import REAPER_TASK
+from genfleet.common.ledger import running_field
 from genfleet.common.manifest import BatchEntry, Manifest
+from genfleet.common.readers import ReaderOptions, Reject
 from genfleet.common.records import (
     CompletionRecord,
     GenerationParams,
     PromptRecord,
     Usage,
+    WorkOrder,
     decode_jsonl_gz,
     encode_jsonl_gz,
 )
@@ -50,9 +57,40 @@ from genfleet.producer.batching import make_batches
 from genfleet.producer.enqueue import EnqueueResult, enqueue_run, reader_options
 from genfleet.producer.export import ExportResult, export_run
 from genfleet.producer.status import run_status
+from genfleet.workers.batch import BatchSummary, execute
+from genfleet.workers.feeder import Feeder
+from tests.fakes.memory_redis import MemoryRedis
+from tests.fakes.runtime import FakeRuntime
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 ROOT = Path(__file__).resolve().parent.parent
-TEST_REDIS_URL = os.environ.get("GENFLEET_TEST_REDIS_URL", "redis://127.0.0.1:6379/11")
+
+
+def xdist_index() -> int | None:
+    """This pytest-xdist worker's number (`gw3` → 3), or None outside a parallel run."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    return int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else None
+
+
+def redis_url_for_tests() -> str:
+    """The Redis database of this test process, flushed before and after each test that uses it.
+
+    GENFLEET_TEST_REDIS_URL names it (default database 11). In a parallel run each xdist worker
+    gets a database of its own, `gwN` the Nth after the first: the named one, or 12 by default,
+    so that a serial run (11) and a parallel one on the same machine never flush each other's.
+    """
+    named = os.environ.get("GENFLEET_TEST_REDIS_URL")
+    index = xdist_index()
+    if index is None:
+        return named or "redis://127.0.0.1:6379/11"
+    base = urllib.parse.urlsplit(named or "redis://127.0.0.1:6379/12")
+    first = int(base.path.strip("/") or 0)
+    return urllib.parse.urlunsplit(base._replace(path=f"/{first + index}"))
+
+
+TEST_REDIS_URL = redis_url_for_tests()
 
 
 def free_port() -> int:
@@ -111,6 +149,10 @@ def base_env(redis_url: str, store: str, **extra: Any) -> dict[str, str]:
             "PYTHONPATH": str(ROOT),
         }
     )
+    if (index := xdist_index()) is not None:
+        # Port locks are per private directory, and each xdist worker has its own (conftest):
+        # engines of parallel workers start from ports 1000 apart instead.
+        env["GENFLEET_PORT"] = str(30000 + 1000 * index)
     env.update({f"GENFLEET_{k.upper()}": str(v) for k, v in extra.items()})
     return env
 
@@ -201,6 +243,114 @@ class Worker:
             os.killpg(self.proc.pid, signal.SIGKILL)  # whatever is left of the worker's group
 
 
+# The root `genfleet` command: its entry point (`genfleet.cli:main`) on this interpreter.
+GENFLEET = [sys.executable, "-c", "from genfleet.cli import main; main()"]
+
+
+def genfleet(
+    args: list[str], env: dict[str, str], timeout_s: float = 240
+) -> subprocess.CompletedProcess[str]:
+    """`genfleet ARGS…` run to its end, output captured."""
+    return subprocess.run(
+        [*GENFLEET, *args],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        check=False,
+    )
+
+
+def invoke(*args: str, env: dict[str, str] | None = None) -> Any:
+    """The root `genfleet` command in this process (typer's CliRunner); returns its Result.
+
+    Its terminal is 400 columns wide: at rich's default 80 a long path (a test's tmp_path
+    under xdist) wraps mid-name and no longer reads as one word.
+    """
+    from typer.testing import CliRunner
+
+    from genfleet.cli import app
+
+    return CliRunner().invoke(app, list(args), env={"COLUMNS": "400", **(env or {})})
+
+
+def consuming(hostname: str) -> list[str] | None:
+    """The queues `hostname` consumes from, or None while it does not answer."""
+    from genfleet.workers.app import app as worker_app
+
+    replies: dict[str, Any] = (
+        worker_app.control.inspect([hostname], timeout=1.0).active_queues() or {}
+    )
+    queues = replies.get(hostname)
+    return None if queues is None else [q["name"] for q in queues]
+
+
+def processes_with_env(needle: str) -> list[int]:
+    """Pids of live processes whose environment holds `needle` (this test's store URL)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if needle.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+class BackgroundRun:
+    """`genfleet run SOURCE --batch-size 20` started in the background, as a user leaves it
+    running: a slow emulator (time scale 1), its logs and its own TMPDIR (so its run lock)
+    under `directory`, its store `directory/store`, stdout and stderr in `directory/run.out`.
+    `stop()` kills what is left of it."""
+
+    def __init__(self, redis_url: str, directory: Path, source: Path) -> None:
+        self.store = (directory / "store").as_uri()
+        self.env = {
+            **base_env(redis_url, self.store, emulator_time_scale=1, log_dir=directory / "logs"),
+            "TMPDIR": str(directory),
+        }
+        self.output = directory / "run.out"
+        self.proc = subprocess.Popen(
+            [*GENFLEET, "run", str(source), "--batch-size", "20"],
+            env=self.env,
+            cwd=ROOT,
+            stdout=self.output.open("wb"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+    def log(self) -> str:
+        return self.output.read_text(errors="replace")
+
+    def processes(self) -> list[int]:
+        """Every live process of this run (the run, its workers, engines and beat)."""
+        return processes_with_env(f"GENFLEET_STORE={self.store}")
+
+    def wait_running(self, client: redis.Redis, timeout_s: float = 90) -> None:
+        """Until one of its batches runs; fails with its output if the run ends first."""
+
+        def running() -> bool:
+            if self.proc.poll() is not None:
+                raise AssertionError(self.log())
+            return bool(client.hlen(keys.running_key()))
+
+        wait_for(running, timeout_s, "a batch of the run to be running", 0.2)
+
+    def wait_gone(self, timeout_s: float = 30) -> None:
+        wait_for(lambda: not self.processes(), timeout_s, "every process of the run to end", 0.2)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+
+StartRun = Callable[[str, Path], BackgroundRun]  # the `start_run` fixture
+
+
 EMULATOR_FAST_ENV = {
     "GENFLEET_EMULATOR_LOAD_S": "0",
     "GENFLEET_EMULATOR_WARMUP_S": "0",
@@ -265,6 +415,13 @@ def write_prompts(
             row = {"id": prompt_id, "messages": [{"role": "user", "content": text}]}
             handle.write(orjson.dumps(row) + b"\n")
     return ids
+
+
+def write_prompt_lines(path: Path, prompts: list[str]) -> Path:
+    """A JSONL file of `{"prompt": …}` lines (no ids), its folder made if need be."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"".join(orjson.dumps({"prompt": p}) + b"\n" for p in prompts))
+    return path
 
 
 def fault_settings(redis_url: str, store: str, **overrides: Any) -> Settings:
@@ -498,3 +655,240 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
     if path.name.endswith(".gz"):
         data = gzip.decompress(data)
     return [orjson.loads(line) for line in data.splitlines()]
+
+
+# --- one batch in process, on the fakes (tests/fakes): the core tests of the task and batch
+
+PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
+RUN, BATCH = "r", "batch-000000"
+MakeFeeder = Callable[..., Feeder]  # the `feeders` fixture (tests/workers/conftest.py)
+MakeRuntime = Callable[..., FakeRuntime]  # the `make_runtime` fixture
+# the reaper's clock in the core tests, and the lease it reads
+NOW = 1_700_000_000.0
+TTL_S = 10.0
+
+
+def core_order(batch: str = BATCH, prompts: int = 5) -> WorkOrder:
+    """The work order of `batch` of RUN on the emulator queue, its input at the usual key."""
+    return WorkOrder(
+        run=RUN,
+        batch=batch,
+        key=keys.input_key(RUN, batch),
+        params=PARAMS,
+        model="emulator",
+        engine="emulator",
+        prompts=prompts,
+    )
+
+
+def stage_batch(store: Store, count: int, data: bytes | None = None) -> WorkOrder:
+    """BATCH's input object (`count` prompts p0… asking q0…, or `data` as it is) and its order."""
+    records = [
+        PromptRecord(id=f"p{i}", messages=[{"role": "user", "content": f"q{i}"}])
+        for i in range(count)
+    ]
+    order = core_order(prompts=count)
+    store.put(order.key, encode_jsonl_gz(r.to_json() for r in records) if data is None else data)
+    return order
+
+
+def stage_task(runtime: FakeRuntime, count: int, data: bytes | None = None) -> dict[str, Any]:
+    """What `generate_batch` is sent for BATCH, staged as enqueue leaves it (input, queued)."""
+    order = stage_batch(runtime.store, count, data)
+    runtime.redis.sadd(keys.queued_key(RUN), BATCH)
+    return order.model_dump(mode="json")
+
+
+def batch_state(db: MemoryRedis) -> dict[str, Any]:
+    """What Redis says about BATCH after the task: running, tries, failed, queued."""
+    return {
+        "running": db.hget(keys.running_key(), running_field(RUN, BATCH)) is not None,
+        "attempts": int(db.hget(keys.attempts_key(RUN), BATCH) or 0),
+        "failed": (db.hget(keys.failed_key(RUN), BATCH) or b"").decode().split(":")[0] or None,
+        "queued": BATCH.encode() in db.smembers(keys.queued_key(RUN)),
+    }
+
+
+def running_order(db: MemoryRedis, batch: str, claimed_at: float) -> dict[str, Any]:
+    """`batch` claimed at `claimed_at` (its running entry, no lease yet); returns its order."""
+    order = core_order(batch).model_dump(mode="json")
+    db.hset(
+        keys.running_key(),
+        running_field(RUN, batch),
+        orjson.dumps({**order, "claimed_at": claimed_at}),
+    )
+    return order
+
+
+def execute_batch(
+    order: WorkOrder,
+    store: Store,
+    db: MemoryRedis,
+    feeder: Feeder,
+    lease_ttl_s: float = 30,
+    checkpoint_interval_s: float = 60,
+) -> BatchSummary:
+    """`batch.execute` of `order` by worker `w@test`."""
+    return execute(
+        order,
+        store=store,
+        client=db,
+        feeder=feeder,
+        worker="w@test",
+        lease_ttl_s=lease_ttl_s,
+        checkpoint_interval_s=checkpoint_interval_s,
+    )
+
+
+def output_rows(store: Store) -> list[dict[str, Any]]:
+    """BATCH's output records, [] while it has no output object."""
+    return list(decode_jsonl_gz(store.get(keys.output_key(RUN, BATCH)) or b""))
+
+
+# --- the compose file, read as Compose reads it (no Docker engine needed)
+
+COMPOSE = ROOT / "compose.yaml"
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def load_compose() -> dict[str, Any]:
+    """The compose file as Compose sees it before interpolation (YAML anchors merged)."""
+    data: dict[str, Any] = yaml.safe_load(COMPOSE.read_text())
+    return data
+
+
+def interpolate(text: str, env: Mapping[str, str]) -> str:
+    """Compose's `${VAR}`, `${VAR:-default}` (nested), `${VAR:?error}`, `$VAR` and `$$`."""
+    out: list[str] = []
+    i = 0
+    while i < len(text):
+        if text.startswith("$$", i):
+            out.append("$")
+            i += 2
+        elif text.startswith("${", i):
+            depth, end = 0, i + 1
+            for end in range(i + 1, len(text)):  # the brace that closes this one
+                depth += {"{": 1, "}": -1}.get(text[end], 0)
+                if not depth:
+                    break
+            out.append(_substitute(text[i + 2 : end], env))
+            i = end + 1
+        elif text[i] == "$" and (match := _NAME.match(text, i + 1)):
+            out.append(env.get(match.group(), ""))
+            i = match.end()
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+def _substitute(body: str, env: Mapping[str, str]) -> str:
+    match = _NAME.match(body)
+    assert match, f"bad variable reference ${{{body}}}"
+    name, rest = match.group(), body[match.end() :]
+    value = env.get(name)
+    unset_or_empty = not value
+    for op in (":-", ":?", ":+", "-", "?", "+"):
+        if rest.startswith(op):
+            arg = rest[len(op) :]
+            missing = unset_or_empty if op.startswith(":") else value is None
+            if op.endswith("-"):
+                return interpolate(arg, env) if missing else str(value)
+            if op.endswith("?"):
+                if missing:
+                    raise KeyError(f"{name}: {arg}")
+                return str(value)
+            return "" if missing else interpolate(arg, env)
+    assert not rest, f"unsupported variable reference ${{{body}}}"
+    return value or ""
+
+
+def service_environment(service: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, str]:
+    """A service's container environment: a key without a value comes from `env` or is unset."""
+    result: dict[str, str] = {}
+    for key, value in (service.get("environment") or {}).items():
+        if value is None:
+            if key in env:
+                result[key] = env[key]
+            continue
+        result[key] = interpolate(str(value), env)
+    return result
+
+
+def argv(service: Mapping[str, Any]) -> list[str]:
+    """entrypoint + command, each in list or string form."""
+    parts: list[str] = []
+    for field in ("entrypoint", "command"):
+        value = service.get(field) or []
+        parts += shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+    return parts
+
+
+def seconds(duration: str) -> float:
+    units = {"h": 3600, "m": 60, "s": 1, "ms": 0.001}
+    parts = re.findall(r"(\d+(?:\.\d+)?)(ms|h|m|s)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
+
+
+# --- datasets and S3 sources for the readers
+
+
+def lines(path: Path, rows: list[Any]) -> Path:
+    """A JSONL file of `rows` (bytes written as they are, anything else as JSON)."""
+    path.write_bytes(
+        b"".join((r if isinstance(r, bytes) else orjson.dumps(r)) + b"\n" for r in rows)
+    )
+    return path
+
+
+def split(items: Any) -> tuple[list[PromptRecord], list[Reject]]:
+    """A reader's output as (prompts, rejects)."""
+    records: list[PromptRecord] = []
+    rejects: list[Reject] = []
+    for item in items:
+        (rejects if isinstance(item, Reject) else records).append(item)
+    return records, rejects
+
+
+def save_dataset(directory: Path, tables: list[pa.Table], split: str = "train") -> Path:
+    """The layout `Dataset.save_to_disk` writes: Arrow IPC streams + state + info."""
+    import pyarrow as pa
+
+    directory.mkdir(parents=True)
+    names = [f"data-{i:05d}-of-{len(tables):05d}.arrow" for i in range(len(tables))]
+    for name, table in zip(names, tables, strict=True):
+        with pa.OSFile(str(directory / name), "wb") as sink:
+            with pa.ipc.new_stream(sink, table.schema) as writer:
+                for batch in table.to_batches(max_chunksize=2):
+                    writer.write_batch(batch)
+    state: dict[str, Any] = {
+        "_data_files": [{"filename": n} for n in names],
+        "_fingerprint": "0123456789abcdef",
+        "_format_columns": None,
+        "_format_kwargs": {},
+        "_format_type": None,
+        "_output_all_columns": False,
+        "_split": split,
+    }
+    (directory / "state.json").write_bytes(orjson.dumps(state))
+    (directory / "dataset_info.json").write_bytes(orjson.dumps({"features": {}, "splits": {}}))
+    return directory
+
+
+class Bucket:
+    """A fresh bucket on the S3 server at `endpoint`, written to with boto3."""
+
+    def __init__(self, endpoint: str) -> None:
+        import boto3
+
+        self.endpoint = endpoint
+        self.name = new_bucket(endpoint).removeprefix("s3://").split("/")[0]
+        self.client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
+
+    def put(self, key: str, data: bytes) -> str:
+        self.client.put_object(Bucket=self.name, Key=key, Body=data)
+        return f"s3://{self.name}/{key}"
+
+    def options(self, **kwargs: Any) -> ReaderOptions:
+        return ReaderOptions(s3_endpoint_url=self.endpoint, **kwargs)
