@@ -660,6 +660,8 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 # --- one batch in process, on the fakes (tests/fakes): the core tests of the task and batch
 
 PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
+# a reasoning model's sampling, as the engine client's tests send it
+THINKING_PARAMS = GenerationParams(max_tokens=64, temperature=0.6, top_p=0.95, thinking=True)
 RUN, BATCH = "r", "batch-000000"
 MakeFeeder = Callable[..., Feeder]  # the `feeders` fixture (tests/workers/conftest.py)
 MakeRuntime = Callable[..., FakeRuntime]  # the `make_runtime` fixture

@@ -24,6 +24,7 @@ from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import run_status
 from genfleet.workers.feeder import Feeder
+from tests.fakes.engine import FakeEngine
 from tests.support import Worker, base_env, wait_for
 
 
@@ -45,21 +46,9 @@ class SlowClient:
         return None
 
 
-class Up:
-    state = "ready"
-    deaths = 0
-    last_error = None
-
-    def alive(self) -> bool:
-        return True
-
-    def wait_up(self, timeout_s: float) -> None:
-        return None
-
-
 def test_on_sent_fires_when_the_last_prompt_enters_and_waiting_counts_down() -> None:
     client = SlowClient()
-    feeder = Feeder(lambda: client, Up(), max_inflight=3)  # type: ignore[arg-type,return-value]
+    feeder = Feeder(lambda: client, FakeEngine(), max_inflight=3)  # type: ignore[arg-type,return-value]
     sent = threading.Event()
     params = GenerationParams(max_tokens=8, temperature=0.0, top_p=1.0, thinking=False)
     records = [PromptRecord(f"p{i}", [{"role": "user", "content": "x"}]) for i in range(5)]
@@ -87,7 +76,7 @@ def test_the_hook_wired_at_start_names_each_batch_once_its_prompts_are_all_sent(
     client = SlowClient()
     seen: list[tuple[str, str]] = []
     feeder = Feeder(
-        lambda: client, Up(), max_inflight=3, on_batch_sent=lambda r, b: seen.append((r, b))
+        lambda: client, FakeEngine(), max_inflight=3, on_batch_sent=lambda r, b: seen.append((r, b))
     )  # type: ignore[arg-type,return-value]
     params = GenerationParams(max_tokens=8, temperature=0.0, top_p=1.0, thinking=False)
     records = [PromptRecord(f"p{i}", [{"role": "user", "content": "x"}]) for i in range(5)]
