@@ -475,6 +475,29 @@ def wait_run_done(
     return time.monotonic() - started
 
 
+def wait_run_ended(
+    settings: Settings, client: redis.Redis, run: str, timeout_s: float
+) -> dict[str, Any]:
+    """Wait until `run` is done or failed; returns its status then."""
+    objects = open_run_store(settings)
+
+    def ended() -> dict[str, Any] | None:
+        status = run_status(objects, client, run)
+        return status if status["state"] in {"done", "failed"} else None
+
+    status: dict[str, Any] = wait_for(ended, timeout_s, f"run {run} to end", 0.5)
+    return status
+
+
+def export_rows(
+    settings: Settings, run: str, path: Path, **options: Any
+) -> tuple[ExportResult, list[dict[str, Any]]]:
+    """`export RUN --out PATH` (JSONL, whole runs only; `options` as export_run takes them) and
+    the rows it wrote."""
+    result = export_run(settings, run, str(path), "jsonl", False, **options)
+    return result, [orjson.loads(line) for line in path.read_bytes().splitlines()]
+
+
 def assert_exactly_once(
     settings: Settings,
     run: str,
@@ -492,8 +515,7 @@ def assert_exactly_once(
     objects = store or open_run_store(settings)
     target = Path(os.environ.get("TMPDIR", "/tmp")) / f"genfleet-fault-{run}-{os.getpid()}.jsonl"
     try:
-        result = export_run(settings, run, str(target), "jsonl", partial=False)
-        rows = [orjson.loads(line) for line in target.read_bytes().splitlines()]
+        result, rows = export_rows(settings, run, target)
     finally:
         target.unlink(missing_ok=True)
     counts = collections.Counter(row["id"] for row in rows)
@@ -538,14 +560,23 @@ def child_pids(pid: int) -> list[int]:
     return sorted(found)
 
 
+def cmdline(pid: int) -> list[bytes]:
+    """The argv of process `pid`, [] once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[:-1]
+    except OSError:
+        return []
+
+
+def live_children(pid: int, needle: bytes) -> list[int]:
+    """Live children of `pid` whose command line holds `needle` (an engine: `sglang`, ...)."""
+    return [c for c in child_pids(pid) if needle in b" ".join(cmdline(c)) and pid_alive(c)]
+
+
 def engine_pid(worker: Worker) -> int | None:
     """The pid of the worker's emulator engine, or None while it has none."""
-    for pid in child_pids(worker.proc.pid):
-        with contextlib.suppress(OSError):
-            if b"genfleet.workers.engine.emulator" in Path(f"/proc/{pid}/cmdline").read_bytes():
-                if pid_alive(pid):
-                    return pid
-    return None
+    found = live_children(worker.proc.pid, b"genfleet.workers.engine.emulator")
+    return found[0] if found else None
 
 
 def leases_of(client: redis.Redis, run: str, hostname: str) -> set[str]:

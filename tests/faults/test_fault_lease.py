@@ -17,10 +17,7 @@ from tests.faults.services import FlakyS3
 from tests.support import (
     Worker,
     assert_exactly_once,
-    base_env,
-    fault_settings,
     free_port,
-    open_run_store,
     outputs,
     stage,
     wait_for,
@@ -54,10 +51,8 @@ def test_store_hanging_longer_than_the_lease_does_not_run_a_batch_twice(
     start_worker: Callable[..., Worker],
     flaky_s3: FlakyS3,
 ) -> None:
-    env = base_env(
+    env = flaky_s3.worker_env(
         redis_url,
-        flaky_s3.store_url,
-        s3_endpoint_url=flaky_s3.endpoint_url,
         lease_ttl_s=LEASE_S,
         reaper_interval_s=1,
         emulator_time_scale=4,
@@ -67,12 +62,10 @@ def test_store_hanging_longer_than_the_lease_does_not_run_a_batch_twice(
     control = start_worker(env, role="control")
     workers = [start_worker({**env, "GENFLEET_PORT": str(free_port())}) for _ in range(2)]
     ids = write_prompts(tmp_path / "prompts.jsonl", 150)
-    settings = fault_settings(redis_url, flaky_s3.store_url, s3_endpoint_url=flaky_s3.endpoint_url)
-    direct = fault_settings(redis_url, flaky_s3.store_url, s3_endpoint_url=flaky_s3.direct_url)
-    store = open_run_store(direct)
+    direct, store = flaky_s3.settings(redis_url, direct=True), flaky_s3.store()
     for worker in (control, *workers):
         worker.wait_ready()
-    stage(settings, "hang", tmp_path / "prompts.jsonl")
+    stage(flaky_s3.settings(redis_url), "hang", tmp_path / "prompts.jsonl")
 
     def generating() -> set[str]:
         """Batches past their store reads: leased (the lease comes first), no output, and a
@@ -128,10 +121,8 @@ def test_slow_store_reads_do_not_let_the_reaper_take_a_live_batch(
     start_worker: Callable[..., Worker],
     flaky_s3: FlakyS3,
 ) -> None:
-    env = base_env(
+    env = flaky_s3.worker_env(
         redis_url,
-        flaky_s3.store_url,
-        s3_endpoint_url=flaky_s3.endpoint_url,
         lease_ttl_s=SLOW_LEASE_S,
         reaper_interval_s=0.5,
         checkpoint_interval_s=30,
@@ -141,8 +132,7 @@ def test_slow_store_reads_do_not_let_the_reaper_take_a_live_batch(
     worker = start_worker({**env, "GENFLEET_PORT": str(free_port())})
     ids = write_prompts(tmp_path / "prompts.jsonl", 50)
     # Staged at full speed, straight to the store: only the worker's calls are slow.
-    direct = fault_settings(redis_url, flaky_s3.store_url, s3_endpoint_url=flaky_s3.direct_url)
-    store = open_run_store(direct)
+    direct, store = flaky_s3.settings(redis_url, direct=True), flaky_s3.store()
     for each in (control, worker):
         each.wait_ready()
     flaky_s3.proxy.slow(SLOW_REPLY_S)
