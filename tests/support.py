@@ -22,6 +22,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.parse
 import uuid
@@ -111,6 +112,31 @@ def wait_for(
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
         time.sleep(interval_s)
+
+
+def meanwhile(
+    ready: Callable[[], Any], action: Callable[[], None], what: str
+) -> Callable[[], None]:
+    """Run `action` on a thread of its own once `ready()` holds (10 s at most, `what` names
+    it); returns the join, which re-raises what the thread raised."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            wait_for(ready, 10, what, 0.01)
+            action()
+        except BaseException as exc:  # handed to the test's own thread by join()
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, name="meanwhile")
+    thread.start()
+
+    def join() -> None:
+        thread.join(timeout=10)
+        if raised:
+            raise raised[0]
+
+    return join
 
 
 def dummy_aws_credentials() -> None:
@@ -248,9 +274,10 @@ GENFLEET = [sys.executable, "-c", "from genfleet.cli import main; main()"]
 
 
 def genfleet(
-    args: list[str], env: dict[str, str], timeout_s: float = 240
+    args: list[str], env: dict[str, str] | None = None, timeout_s: float = 240
 ) -> subprocess.CompletedProcess[str]:
-    """`genfleet ARGS…` run to its end, output captured."""
+    """`genfleet ARGS…` run to its end, output captured (in this process's environment
+    unless `env` is given)."""
     return subprocess.run(
         [*GENFLEET, *args],
         env=env,
@@ -424,6 +451,14 @@ def write_prompt_lines(path: Path, prompts: list[str]) -> Path:
     return path
 
 
+def stage_questions(
+    settings: Settings, run: str, directory: Path, count: int, prefix: str = "q"
+) -> EnqueueResult:
+    """Stage `count` prompt lines, PREFIX0, PREFIX1, …, from DIRECTORY/RUN.jsonl as `run`."""
+    source = write_prompt_lines(directory / f"{run}.jsonl", [f"{prefix}{i}" for i in range(count)])
+    return stage(settings, run, source)
+
+
 def fault_settings(redis_url: str, store: str, **overrides: Any) -> Settings:
     """The producer side's settings; batches small enough that a run has several."""
     values: dict[str, Any] = {"batch_size": 25, "max_tokens": 1024}
@@ -579,13 +614,44 @@ def engine_pid(worker: Worker) -> int | None:
     return found[0] if found else None
 
 
-def leases_of(client: redis.Redis, run: str, hostname: str) -> set[str]:
-    """Batches of `run` whose lease `hostname` holds right now (it is running them)."""
+def leases_of(client: redis.Redis, run: str, hostname: str | None = None) -> set[str]:
+    """Batches of `run` whose lease `hostname` (or any worker) holds right now."""
     held = set()
     for key in client.scan_iter(match=keys.lease_key(run, "*")):
-        if client.get(key) == hostname.encode():
+        if hostname is None or client.get(key) == hostname.encode():
             held.add(key.decode().rsplit(":", 1)[1])
     return held
+
+
+def running_batches(
+    client: redis.Redis,
+    store: Store,
+    run: str,
+    hostname: str | None = None,
+    checkpointed: bool = False,
+) -> set[str]:
+    """Batches of `run` running now: leased (by `hostname`, or by any worker), no output yet
+    and, if `checkpointed`, a checkpoint part written (past their store reads)."""
+    running = leases_of(client, run, hostname) - outputs(store, run)
+    if checkpointed:
+        running = {b for b in running if any(True for _ in store.list(keys.parts_prefix(run, b)))}
+    return running
+
+
+def wait_batch_running(
+    client: redis.Redis,
+    store: Store,
+    run: str,
+    hostname: str | None = None,
+    checkpointed: bool = False,
+    interval_s: float = 0.05,
+) -> set[str]:
+    """Wait (a minute at most) until a batch of `run` runs (`running_batches`); returns them."""
+    what = f"a batch of {run} to be running" + (" and checkpointed" if checkpointed else "")
+    found: set[str] = wait_for(
+        lambda: running_batches(client, store, run, hostname, checkpointed), 60, what, interval_s
+    )
+    return found
 
 
 def reaped(client: redis.Redis, run: str) -> list[str]:

@@ -18,8 +18,10 @@ from tests.support import (
     Worker,
     assert_exactly_once,
     free_port,
+    leases_of,
     outputs,
     stage,
+    wait_batch_running,
     wait_for,
     wait_run_done,
     write_prompts,
@@ -29,10 +31,6 @@ pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
 LEASE_S = 4.0
 HANG_S = 3 * LEASE_S
-
-
-def held_leases(client: redis.Redis, run: str) -> set[str]:
-    return {k.decode().rsplit(":", 1)[1] for k in client.scan_iter(match=keys.lease_key(run, "*"))}
 
 
 def runs_per_batch(workers: list[Worker]) -> collections.Counter[str]:
@@ -67,20 +65,16 @@ def test_store_hanging_longer_than_the_lease_does_not_run_a_batch_twice(
         worker.wait_ready()
     stage(flaky_s3.settings(redis_url), "hang", tmp_path / "prompts.jsonl")
 
-    def generating() -> set[str]:
-        """Batches past their store reads: leased (the lease comes first), no output, and a
-        checkpoint part written, so their only store calls left are puts."""
-        held = held_leases(redis_client, "hang") - outputs(store, "hang")
-        return {b for b in held if any(True for _ in store.list(keys.parts_prefix("hang", b)))}
-
-    running = wait_for(generating, 60, "a batch to be generating", 0.05)
+    # Batches past their store reads: leased (the lease comes first), no output, and a
+    # checkpoint part written, so their only store calls left are puts.
+    running = wait_batch_running(redis_client, store, "hang", checkpointed=True)
 
     flaky_s3.proxy.hang()
     hung_at = time.monotonic()
     try:
         while time.monotonic() - hung_at < HANG_S:
             # Nothing can reach the store, so nothing finishes: every lease held stays held.
-            lapsed = running - held_leases(redis_client, "hang") - outputs(store, "hang")
+            lapsed = running - leases_of(redis_client, "hang") - outputs(store, "hang")
             assert not lapsed, f"leases lapsed on live workers during the hang: {lapsed}"
             time.sleep(0.2)
     finally:

@@ -38,6 +38,7 @@ from tests.support import (
     MakeFeeder,
     core_order,
     execute_batch,
+    meanwhile,
     output_rows,
     stage_batch,
     wait_for,
@@ -194,15 +195,10 @@ def test_a_cancelled_batch_is_interrupted_with_its_finished_prompts_checkpointed
     chat = FakeChat(gate=gate, ungated={"p0", "p1"})
     feeder = feeders(chat)
 
-    def shut_down() -> None:
-        wait_for(lambda: chat.inflight == 4, 10, "four requests in flight", 0.01)
-        feeder.cancel_all()
-
-    stopper = threading.Thread(target=shut_down)
-    stopper.start()
+    shut_down = meanwhile(lambda: chat.inflight == 4, feeder.cancel_all, "four in flight")
     with pytest.raises(BatchInterrupted, match="after 2 of 6 prompts"):
         execute_batch(order, store, db, feeder)
-    stopper.join(timeout=10)
+    shut_down()
     gate.set()
 
     parts = list(store.list(keys.parts_prefix(RUN, BATCH)))

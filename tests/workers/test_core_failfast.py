@@ -27,6 +27,7 @@ from tests.support import (
     TTL_S,
     MakeRuntime,
     batch_state,
+    meanwhile,
     running_order,
     stage_task,
     wait_for,
@@ -127,15 +128,13 @@ def test_terminate_of_one_batch_parks_it_and_leaves_the_others(
     order = stage_task(runtime, 4)
 
     def terminate() -> None:
-        wait_for(lambda: chat.inflight == 3, 10, "three requests in flight", 0.01)
         assert runtime.feeder.cancel_batch(RUN, BATCH)
         assert not runtime.feeder.cancel_batch(RUN, "batch-000009")  # not running here
 
-    stopper = threading.Thread(target=terminate)
-    stopper.start()
+    terminated = meanwhile(lambda: chat.inflight == 3, terminate, "three requests in flight")
     with pytest.raises(BatchFailed, match="terminated by an operator"):
         generate_batch(order)
-    stopper.join(timeout=10)
+    terminated()
     gate.set()
     assert batch_state(runtime.redis)["failed"] == "BatchInterrupted"
     assert list(runtime.store.list(keys.parts_prefix(RUN, BATCH)))  # p0 is checkpointed

@@ -41,6 +41,7 @@ from tests.support import (
     TTL_S,
     MakeRuntime,
     batch_state,
+    meanwhile,
     running_order,
     stage_task,
     wait_for,
@@ -149,15 +150,12 @@ def test_a_shutdown_requeues_the_batch_without_counting_a_try(
     runtime = make_runtime(chat)
     order = stage_task(runtime, 4)
 
-    def shut_down() -> None:
-        wait_for(lambda: chat.inflight == 3, 10, "three requests in flight", 0.01)
-        runtime.feeder.cancel_all()
-
-    stopper = threading.Thread(target=shut_down)
-    stopper.start()
+    shut_down = meanwhile(
+        lambda: chat.inflight == 3, runtime.feeder.cancel_all, "three requests in flight"
+    )
     with pytest.raises(Reject) as caught:
         generate_batch(order)
-    stopper.join(timeout=10)
+    shut_down()
     gate.set()
 
     assert caught.value.requeue

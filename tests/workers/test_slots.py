@@ -13,7 +13,6 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import orjson
 import pytest
 import redis
 
@@ -21,11 +20,10 @@ from genfleet.common import keys
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
-from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import run_status
 from genfleet.workers.feeder import Feeder
 from tests.fakes.engine import FakeEngine
-from tests.support import Worker, base_env, wait_for
+from tests.support import Worker, base_env, stage_questions, wait_for, wait_run_done
 
 
 class SlowClient:
@@ -104,9 +102,7 @@ def test_the_next_batch_starts_while_stragglers_run(
     knobs = {"worker_concurrency": 1, "emulator_time_scale": 2, "batch_size": 4}
     worker = start_worker(base_env(redis_url, store, **knobs))
     settings = Settings(redis_url=redis_url, store=store, batch_size=4)
-    source = tmp_path / "p.jsonl"
-    source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(24)))
-    enqueue_run(settings, "slots", str(source), reader_options(settings))
+    stage_questions(settings, "slots", tmp_path, 24)
     worker.wait_ready()
     most = [0]
 
@@ -116,11 +112,7 @@ def test_the_next_batch_starts_while_stragglers_run(
         return most[0] >= 2
 
     wait_for(overlap, 60, "two batches running at once on a worker of concurrency 1", 0.02)
-    wait_for(
-        lambda: run_status(open_store(store), redis_client, "slots")["state"] == "done",
-        120,
-        "the run to finish",
-    )
+    wait_run_done(settings, redis_client, "slots", 120)
     status = run_status(open_store(store), redis_client, "slots")
     assert status["prompts_done"] == 24 and status["batches_failed"] == 0
     assert redis_client.hlen(keys.running_key()) == 0
