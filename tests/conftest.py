@@ -40,10 +40,15 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if not worker:
         return
-    private = Path(tempfile.gettempdir()) / f"genfleet-tests-{os.getuid()}" / worker
-    private.mkdir(mode=0o700, parents=True, exist_ok=True)
-    private.parent.chmod(0o700)
-    os.environ["TMPDIR"] = str(private)
+    own = Path(tempfile.gettempdir()) / f"genfleet-tests-{os.getuid()}" / worker
+    # 0755 like /tmp itself, not writable by others: a test shares a folder with another
+    # user (tests/producer/test_export_files.py), and genfleet's own level below is 0700.
+    for level in (own.parent, own):
+        level.mkdir(mode=0o755, exist_ok=True)
+        if level.is_symlink() or level.stat().st_uid != os.getuid():
+            raise pytest.UsageError(f"{level} is not a folder of this user's own")
+        level.chmod(0o755)
+    os.environ["TMPDIR"] = str(own)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 

@@ -94,6 +94,13 @@ def redis_url_for_tests() -> str:
 TEST_REDIS_URL = redis_url_for_tests()
 
 
+def engine_port_base() -> int:
+    """Where this test process's engines start looking for a port: SGLang's 30000, 1000 on
+    per xdist worker (port locks are per private directory, and each xdist worker has its
+    own: conftest.py)."""
+    return 30000 + 1000 * (xdist_index() or 0)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -175,10 +182,8 @@ def base_env(redis_url: str, store: str, **extra: Any) -> dict[str, str]:
             "PYTHONPATH": str(ROOT),
         }
     )
-    if (index := xdist_index()) is not None:
-        # Port locks are per private directory, and each xdist worker has its own (conftest):
-        # engines of parallel workers start from ports 1000 apart instead.
-        env["GENFLEET_PORT"] = str(30000 + 1000 * index)
+    if xdist_index() is not None:
+        env["GENFLEET_PORT"] = str(engine_port_base())
     env.update({f"GENFLEET_{k.upper()}": str(v) for k, v in extra.items()})
     return env
 
@@ -498,15 +503,21 @@ def assert_counters_backed(client: redis.Redis, store: Store, run: str) -> None:
 def wait_run_done(
     settings: Settings, client: redis.Redis, run: str, timeout_s: float, store: Store | None = None
 ) -> float:
-    """Wait for every batch of `run` to have its output; returns how long that took (s)."""
+    """Wait for every batch of `run` to have its output; returns how long that took (s).
+    At the deadline it fails with where the run stood (its batches by state)."""
     objects = store or open_run_store(settings)
     started = time.monotonic()
-    wait_for(
-        lambda: run_status(objects, client, run)["state"] == "done",
-        timeout_s,
-        f"run {run} to finish",
-        0.25,
-    )
+    try:
+        wait_for(
+            lambda: run_status(objects, client, run)["state"] == "done",
+            timeout_s,
+            f"run {run} to finish",
+            0.25,
+        )
+    except AssertionError as exc:
+        status = run_status(objects, client, run)
+        stood = {k: v for k, v in status.items() if k == "state" or k.startswith("batches_")}
+        raise AssertionError(f"{exc}: {stood}") from None
     return time.monotonic() - started
 
 
