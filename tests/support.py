@@ -1,12 +1,16 @@
 """What tests share besides fixtures (those are in conftest.py): ports, waits, the environment
-of a test's genfleet processes, worker and emulator processes, S3 buckets; and what every
-fault scenario shares: datasets, stage and wait, process lookups and the exactly-once check
-(`assert_exactly_once`: the export holds every input id exactly once, a completion or an
-error record, nothing doubled, and no batch marked done in Redis without its output).
+of a test's genfleet processes, the root command (as a process, in process, a background
+`genfleet run`), worker and emulator processes, S3 buckets; what every fault scenario shares:
+datasets, stage and wait (until a batch runs, until the run is done), process lookups and the
+exactly-once check (`assert_exactly_once`: the export holds every input id exactly once, a
+completion or an error record, nothing doubled, and no batch marked done in Redis without its
+output); one batch in process on the fakes (the core tests); the compose file as Compose reads
+it; datasets and S3 sources for the readers.
 
-Redis: the server on 127.0.0.1:6379 (GENFLEET_TEST_REDIS_URL overrides), one database dedicated
-to tests. Workers: `python -m genfleet.workers worker` processes with the emulator, started
-through the same supervisor code path as SGLang.
+Redis: the server on 127.0.0.1:6379, one database dedicated to tests (11, or the one
+GENFLEET_TEST_REDIS_URL names; one per xdist worker in a parallel run: `redis_url_for_tests`).
+Workers: `python -m genfleet.workers worker` processes with the emulator, started through the
+same supervisor code path as SGLang.
 """
 
 from __future__ import annotations
@@ -778,12 +782,12 @@ NOW = 1_700_000_000.0
 TTL_S = 10.0
 
 
-def core_order(batch: str = BATCH, prompts: int = 5) -> WorkOrder:
-    """The work order of `batch` of RUN on the emulator queue, its input at the usual key."""
+def core_order(batch: str = BATCH, prompts: int = 5, run: str = RUN) -> WorkOrder:
+    """The work order of `batch` of `run` on the emulator queue, its input at the usual key."""
     return WorkOrder(
-        run=RUN,
+        run=run,
         batch=batch,
-        key=keys.input_key(RUN, batch),
+        key=keys.input_key(run, batch),
         params=PARAMS,
         model="emulator",
         engine="emulator",
