@@ -58,6 +58,9 @@ class ScriptedEngine(http.server.ThreadingHTTPServer):
     it on a thread of its own, `stop()` ends it."""
 
     daemon_threads = True
+    # a client opening many connections at once is not left to a SYN retry (socketserver's
+    # backlog is 5; aiohttp's and SGLang's are far larger)
+    request_queue_size = 128
 
     def __init__(self, script: Script = lambda text, n: ok(text), port: int = 0) -> None:
         super().__init__(("127.0.0.1", port), _Handler)

@@ -187,6 +187,7 @@ def test_the_last_failing_prompt_alone_is_judged_by_a_canary(
         return error(500, "poison") if text == "bad" else ok(text)
 
     engine = engine_with(script)
+    engine.slow["b"] = 0.2  # b succeeds last
     future, results = two_batches(engine, ["a", "b"], ["bad"])
 
     assert future.exception() is None
