@@ -132,6 +132,7 @@ def test_slow_store_reads_do_not_let_the_reaper_take_a_live_batch(
     flaky_s3.proxy.slow(SLOW_REPLY_S)
     stage(direct, "slow", tmp_path / "prompts.jsonl")
     wait_run_done(direct, redis_client, "slow", 120, store)
+    flaky_s3.proxy.slow(0)  # full speed again: the worker's shutdown takes no half minute
     result, _rows = assert_exactly_once(direct, "slow", ids, redis_client, store)
     assert result.errors == 0
     assert flaky_s3.proxy.delayed > 0, "no store answer was slowed"
