@@ -70,6 +70,23 @@ MODEL = "genfleet/emulated"
 TIMELINE = False  # --timeline: print each run's requests per engine, second by second
 
 
+def fleet_env(args: argparse.Namespace, redis_url: str, queue: str, store: str) -> dict[str, str]:
+    """The workers' environment: the emulator at `--time-scale`, `--batch-size`, the queue and
+    store given, and every `--knob NAME=VALUE` over them."""
+    knobs: dict[str, str | float | int] = {
+        "redis_url": redis_url,
+        "queue": queue,
+        "store": store,
+        "emulator_time_scale": args.time_scale,
+        "emulator_load_s": 0.2,
+        "emulator_warmup_s": 0.2,
+        "startup_timeout_s": 120,
+        "batch_size": args.batch_size,
+    }
+    knobs.update(dict(knob.split("=", 1) for knob in args.knob))
+    return emulator_env(knobs)
+
+
 def ceiling_tokens_per_s(info: dict[str, object], time_scale: float) -> float:
     """One engine's steady tokens/s at its cap, from the emulator's own time model."""
     spec = None
@@ -328,18 +345,8 @@ def hints_size(args: argparse.Namespace, per_worker: int, redis_url: str) -> flo
         rho = hinted_prompts(hinted, records, args.hints, mean)
         modes = (("off", plain, {}), ("on", hinted, {"regenerate": True}))
         for attempt, (mode, source, extra) in enumerate(modes * args.repeat):
-            knobs: dict[str, str | float | int] = {
-                "redis_url": redis_url,
-                "queue": f"bench-hints-{mode}-{uuid.uuid4().hex[:8]}",
-                "store": (tmp / f"store-{attempt}").as_uri(),
-                "emulator_time_scale": args.time_scale,
-                "emulator_load_s": 0.2,
-                "emulator_warmup_s": 0.2,
-                "startup_timeout_s": 120,
-                "batch_size": args.batch_size,
-            }
-            knobs.update(dict(knob.split("=", 1) for knob in args.knob))
-            env = emulator_env(knobs)
+            queue = f"bench-hints-{mode}-{uuid.uuid4().hex[:8]}"
+            env = fleet_env(args, redis_url, queue, (tmp / f"store-{attempt}").as_uri())
             (tmp / str(attempt)).mkdir()
             results[mode].append(run_genfleet(env, n, source, tmp / str(attempt), 3600, **extra))
         argv = engine_command(env)  # the engines' cap, as the workers passed it
@@ -384,18 +391,10 @@ def one_size(args: argparse.Namespace, per_worker: int, redis_url: str) -> float
     count = n * per_worker * args.batch_size
     with tempfile.TemporaryDirectory(prefix="genfleet-bench-fleet-") as name:
         tmp = Path(name)
-        knobs: dict[str, str | float | int] = {
-            "redis_url": redis_url,
-            "queue": f"bench-fleet-{uuid.uuid4().hex[:8]}",  # others may share the database
-            "store": (tmp / "store").as_uri(),
-            "emulator_time_scale": args.time_scale,
-            "emulator_load_s": 0.2,
-            "emulator_warmup_s": 0.2,
-            "startup_timeout_s": 120,
-            "batch_size": args.batch_size,
-        }
-        knobs.update(dict(knob.split("=", 1) for knob in args.knob))
-        env = emulator_env(knobs)
+        # a queue of its own: others may share the database
+        env = fleet_env(
+            args, redis_url, f"bench-fleet-{uuid.uuid4().hex[:8]}", (tmp / "store").as_uri()
+        )
         argv = engine_command(env)
         source = tmp / "prompts.jsonl"
         records = write_prompts(source, count)

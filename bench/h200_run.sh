@@ -5,11 +5,12 @@
 #   bench/h200_run.sh                        # there (carry .carry): transformers serve
 #   ENGINE=emulator bench/h200_run.sh        # anywhere: the same path with the emulator
 #
-# The engine is `transformers serve` on a random-initialised Qwen3 (bench/h200_model.py),
-# supervised by genfleet's generic command launcher; not SGLang. Steps: carried wheels and
-# Redis, model, 400 prompts, `enqueue`, one `worker` on GPU 0 with NVML, a `control` worker
-# running the power-watch beat, wait, `export`, `top --once --json` and `findings`, then
-# `tune --mtp off` over C=1,4,16,64,128. Results and logs go to $OUT (at most 8 files).
+# The engine is `transformers serve` on a random-initialised Qwen3 (bench/real_sglang/
+# build_model.py --arch qwen3), supervised by genfleet's generic command launcher; not SGLang.
+# Steps: carried wheels and Redis, model, 400 prompts, `enqueue`, one `worker` on GPU 0 with
+# NVML, a `control` worker running the power-watch beat, wait, `export`, `top --once --json`
+# and `findings`, then `tune --mtp off` over C=1,4,16,64,128. Results and logs go to $OUT (at
+# most 8 files).
 set -uo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 OUT=${OUT:-/tmp/h200-out}
@@ -65,7 +66,7 @@ export GENFLEET_MAX_TOKENS=64 GENFLEET_BATCH_SIZE=50 GENFLEET_WORKER_CONCURRENCY
 export GENFLEET_POWER_WATCH_INTERVAL_S=10 GENFLEET_POWER_WINDOW_S=15 GENFLEET_STARTUP_TIMEOUT_S=300
 if [ "$ENGINE" = transformers ]; then
   say "model"
-  python3 bench/h200_model.py "$WORK/model" || exit 1
+  python3 bench/real_sglang/build_model.py "$WORK/model" --arch qwen3 || exit 1
   SERVE=$(command -v transformers || echo "$(dirname "$(command -v python3)")/transformers")
   export GENFLEET_ENGINE=command GENFLEET_MODEL=$WORK/model GENFLEET_SERVED_MODEL_NAME=$WORK/model
   export GENFLEET_ENGINE_COMMAND="$SERVE serve {model} --continuous-batching --host {host} --port {port}"

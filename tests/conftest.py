@@ -10,6 +10,7 @@ both. Workers are stopped (with their engines) after the test.
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,10 +18,38 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.support import TEST_REDIS_URL, Worker, dummy_aws_credentials, free_port, new_bucket
+from tests.support import (
+    TEST_REDIS_URL,
+    BackgroundRun,
+    StartRun,
+    Worker,
+    dummy_aws_credentials,
+    free_port,
+    new_bucket,
+)
 
 # The Celery app in this process (power-watch, top, inspect) talks to the test database too.
 os.environ["GENFLEET_REDIS_URL"] = TEST_REDIS_URL
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """In a parallel run each xdist worker gets a TMPDIR of its own, for itself and the
+    processes it starts: genfleet's private directory (`$TMPDIR/genfleet-UID`: port locks,
+    the local run's lock, engine configs, beat schedules) is then one per worker, as the
+    Redis database is (tests/support.py)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if not worker:
+        return
+    own = Path(tempfile.gettempdir()) / f"genfleet-tests-{os.getuid()}" / worker
+    # 0755 like /tmp itself, not writable by others: a test shares a folder with another
+    # user (tests/producer/test_export_files.py), and genfleet's own level below is 0700.
+    for level in (own.parent, own):
+        level.mkdir(mode=0o755, exist_ok=True)
+        if level.is_symlink() or level.stat().st_uid != os.getuid():
+            raise pytest.UsageError(f"{level} is not a folder of this user's own")
+        level.chmod(0o755)
+    os.environ["TMPDIR"] = str(own)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
 
 
 @pytest.fixture(autouse=True)
@@ -114,3 +143,18 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
     yield start
     for worker in started:
         worker.stop()
+
+
+@pytest.fixture
+def start_run(tmp_path: Path) -> Iterator[StartRun]:
+    """`start_run(redis_url, source)`: `genfleet run SOURCE` in the background, in `tmp_path`
+    (tests/support.py's BackgroundRun); killed at the end if it still runs."""
+    started: list[BackgroundRun] = []
+
+    def start(redis_url: str, source: Path) -> BackgroundRun:
+        started.append(BackgroundRun(redis_url, tmp_path, source))
+        return started[-1]
+
+    yield start
+    for run in started:
+        run.stop()

@@ -28,8 +28,15 @@ import boto3
 import orjson
 import pytest
 
-from tests.support import ROOT, wait_for
-from tests.test_compose import argv, interpolate, load_compose, seconds, service_environment
+from tests.support import (
+    ROOT,
+    argv,
+    interpolate,
+    load_compose,
+    seconds,
+    service_environment,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -4,7 +4,9 @@ check (`lint-imports`, run by the test command):
 - the root CLI loads the GPU side's commands only when one runs;
 - no import cycle between modules, lazy (function-level) imports included;
 - nothing is imported under a generic top-level name (`common`, `workers`);
-- the wheel holds `genfleet` and every package folder under it, nothing else.
+- the wheel holds `genfleet` and every package folder under it, nothing else;
+- no test or bench module imports a test module or a conftest: what tests share is in
+  tests/support.py (helpers), conftest.py (fixtures, which pytest hands out) and tests/fakes/.
 """
 
 from __future__ import annotations
@@ -97,3 +99,44 @@ def test_the_wheel_holds_genfleet_and_every_package_folder() -> None:
     for package in PACKAGES:
         link = ROOT / "genfleet" / package
         assert link.is_symlink() and str(link.readlink()) == f"../{package}"
+
+
+def imported_test_modules(root: Path) -> list[str]:
+    """`path: module` for each import, lazy ones included, of a test module (`test_*`) or a
+    conftest by a Python file under `root`/tests or `root`/bench."""
+    found = []
+    for path in sorted([*(root / "tests").rglob("*.py"), *(root / "bench").rglob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+            else:
+                continue
+            for name in names:
+                last = name.rsplit(".", 1)[-1]
+                if name.split(".")[0] == "tests" and (
+                    last.startswith("test_") or last == "conftest"
+                ):
+                    found.append(f"{path.relative_to(root)}: {name}")
+    return found
+
+
+def test_no_test_module_imports_another() -> None:
+    assert imported_test_modules(ROOT) == []
+
+
+def test_an_import_of_a_test_module_would_be_seen(tmp_path: Path) -> None:
+    (tmp_path / "tests" / "e2e").mkdir(parents=True)
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "tests" / "e2e" / "test_a.py").write_text(
+        "from tests.e2e.test_b import helper\n"
+        "def test_x():\n    from tests.e2e import test_c as c\n"
+    )
+    (tmp_path / "tests" / "e2e" / "test_d.py").write_text("import tests.support\n")
+    (tmp_path / "bench" / "b.py").write_text("from tests.compose.conftest import Stack\n")
+    assert imported_test_modules(tmp_path) == [
+        "bench/b.py: tests.compose.conftest",
+        "tests/e2e/test_a.py: tests.e2e.test_b",
+        "tests/e2e/test_a.py: tests.e2e.test_c",
+    ]

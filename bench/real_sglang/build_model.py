@@ -71,13 +71,26 @@ def build_tokenizer(out: Path, vocab: int):
     return fast
 
 
+def sampling(fast):
+    """Sampled generation (random weights rarely end on their own), 64 new tokens."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        eos_token_id=fast.eos_token_id,
+        pad_token_id=fast.pad_token_id,
+        do_sample=True,
+        temperature=1.0,
+        max_new_tokens=64,
+    )
+
+
 def padded(n: int, to: int = 64) -> int:
     return (n + to - 1) // to * to
 
 
 def build_qwen3(out: Path, args) -> None:
     import torch
-    from transformers import GenerationConfig, Qwen3Config, Qwen3ForCausalLM
+    from transformers import Qwen3Config, Qwen3ForCausalLM
 
     fast = build_tokenizer(out, args.vocab)
     heads = max(1, args.hidden // 64)
@@ -96,13 +109,7 @@ def build_qwen3(out: Path, args) -> None:
     )
     torch.manual_seed(0)
     model = Qwen3ForCausalLM(config).to(torch.bfloat16)
-    model.generation_config = GenerationConfig(
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        do_sample=True,
-        temperature=1.0,
-        max_new_tokens=64,
-    )
+    model.generation_config = sampling(fast)
     model.save_pretrained(out)
     print(f"qwen3: {sum(p.numel() for p in model.parameters()) / 1e6:.0f}M parameters")
 
@@ -189,7 +196,7 @@ def qwen3_5_config(fast, args) -> dict:
 def build_qwen3_5(out: Path, args) -> None:
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers import AutoConfig, GenerationConfig, Qwen3_5ForConditionalGeneration
+    from transformers import AutoConfig, Qwen3_5ForConditionalGeneration
 
     fast = build_tokenizer(out, args.vocab)
     config_dict = qwen3_5_config(fast, args)
@@ -198,13 +205,7 @@ def build_qwen3_5(out: Path, args) -> None:
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = Qwen3_5ForConditionalGeneration(config).to(torch.bfloat16)
-    model.generation_config = GenerationConfig(
-        eos_token_id=fast.eos_token_id,
-        pad_token_id=fast.pad_token_id,
-        do_sample=True,
-        temperature=1.0,
-        max_new_tokens=64,
-    )
+    model.generation_config = sampling(fast)
     model.save_pretrained(out, max_shard_size="50GB")
     # save_pretrained rewrites config.json from HF's class: put the hand-written one back.
     (out / "config.json").write_text(json.dumps(config_dict, indent=2))

@@ -23,8 +23,8 @@ from typing import Any
 
 import pytest
 
-from tests.compose.conftest import PRODUCER_UID, Stack
 from tests.compose.dockerhost import timed
+from tests.compose.stack import PRODUCER_UID, Stack
 from tests.support import wait_for
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]

@@ -17,11 +17,7 @@ import redis
 
 from genfleet.common import keys
 from genfleet.common.settings import Settings
-from genfleet.common.store import open_store
-from genfleet.producer.enqueue import enqueue_run, reader_options
-from genfleet.producer.export import export_run
-from genfleet.producer.status import run_status
-from tests.support import Worker, base_env, wait_for
+from tests.support import Worker, base_env, export_rows, lines, stage, wait_run_ended
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -36,14 +32,9 @@ def test_bad_answers_end_as_completions_or_error_records_never_as_wrong_data(
     redis_client: redis.Redis,
     start_worker: Callable[..., Worker],
 ) -> None:
-    source = tmp_path / "prompts.jsonl"
     ids = [f"q{i:04d}" for i in range(PROMPTS)]
-    source.write_bytes(
-        b"".join(
-            orjson.dumps({"id": i, "prompt": f"Question {n}: why is {n} odd?"}) + b"\n"
-            for n, i in enumerate(ids)
-        )
-    )
+    rows = [{"id": i, "prompt": f"Question {n}: why is {n} odd?"} for n, i in enumerate(ids)]
+    source = lines(tmp_path / "prompts.jsonl", rows)
     store_url = (tmp_path / "store").as_uri()
     request_log = tmp_path / "requests.jsonl"
     env = base_env(
@@ -60,23 +51,13 @@ def test_bad_answers_end_as_completions_or_error_records_never_as_wrong_data(
     )
     worker = start_worker(env)
     settings = Settings(redis_url=redis_url, store=store_url, batch_size=50, max_tokens=1024)
-    enqueue_run(settings, "answers", str(source), reader_options(settings))
+    stage(settings, "answers", source)
     worker.wait_ready()
-    store = open_store(store_url)
-    status = wait_for(
-        lambda: (
-            (r := run_status(store, redis_client, "answers"))["state"] in {"done", "failed"} and r
-        ),
-        180,
-        "the run to end",
-        0.5,
-    )
+    status = wait_run_ended(settings, redis_client, "answers", 180)
     assert status["state"] == "done", status
     assert status["batches_failed"] == 0
 
-    out = tmp_path / "out.jsonl"
-    export_run(settings, "answers", str(out), "jsonl", False)
-    rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
+    _, rows = export_rows(settings, "answers", tmp_path / "out.jsonl")
     assert [row["id"] for row in rows] == ids  # every prompt ends, once
     log = [orjson.loads(line) for line in request_log.read_bytes().splitlines()]
     outcomes = [entry["outcome"] for entry in log]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import orjson
 import pytest
@@ -20,17 +19,9 @@ from genfleet.common import keys
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.producer.enqueue import enqueue_run, reader_options
-from genfleet.workers.app import app
-from tests.support import Worker, base_env, wait_for
+from tests.support import Worker, base_env, consuming, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def consuming(hostname: str) -> list[str] | None:
-    """The queues `hostname` consumes from, or None while it does not answer."""
-    replies: dict[str, Any] = app.control.inspect([hostname], timeout=1.0).active_queues() or {}
-    queues = replies.get(hostname)
-    return None if queues is None else [q["name"] for q in queues]
 
 
 def test_a_401_stops_the_worker_consuming_and_spends_no_try(

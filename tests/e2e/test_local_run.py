@@ -2,45 +2,24 @@
 
 from __future__ import annotations
 
-import subprocess
+import signal
 from pathlib import Path
 
 import orjson
 import pytest
 import redis
 
-from genfleet.common import keys
-from tests.support import ROOT, base_env, free_port
+from tests.support import (
+    ROOT,
+    StartRun,
+    base_env,
+    free_port,
+    genfleet,
+    processes_with_env,
+    write_prompts,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
-
-
-def genfleet(
-    args: list[str], env: dict[str, str], timeout_s: float = 240
-) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["genfleet", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=timeout_s,
-        check=False,
-    )
-
-
-def processes_with_env(needle: str) -> list[int]:
-    """Pids of live processes whose environment holds `needle` (this test's store URL)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
-            continue
-        try:
-            if needle.encode() in (proc / "environ").read_bytes():
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
 
 
 def test_run_on_embedded_defaults_then_export(tmp_path: Path, redis_url: str) -> None:
@@ -96,57 +75,28 @@ def test_run_checks_the_checkpoint_before_starting_anything(tmp_path: Path, redi
 
 
 def test_a_second_run_is_refused_while_the_first_fleet_lives(
-    tmp_path: Path, redis_url: str
+    tmp_path: Path, redis_url: str, start_run: StartRun
 ) -> None:
     """One local fleet per user and host: a second `genfleet run` exits 2 and starts nothing;
     SIGTERM to the first stops its whole fleet, after which a run may start again."""
-    import os
-    import signal
-
-    from tests.support import wait_for, write_prompts
-
-    store = (tmp_path / "store").as_uri()
-    env = {
-        **base_env(redis_url, store, emulator_time_scale=1, log_dir=tmp_path / "logs"),
-        "TMPDIR": str(tmp_path),
-    }
     write_prompts(tmp_path / "first.jsonl", 200)
     write_prompts(tmp_path / "second.jsonl", 10, prefix="s")
-    output = tmp_path / "first.out"
-    first = subprocess.Popen(
-        ["genfleet", "run", str(tmp_path / "first.jsonl"), "--batch-size", "20"],
-        env=env,
-        cwd=ROOT,
-        stdout=output.open("wb"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
+    first = start_run(redis_url, tmp_path / "first.jsonl")
+    client = redis.Redis.from_url(redis_url)
+    first.wait_running(client)
+    client.close()
+    env = first.env
+    other_logs = tmp_path / "second-logs"
+    second = genfleet(
+        ["run", str(tmp_path / "second.jsonl"), "--log-dir", str(other_logs)], env, 60
     )
-    try:
-        client = redis.Redis.from_url(redis_url)
-        wait_for(
-            lambda: first.poll() is None and client.hlen(keys.running_key()),
-            90,
-            "the first run's batches to be running",
-            0.2,
-        )
-        other_logs = tmp_path / "second-logs"
-        second = genfleet(
-            ["run", str(tmp_path / "second.jsonl"), "--log-dir", str(other_logs)], env, 60
-        )
-        assert second.returncode == 2, second.stdout + second.stderr
-        assert not processes_with_env(f"GENFLEET_LOG_DIR={other_logs}")  # it started nothing
-        client.close()
-        os.kill(first.pid, signal.SIGTERM)
-        first.wait(timeout=120)
-    finally:
-        if first.poll() is None:
-            first.kill()
-    assert first.returncode == 130, output.read_text(errors="replace")
-    wait_for(
-        lambda: not processes_with_env(f"GENFLEET_STORE={store}"),
-        30,
-        "every process of the first run to be gone",
-        0.2,
-    )
-    again = genfleet(["run", str(tmp_path / "second.jsonl")], env, timeout_s=120)
+    assert second.returncode == 2, second.stdout + second.stderr
+    assert not processes_with_env(f"GENFLEET_LOG_DIR={other_logs}")  # it started nothing
+    first.proc.send_signal(signal.SIGTERM)
+    first.proc.wait(timeout=120)
+    assert first.proc.returncode == 130, first.log()
+    first.wait_gone()
+    # the emulator at the tests' usual speed: what is checked now is that a run may start
+    fast = {**env, "GENFLEET_EMULATOR_TIME_SCALE": "200"}
+    again = genfleet(["run", str(tmp_path / "second.jsonl")], fast, timeout_s=120)
     assert again.returncode == 0, again.stdout + again.stderr

@@ -18,8 +18,7 @@ from genfleet.common import keys
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
-from tests.e2e.test_engine_refuses import consuming
-from tests.support import Worker, base_env, outputs, wait_for, write_prompts
+from tests.support import Worker, base_env, consuming, outputs, wait_for, write_prompts
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -11,8 +11,7 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from tests.e2e.test_local_run import genfleet
-from tests.support import ROOT, base_env
+from tests.support import ROOT, base_env, genfleet, invoke, write_prompt_lines
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -106,8 +105,6 @@ def test_regenerate_end_to_end_through_the_cli(tmp_path: Path, redis_url: str) -
 def test_enqueue_says_how_many_lines_end_with_an_answer_and_stages_the_rest(
     tmp_path: Path, redis_url: str
 ) -> None:
-    from tests.e2e.test_run_identity import enqueue
-
     source = tmp_path / "mixed.jsonl"
     rows = [
         {"prompt": "fine"},
@@ -116,7 +113,7 @@ def test_enqueue_says_how_many_lines_end_with_an_answer_and_stages_the_rest(
     ]
     source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": (tmp_path / "store").as_uri()}
-    result = enqueue(str(source), "--run", "mixed", env=env)
+    result = invoke("enqueue", str(source), "--run", "mixed", env=env)
     message = " ".join(result.output.split())
     assert result.exit_code == 0, result.output
     assert "staged 1 prompt" in message and "rejected 2 lines" in message
@@ -126,19 +123,18 @@ def test_enqueue_says_how_many_lines_end_with_an_answer_and_stages_the_rest(
     rejects = (tmp_path / "store/mixed/rejects.jsonl").read_bytes().splitlines()
     assert [orjson.loads(r)["field"] for r in rejects] == ["messages[-1]", "conversations[-1]"]
 
-    as_json = enqueue(str(source), "--run", "mixed2", "--json", env=env)
+    as_json = invoke("enqueue", str(source), "--run", "mixed2", "--json", env=env)
     assert orjson.loads(as_json.stdout)["ends_with_answer"] == 2
 
 
 def test_regenerate_is_part_of_the_run_identity(tmp_path: Path, redis_url: str) -> None:
-    from tests.e2e.test_run_identity import enqueue, write
-
-    source = write(tmp_path / "p.jsonl", ["a", "b"])  # nothing to replace: same prompts
+    # nothing to replace: the same prompts
+    source = write_prompt_lines(tmp_path / "p.jsonl", ["a", "b"])
     env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": (tmp_path / "store").as_uri()}
-    assert enqueue(str(source), "--run", "r", "--regenerate", env=env).exit_code == 0
+    assert invoke("enqueue", str(source), "--run", "r", "--regenerate", env=env).exit_code == 0
     manifest = orjson.loads((tmp_path / "store/r/manifest.json").read_bytes())
     assert manifest["staging"]["regenerate"] is True
-    refused = enqueue(str(source), "--run", "r", env=env)
+    refused = invoke("enqueue", str(source), "--run", "r", env=env)
     assert refused.exit_code == 2, refused.output
     assert "regenerate: the run has True" in " ".join(refused.output.split())
-    assert enqueue(str(source), "--run", "r", "--regenerate", env=env).exit_code == 0
+    assert invoke("enqueue", str(source), "--run", "r", "--regenerate", env=env).exit_code == 0

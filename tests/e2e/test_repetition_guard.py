@@ -12,14 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 import redis
 
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
-from genfleet.producer.enqueue import enqueue_run, reader_options
-from genfleet.producer.export import export_run
 from genfleet.producer.report import build_report, render_report
 from genfleet.producer.status import run_status
 from genfleet.workers.engine.emulator.sim.text import (
@@ -28,7 +25,7 @@ from genfleet.workers.engine.emulator.sim.text import (
     draw_text_kind,
     prompt_seed,
 )
-from tests.support import Worker, base_env, wait_for
+from tests.support import Worker, base_env, export_rows, lines, stage, wait_for, wait_run_ended
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -59,10 +56,7 @@ def test_loops_are_stopped_early_and_kept_apart_and_nothing_else_is(
     loops = {i for i, (kind, _) in plans.items() if kind == "loop"}
     legit = {i for i, (kind, _) in plans.items() if kind not in {"loop", "plain"}}
     assert len(loops) >= 4 and len(legit) >= 8  # the plan holds both kinds
-    source = tmp_path / "prompts.jsonl"
-    source.write_bytes(
-        b"".join(orjson.dumps({"id": i, "prompt": t}) + b"\n" for i, t in texts.items())
-    )
+    source = lines(tmp_path / "prompts.jsonl", [{"id": i, "prompt": t} for i, t in texts.items()])
     store_url = (tmp_path / "store").as_uri()
     env = base_env(
         redis_url,
@@ -76,24 +70,13 @@ def test_loops_are_stopped_early_and_kept_apart_and_nothing_else_is(
     )
     worker = start_worker(env)
     settings = Settings(redis_url=redis_url, store=store_url, batch_size=50, max_tokens=MAX_TOKENS)
-    enqueue_run(settings, "loops", str(source), reader_options(settings))
+    stage(settings, "loops", source)
     worker.wait_ready()
-    store = open_store(store_url)
-    status = wait_for(
-        lambda: (
-            (r := run_status(store, redis_client, "loops"))["state"] in {"done", "failed"} and r
-        ),
-        180,
-        "the run to end",
-        0.5,
-    )
+    status = wait_run_ended(settings, redis_client, "loops", 180)
     assert status["state"] == "done", status
 
-    everything = tmp_path / "all.jsonl"
-    export_run(settings, "loops", str(everything), "jsonl", False, with_stopped=True)
-    rows: dict[str, dict[str, Any]] = {
-        row["id"]: row for row in map(orjson.loads, everything.read_bytes().splitlines())
-    }
+    _, exported = export_rows(settings, "loops", tmp_path / "all.jsonl", with_stopped=True)
+    rows: dict[str, dict[str, Any]] = {row["id"]: row for row in exported}
     assert set(rows) == set(texts)
     stopped = {i for i, row in rows.items() if row["finish_reason"] == "repetition"}
     assert stopped == loops  # every loop stopped, and nothing else
@@ -108,11 +91,9 @@ def test_loops_are_stopped_early_and_kept_apart_and_nothing_else_is(
     for i in legit:
         assert rows[i]["finish_reason"] in {"stop", "length"} and rows[i]["content"]
 
-    kept = tmp_path / "kept.jsonl"
-    result = export_run(settings, "loops", str(kept), "jsonl", False)
+    result, kept = export_rows(settings, "loops", tmp_path / "kept.jsonl")
     assert result.stopped_left_out == len(loops)
-    kept_ids = {orjson.loads(line)["id"] for line in kept.read_bytes().splitlines()}
-    assert kept_ids == set(texts) - loops
+    assert {row["id"] for row in kept} == set(texts) - loops
 
     saved = sum(rows[i]["repetition"]["tokens_saved"] for i in loops)
     report = build_report(settings, "loops")
@@ -124,6 +105,7 @@ def test_loops_are_stopped_early_and_kept_apart_and_nothing_else_is(
     assert waste["tokens"]["stopped"] == sum(rows[i]["usage"]["completion_tokens"] for i in loops)
     assert waste["tokens_saved"] == saved
     # the live counters agree (written just after each output: waited for, not raced)
+    store = open_store(store_url)
     live = wait_for(
         lambda: (
             (r := run_status(store, redis_client, "loops"))["waste"]["tokens"] == waste["tokens"]

@@ -9,7 +9,6 @@ idle. A producer that stages slower than the fleet works still gets `starved`.
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +23,7 @@ from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import run_status
 from genfleet.workers.observe.power_watch import run_power_watch
-from tests.support import ROOT, Worker, base_env, free_port, wait_for
+from tests.support import ROOT, Worker, base_env, free_port, genfleet, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -68,15 +67,7 @@ def test_a_run_ends_without_an_underuse_finding(
         )
     store = (tmp_path / "store").as_uri()
     env = base_env(redis_url, store, log_dir=tmp_path / "logs", port=free_port(), **WATCH)
-    result = subprocess.run(
-        ["genfleet", "run", str(source), "--json", *args],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    result = genfleet(["run", str(source), "--json", *args], env, timeout_s=300)
     assert result.returncode == 0, result.stdout + result.stderr
     summary = orjson.loads(result.stdout[result.stdout.index("{") :])
     assert summary["state"] == "done"

@@ -3,7 +3,6 @@ the store and the queue untouched; the same again resumes and doubles nothing.""
 
 from __future__ import annotations
 
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -14,15 +13,9 @@ from typer.testing import CliRunner
 
 from genfleet.cli import app
 from genfleet.common import keys
-from tests.support import ROOT, base_env
+from tests.support import base_env, genfleet, invoke, write_prompt_lines
 
 pytestmark = pytest.mark.integration
-
-
-def write(path: Path, prompts: list[str]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"".join(orjson.dumps({"prompt": p}) + b"\n" for p in prompts))
-    return path
 
 
 def store_snapshot(root: Path) -> dict[str, bytes]:
@@ -33,18 +26,14 @@ def redis_snapshot(client: redis.Redis) -> dict[bytes, Any]:
     return {key: client.dump(key) for key in client.keys("*")}
 
 
-def enqueue(*args: str, env: dict[str, str]) -> Any:
-    return CliRunner().invoke(app, ["enqueue", *args], env=env)
-
-
 def test_enqueue_other_data_or_settings_into_a_run_is_refused_and_touches_nothing(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
     root = tmp_path / "store"
     env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": root.as_uri()}
-    first = write(tmp_path / "a" / "prompts.jsonl", [f"q{i}" for i in range(30)])
-    other = write(tmp_path / "b" / "prompts.jsonl", [f"other {i}" for i in range(30)])
-    staged = enqueue(str(first), "--run", "x", "--batch-size", "10", "--json", env=env)
+    first = write_prompt_lines(tmp_path / "a" / "prompts.jsonl", [f"q{i}" for i in range(30)])
+    other = write_prompt_lines(tmp_path / "b" / "prompts.jsonl", [f"other {i}" for i in range(30)])
+    staged = invoke("enqueue", str(first), "--run", "x", "--batch-size", "10", "--json", env=env)
     assert staged.exit_code == 0, staged.output
     assert redis_client.llen("gpu.emulator") == 3
     store_before, redis_before = store_snapshot(root), redis_snapshot(redis_client)
@@ -70,7 +59,7 @@ def test_enqueue_other_data_or_settings_into_a_run_is_refused_and_touches_nothin
     }
     for what, (args, expected) in refusals.items():
         batch = [] if "--batch-size" in args else ["--batch-size", "10"]
-        result = enqueue(*args, "--run", "x", *batch, env=env)
+        result = invoke("enqueue", *args, "--run", "x", *batch, env=env)
         message = " ".join(result.output.split())
         assert result.exit_code == 2, (what, result.output)
         for text in expected:
@@ -80,7 +69,7 @@ def test_enqueue_other_data_or_settings_into_a_run_is_refused_and_touches_nothin
         assert redis_snapshot(redis_client) == redis_before, what
 
     # The same again resumes: nothing is sent twice, nothing is staged again.
-    again = enqueue(str(first), "--run", "x", "--batch-size", "10", "--json", env=env)
+    again = invoke("enqueue", str(first), "--run", "x", "--batch-size", "10", "--json", env=env)
     assert again.exit_code == 0, again.output
     report = orjson.loads(again.stdout)
     assert (report["staged"], report["batches_enqueued"]) == (False, 0)
@@ -93,8 +82,8 @@ def stage_x(tmp_path: Path, redis_url: str, prompts: int) -> tuple[Path, dict[st
     CLI's environment, the source)."""
     root = tmp_path / "store"
     env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": root.as_uri()}
-    source = write(tmp_path / "p.jsonl", [f"q{i}" for i in range(prompts)])
-    staged = enqueue(str(source), "--run", "x", "--batch-size", "10", env=env)
+    source = write_prompt_lines(tmp_path / "p.jsonl", [f"q{i}" for i in range(prompts)])
+    staged = invoke("enqueue", str(source), "--run", "x", "--batch-size", "10", env=env)
     assert staged.exit_code == 0, staged.output
     return root, env, source
 
@@ -142,7 +131,7 @@ def test_resume_or_retry_asking_for_another_model_or_setting_is_refused_and_touc
 
     # The run's own settings, given or not, resume it: the three lost orders go out once.
     for args in (["--resume", "x", "--batch-size", "10", "--json"], ["--resume", "x", "--json"]):
-        resumed = enqueue(*args, env=env)
+        resumed = invoke("enqueue", *args, env=env)
         assert resumed.exit_code == 0, resumed.output
     assert redis_client.llen("gpu.emulator") == 3
 
@@ -152,7 +141,9 @@ def test_an_interrupted_staging_is_not_finished_with_another_model(
 ) -> None:
     root, env, source = stage_x(tmp_path, redis_url, 20)
     (root / keys.manifest_key("x")).unlink()  # as if staging stopped before its manifest
-    result = enqueue(str(source), "--run", "x", "--batch-size", "10", "--model", "/m/q", env=env)
+    result = invoke(
+        "enqueue", str(source), "--run", "x", "--batch-size", "10", "--model", "/m/q", env=env
+    )
     assert result.exit_code == 2, result.output
     assert "engine: the run has 'emulator', now 'sglang'" in " ".join(result.output.split())
     assert not (root / keys.manifest_key("x")).exists()
@@ -166,9 +157,9 @@ def test_an_interrupted_staging_is_not_finished_with_other_data(
     (root / keys.manifest_key("x")).unlink()  # as if staging stopped before its manifest
     inputs_before = {k: v for k, v in store_snapshot(root).items() if "/inputs/" in k}
     orders_before = redis_client.llen("gpu.emulator")
-    write(source, [f"q{i}" + (" edited" if i == 25 else "") for i in range(30)])
+    write_prompt_lines(source, [f"q{i}" + (" edited" if i == 25 else "") for i in range(30)])
 
-    result = enqueue(str(source), "--run", "x", "--batch-size", "10", env=env)
+    result = invoke("enqueue", str(source), "--run", "x", "--batch-size", "10", env=env)
 
     message = " ".join(result.output.split())
     assert result.exit_code == 2, message
@@ -178,17 +169,11 @@ def test_an_interrupted_staging_is_not_finished_with_other_data(
     assert {k: v for k, v in store_snapshot(root).items() if "/inputs/" in k} == inputs_before
     assert redis_client.llen("gpu.emulator") == orders_before
     # The data it was staged with finishes it.
-    write(source, [f"q{i}" for i in range(30)])
-    finished = enqueue(str(source), "--run", "x", "--batch-size", "10", env=env)
+    write_prompt_lines(source, [f"q{i}" for i in range(30)])
+    finished = invoke("enqueue", str(source), "--run", "x", "--batch-size", "10", env=env)
     assert finished.exit_code == 0, finished.output
     assert (root / keys.manifest_key("x")).exists()
     assert redis_client.llen("gpu.emulator") == orders_before  # nothing sent twice
-
-
-def genfleet(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["genfleet", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=240
-    )
 
 
 @pytest.mark.slow
@@ -200,7 +185,9 @@ def test_run_of_another_file_with_the_same_name_is_refused(
     demo = genfleet(["run", "examples/prompts.jsonl", "--batch-size", "20"], env)
     assert demo.returncode == 0, demo.stdout + demo.stderr
     store_before, redis_before = store_snapshot(root), redis_snapshot(redis_client)
-    other = write(tmp_path / "other" / "prompts.jsonl", [f"mine {i}" for i in range(10)])
+    other = write_prompt_lines(
+        tmp_path / "other" / "prompts.jsonl", [f"mine {i}" for i in range(10)]
+    )
 
     for args, expected in (
         ([str(other), "--max-tokens", "5"], ["prompts: the run holds", "max_tokens"]),

@@ -11,14 +11,12 @@ from typing import Any
 import orjson
 import pytest
 import redis
-from typer.testing import CliRunner
 
-from genfleet.cli import app
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.commands import queue_check, watch_run
 from genfleet.producer.status import stall_reason, unconsumed_queue
-from tests.support import Worker, base_env, wait_for
+from tests.support import Worker, base_env, invoke, wait_for
 
 pytestmark = pytest.mark.integration
 
@@ -70,7 +68,7 @@ class Told(Exception):
 
 
 def cli(*args: str, env: dict[str, str]) -> Any:
-    result = CliRunner().invoke(app, list(args), env=env)
+    result = invoke(*args, env=env)
     assert result.exit_code == 0, result.output
     return orjson.loads(result.stdout)
 
@@ -103,7 +101,7 @@ def test_a_run_for_a_model_no_worker_serves_is_told(
     assert status["unconsumed"]["worker_queues"] == ["gpu.emulator"]
     assert redis_client.llen("gpu.qwen3") == 1  # its order waits, untouched
     check = queue_check(Settings.from_overrides({"redis_url": redis_url, "store": store_url}))
-    told = CliRunner().invoke(app, ["status", "other"], env=env)
+    told = invoke("status", "other", env=env)
     assert told.exit_code == 0, told.output
     line = " ".join(told.stderr.split())
     assert "no live worker consumes queue gpu.qwen3 (model qwen3)" in line, line

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -57,10 +56,6 @@ def flaky_s3(s3_server: str) -> Iterator[FlakyS3]:
 
 @pytest.fixture
 def fake_engine() -> Iterator[PoisonEngine]:
-    server = PoisonEngine()
-    thread = threading.Thread(target=server.serve_forever, name="fake-engine", daemon=True)
-    thread.start()
+    server = PoisonEngine().start()
     yield server
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    server.stop()

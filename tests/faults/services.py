@@ -17,10 +17,13 @@ import struct
 import subprocess
 import threading
 from pathlib import Path
+from typing import Any
 
 import redis
 
-from tests.support import wait_for
+from genfleet.common.settings import Settings
+from genfleet.common.store import Store, open_store
+from tests.support import base_env, fault_settings, wait_for
 
 
 class RedisServer:
@@ -210,3 +213,17 @@ class FlakyS3:
     @property
     def endpoint_url(self) -> str:
         return self.proxy.url
+
+    def worker_env(self, redis_url: str, **knobs: Any) -> dict[str, str]:
+        """The environment of workers that reach the bucket through the proxy."""
+        return base_env(redis_url, self.store_url, s3_endpoint_url=self.endpoint_url, **knobs)
+
+    def settings(self, redis_url: str, direct: bool = False) -> Settings:
+        """The producer's settings through the proxy, or (`direct`) the test's own view of the
+        bucket around it, which sees through an outage."""
+        endpoint = self.direct_url if direct else self.endpoint_url
+        return fault_settings(redis_url, self.store_url, s3_endpoint_url=endpoint)
+
+    def store(self) -> Store:
+        """The bucket as the test sees it, around the proxy."""
+        return open_store(self.store_url, self.direct_url, "us-east-1")

@@ -3,7 +3,6 @@ run finishes on both."""
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 from pathlib import Path
@@ -20,6 +19,7 @@ from tests.support import (
     assert_exactly_once,
     base_env,
     child_pids,
+    cmdline,
     fault_settings,
     free_port,
     open_run_store,
@@ -48,11 +48,8 @@ def test_restart_delay(
 
 
 def index_of(pid: int) -> str | None:
-    with contextlib.suppress(OSError):
-        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        if b"--worker-index" in argv:
-            return argv[argv.index(b"--worker-index") + 1].decode()
-    return None
+    argv = cmdline(pid)
+    return argv[argv.index(b"--worker-index") + 1].decode() if b"--worker-index" in argv else None
 
 
 @pytest.mark.fault

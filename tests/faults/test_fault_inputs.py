@@ -14,16 +14,17 @@ from typing import Any
 import pytest
 import redis
 from celery import Celery
-from typer.testing import CliRunner
 
 from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK
+from genfleet.common.settings import Settings
 from tests.fakes.http_engine import POISON, PoisonEngine
 from tests.support import (
     Worker,
     assert_exactly_once,
     base_env,
     fault_settings,
+    invoke,
     open_run_store,
     stage,
     wait_for,
@@ -35,11 +36,31 @@ pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
 
 def cli(*args: str) -> Any:
-    from genfleet.cli import app
-
-    result = CliRunner().invoke(app, list(args))
+    result = invoke(*args)
     assert result.exit_code == 0, result.output
     return result
+
+
+def external_engine_worker(
+    start_worker: Callable[..., Worker],
+    redis_url: str,
+    store_url: str,
+    engine: PoisonEngine,
+    log_dir: Path,
+) -> tuple[Worker, Settings]:
+    """A worker on `engine` (two request and two batch retries), started, and the producer's
+    settings naming the model it serves: this external engine."""
+    env = base_env(
+        redis_url,
+        store_url,
+        engine="external",
+        engine_url=engine.url,
+        request_retries=2,
+        batch_retries=2,
+        log_dir=log_dir,
+    )
+    settings = fault_settings(redis_url, store_url, engine="external", engine_url=engine.url)
+    return start_worker(env), settings
 
 
 def test_a_broken_engine_parks_batches_in_the_failed_set_and_retry_completes_them(
@@ -54,18 +75,9 @@ def test_a_broken_engine_parks_batches_in_the_failed_set_and_retry_completes_the
     # batches' tries fail and they land in the failed set.
     fake_engine.broken = True
     ids = write_prompts(tmp_path / "prompts.jsonl", 50)
-    env = base_env(
-        redis_url,
-        store_url,
-        engine="external",
-        engine_url=fake_engine.url,
-        request_retries=2,
-        batch_retries=2,
-        log_dir=tmp_path,
+    worker, settings = external_engine_worker(
+        start_worker, redis_url, store_url, fake_engine, tmp_path
     )
-    worker = start_worker(env)
-    # the producer names the model the worker serves: this external engine
-    settings = fault_settings(redis_url, store_url, engine="external", engine_url=fake_engine.url)
     worker.wait_ready()
     started = time.monotonic()
     stage(settings, "poison", tmp_path / "prompts.jsonl")
@@ -112,18 +124,9 @@ def test_poison_prompts_among_served_ones_become_error_records_and_the_batch_goe
     store_url = (tmp_path / "store").as_uri()
     poison = {i: f"{POISON} {i}" for i in range(0, 100, 10)}  # one in ten, in every batch
     ids = write_prompts(tmp_path / "prompts.jsonl", 100, poison)
-    env = base_env(
-        redis_url,
-        store_url,
-        engine="external",
-        engine_url=fake_engine.url,
-        request_retries=2,
-        batch_retries=2,
-        log_dir=tmp_path,
+    worker, settings = external_engine_worker(
+        start_worker, redis_url, store_url, fake_engine, tmp_path
     )
-    worker = start_worker(env)
-    # the producer names the model the worker serves: this external engine
-    settings = fault_settings(redis_url, store_url, engine="external", engine_url=fake_engine.url)
     worker.wait_ready()
     stage(settings, "poisoned", tmp_path / "prompts.jsonl")
     store = open_run_store(settings)

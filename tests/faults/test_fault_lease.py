@@ -17,12 +17,11 @@ from tests.faults.services import FlakyS3
 from tests.support import (
     Worker,
     assert_exactly_once,
-    base_env,
-    fault_settings,
     free_port,
-    open_run_store,
+    leases_of,
     outputs,
     stage,
+    wait_batch_running,
     wait_for,
     wait_run_done,
     write_prompts,
@@ -32,10 +31,6 @@ pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
 LEASE_S = 4.0
 HANG_S = 3 * LEASE_S
-
-
-def held_leases(client: redis.Redis, run: str) -> set[str]:
-    return {k.decode().rsplit(":", 1)[1] for k in client.scan_iter(match=keys.lease_key(run, "*"))}
 
 
 def runs_per_batch(workers: list[Worker]) -> collections.Counter[str]:
@@ -54,10 +49,8 @@ def test_store_hanging_longer_than_the_lease_does_not_run_a_batch_twice(
     start_worker: Callable[..., Worker],
     flaky_s3: FlakyS3,
 ) -> None:
-    env = base_env(
+    env = flaky_s3.worker_env(
         redis_url,
-        flaky_s3.store_url,
-        s3_endpoint_url=flaky_s3.endpoint_url,
         lease_ttl_s=LEASE_S,
         reaper_interval_s=1,
         emulator_time_scale=4,
@@ -67,27 +60,21 @@ def test_store_hanging_longer_than_the_lease_does_not_run_a_batch_twice(
     control = start_worker(env, role="control")
     workers = [start_worker({**env, "GENFLEET_PORT": str(free_port())}) for _ in range(2)]
     ids = write_prompts(tmp_path / "prompts.jsonl", 150)
-    settings = fault_settings(redis_url, flaky_s3.store_url, s3_endpoint_url=flaky_s3.endpoint_url)
-    direct = fault_settings(redis_url, flaky_s3.store_url, s3_endpoint_url=flaky_s3.direct_url)
-    store = open_run_store(direct)
+    direct, store = flaky_s3.settings(redis_url, direct=True), flaky_s3.store()
     for worker in (control, *workers):
         worker.wait_ready()
-    stage(settings, "hang", tmp_path / "prompts.jsonl")
+    stage(flaky_s3.settings(redis_url), "hang", tmp_path / "prompts.jsonl")
 
-    def generating() -> set[str]:
-        """Batches past their store reads: leased (the lease comes first), no output, and a
-        checkpoint part written, so their only store calls left are puts."""
-        held = held_leases(redis_client, "hang") - outputs(store, "hang")
-        return {b for b in held if any(True for _ in store.list(keys.parts_prefix("hang", b)))}
-
-    running = wait_for(generating, 60, "a batch to be generating", 0.05)
+    # Batches past their store reads: leased (the lease comes first), no output, and a
+    # checkpoint part written, so their only store calls left are puts.
+    running = wait_batch_running(redis_client, store, "hang", checkpointed=True)
 
     flaky_s3.proxy.hang()
     hung_at = time.monotonic()
     try:
         while time.monotonic() - hung_at < HANG_S:
             # Nothing can reach the store, so nothing finishes: every lease held stays held.
-            lapsed = running - held_leases(redis_client, "hang") - outputs(store, "hang")
+            lapsed = running - leases_of(redis_client, "hang") - outputs(store, "hang")
             assert not lapsed, f"leases lapsed on live workers during the hang: {lapsed}"
             time.sleep(0.2)
     finally:
@@ -128,10 +115,8 @@ def test_slow_store_reads_do_not_let_the_reaper_take_a_live_batch(
     start_worker: Callable[..., Worker],
     flaky_s3: FlakyS3,
 ) -> None:
-    env = base_env(
+    env = flaky_s3.worker_env(
         redis_url,
-        flaky_s3.store_url,
-        s3_endpoint_url=flaky_s3.endpoint_url,
         lease_ttl_s=SLOW_LEASE_S,
         reaper_interval_s=0.5,
         checkpoint_interval_s=30,
@@ -141,13 +126,13 @@ def test_slow_store_reads_do_not_let_the_reaper_take_a_live_batch(
     worker = start_worker({**env, "GENFLEET_PORT": str(free_port())})
     ids = write_prompts(tmp_path / "prompts.jsonl", 50)
     # Staged at full speed, straight to the store: only the worker's calls are slow.
-    direct = fault_settings(redis_url, flaky_s3.store_url, s3_endpoint_url=flaky_s3.direct_url)
-    store = open_run_store(direct)
+    direct, store = flaky_s3.settings(redis_url, direct=True), flaky_s3.store()
     for each in (control, worker):
         each.wait_ready()
     flaky_s3.proxy.slow(SLOW_REPLY_S)
     stage(direct, "slow", tmp_path / "prompts.jsonl")
     wait_run_done(direct, redis_client, "slow", 120, store)
+    flaky_s3.proxy.slow(0)  # full speed again: the worker's shutdown takes no half minute
     result, _rows = assert_exactly_once(direct, "slow", ids, redis_client, store)
     assert result.errors == 0
     assert flaky_s3.proxy.delayed > 0, "no store answer was slowed"

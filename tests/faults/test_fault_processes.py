@@ -16,7 +16,6 @@ from pathlib import Path
 import pytest
 import redis
 
-from genfleet.common import keys
 from tests.support import (
     Worker,
     assert_exactly_once,
@@ -25,12 +24,12 @@ from tests.support import (
     engine_report,
     fault_settings,
     free_port,
-    leases_of,
     open_run_store,
     outputs,
     pid_alive,
     reaped,
     stage,
+    wait_batch_running,
     wait_for,
     wait_run_done,
     write_prompts,
@@ -64,17 +63,7 @@ def test_sigkilled_worker_batch_finishes_on_another_worker(
     store = open_run_store(settings)
     stage(settings, "killworker", tmp_path / "prompts.jsonl")
 
-    def checkpointed_and_running() -> set[str]:
-        running = leases_of(redis_client, "killworker", doomed.hostname)
-        running -= outputs(store, "killworker")
-        return {b for b in running if any(store.list(keys.parts_prefix("killworker", b)))}
-
-    held = wait_for(
-        checkpointed_and_running,
-        60,
-        "the doomed worker to checkpoint a batch it is running",
-        0.05,
-    )
+    held = wait_batch_running(redis_client, store, "killworker", doomed.hostname, checkpointed=True)
     engine = engine_pid(doomed)
     assert engine is not None
     doomed.kill(signal.SIGKILL)
@@ -129,14 +118,7 @@ def test_sigkilled_engine_is_restarted_and_the_batch_completes(
     store = open_run_store(settings)
     stage(settings, "killengine", tmp_path / "prompts.jsonl")
 
-    held = wait_for(
-        lambda: (
-            leases_of(redis_client, "killengine", worker.hostname) - outputs(store, "killengine")
-        ),
-        60,
-        "the worker to be running a batch",
-        0.05,
-    )
+    held = wait_batch_running(redis_client, store, "killengine", worker.hostname)
     first = engine_pid(worker)
     assert first is not None
     os.kill(first, signal.SIGKILL)

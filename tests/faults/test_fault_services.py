@@ -137,10 +137,8 @@ def test_s3_outage_is_ridden_out_with_retries(
     start_worker: Callable[..., Worker],
     flaky_s3: FlakyS3,
 ) -> None:
-    env = base_env(
+    env = flaky_s3.worker_env(
         redis_url,
-        flaky_s3.store_url,
-        s3_endpoint_url=flaky_s3.endpoint_url,
         emulator_time_scale=4,
         checkpoint_interval_s=1,
         log_dir=tmp_path,
@@ -148,11 +146,9 @@ def test_s3_outage_is_ridden_out_with_retries(
     )
     worker = start_worker(env)
     ids = write_prompts(tmp_path / "prompts.jsonl", 250)
-    settings = fault_settings(redis_url, flaky_s3.store_url, s3_endpoint_url=flaky_s3.endpoint_url)
     # The test's own view of the bucket goes around the proxy, so it sees through the outage.
-    direct = fault_settings(redis_url, flaky_s3.store_url, s3_endpoint_url=flaky_s3.direct_url)
-    store = open_run_store(direct)
-    staged = stage(settings, "s3outage", tmp_path / "prompts.jsonl")
+    direct, store = flaky_s3.settings(redis_url, direct=True), flaky_s3.store()
+    staged = stage(flaky_s3.settings(redis_url), "s3outage", tmp_path / "prompts.jsonl")
     worker.wait_ready()
     wait_for(lambda: outputs(store, "s3outage"), 60, "the first batch to finish", 0.1)
 

@@ -26,9 +26,8 @@ from tests.support import (
     assert_exactly_once,
     base_env,
     fault_settings,
-    leases_of,
     open_run_store,
-    outputs,
+    wait_batch_running,
     wait_for,
     wait_run_done,
     write_prompts,
@@ -96,11 +95,9 @@ def test_an_interrupted_staging_is_not_finished_with_edited_data(
     producer.wait(timeout=10)
     assert not store.exists(keys.manifest_key(RUN)), "staging finished before the kill"
 
-    def checkpointed() -> set[str]:
-        running = leases_of(redis_client, RUN, doomed.hostname) - outputs(store, RUN)
-        return {b for b in running if any(store.list(keys.parts_prefix(RUN, b)))}
-
-    wait_for(checkpointed, 60, "the worker's first checkpoint part", 0.02)
+    wait_batch_running(
+        redis_client, store, RUN, doomed.hostname, checkpointed=True, interval_s=0.02
+    )
     doomed.kill(signal.SIGKILL)
     doomed.proc.wait(timeout=10)
     inputs = {k: store.get(k) for k in store.list(f"{RUN}/inputs/")}

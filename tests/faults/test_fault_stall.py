@@ -30,6 +30,7 @@ from tests.support import (
     outputs,
     pid_alive,
     stage,
+    wait_batch_running,
     wait_for,
     wait_run_done,
     write_prompts,
@@ -67,12 +68,7 @@ def test_frozen_engine_is_killed_restarted_and_the_run_finishes(
     worker.wait_ready()
     store = open_run_store(settings)
     stage(settings, "frozen", tmp_path / "prompts.jsonl")
-    wait_for(
-        lambda: leases_of(redis_client, "frozen", worker.hostname) - outputs(store, "frozen"),
-        60,
-        "the worker to be running a batch",
-        0.05,
-    )
+    wait_batch_running(redis_client, store, "frozen", worker.hostname)
     frozen = engine_pid(worker)
     assert frozen is not None
     os.kill(frozen, signal.SIGSTOP)

@@ -16,29 +16,19 @@ from pydantic import SecretStr
 
 from genfleet.common import keys
 from genfleet.common.ledger import work_order_of
-from genfleet.common.records import GenerationParams, WorkOrder
+from genfleet.common.records import WorkOrder
 from genfleet.common.settings import Settings
 from genfleet.producer.broker import make_client_app, purge_orders, send_orders
 from tests.faults.services import RedisServer
-from tests.support import free_port
+from tests.support import core_order, free_port
 
 pytestmark = pytest.mark.integration
 
-PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
 QUEUE = "gpu.emulator"
 
 
 def order(run: str, index: int) -> WorkOrder:
-    batch = keys.batch_id(index)
-    return WorkOrder(
-        run=run,
-        batch=batch,
-        key=keys.input_key(run, batch),
-        params=PARAMS,
-        model="emulator",
-        engine="emulator",
-        prompts=1,
-    )
+    return core_order(keys.batch_id(index), prompts=1, run=run)
 
 
 def waiting(client: redis.Redis) -> list[tuple[str, str] | None]:

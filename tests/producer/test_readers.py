@@ -12,24 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from genfleet.common.errors import InputError
-from genfleet.common.readers import ReaderOptions, Reject, detect_format, read_source
-from genfleet.common.records import PromptRecord
-from tests.support import corrupt_parquet
-
-
-def lines(path: Path, rows: list[Any]) -> Path:
-    path.write_bytes(
-        b"".join((r if isinstance(r, bytes) else orjson.dumps(r)) + b"\n" for r in rows)
-    )
-    return path
-
-
-def split(items: Any) -> tuple[list[PromptRecord], list[Reject]]:
-    records: list[PromptRecord] = []
-    rejects: list[Reject] = []
-    for item in items:
-        (rejects if isinstance(item, Reject) else records).append(item)
-    return records, rejects
+from genfleet.common.readers import ReaderOptions, detect_format, read_source
+from tests.support import corrupt_parquet, lines, save_dataset, split
 
 
 def user(text: str) -> list[dict[str, str]]:
@@ -291,29 +275,6 @@ def test_not_a_parquet_file_is_a_reject(tmp_path: Path) -> None:
 
 
 # --- Hugging Face save_to_disk ---------------------------------------------------------------
-
-
-def save_dataset(directory: Path, tables: list[pa.Table], split: str = "train") -> Path:
-    """The layout `Dataset.save_to_disk` writes: Arrow IPC streams + state + info."""
-    directory.mkdir(parents=True)
-    names = [f"data-{i:05d}-of-{len(tables):05d}.arrow" for i in range(len(tables))]
-    for name, table in zip(names, tables, strict=True):
-        with pa.OSFile(str(directory / name), "wb") as sink:
-            with pa.ipc.new_stream(sink, table.schema) as writer:
-                for batch in table.to_batches(max_chunksize=2):
-                    writer.write_batch(batch)
-    state: dict[str, Any] = {
-        "_data_files": [{"filename": n} for n in names],
-        "_fingerprint": "0123456789abcdef",
-        "_format_columns": None,
-        "_format_kwargs": {},
-        "_format_type": None,
-        "_output_all_columns": False,
-        "_split": split,
-    }
-    (directory / "state.json").write_bytes(orjson.dumps(state))
-    (directory / "dataset_info.json").write_bytes(orjson.dumps({"features": {}, "splits": {}}))
-    return directory
 
 
 def test_hf_saved_dataset_over_several_data_files(tmp_path: Path) -> None:

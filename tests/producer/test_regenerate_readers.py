@@ -16,7 +16,7 @@ import zstandard
 
 from genfleet.common.readers import ReaderOptions, detect_format, read_source
 from genfleet.common.readers.fields import REGENERATE_HINT, split_think
-from tests.producer.test_readers import lines, save_dataset, split
+from tests.support import Bucket, lines, save_dataset, split
 
 
 def sharegpt(*turns: tuple[str, str]) -> dict[str, Any]:
@@ -287,8 +287,6 @@ def test_samples_of_a_regenerated_prompt_all_keep_the_old_answer(tmp_path: Path)
 
 @pytest.mark.integration
 def test_jsonl_zst_from_s3_a_file_and_a_folder(s3_server: str) -> None:
-    from tests.producer.test_s3_sources import Bucket
-
     bucket = Bucket(s3_server)
     rows = [sharegpt(("human", f"q{i}"), ("gpt", f"old {i}")) for i in range(30)]
     url = bucket.put("sets/chat.jsonl.zst", zst(rows))

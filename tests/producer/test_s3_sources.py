@@ -11,7 +11,6 @@ import io
 from pathlib import Path
 from typing import Any
 
-import boto3
 import orjson
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -27,7 +26,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import run_status
-from tests.support import corrupt_parquet, new_bucket
+from tests.support import Bucket, corrupt_parquet, new_bucket
 
 pytestmark = pytest.mark.integration
 
@@ -44,25 +43,6 @@ def parquet(rows: list[dict[str, Any]]) -> bytes:
     sink = io.BytesIO()
     pq.write_table(pa.Table.from_pylist(rows), sink, row_group_size=7)
     return sink.getvalue()
-
-
-class Bucket:
-    def __init__(self, endpoint: str) -> None:
-        self.endpoint = endpoint
-        self.name = new_bucket(endpoint).removeprefix("s3://").split("/")[0]
-        self.client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1")
-
-    def put(self, key: str, data: bytes) -> str:
-        self.client.put_object(Bucket=self.name, Key=key, Body=data)
-        return f"s3://{self.name}/{key}"
-
-    def options(self, **kwargs: Any) -> ReaderOptions:
-        return ReaderOptions(s3_endpoint_url=self.endpoint, **kwargs)
-
-
-@pytest.fixture
-def bucket(any_s3_server: str) -> Bucket:
-    return Bucket(any_s3_server)
 
 
 def ids(source: str, options: ReaderOptions) -> list[str]:

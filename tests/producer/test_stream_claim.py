@@ -10,12 +10,11 @@ from pathlib import Path
 import pytest
 
 from genfleet.common.errors import RunMismatch
-from genfleet.common.records import GenerationParams
 from genfleet.common.routing import ModelRef
 from genfleet.common.store import open_store
 from genfleet.producer.runs.identity import claim_run, is_stream
+from tests.support import PARAMS
 
-PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
 REF = ModelRef("emulator", "emulator")
 
 

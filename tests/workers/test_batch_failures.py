@@ -29,10 +29,9 @@ from genfleet.common.records import (
 )
 from genfleet.common.store import FileStore
 from genfleet.workers.batch import execute
+from tests.support import PARAMS
 
 pytestmark = pytest.mark.integration
-
-PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
 
 
 class StubFeeder:

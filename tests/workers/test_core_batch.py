@@ -13,7 +13,6 @@ import hashlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
 from typing import Any
 
 import orjson
@@ -22,46 +21,28 @@ import pytest
 from genfleet.common import keys, throughput
 from genfleet.common.errors import BatchInputMismatch, BatchSuperseded, EngineDown, StoreUnavailable
 from genfleet.common.records import (
-    GenerationParams,
     PromptRecord,
     WorkOrder,
     decode_jsonl_gz,
-    encode_jsonl_gz,
 )
 from genfleet.common.routing import ModelRef
 from genfleet.producer.runs.identity import claim_run
-from genfleet.workers.batch import BatchInputMissing, BatchInterrupted, BatchSummary, execute
-from genfleet.workers.feeder import Feeder
-from tests.fakes.engine import FakeChat, FakeEngine
+from genfleet.workers.batch import BatchInputMissing, BatchInterrupted
+from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
-from tests.support import wait_for
-
-PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
-RUN, BATCH = "r", "batch-000000"
-WORKER = "w@test"
-
-
-def stage(store: MemoryStore, count: int) -> WorkOrder:
-    records = [
-        PromptRecord(id=f"p{i}", messages=[{"role": "user", "content": f"q{i}"}])
-        for i in range(count)
-    ]
-    key = keys.input_key(RUN, BATCH)
-    store.put(key, encode_jsonl_gz(r.to_json() for r in records))
-    return WorkOrder(
-        run=RUN,
-        batch=BATCH,
-        key=key,
-        params=PARAMS,
-        model="emulator",
-        engine="emulator",
-        prompts=count,
-    )
-
-
-def output_rows(store: MemoryStore) -> list[dict[str, Any]]:
-    return list(decode_jsonl_gz(store.get(keys.output_key(RUN, BATCH)) or b""))
+from tests.support import (
+    BATCH,
+    PARAMS,
+    RUN,
+    MakeFeeder,
+    core_order,
+    execute_batch,
+    meanwhile,
+    output_rows,
+    stage_batch,
+    wait_for,
+)
 
 
 def counters(db: MemoryRedis) -> dict[str, float]:
@@ -75,48 +56,15 @@ def db() -> MemoryRedis:
     return db
 
 
-@pytest.fixture
-def feeders() -> Iterator[Callable[[FakeChat], Feeder]]:
-    started: list[Feeder] = []
-
-    def make(chat: FakeChat) -> Feeder:
-        feeder = Feeder(lambda: chat, FakeEngine(), 4, retries=0, backoff_s=lambda _: 0.0)
-        started.append(feeder)
-        return feeder
-
-    yield make
-    for feeder in started:
-        feeder.close()
-
-
-def run(
-    order: WorkOrder,
-    store: MemoryStore,
-    db: MemoryRedis,
-    feeder: Feeder,
-    lease_ttl_s: float = 30,
-    checkpoint_interval_s: float = 60,
-) -> BatchSummary:
-    return execute(
-        order,
-        store=store,
-        client=db,
-        feeder=feeder,
-        worker=WORKER,
-        lease_ttl_s=lease_ttl_s,
-        checkpoint_interval_s=checkpoint_interval_s,
-    )
-
-
 def test_a_batch_writes_its_output_in_input_order_and_counts_after(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+    db: MemoryRedis, feeders: MakeFeeder
 ) -> None:
     store = MemoryStore()
-    order = stage(store, 6)
+    order = stage_batch(store, 6)
     chat = FakeChat(tokens=5)
     started = time.time()
 
-    summary = run(order, store, db, feeders(chat))
+    summary = execute_batch(order, store, db, feeders(chat))
 
     rows = output_rows(store)
     assert [row["id"] for row in rows] == [f"p{i}" for i in range(6)]
@@ -137,19 +85,19 @@ def test_a_batch_writes_its_output_in_input_order_and_counts_after(
     for bucket in buckets:
         for field, value in db.hgetall(keys.throughput_bucket_key(RUN, bucket)).items():
             counted[field] += int(value)
-    assert counted == {b"": 30, WORKER.encode(): 30}
+    assert counted == {b"": 30, b"w@test": 30}
 
 
 def test_a_batch_whose_output_exists_is_skipped_without_asking_the_engine(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+    db: MemoryRedis, feeders: MakeFeeder
 ) -> None:
     store = MemoryStore()
-    order = stage(store, 3)
+    order = stage_batch(store, 3)
     store.put_if_absent(keys.output_key(RUN, BATCH), b"written by an earlier delivery")
     db.hset(keys.failed_key(RUN), BATCH, "EngineDown: an old failure")
     chat = FakeChat()
 
-    summary = run(order, store, db, feeders(chat))
+    summary = execute_batch(order, store, db, feeders(chat))
 
     assert summary.skipped and summary.completions == 0
     assert sum(chat.calls.values()) == 0
@@ -159,30 +107,30 @@ def test_a_batch_whose_output_exists_is_skipped_without_asking_the_engine(
     assert "completion_tokens" not in counters(db)  # counted by the delivery that wrote it
 
 
-def test_a_missing_input_is_permanent(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
-) -> None:
+def test_a_missing_input_is_permanent(db: MemoryRedis, feeders: MakeFeeder) -> None:
     store = MemoryStore()
-    order = stage(store, 3)
+    order = stage_batch(store, 3)
     store.delete_prefix(order.key)
 
     with pytest.raises(BatchInputMissing, match="is missing"):
-        run(order, store, db, feeders(FakeChat()))
+        execute_batch(order, store, db, feeders(FakeChat()))
     assert not store.exists(keys.output_key(RUN, BATCH))
 
 
 def test_a_running_batch_checkpoints_and_holds_its_lease(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+    db: MemoryRedis, feeders: MakeFeeder
 ) -> None:
     store = MemoryStore()
-    order = stage(store, 4)
+    order = stage_batch(store, 4)
     gate = threading.Event()
     chat = FakeChat(gate=gate, ungated={"p0", "p1"})
     feeder = feeders(chat)
     outcome: dict[str, Any] = {}
     thread = threading.Thread(
         target=lambda: outcome.update(
-            summary=run(order, store, db, feeder, lease_ttl_s=0.3, checkpoint_interval_s=0)
+            summary=execute_batch(
+                order, store, db, feeder, lease_ttl_s=0.3, checkpoint_interval_s=0
+            )
         )
     )
     thread.start()
@@ -208,17 +156,17 @@ def test_a_running_batch_checkpoints_and_holds_its_lease(
 
 
 def test_a_failed_try_keeps_what_finished_and_the_retry_skips_it(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+    db: MemoryRedis, feeders: MakeFeeder
 ) -> None:
     store = MemoryStore()
-    order = stage(store, 5)
+    order = stage_batch(store, 5)
     gate = threading.Event()  # never opened: p4 is still running when p3 fails
     chat = FakeChat(
         gate=gate, ungated={"p0", "p1", "p2"}, failures={"p3": [EngineDown("engine gone")]}
     )
 
     with pytest.raises(EngineDown, match="engine gone"):  # unwrapped from the TaskGroup
-        run(order, store, db, feeders(chat))
+        execute_batch(order, store, db, feeders(chat))
 
     assert chat.cancelled == 1 and chat.inflight == 0  # p4 stopped, not left running
     parts = list(store.list(keys.parts_prefix(RUN, BATCH)))
@@ -229,7 +177,7 @@ def test_a_failed_try_keeps_what_finished_and_the_retry_skips_it(
     assert "completion_tokens" not in counters(db)
 
     again = FakeChat()
-    summary = run(order, store, db, feeders(again))
+    summary = execute_batch(order, store, db, feeders(again))
 
     assert (summary.resumed, summary.completions) == (3, 5)
     assert dict(again.calls) == {"p3": 1, "p4": 1}
@@ -239,23 +187,18 @@ def test_a_failed_try_keeps_what_finished_and_the_retry_skips_it(
 
 
 def test_a_cancelled_batch_is_interrupted_with_its_finished_prompts_checkpointed(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+    db: MemoryRedis, feeders: MakeFeeder
 ) -> None:
     store = MemoryStore()
-    order = stage(store, 6)
+    order = stage_batch(store, 6)
     gate = threading.Event()
     chat = FakeChat(gate=gate, ungated={"p0", "p1"})
     feeder = feeders(chat)
 
-    def shut_down() -> None:
-        wait_for(lambda: chat.inflight == 4, 10, "four requests in flight", 0.01)
-        feeder.cancel_all()
-
-    stopper = threading.Thread(target=shut_down)
-    stopper.start()
+    shut_down = meanwhile(lambda: chat.inflight == 4, feeder.cancel_all, "four in flight")
     with pytest.raises(BatchInterrupted, match="after 2 of 6 prompts"):
-        run(order, store, db, feeder)
-    stopper.join(timeout=10)
+        execute_batch(order, store, db, feeder)
+    shut_down()
     gate.set()
 
     parts = list(store.list(keys.parts_prefix(RUN, BATCH)))
@@ -275,12 +218,12 @@ class LostRace(MemoryStore):
 
 
 def test_a_duplicate_delivery_that_loses_the_race_counts_nothing(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+    db: MemoryRedis, feeders: MakeFeeder
 ) -> None:
     store = LostRace()
-    order = stage(store, 3)
+    order = stage_batch(store, 3)
 
-    summary = run(order, store, db, feeders(FakeChat()))
+    summary = execute_batch(order, store, db, feeders(FakeChat()))
 
     assert summary.duplicate and summary.completions == 3
     assert store.get(keys.output_key(RUN, BATCH)) == b"the other copy's output"
@@ -298,27 +241,27 @@ class PartsStuck(MemoryStore):
 
 
 def test_a_batch_counts_even_when_its_parts_cannot_be_deleted(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+    db: MemoryRedis, feeders: MakeFeeder
 ) -> None:
     store = PartsStuck()
-    order = stage(store, 3)
+    order = stage_batch(store, 3)
 
-    summary = run(order, store, db, feeders(FakeChat()))
+    summary = execute_batch(order, store, db, feeders(FakeChat()))
 
     assert summary.completions == 3 and store.exists(keys.output_key(RUN, BATCH))
     assert counters(db)["completion_tokens"] == 21
 
 
 def test_a_confirmed_output_marks_the_batch_done_and_counts_its_prompts_once(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+    db: MemoryRedis, feeders: MakeFeeder
 ) -> None:
     """The progress copy `status` reads (common/progress.py): the writer adds the batch and
     its prompts; a later delivery that finds the output marks it done without counting again."""
     store = MemoryStore()
-    order = stage(store, 4)
+    order = stage_batch(store, 4)
 
-    run(order, store, db, feeders(FakeChat()))
-    run(order, store, db, feeders(FakeChat()))  # a duplicate delivery: skipped
+    execute_batch(order, store, db, feeders(FakeChat()))
+    execute_batch(order, store, db, feeders(FakeChat()))  # a duplicate delivery: skipped
 
     assert db.hgetall(keys.done_key(RUN)) == {BATCH.encode(): b"4"}
     assert counters(db)["prompts_done"] == 4
@@ -335,7 +278,7 @@ def schema_order(store: MemoryStore, count: int) -> WorkOrder:
     once, the order naming it."""
     from genfleet.producer.enqueue import _order, store_response_format
 
-    base = stage(store, count)
+    base = stage_batch(store, count)
     params = base.params.model_copy(update={"response_format": SCHEMA_FORMAT})
     stored = store_response_format(store, RUN, params)
     ref = ModelRef("emulator", "emulator")
@@ -352,7 +295,7 @@ def schema_order(store: MemoryStore, count: int) -> WorkOrder:
 
 
 def test_an_order_names_the_runs_schema_and_the_engine_gets_it(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+    db: MemoryRedis, feeders: MakeFeeder
 ) -> None:
     store = MemoryStore()
     order = schema_order(store, 3)
@@ -360,13 +303,13 @@ def test_an_order_names_the_runs_schema_and_the_engine_gets_it(
     assert "required" not in order.model_dump_json()  # the schema is not in the message
     chat = FakeChat()
 
-    run(order, store, db, feeders(chat))
+    execute_batch(order, store, db, feeders(chat))
 
     assert [p.response_format for p in chat.params] == [SCHEMA_FORMAT] * 3
 
 
 def test_a_schema_that_is_not_the_one_the_order_names_is_never_sent(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+    db: MemoryRedis, feeders: MakeFeeder
 ) -> None:
     store = MemoryStore()
     order = schema_order(store, 3)
@@ -375,7 +318,7 @@ def test_a_schema_that_is_not_the_one_the_order_names_is_never_sent(
     chat = FakeChat()
 
     with pytest.raises(BatchInputMissing, match="not the one"):
-        run(order, store, db, feeders(chat))
+        execute_batch(order, store, db, feeders(chat))
     assert sum(chat.calls.values()) == 0
 
 
@@ -394,16 +337,7 @@ def staged_order(
     if hashed:  # sha256 over the lines' sha256s, newline-joined
         each = "\n".join(hashlib.sha256(line).hexdigest() for line in lines)
         bound["input_sha256"] = hashlib.sha256(each.encode()).hexdigest()
-    return WorkOrder(
-        run=RUN,
-        batch=BATCH,
-        key=keys.input_key(RUN, BATCH),
-        params=PARAMS,
-        model="emulator",
-        engine="emulator",
-        prompts=len(records),
-        **bound,
-    )
+    return core_order(prompts=len(records)).model_copy(update=bound)
 
 
 def claim(store: MemoryStore) -> str:
@@ -412,20 +346,20 @@ def claim(store: MemoryStore) -> str:
 
 
 def test_a_checkpoint_of_another_prompt_under_the_same_id_is_not_kept(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+    db: MemoryRedis, feeders: MakeFeeder
 ) -> None:
     store = MemoryStore()
     # p0..p2 asking q0..q2; the try fails after p0 and p1 are checkpointed
     failing = FakeChat(failures={"p2": [EngineDown("engine gone")]})
     with pytest.raises(EngineDown):
-        run(stage(store, 3), store, db, feeders(failing))
+        execute_batch(stage_batch(store, 3), store, db, feeders(failing))
     assert list(store.list(keys.parts_prefix(RUN, BATCH)))
     # The same batch staged again with p1 edited (an interrupted staging finished with
     # other data): p1's checkpoint answers the old question and must not stand for the new.
     order = staged_order(store, ["q0", "q1, edited", "q2"])
     again = FakeChat()
 
-    summary = run(order, store, db, feeders(again))
+    summary = execute_batch(order, store, db, feeders(again))
 
     assert dict(again.calls) == {"p1": 1, "p2": 1} and summary.resumed == 1
     rows = output_rows(store)
@@ -433,22 +367,20 @@ def test_a_checkpoint_of_another_prompt_under_the_same_id_is_not_kept(
     assert all(row["prompt_sha256"] for row in rows)
 
 
-def test_an_input_that_is_not_the_orders_is_refused(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
-) -> None:
+def test_an_input_that_is_not_the_orders_is_refused(db: MemoryRedis, feeders: MakeFeeder) -> None:
     store = MemoryStore()
     order = staged_order(store, ["q0", "q1"], hashed=True)
     staged_order(store, ["q0", "other"])  # the input object now holds other prompts
     chat = FakeChat()
 
     with pytest.raises(BatchInputMismatch, match="is not the one"):
-        run(order, store, db, feeders(chat))
+        execute_batch(order, store, db, feeders(chat))
     assert sum(chat.calls.values()) == 0
     assert not store.exists(keys.output_key(RUN, BATCH))
 
 
 def test_a_batch_whose_run_is_deleted_and_staged_anew_while_it_runs_writes_nothing(
-    db: MemoryRedis, feeders: Callable[[FakeChat], Feeder]
+    db: MemoryRedis, feeders: MakeFeeder
 ) -> None:
     store = MemoryStore()
     order = staged_order(store, ["q0", "q1", "q2"], hashed=True, staging=claim(store))
@@ -459,7 +391,7 @@ def test_a_batch_whose_run_is_deleted_and_staged_anew_while_it_runs_writes_nothi
 
     def go() -> None:
         try:
-            run(order, store, db, feeder, checkpoint_interval_s=0)
+            execute_batch(order, store, db, feeder, checkpoint_interval_s=0)
         except BaseException as exc:  # noqa: BLE001 - the test reads it
             outcome.append(exc)
 

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -21,11 +20,18 @@ from genfleet.workers.tasks import BatchFailed, generate_batch, reap
 from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
-from tests.support import wait_for
-from tests.workers import test_core_tasks as core
-from tests.workers.test_core_tasks import BATCH, NOW, RUN, TTL_S, FakeRuntime, running, stage, state
-
-make_runtime = core.make_runtime  # the fixture, shared
+from tests.support import (
+    BATCH,
+    NOW,
+    RUN,
+    TTL_S,
+    MakeRuntime,
+    batch_state,
+    meanwhile,
+    running_order,
+    stage_task,
+    wait_for,
+)
 
 
 def unacked(db: MemoryRedis, tag: str, order: dict[str, Any]) -> None:
@@ -40,7 +46,7 @@ def test_a_batch_whose_worker_dies_every_time_is_parked_at_max_deliveries() -> N
     db, store = MemoryRedis(), MemoryStore()
     requeued: list[dict[str, Any]] = []
     for delivery in (1, 2, 3):
-        order = running(db, BATCH, NOW - 100)  # claimed, then its worker died: no lease
+        order = running_order(db, BATCH, NOW - 100)  # claimed, then its worker died: no lease
         unacked(db, f"tag{delivery}", order)
         reap(db, store, TTL_S, NOW - TTL_S, requeued.append, max_deliveries=3)  # first look
         report = reap(db, store, TTL_S, NOW, requeued.append, max_deliveries=3)
@@ -55,7 +61,7 @@ def test_a_batch_whose_worker_dies_every_time_is_parked_at_max_deliveries() -> N
 
 def test_a_requeue_that_cannot_be_sent_keeps_the_running_entry() -> None:
     db, store = MemoryRedis(), MemoryStore()
-    order = running(db, BATCH, NOW - 100)
+    order = running_order(db, BATCH, NOW - 100)
     unacked(db, "tag1", order)
 
     def broker_down(_order: dict[str, Any]) -> None:
@@ -73,10 +79,10 @@ def test_a_requeue_that_cannot_be_sent_keeps_the_running_entry() -> None:
 
 
 def test_redis_failing_before_the_batch_starts_requeues_the_message(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     runtime = make_runtime(FakeChat())
-    order = stage(runtime, 2)
+    order = stage_task(runtime, 2)
     runtime.redis.down = True
 
     with pytest.raises(Reject) as caught:
@@ -85,10 +91,10 @@ def test_redis_failing_before_the_batch_starts_requeues_the_message(
 
 
 def test_a_failed_set_that_cannot_be_written_requeues_instead_of_acking(
-    make_runtime: Callable[..., FakeRuntime], monkeypatch: pytest.MonkeyPatch
+    make_runtime: MakeRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     runtime = make_runtime(FakeChat())
-    order = stage(runtime, 2)
+    order = stage_task(runtime, 2)
 
     def input_gone_and_redis_too(key: str) -> bytes | None:
         runtime.redis.down = True
@@ -101,10 +107,10 @@ def test_a_failed_set_that_cannot_be_written_requeues_instead_of_acking(
 
 
 def test_a_parked_batch_redelivered_by_the_broker_is_not_run(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     runtime = make_runtime(FakeChat())
-    order = stage(runtime, 2)
+    order = stage_task(runtime, 2)
     runtime.redis.hset(keys.lost_key(RUN), BATCH, 3)
 
     result = generate_batch(order)
@@ -114,42 +120,40 @@ def test_a_parked_batch_redelivered_by_the_broker_is_not_run(
 
 
 def test_terminate_of_one_batch_parks_it_and_leaves_the_others(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     gate = threading.Event()
     chat = FakeChat(gate=gate, ungated={"p0"})
     runtime = make_runtime(chat)
-    order = stage(runtime, 4)
+    order = stage_task(runtime, 4)
 
     def terminate() -> None:
-        wait_for(lambda: chat.inflight == 3, 10, "three requests in flight", 0.01)
         assert runtime.feeder.cancel_batch(RUN, BATCH)
         assert not runtime.feeder.cancel_batch(RUN, "batch-000009")  # not running here
 
-    stopper = threading.Thread(target=terminate)
-    stopper.start()
+    terminated = meanwhile(lambda: chat.inflight == 3, terminate, "three requests in flight")
     with pytest.raises(BatchFailed, match="terminated by an operator"):
         generate_batch(order)
-    stopper.join(timeout=10)
+    terminated()
     gate.set()
-    assert state(runtime)["failed"] == "BatchInterrupted"
+    assert batch_state(runtime.redis)["failed"] == "BatchInterrupted"
     assert list(runtime.store.list(keys.parts_prefix(RUN, BATCH)))  # p0 is checkpointed
 
 
 def test_a_retry_waits_out_its_backoff_under_a_lease_then_goes_straight_to_the_queue(
-    make_runtime: Callable[..., FakeRuntime], monkeypatch: pytest.MonkeyPatch
+    make_runtime: MakeRuntime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """No worker ever holds a delayed copy (one that dies with it would be invisible to the
     reaper): the backoff is spent here, with the batch running and leased."""
     runtime = make_runtime(FakeChat(failures={"p0": [EngineDown("engine gone")]}))
-    order = stage(runtime, 2)
+    order = stage_task(runtime, 2)
     monkeypatch.setattr(tasks_module, "BATCH_RETRY", Backoff(base_s=2.0, cap_s=2.0))
     seen: dict[str, Any] = {}
 
     def look() -> None:
         lease = keys.lease_key(RUN, BATCH)
         wait_for(lambda: runtime.redis.get(lease), 10, "the lease held in the backoff", 0.01)
-        seen.update(state(runtime), holder=runtime.redis.get(lease))
+        seen.update(batch_state(runtime.redis), holder=runtime.redis.get(lease))
 
     looker = threading.Thread(target=look)
     looker.start()
@@ -157,5 +161,5 @@ def test_a_retry_waits_out_its_backoff_under_a_lease_then_goes_straight_to_the_q
         generate_batch(order)
     looker.join(timeout=10)
     assert seen["running"] and seen["holder"] == b"w@test" and seen["attempts"] == 1
-    assert not state(runtime)["running"]  # handed to the queue after the wait
+    assert not batch_state(runtime.redis)["running"]  # handed to the queue after the wait
     assert not runtime.redis.get(keys.lease_key(RUN, BATCH))

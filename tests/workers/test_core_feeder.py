@@ -19,12 +19,11 @@ from genfleet.common.errors import (
     RequestRejected,
     RestartBudgetExhausted,
 )
-from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
+from genfleet.common.records import CompletionRecord, PromptRecord
 from genfleet.workers.feeder import Feeder, default_max_inflight, retry_backoff_s
 from tests.fakes.engine import FakeChat, FakeEngine
-from tests.support import wait_for
+from tests.support import PARAMS, wait_for
 
-PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
 IDENTITY = {"kind": "fake", "worker": "w@test"}
 
 

@@ -3,13 +3,11 @@ output records, and order the batch (longest-expected prompt first)."""
 
 from __future__ import annotations
 
-from genfleet.common import keys
 from genfleet.common.records import PromptRecord, WorkOrder, encode_jsonl_gz
-from genfleet.workers.feeder import Feeder
-from tests.fakes.engine import FakeChat, FakeEngine
+from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
-from tests.workers.test_core_batch import BATCH, PARAMS, RUN, output_rows, run
+from tests.support import MakeFeeder, core_order, execute_batch, output_rows
 
 # (id, old answer's content or None): hints of 3, 1, none, 250 and 25 tokens
 OLD = [("a", "x" * 12), ("b", "OK."), ("c", None), ("d", "y" * 1000), ("e", "z" * 100)]
@@ -24,22 +22,18 @@ def stage(store: MemoryStore) -> WorkOrder:
         )
         for name, old in OLD
     ]
-    key = keys.input_key(RUN, BATCH)
-    store.put(key, encode_jsonl_gz(r.to_json() for r in records))
-    return WorkOrder(
-        run=RUN, batch=BATCH, key=key, params=PARAMS, model="emulator", engine="emulator"
-    )
+    order = core_order(prompts=len(records))
+    store.put(order.key, encode_jsonl_gz(r.to_json() for r in records))
+    return order
 
 
-def test_old_answers_never_reach_the_engine_and_come_back_on_the_records() -> None:
+def test_old_answers_never_reach_the_engine_and_come_back_on_the_records(
+    feeders: MakeFeeder,
+) -> None:
     store, db, chat = MemoryStore(), MemoryRedis(), FakeChat()
     order = stage(store)
     # One request at a time, so the order the engine is asked in is the batch's send order.
-    feeder = Feeder(lambda: chat, FakeEngine(), 1, retries=0, backoff_s=lambda _: 0.0)
-    try:
-        run(order, store, db, feeder)
-    finally:
-        feeder.close()
+    execute_batch(order, store, db, feeders(chat, max_inflight=1))
     assert [r.id for r in chat.sent] == ["d", "e", "a", "b", "c"]  # longest-expected first
     assert all(r.previous is None for r in chat.sent)
     assert all(r.messages == [{"role": "user", "content": f"question {r.id}"}] for r in chat.sent)

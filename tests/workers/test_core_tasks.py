@@ -10,8 +10,6 @@ requeue; "failed" is `BatchFailed` with the batch in the run's failed set.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,145 +18,65 @@ import pytest
 from celery.exceptions import Reject
 
 from genfleet.common import keys
-from genfleet.common.backoff import Backoff
 from genfleet.common.errors import EngineBusy, EngineConfigError, EngineDown, RequestFailed
 from genfleet.common.ledger import Ledger, running_field
 from genfleet.common.records import (
-    GenerationParams,
-    PromptRecord,
     WorkOrder,
     decode_jsonl_gz,
-    encode_jsonl_gz,
 )
 from genfleet.common.routing import ModelRef
 from genfleet.common.settings import Settings
 from genfleet.producer.runs.identity import claim_run
-from genfleet.workers import tasks as tasks_module
-from genfleet.workers.batch import BatchSummary
-from genfleet.workers.context import BatchTask, TaskRuntime
 from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.fingerprint import checkpoint_identity
-from genfleet.workers.feeder import Feeder
 from genfleet.workers.tasks import BatchFailed, generate_batch, reap
-from tests.fakes.engine import FakeChat, FakeEngine
+from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
-from tests.support import wait_for
-
-PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
-RUN, BATCH = "r", "batch-000000"
-FIELD = running_field(RUN, BATCH)
-
-
-@dataclass
-class FakeRuntime:
-    """The `TaskRuntime` `generate_batch` runs with, made of fakes."""
-
-    feeder: Feeder
-    settings: Settings
-    store: MemoryStore = field(default_factory=MemoryStore)
-    redis: MemoryRedis = field(default_factory=MemoryRedis)
-    hostname: str = "w@test"
-    queue: str = "gpu.emulator"  # the model queue it serves
-    monitor: None = None
-    finished: list[BatchSummary] = field(default_factory=list)
-
-    refused: list[str] = field(default_factory=list)
-    model_identity: dict[str, Any] | None = None
-    model_runs: set[str] = field(default_factory=set)
-    ended: list[tuple[str, str]] = field(default_factory=list)
-
-    def after_batch(self, summary: BatchSummary) -> None:
-        self.finished.append(summary)
-
-    def refuse_work(self, message: str) -> None:
-        self.refused.append(message)
-
-    @property
-    def lease_redis(self) -> MemoryRedis:
-        return self.redis
-
-    def batch_ended(self, run: str, batch: str) -> None:
-        self.ended.append((run, batch))  # no Celery consumer whose prefetch to restore
-
-
-def _is_a_task_runtime(fake: FakeRuntime) -> TaskRuntime:
-    return fake  # a type checker sees here that the fake is a TaskRuntime
-
-
-@pytest.fixture
-def make_runtime(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., FakeRuntime]]:
-    feeders: list[Feeder] = []
-
-    def make(chat: FakeChat, batch_retries: int = 2) -> FakeRuntime:
-        feeder = Feeder(lambda: chat, FakeEngine(), 4, retries=0, backoff_s=lambda _: 0.0)
-        feeders.append(feeder)
-        settings = Settings(batch_retries=batch_retries, lease_ttl_s=30, checkpoint_interval_s=60)
-        fake = FakeRuntime(feeder=feeder, settings=settings)
-        monkeypatch.setattr(BatchTask, "runtime", fake)
-        monkeypatch.setattr(tasks_module, "BATCH_RETRY", Backoff(base_s=0.0))
-        return fake
-
-    yield make
-    for feeder in feeders:
-        feeder.close()
-
-
-def stage(runtime: FakeRuntime, count: int, data: bytes | None = None) -> dict[str, Any]:
-    records = [
-        PromptRecord(id=f"p{i}", messages=[{"role": "user", "content": f"q{i}"}])
-        for i in range(count)
-    ]
-    key = keys.input_key(RUN, BATCH)
-    runtime.store.put(key, encode_jsonl_gz(r.to_json() for r in records) if data is None else data)
-    runtime.redis.sadd(keys.queued_key(RUN), BATCH)
-    order = WorkOrder(
-        run=RUN,
-        batch=BATCH,
-        key=key,
-        params=PARAMS,
-        model="emulator",
-        engine="emulator",
-        prompts=count,
-    )
-    return order.model_dump(mode="json")
-
-
-def state(runtime: FakeRuntime) -> dict[str, Any]:
-    """What Redis says about the batch after the task: running, tries, failed, queued."""
-    db = runtime.redis
-    return {
-        "running": db.hget(keys.running_key(), FIELD) is not None,
-        "attempts": int(db.hget(keys.attempts_key(RUN), BATCH) or 0),
-        "failed": (db.hget(keys.failed_key(RUN), BATCH) or b"").decode().split(":")[0] or None,
-        "queued": BATCH.encode() in db.smembers(keys.queued_key(RUN)),
-    }
+from tests.support import (
+    BATCH,
+    NOW,
+    PARAMS,
+    RUN,
+    TTL_S,
+    MakeRuntime,
+    batch_state,
+    meanwhile,
+    running_order,
+    stage_task,
+    wait_for,
+)
 
 
 def test_a_batch_that_succeeds_returns_its_summary_and_leaves_no_trace(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     runtime = make_runtime(FakeChat())
-    order = stage(runtime, 3)
+    order = stage_task(runtime, 3)
 
     result = generate_batch(order)
 
     assert (result["run"], result["batch"], result["completions"]) == (RUN, BATCH, 3)
     assert result["worker"] == "w@test"
     assert [s.batch for s in runtime.finished] == [BATCH]
-    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": False}
+    assert batch_state(runtime.redis) == {
+        "running": False,
+        "attempts": 0,
+        "failed": None,
+        "queued": False,
+    }
 
 
 def test_engine_down_is_retried_until_the_budget_then_failed(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     runtime = make_runtime(FakeChat(failures={"p0": [EngineDown("engine gone")] * 3}), 2)
-    order = stage(runtime, 2)
+    order = stage_task(runtime, 2)
 
     for attempt in (1, 2):
         with pytest.raises(EngineDown):  # `retry` called directly re-raises the error
             generate_batch(order)
-        assert state(runtime) == {
+        assert batch_state(runtime.redis) == {
             "running": False,
             "attempts": attempt,
             "failed": None,
@@ -166,7 +84,7 @@ def test_engine_down_is_retried_until_the_budget_then_failed(
         }
     with pytest.raises(BatchFailed, match="failed 3 times"):
         generate_batch(order)
-    assert state(runtime) == {
+    assert batch_state(runtime.redis) == {
         "running": False,
         "attempts": 3,
         "failed": "EngineDown",
@@ -176,28 +94,30 @@ def test_engine_down_is_retried_until_the_budget_then_failed(
 
 
 def test_a_retry_after_the_engine_came_back_succeeds(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     runtime = make_runtime(FakeChat(failures={"p1": [EngineDown("engine gone")]}), 2)
-    order = stage(runtime, 3)
+    order = stage_task(runtime, 3)
     with pytest.raises(EngineDown):
         generate_batch(order)
 
     result = generate_batch(order)
 
     assert result["completions"] == 3 and result["resumed"] >= 1  # p0 came from a part
-    assert state(runtime)["failed"] is None and not state(runtime)["running"]
+    assert (
+        batch_state(runtime.redis)["failed"] is None and not batch_state(runtime.redis)["running"]
+    )
 
 
-def test_a_missing_input_fails_at_once(make_runtime: Callable[..., FakeRuntime]) -> None:
+def test_a_missing_input_fails_at_once(make_runtime: MakeRuntime) -> None:
     runtime = make_runtime(FakeChat())
-    order = stage(runtime, 2)
+    order = stage_task(runtime, 2)
     runtime.store.delete_prefix(order["key"])
 
     with pytest.raises(BatchFailed, match="missing"):
         generate_batch(order)
 
-    assert state(runtime) == {
+    assert batch_state(runtime.redis) == {
         "running": False,
         "attempts": 0,
         "failed": "BatchInputMissing",
@@ -206,15 +126,15 @@ def test_a_missing_input_fails_at_once(make_runtime: Callable[..., FakeRuntime])
 
 
 def test_an_unforeseen_error_parks_the_batch_in_the_failed_set(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     runtime = make_runtime(FakeChat())
-    order = stage(runtime, 2, data=b"not gzip at all")  # a corrupt staged input
+    order = stage_task(runtime, 2, data=b"not gzip at all")  # a corrupt staged input
 
     with pytest.raises(BatchFailed, match="BadGzipFile"):
         generate_batch(order)
 
-    assert state(runtime) == {
+    assert batch_state(runtime.redis) == {
         "running": False,
         "attempts": 0,
         "failed": "BadGzipFile",
@@ -223,33 +143,32 @@ def test_an_unforeseen_error_parks_the_batch_in_the_failed_set(
 
 
 def test_a_shutdown_requeues_the_batch_without_counting_a_try(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     gate = threading.Event()
     chat = FakeChat(gate=gate, ungated={"p0"})
     runtime = make_runtime(chat)
-    order = stage(runtime, 4)
+    order = stage_task(runtime, 4)
 
-    def shut_down() -> None:
-        wait_for(lambda: chat.inflight == 3, 10, "three requests in flight", 0.01)
-        runtime.feeder.cancel_all()
-
-    stopper = threading.Thread(target=shut_down)
-    stopper.start()
+    shut_down = meanwhile(
+        lambda: chat.inflight == 3, runtime.feeder.cancel_all, "three requests in flight"
+    )
     with pytest.raises(Reject) as caught:
         generate_batch(order)
-    stopper.join(timeout=10)
+    shut_down()
     gate.set()
 
     assert caught.value.requeue
-    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": True}
+    assert batch_state(runtime.redis) == {
+        "running": False,
+        "attempts": 0,
+        "failed": None,
+        "queued": True,
+    }
     assert list(runtime.store.list(keys.parts_prefix(RUN, BATCH)))  # p0 is checkpointed
 
 
 # --- the reaper ------------------------------------------------------------------------------
-
-NOW = 1_700_000_000.0
-TTL_S = 10.0
 
 
 class Clock:
@@ -260,33 +179,17 @@ class Clock:
         return self.now
 
 
-def running(db: MemoryRedis, batch: str, claimed_at: float) -> dict[str, Any]:
-    order = WorkOrder(
-        run=RUN,
-        batch=batch,
-        key=keys.input_key(RUN, batch),
-        params=PARAMS,
-        model="emulator",
-        engine="emulator",
-        prompts=5,
-    ).model_dump(mode="json")
-    db.hset(
-        keys.running_key(),
-        running_field(RUN, batch),
-        orjson.dumps({**order, "claimed_at": claimed_at}),
-    )
-    return order
-
-
 def test_the_reaper_requeues_only_batches_whose_worker_vanished() -> None:
     clock = Clock()
     db, store = MemoryRedis(clock), MemoryStore()
-    running(db, "batch-000001", NOW - 100)
+    running_order(db, "batch-000001", NOW - 100)
     db.set(keys.lease_key(RUN, "batch-000001"), "w1", px=int(TTL_S * 1000))
-    running(db, "batch-000002", NOW - 1)  # just claimed: its first lease may not be written yet
-    running(db, "batch-000003", NOW - 100)  # lease lapsed, output written: it finished
+    running_order(
+        db, "batch-000002", NOW - 1
+    )  # just claimed: its first lease may not be written yet
+    running_order(db, "batch-000003", NOW - 100)  # lease lapsed, output written: it finished
     store.put_if_absent(keys.output_key(RUN, "batch-000003"), b"done")
-    lost = running(db, "batch-000004", NOW - 100)  # lease lapsed, no output: lost
+    lost = running_order(db, "batch-000004", NOW - 100)  # lease lapsed, no output: lost
     db.set(keys.lease_key(RUN, "batch-000004"), "w2", px=int(TTL_S * 1000))
     clock.now = TTL_S + 1  # w2 stopped refreshing its lease; w1 refreshes:
     db.set(keys.lease_key(RUN, "batch-000001"), "w1", px=int(TTL_S * 1000))
@@ -311,23 +214,28 @@ def test_the_reaper_requeues_only_batches_whose_worker_vanished() -> None:
 
 
 def test_an_order_of_a_cancelled_run_is_parked_not_generated(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     chat = FakeChat()
     runtime = make_runtime(chat)
-    order = stage(runtime, 3)
+    order = stage_task(runtime, 3)
     runtime.redis.set(keys.cancelled_key(RUN), b"1")
 
     assert generate_batch(order)["park"] is True
     assert sum(chat.calls.values()) == 0
-    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": False}
+    assert batch_state(runtime.redis) == {
+        "running": False,
+        "attempts": 0,
+        "failed": None,
+        "queued": False,
+    }
     assert not runtime.store.exists(keys.output_key(RUN, BATCH))
 
 
-def test_an_order_of_a_deleted_run_is_dropped(make_runtime: Callable[..., FakeRuntime]) -> None:
+def test_an_order_of_a_deleted_run_is_dropped(make_runtime: MakeRuntime) -> None:
     chat = FakeChat()
     runtime = make_runtime(chat)
-    order = {**stage(runtime, 3), "enqueued_at": 100.0}
+    order = {**stage_task(runtime, 3), "enqueued_at": 100.0}
     runtime.redis.set(keys.deleted_key(RUN), b"200.0")  # deleted after the order was sent
 
     assert generate_batch(order)["drop"] is True
@@ -336,11 +244,11 @@ def test_an_order_of_a_deleted_run_is_dropped(make_runtime: Callable[..., FakeRu
 
 
 def test_cancelling_a_running_batch_checkpoints_what_finished_and_parks_it(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     chat = FakeChat(gate=threading.Event(), ungated={"p0"})  # p0 answers, the rest wait
     runtime = make_runtime(chat)
-    order = stage(runtime, 3)
+    order = stage_task(runtime, 3)
     done: list[dict[str, Any]] = []
     worker = threading.Thread(target=lambda: done.append(generate_batch(order)))
     worker.start()
@@ -354,33 +262,43 @@ def test_cancelling_a_running_batch_checkpoints_what_finished_and_parks_it(
     rows = [row for key in parts for row in decode_jsonl_gz(runtime.store.get(key) or b"")]
     assert [row["id"] for row in rows] == ["p0"]
     assert not runtime.store.exists(keys.output_key(RUN, BATCH))
-    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": False}
+    assert batch_state(runtime.redis) == {
+        "running": False,
+        "attempts": 0,
+        "failed": None,
+        "queued": False,
+    }
     assert runtime.redis.exists(keys.lease_key(RUN, BATCH)) == 0
 
 
 def test_an_engine_refusing_the_worker_hands_the_order_back_without_a_try(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     refusal = EngineConfigError("engine answered 401: Unauthorized")
     runtime = make_runtime(FakeChat(failures={"p0": [refusal], "p1": [refusal]}))
-    order = stage(runtime, 2)
+    order = stage_task(runtime, 2)
 
     with pytest.raises(Reject) as caught:
         generate_batch(order)
 
     assert caught.value.requeue is True
-    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": True}
+    assert batch_state(runtime.redis) == {
+        "running": False,
+        "attempts": 0,
+        "failed": None,
+        "queued": True,
+    }
     assert len(runtime.refused) == 1 and "401" in runtime.refused[0]
 
 
 def test_backpressure_and_a_failing_prompt_never_fail_the_batch(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     busy = [EngineBusy("engine answered 429: slow down", retry_after_s=0.0)] * 3
     failed = RequestFailed(500, "InternalError", "engine answered 500: boom")
     chat = FakeChat(failures={"p0": busy, "p1": busy, "p3": [failed]})
     runtime = make_runtime(chat)  # retries=0: the first failed try is the last
-    order = stage(runtime, 4)
+    order = stage_task(runtime, 4)
 
     result = generate_batch(order)
 
@@ -388,7 +306,12 @@ def test_backpressure_and_a_failing_prompt_never_fail_the_batch(
     assert chat.calls["p0"] == chat.calls["p1"] == 4  # three 429s, then the answer
     # p3 failed right after p2 succeeded: p2 sent again (the canary) said the engine serves
     assert chat.calls["p2"] == 2
-    assert state(runtime) == {"running": False, "attempts": 0, "failed": None, "queued": False}
+    assert batch_state(runtime.redis) == {
+        "running": False,
+        "attempts": 0,
+        "failed": None,
+        "queued": False,
+    }
 
 
 def test_the_reaper_spares_a_lease_re_set_after_its_first_look() -> None:
@@ -396,7 +319,7 @@ def test_the_reaper_spares_a_lease_re_set_after_its_first_look() -> None:
     worker's heartbeat re-sets its lease before the reaper's second look, so nothing is
     re-enqueued (it would run twice)."""
     db, store = MemoryRedis(), MemoryStore()
-    running(db, "batch-000001", NOW - 100)
+    running_order(db, "batch-000001", NOW - 100)
     requeued: list[dict[str, Any]] = []
     reap(db, store, TTL_S, NOW - TTL_S, requeued.append)  # the lease lapsed: first look
     db.set(keys.lease_key(RUN, "batch-000001"), "w1", px=int(TTL_S * 1000))  # the heartbeat
@@ -409,11 +332,11 @@ def test_the_reaper_spares_a_lease_re_set_after_its_first_look() -> None:
 
 
 def test_an_order_naming_another_runs_input_is_refused_not_generated(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     chat = FakeChat()
     runtime = make_runtime(chat)
-    order = stage(runtime, 3)
+    order = stage_task(runtime, 3)
     # Run "b"'s prompts, and an order of run "r" that names them (anyone who can send a task
     # can write one): r's output must never be built from b's prompts.
     foreign = keys.input_key("b", BATCH)
@@ -428,12 +351,12 @@ def test_an_order_naming_another_runs_input_is_refused_not_generated(
 
 
 def test_an_order_of_a_deleted_staging_is_dropped_whatever_the_clocks_say(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     chat = FakeChat()
     runtime = make_runtime(chat)
     # The producer's clock runs an hour ahead of the host that deleted the run.
-    order = {**stage(runtime, 3), "enqueued_at": 1_700_003_600.0, "staging": "s-old"}
+    order = {**stage_task(runtime, 3), "enqueued_at": 1_700_003_600.0, "staging": "s-old"}
     runtime.redis.set(keys.deleted_key(RUN), b"s-old")
 
     assert generate_batch(order)["drop"] is True
@@ -442,11 +365,11 @@ def test_an_order_of_a_deleted_staging_is_dropped_whatever_the_clocks_say(
 
 
 def test_an_order_of_a_superseded_staging_is_dropped_and_leaves_the_new_ones_state(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     chat = FakeChat()
     runtime = make_runtime(chat)
-    order = {**stage(runtime, 3), "staging": "s-old"}
+    order = {**stage_task(runtime, 3), "staging": "s-old"}
     staging = claim_run(
         runtime.store, RUN, PARAMS, ModelRef("emulator", "emulator"), {}, "f", "src"
     )
@@ -458,7 +381,12 @@ def test_an_order_of_a_superseded_staging_is_dropped_and_leaves_the_new_ones_sta
     assert result["superseded"] is True
     assert sum(chat.calls.values()) == 0
     assert not runtime.store.exists(keys.output_key(RUN, BATCH))
-    assert state(runtime) == {"running": True, "attempts": 0, "failed": None, "queued": True}
+    assert batch_state(runtime.redis) == {
+        "running": True,
+        "attempts": 0,
+        "failed": None,
+        "queued": True,
+    }
     entry = orjson.loads(runtime.redis.hget(keys.running_key(), f"{RUN}/{BATCH}") or b"{}")
     assert entry["worker"] == "other@w"  # the new staging's running entry is untouched
 
@@ -470,11 +398,11 @@ def identity(**settings: Any) -> dict[str, Any]:
 
 
 def test_a_worker_serving_another_checkpoint_hands_the_run_back_saying_why(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     first = make_runtime(FakeChat())
     first.model_identity = identity()
-    order = stage(first, 3)
+    order = stage_task(first, 3)
     assert generate_batch(order)["completions"] == 3  # the run is bound to its model
     first.store.delete_prefix(keys.output_key(RUN, BATCH))
     first.redis.sadd(keys.queued_key(RUN), BATCH)
@@ -490,11 +418,16 @@ def test_a_worker_serving_another_checkpoint_hands_the_run_back_saying_why(
     assert sum(chat.calls.values()) == 0
     assert not other.store.exists(keys.output_key(RUN, BATCH))
     assert len(other.refused) == 1 and "reasoning_parser" in other.refused[0]
-    assert state(other) == {"running": False, "attempts": 0, "failed": None, "queued": True}
+    assert batch_state(other.redis) == {
+        "running": False,
+        "attempts": 0,
+        "failed": None,
+        "queued": True,
+    }
 
 
 def test_no_thinking_on_a_model_without_a_switch_is_refused_not_ignored(
-    make_runtime: Callable[..., FakeRuntime],
+    make_runtime: MakeRuntime,
 ) -> None:
     chat = FakeChat()
     runtime = make_runtime(chat)
@@ -502,10 +435,10 @@ def test_no_thinking_on_a_model_without_a_switch_is_refused_not_ignored(
     no_thinking = PARAMS.model_dump()  # PARAMS asks for no thinking
 
     with pytest.raises(BatchFailed, match="no thinking switch"):
-        generate_batch({**stage(runtime, 2), "params": no_thinking})
+        generate_batch({**stage_task(runtime, 2), "params": no_thinking})
 
     assert sum(chat.calls.values()) == 0
-    assert state(runtime)["failed"] == "ThinkingUnsupported"
+    assert batch_state(runtime.redis)["failed"] == "ThinkingUnsupported"
     with pytest.raises(ValueError, match="--no-thinking needs a thinking switch"):
         Settings(thinking=False, thinking_switch="none")  # and refused where it is given
 

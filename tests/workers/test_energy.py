@@ -4,7 +4,6 @@ kWh, J/token and cost per million tokens in `status` and `report`."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,10 +13,9 @@ import redis
 
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
-from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import energy_figures, run_status
 from genfleet.workers.observe.sampler import batch_share
-from tests.support import ROOT, Worker, base_env, wait_for
+from tests.support import Worker, base_env, genfleet, stage_questions, wait_run_done
 
 # name, (energy before, after), engine tokens, batch tokens, seconds, GPUs → (J, GPU-s)
 SHARES = [
@@ -83,16 +81,9 @@ def test_a_run_reports_its_energy_and_cost(
     env = base_env(redis_url, store, emulator_time_scale=20, sample_interval_s=0.2)
     worker = start_worker(env)
     settings = Settings(redis_url=redis_url, store=store, batch_size=50)
-    source = tmp_path / "p.jsonl"
-    source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(200)))
-    enqueue_run(settings, "watts", str(source), reader_options(settings))
+    stage_questions(settings, "watts", tmp_path, 200)
     worker.wait_ready()
-    wait_for(
-        lambda: run_status(open_store(store), redis_client, "watts")["state"] == "done",
-        120,
-        "the run",
-        0.3,
-    )
+    wait_run_done(settings, redis_client, "watts", 120)
     status = run_status(open_store(store), redis_client, "watts", gpu_hour_cost=3.0)
     assert status["energy_batches"] == status["batches_total"] == 4
     gpu_s = status["gpu_hours"] * 3600
@@ -104,15 +95,8 @@ def test_a_run_reports_its_energy_and_cost(
     assert status["cost_per_million_tokens"] == pytest.approx(cost, rel=1e-3)
 
     def cli(*args: str) -> str:
-        result = subprocess.run(
-            ["genfleet", *args, "--gpu-hour-cost", "3"],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
+        result = genfleet([*args, "--gpu-hour-cost", "3"], env, timeout_s=60)
+        assert result.returncode == 0, result.stderr
         return " ".join(result.stdout.split())
 
     assert "kWh" in cli("status", "watts") and "USD per million tokens" in cli("status", "watts")

@@ -5,113 +5,31 @@ EngineClient over HTTP, against a small server scripted per prompt; and the limi
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
-import orjson
 import pytest
-from aiohttp import web
 
 from genfleet.common.errors import EngineConfigError, EngineDown
-from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
+from genfleet.common.records import CompletionRecord, PromptRecord
 from genfleet.workers.client import EngineClient
 from genfleet.workers.deadline import DeadlinePolicy
 from genfleet.workers.feeder import Feeder, InflightLimiter
-from tests.support import free_port
-
-PARAMS = GenerationParams(max_tokens=64, temperature=0.6, top_p=0.95, thinking=True)
-# (status, body, headers) for the n-th request (from 0) carrying a prompt's text
-Script = Callable[[str, int], tuple[int, Any, dict[str, str]]]
-
-
-def ok(text: str, finish: str = "stop") -> tuple[int, Any, dict[str, str]]:
-    body = {
-        "id": f"rid-{text}",
-        "model": "m",
-        "choices": [
-            {"index": 0, "message": {"content": f"answer to {text}"}, "finish_reason": finish}
-        ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 5, "reasoning_tokens": 2},
-    }
-    return 200, body, {}
-
-
-def error(status: int, message: str, **headers: str) -> tuple[int, Any, dict[str, str]]:
-    return status, {"error": {"message": message}}, headers
-
-
-class ScriptedEngine:
-    """An HTTP server on its own thread and loop, answering each prompt as `script` says."""
-
-    def __init__(self, script: Script) -> None:
-        self.script = script
-        self.seen: Counter[str] = Counter()
-        self.bodies: list[dict[str, Any]] = []
-        self.running = 0
-        self.most_running = 0
-        self.slow: dict[str, float] = {}  # prompt text → seconds its answer takes
-        self.port = free_port()
-        self._loop = asyncio.new_event_loop()
-        self._ready = threading.Event()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-        assert self._ready.wait(10), "scripted engine did not start"
-
-    async def _handle(self, request: web.Request) -> web.Response:
-        body = orjson.loads(await request.read())
-        self.bodies.append(body)
-        text = body["messages"][0]["content"]
-        n = self.seen[text]
-        self.seen[text] += 1
-        self.running += 1
-        self.most_running = max(self.most_running, self.running)
-        try:
-            await asyncio.sleep(self.slow.get(text, 0.01))
-            status, answer, headers = self.script(text, n)
-        finally:
-            self.running -= 1
-        return web.Response(status=status, body=orjson.dumps(answer), headers=headers)
-
-    def _serve(self) -> None:
-        asyncio.set_event_loop(self._loop)
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._handle)
-        self._runner = web.AppRunner(app)
-        self._loop.run_until_complete(self._runner.setup())
-        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
-        self._loop.run_until_complete(site.start())
-        self._ready.set()
-        self._loop.run_forever()
-
-    def stop(self) -> None:
-        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-        self._loop.close()
-
-
-class AlwaysUp:
-    state = "ready"
-    deaths = 0
-    last_error = None
-
-    def alive(self) -> bool:
-        return True
-
-    def wait_up(self, timeout_s: float) -> None:
-        return None
+from tests.fakes.engine import FakeEngine
+from tests.fakes.http_engine import Script, ScriptedEngine, error, ok
+from tests.support import THINKING_PARAMS
 
 
 @pytest.fixture
 def engine_with() -> Iterator[Callable[[Script], ScriptedEngine]]:
+    """`engine_with(script)`: a ScriptedEngine serving `script`, each answer taking 10 ms."""
     engines: list[ScriptedEngine] = []
 
     def start(script: Script) -> ScriptedEngine:
         engines.append(ScriptedEngine(script))
-        return engines[-1]
+        engines[-1].delay_s = 0.01
+        return engines[-1].start()
 
     yield start
     for engine in engines:
@@ -121,15 +39,15 @@ def engine_with() -> Iterator[Callable[[Script], ScriptedEngine]]:
 def run_batch(
     engine: ScriptedEngine, count: int, **feeder_args: Any
 ) -> tuple[Future[None], dict[int, CompletionRecord], Feeder]:
-    url = f"http://127.0.0.1:{engine.port}"
+    url = engine.url
     args = {"retries": 2, **feeder_args}
     inflight = args.pop("max_inflight", 8)
     feeder = Feeder(
-        lambda: EngineClient(url, model="m", timeout_s=10), AlwaysUp(), inflight, **args
+        lambda: EngineClient(url, model="m", timeout_s=10), FakeEngine(), inflight, **args
     )
     records = [PromptRecord(f"p{i}", [{"role": "user", "content": f"p{i}"}]) for i in range(count)]
     results: dict[int, CompletionRecord] = {}
-    future = feeder.run_batch("r", "b", records, PARAMS, results.__setitem__)
+    future = feeder.run_batch("r", "b", records, THINKING_PARAMS, results.__setitem__)
     try:
         future.exception(timeout=60)
     finally:
@@ -246,13 +164,13 @@ def two_batches(
     engine: ScriptedEngine, first: list[str], then: list[str]
 ) -> tuple[Future[None], dict[int, CompletionRecord]]:
     """Run `first` to the end, then `then`, through one feeder (as one worker does)."""
-    url = f"http://127.0.0.1:{engine.port}"
-    feeder = Feeder(lambda: EngineClient(url, model="m", timeout_s=10), AlwaysUp(), 8, retries=1)
+    url = engine.url
+    feeder = Feeder(lambda: EngineClient(url, model="m", timeout_s=10), FakeEngine(), 8, retries=1)
     results: dict[int, CompletionRecord] = {}
     try:
         for texts, out in ((first, {}), (then, results)):
             records = [PromptRecord(t, [{"role": "user", "content": t}]) for t in texts]
-            future = feeder.run_batch("r", "b", records, PARAMS, out.__setitem__)
+            future = feeder.run_batch("r", "b", records, THINKING_PARAMS, out.__setitem__)
             future.exception(timeout=60)
     finally:
         feeder.close()
@@ -269,6 +187,7 @@ def test_the_last_failing_prompt_alone_is_judged_by_a_canary(
         return error(500, "poison") if text == "bad" else ok(text)
 
     engine = engine_with(script)
+    engine.slow["b"] = 0.2  # b succeeds last
     future, results = two_batches(engine, ["a", "b"], ["bad"])
 
     assert future.exception() is None

@@ -20,12 +20,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import orjson
 import pytest
 
 from genfleet.common.settings import Settings
-from genfleet.producer.enqueue import enqueue_run, reader_options
-from tests.support import ROOT, Worker, base_env, free_port, wait_for
+from tests.support import ROOT, Worker, base_env, free_port, stage_questions, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -89,14 +87,6 @@ def watch_results(url: str) -> list[str]:
     return [str(t["result"]) for t in tasks if t.get("state") == "SUCCESS"]
 
 
-def enqueue(tmp_path: Path, settings: Settings, run: str, count: int) -> None:
-    source = tmp_path / f"{run}.jsonl"
-    source.write_bytes(
-        b"".join(orjson.dumps({"prompt": f"{run} question {i}"}) + b"\n" for i in range(count))
-    )
-    enqueue_run(settings, run, str(source), reader_options(settings))
-
-
 def chromium() -> str:
     found = shutil.which("chromium") or shutil.which("chromium-browser")
     if found is None:
@@ -145,9 +135,7 @@ def test_flower_shows_genfleet_tasks_behind_auth(
     gpu = start_worker(env)
     start_worker(env, role="control")
     settings = Settings(redis_url=redis_url, store=store, batch_size=25)
-    source = tmp_path / "p.jsonl"
-    source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(50)))
-    enqueue_run(settings, "flowerrun", str(source), reader_options(settings))
+    stage_questions(settings, "flowerrun", tmp_path, 50)
     gpu.wait_ready()
 
     # auth is required for the UI and the API
@@ -187,7 +175,7 @@ def test_tasks_page_names_an_underused_gpu_and_its_cause(
     gpu = start_worker(env)
     start_worker(env, role="control")
     settings = Settings(redis_url=redis_url, store=store, batch_size=20, **WATCH)
-    enqueue(tmp_path, settings, "slow", 200)
+    stage_questions(settings, "slow", tmp_path, 200, prefix="slow question ")
     gpu.wait_ready()
 
     def flagged() -> list[str]:
@@ -217,7 +205,7 @@ def test_tasks_page_of_a_saturated_run_flags_no_gpu(
     env = base_env(redis_url, store, max_running_requests=48, power_watch_interval_s=1, **WATCH)
     gpu = start_worker(env)
     settings = Settings(redis_url=redis_url, store=store, batch_size=100, **WATCH)
-    enqueue(tmp_path, settings, "busy", 1500)
+    stage_questions(settings, "busy", tmp_path, 1500, prefix="busy question ")
     gpu.wait_ready()
 
     def saturated() -> bool:

@@ -17,7 +17,7 @@ import pytest
 from genfleet.workers.observe.diagnosis import FleetState
 from genfleet.workers.observe.node import node_rows
 from genfleet.workers.observe.sampler import mark_processes
-from tests.support import ROOT, Worker, base_env, wait_for
+from tests.support import Worker, base_env, genfleet, wait_for
 
 NOW = 1_760_000_000.0
 
@@ -185,23 +185,16 @@ def test_an_unclaimed_gpu_and_a_stranger_show_in_top_and_findings(
     worker = start_worker(env)
     worker.wait_ready()
 
-    def genfleet(*args: str) -> list[dict[str, Any]]:
-        result = subprocess.run(
-            ["genfleet", *args, "--json"],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
+    def cli_json(*args: str) -> list[dict[str, Any]]:
+        result = genfleet([*args, "--json"], env, timeout_s=60)
+        assert result.returncode == 0, result.stderr
         text = result.stdout.strip()
         if text.startswith("["):
             return list(orjson.loads(text))
         return [orjson.loads(line) for line in text.splitlines() if line.strip()]
 
     def top_rows() -> list[dict[str, Any]] | None:
-        rows = genfleet("top", "--once")
+        rows = cli_json("top", "--once")
         return rows if any(r["verdict"] == "unclaimed_gpu" for r in rows) else None
 
     rows = wait_for(top_rows, 60, "an unclaimed GPU row in top", 1.0)
@@ -214,7 +207,7 @@ def test_an_unclaimed_gpu_and_a_stranger_show_in_top_and_findings(
     assert [r["gpu_uuid"] for r in mine] == [foreign["gpu_uuid"]]  # its own row stays
 
     run_power_watch(app, Settings(redis_url=redis_url, store=store))
-    findings = genfleet("findings")
+    findings = cli_json("findings")
     causes = {(f["cause"], f["gpu_uuid"]) for f in findings}
     assert ("unclaimed_gpu", "EMU-UNCLAIMED-0") in causes
     assert ("foreign_process", foreign["gpu_uuid"]) in causes

@@ -11,15 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import orjson
 import pytest
 import redis
 
 from genfleet.common import keys
 from genfleet.common.settings import Settings
-from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.workers.observe.power_watch import run_power_watch
-from tests.support import Worker, base_env, wait_for
+from tests.support import Worker, base_env, stage_questions, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -30,14 +28,6 @@ WATCH = {
     "emulator_mean_completion_tokens": 400,
     "max_tokens": 1024,
 }
-
-
-def enqueue(tmp_path: Path, settings: Settings, run: str, count: int) -> None:
-    source = tmp_path / f"{run}.jsonl"
-    source.write_bytes(
-        b"".join(orjson.dumps({"prompt": f"{run} question {i}"}) + b"\n" for i in range(count))
-    )
-    enqueue_run(settings, run, str(source), reader_options(settings))
 
 
 def watch_until(
@@ -71,7 +61,7 @@ def test_concurrency_one_is_underused_with_its_cause(
     env = base_env(redis_url, store, mtp=str(mtp).lower(), max_inflight=1, **WATCH)
     worker = start_worker(env)
     settings = Settings(redis_url=redis_url, store=store, batch_size=20, **WATCH)
-    enqueue(tmp_path, settings, "slow", 200)
+    stage_questions(settings, "slow", tmp_path, 200, prefix="slow question ")
     worker.wait_ready()
     report = watch_until(settings, worker.hostname, lambda row: row["verdict"] == "underused")
     row = next(r for r in report["verdicts"] if r["worker"] == worker.hostname)
@@ -99,7 +89,7 @@ def test_saturated_run_with_mtp_is_not_flagged(
     env = base_env(redis_url, store, max_running_requests=48, batch_size=100, **WATCH)
     worker = start_worker(env)
     settings = Settings(redis_url=redis_url, store=store, batch_size=100, **WATCH)
-    enqueue(tmp_path, settings, "busy", 1500)
+    stage_questions(settings, "busy", tmp_path, 1500, prefix="busy question ")
     worker.wait_ready()
     report = watch_until(
         settings,

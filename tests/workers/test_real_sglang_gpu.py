@@ -46,9 +46,10 @@ from tests.support import (
     Worker,
     assert_exactly_once,
     base_env,
-    child_pids,
     fault_settings,
     free_port,
+    genfleet,
+    live_children,
     open_run_store,
     pid_alive,
     stage,
@@ -87,22 +88,6 @@ if (_why := _missing()) is not None:
 pytestmark = [pytest.mark.gpu, pytest.mark.integration, pytest.mark.slow]
 
 
-def genfleet(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    """The root `genfleet` command, as an operator runs it."""
-    argv = [sys.executable, "-c", "from genfleet.cli import main; main()", *args]
-    return subprocess.run(argv, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
-
-
-def engine_pids(worker: Worker) -> list[int]:
-    """The worker's live `sglang serve` processes (its supervisor's child)."""
-    found = []
-    for pid in child_pids(worker.proc.pid):
-        with contextlib.suppress(OSError):
-            if b"sglang" in Path(f"/proc/{pid}/cmdline").read_bytes() and pid_alive(pid):
-                found.append(pid)
-    return found
-
-
 def queued(base_url: str) -> float:
     """`sglang:num_queue_reqs` from the engine's /metrics (summed over its label sets)."""
     text = httpx.get(f"{base_url}/metrics", timeout=10).text
@@ -127,8 +112,12 @@ class Stack:
         return {"Authorization": f"Bearer {self.api_key}"}
 
     def engine_pid(self) -> int:
-        wait_for(lambda: len(engine_pids(self.worker)) == 1, 60, "one engine process")
-        return engine_pids(self.worker)[0]
+        wait_for(
+            lambda: len(live_children(self.worker.proc.pid, b"sglang")) == 1,
+            60,
+            "one engine process",
+        )
+        return live_children(self.worker.proc.pid, b"sglang")[0]
 
     def findings(self, cause: str) -> list[dict[str, Any]]:
         found = read_findings(self.client)
@@ -188,10 +177,10 @@ def mtp_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
 
 def test_preflight_accepts_mtp_tensors_and_refuses_without(tmp_path: Path) -> None:
     env = {**os.environ, **ENGINE_ENV, "GENFLEET_LOG_DIR": str(tmp_path)}
-    ok = genfleet("preflight", "--model", str(Q35), "--json", env=env)
+    ok = genfleet(["preflight", "--model", str(Q35), "--json"], env, timeout_s=120)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["mtp_tensors"] >= 1
-    refused = genfleet("preflight", "--model", str(Q35_NOMTP), "--json", env=env)
+    refused = genfleet(["preflight", "--model", str(Q35_NOMTP), "--json"], env, timeout_s=120)
     assert refused.returncode == 1 and "--no-mtp" in refused.stderr
     server = RedisServer(tmp_path, free_port(), "gpu-tests")
     server.start()

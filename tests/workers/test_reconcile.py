@@ -4,7 +4,6 @@ worker ever comes."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,12 +13,12 @@ import redis
 from genfleet.common.ledger import work_order_of
 from genfleet.workers.reconcile import RunOrders, reconcile
 from tests.support import (
-    ROOT,
     Worker,
     assert_exactly_once,
     base_env,
     fault_settings,
     free_port,
+    genfleet,
     stage,
     wait_run_done,
     write_prompts,
@@ -103,14 +102,6 @@ def test_status_watch_gives_up_when_nothing_works_on_the_run(
     write_prompts(tmp_path / "prompts.jsonl", 40)
     stage(settings, "idle", tmp_path / "prompts.jsonl")
     env = base_env(redis_url, store, lease_ttl_s=1, wait_deadline_leases=2, startup_timeout_s=1)
-    watched = subprocess.run(
-        ["genfleet", "status", "idle", "--watch"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    watched = genfleet(["status", "idle", "--watch"], env, timeout_s=60)
     assert watched.returncode == 1, watched.stdout + watched.stderr
     assert watched.stderr.strip(), "it stopped without saying why"

@@ -3,7 +3,6 @@ receives an order for another model hands it back, never generating it."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from tests.support import (
     Worker,
     assert_exactly_once,
     base_env,
+    genfleet,
     wait_for,
     wait_run_done,
     write_prompts,
@@ -109,15 +109,9 @@ def test_a_worker_with_no_model_and_no_engine_says_it_runs_the_emulator_first(
     tmp_path: Path,
 ) -> None:
     env = base_env("redis://127.0.0.1:1/0", tmp_path.as_uri())
-    command = ["genfleet", "worker", "--print-engine-command"]
-    bare = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
-    named = subprocess.run(
-        [*command, "--model", "/m/q", "--served-model-name", "q"],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    command = ["worker", "--print-engine-command"]
+    bare = genfleet(command, env, timeout_s=60)
+    named = genfleet([*command, "--model", "/m/q", "--served-model-name", "q"], env, timeout_s=60)
     assert bare.returncode == 0 and named.returncode == 0, bare.stderr + named.stderr
     assert "gpu.emulator" in bare.stderr.splitlines()[2]  # before anything else it says
     assert "emulator" in bare.stdout  # what it launches: the emulator

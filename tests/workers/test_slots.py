@@ -13,7 +13,6 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-import orjson
 import pytest
 import redis
 
@@ -21,10 +20,10 @@ from genfleet.common import keys
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
-from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import run_status
 from genfleet.workers.feeder import Feeder
-from tests.support import Worker, base_env, wait_for
+from tests.fakes.engine import FakeEngine
+from tests.support import Worker, base_env, stage_questions, wait_for, wait_run_done
 
 
 class SlowClient:
@@ -45,21 +44,9 @@ class SlowClient:
         return None
 
 
-class Up:
-    state = "ready"
-    deaths = 0
-    last_error = None
-
-    def alive(self) -> bool:
-        return True
-
-    def wait_up(self, timeout_s: float) -> None:
-        return None
-
-
 def test_on_sent_fires_when_the_last_prompt_enters_and_waiting_counts_down() -> None:
     client = SlowClient()
-    feeder = Feeder(lambda: client, Up(), max_inflight=3)  # type: ignore[arg-type,return-value]
+    feeder = Feeder(lambda: client, FakeEngine(), max_inflight=3)  # type: ignore[arg-type,return-value]
     sent = threading.Event()
     params = GenerationParams(max_tokens=8, temperature=0.0, top_p=1.0, thinking=False)
     records = [PromptRecord(f"p{i}", [{"role": "user", "content": "x"}]) for i in range(5)]
@@ -87,7 +74,7 @@ def test_the_hook_wired_at_start_names_each_batch_once_its_prompts_are_all_sent(
     client = SlowClient()
     seen: list[tuple[str, str]] = []
     feeder = Feeder(
-        lambda: client, Up(), max_inflight=3, on_batch_sent=lambda r, b: seen.append((r, b))
+        lambda: client, FakeEngine(), max_inflight=3, on_batch_sent=lambda r, b: seen.append((r, b))
     )  # type: ignore[arg-type,return-value]
     params = GenerationParams(max_tokens=8, temperature=0.0, top_p=1.0, thinking=False)
     records = [PromptRecord(f"p{i}", [{"role": "user", "content": "x"}]) for i in range(5)]
@@ -115,9 +102,7 @@ def test_the_next_batch_starts_while_stragglers_run(
     knobs = {"worker_concurrency": 1, "emulator_time_scale": 2, "batch_size": 4}
     worker = start_worker(base_env(redis_url, store, **knobs))
     settings = Settings(redis_url=redis_url, store=store, batch_size=4)
-    source = tmp_path / "p.jsonl"
-    source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(24)))
-    enqueue_run(settings, "slots", str(source), reader_options(settings))
+    stage_questions(settings, "slots", tmp_path, 24)
     worker.wait_ready()
     most = [0]
 
@@ -127,11 +112,7 @@ def test_the_next_batch_starts_while_stragglers_run(
         return most[0] >= 2
 
     wait_for(overlap, 60, "two batches running at once on a worker of concurrency 1", 0.02)
-    wait_for(
-        lambda: run_status(open_store(store), redis_client, "slots")["state"] == "done",
-        120,
-        "the run to finish",
-    )
+    wait_run_done(settings, redis_client, "slots", 120)
     status = run_status(open_store(store), redis_client, "slots")
     assert status["prompts_done"] == 24 and status["batches_failed"] == 0
     assert redis_client.hlen(keys.running_key()) == 0

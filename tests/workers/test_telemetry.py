@@ -5,10 +5,8 @@ from __future__ import annotations
 import json
 import socket
 import sys
-import threading
 import types
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import pytest
@@ -26,6 +24,7 @@ from genfleet.workers.observe.telemetry import (
     TelemetryWindow,
     resolve_gpus,
 )
+from tests.fakes.http_engine import ScriptedEngine
 
 NOW = 1_760_000_000.0
 
@@ -314,39 +313,20 @@ EMULATED = {
 }
 
 
+POWER = "/genfleet/power"
+
+
 @pytest.fixture
-def emulator() -> Iterator[tuple[str, dict[str, Any]]]:
+def emulator() -> Iterator[ScriptedEngine]:
     """A real HTTP server on a free loopback port serving the emulator's power shape."""
-    reply: dict[str, Any] = {"status": 200, "body": json.dumps(EMULATED).encode()}
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            status, body = (reply["status"], reply["body"])
-            if self.path != "/genfleet/power":
-                status, body = 404, b"{}"
-            self.send_response(status)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, format: str, *args: Any) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}", reply
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(timeout=5)
+    engine = ScriptedEngine()
+    engine.routes[POWER] = (200, json.dumps(EMULATED).encode(), {})
+    yield engine.start()
+    engine.stop()
 
 
-def test_emulator_sampler_reads_the_simulated_gpu(emulator: tuple[str, dict[str, Any]]) -> None:
-    url, reply = emulator
-    sampler = EmulatorSampler(url, clock=lambda: NOW)
+def test_emulator_sampler_reads_the_simulated_gpu(emulator: ScriptedEngine) -> None:
+    sampler = EmulatorSampler(emulator.url, clock=lambda: NOW)
     try:
         (sample,) = sampler.sample()
         assert sample.ts == NOW
@@ -358,11 +338,11 @@ def test_emulator_sampler_reads_the_simulated_gpu(emulator: tuple[str, dict[str,
         assert sample.energy_j == 12_345.6
         assert sampler.available and sampler.reason is None
 
-        reply.update(status=500, body=b"boom")
+        emulator.routes[POWER] = (500, b"boom", {})
         assert sampler.sample() == []
         assert sampler.available and sampler.reason and "500" in sampler.reason
 
-        reply.update(status=200, body=b'{"gpus": [{"power_w": 1}]}')
+        emulator.routes[POWER] = (200, b'{"gpus": [{"power_w": 1}]}', {})
         assert sampler.sample() == []
         assert sampler.reason and "TypeError" in sampler.reason
     finally:

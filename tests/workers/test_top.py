@@ -3,7 +3,6 @@ emulated checkpoint accepts no drafts (accept length 1.0, as with missing MTP we
 
 from __future__ import annotations
 
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,9 +14,16 @@ import redis
 
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
-from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import run_status
-from tests.support import ROOT, Worker, base_env, wait_for, worker_report
+from tests.support import (
+    Worker,
+    base_env,
+    genfleet,
+    stage_questions,
+    wait_for,
+    wait_run_done,
+    worker_report,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -32,33 +38,21 @@ def test_top_json_rows_and_mtp_ineffective(
     env = base_env(redis_url, store, emulator_accept_length=1.0, power_window_s=5)
     worker = start_worker(env)
     settings = Settings(redis_url=redis_url, store=store, batch_size=20)
-    source = tmp_path / "p.jsonl"
-    source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(40)))
-    enqueue_run(settings, "mtp", str(source), reader_options(settings))
+    stage_questions(settings, "mtp", tmp_path, 40)
     worker.wait_ready()
-    wait_for(
-        lambda: run_status(open_store(store), redis_client, "mtp")["state"] == "done", 60, "run"
-    )
+    wait_run_done(settings, redis_client, "mtp", 60)
     # a finished run shows its mean pace, not 0.0, and its duration as h:mm:ss
-    said = subprocess.run(
-        ["genfleet", "status", "mtp"], env=env, capture_output=True, text=True, check=True
-    ).stdout
-    status = " ".join(said.split())  # rich wraps at 80 columns off a terminal
+    said = genfleet(["status", "mtp"], env)
+    assert said.returncode == 0, said.stderr
+    status = " ".join(said.stdout.split())  # rich wraps at 80 columns off a terminal
     report = run_status(open_store(store), redis_client, "mtp")
     assert report["tokens_per_s"] == report["mean_tokens_per_s"] > 0
     assert f"mean {report['tokens_per_s']:,.0f} tok/s over 0:00:" in status, status
     assert "2/2 done" in status and "40/40" in status
 
     def top_rows() -> list[dict[str, object]] | None:
-        result = subprocess.run(
-            ["genfleet", "top", "--once", "--json"],
-            env=env,
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=60,
-            check=True,
-        )
+        result = genfleet(["top", "--once", "--json"], env, timeout_s=60)
+        assert result.returncode == 0, result.stderr
         rows = [orjson.loads(line) for line in result.stdout.splitlines() if line.strip()]
         mine = [r for r in rows if r["worker"] == worker.hostname]
         return mine if mine and mine[0]["accept_length"] is not None else None
@@ -110,9 +104,7 @@ def test_top_first_minute_figures_are_the_runs_real_rate(
     env = base_env(redis_url, store, max_running_requests=48, **busy)
     worker = start_worker(env)
     settings = Settings(redis_url=redis_url, store=store, batch_size=100, **busy)
-    source = tmp_path / "p.jsonl"
-    source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(3000)))
-    enqueue_run(settings, "pace", str(source), reader_options(settings))  # work waits for it
+    stage_questions(settings, "pace", tmp_path, 3000)  # work waits for it
     worker.wait_ready()
     ready = time.monotonic()
 
@@ -123,15 +115,8 @@ def test_top_first_minute_figures_are_the_runs_real_rate(
     wait_for(lambda: time.monotonic() - ready >= 10, 20, "10 s of generation", 0.5)
     t1, tokens1 = generated()
     wait_for(lambda: time.monotonic() - ready >= 40, 40, "40 s of generation", 0.5)
-    result = subprocess.run(
-        ["genfleet", "top", "--once", "--json"],
-        env=env,
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-    )
+    result = genfleet(["top", "--once", "--json"], env, timeout_s=60)
+    assert result.returncode == 0, result.stderr
     data, totals = rows(settings)
     t2, tokens2 = generated()
     real = (tokens2 - tokens1) / (t2 - t1)  # the run's pace, measured after its start

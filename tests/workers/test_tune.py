@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from genfleet.workers.tune.plan import (
     tokens_in_window,
     verdict_text,
 )
-from tests.support import ROOT
+from tests.support import ROOT, engine_port_base
 
 
 def point(config: str, c: int, tps: float, power: float | None = 350.0, **kw: object) -> Point:
@@ -276,10 +277,9 @@ def test_old_file_flags_are_refused(argv: list[str], says: str) -> None:
     assert type(refused.value).__name__ in {"NoSuchOption", "UsageError", "BadOptionUsage"}
 
 
-@pytest.mark.integration
-@pytest.mark.slow
-def test_emulator_sweep_shows_the_mtp_trade_off(tmp_path: Path) -> None:
-    env = {
+def sweep_env(tmp_path: Path) -> dict[str, str]:
+    """The bare environment of an emulator sweep: nothing of this shell, logs in tmp_path."""
+    return {
         "PYTHONPATH": str(ROOT),
         "PATH": "/usr/bin:/bin",
         "GENFLEET_EMULATOR_TIME_SCALE": "10",
@@ -288,7 +288,15 @@ def test_emulator_sweep_shows_the_mtp_trade_off(tmp_path: Path) -> None:
         "GENFLEET_EMULATOR_MEAN_COMPLETION_TOKENS": "300",
         "GENFLEET_MAX_TOKENS": "1024",
         "GENFLEET_LOG_DIR": str(tmp_path / "logs"),
+        "GENFLEET_PORT": str(engine_port_base()),
+        "TMPDIR": tempfile.gettempdir(),
     }
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_emulator_sweep_shows_the_mtp_trade_off(tmp_path: Path) -> None:
+    env = sweep_env(tmp_path)
     results = tmp_path / "tune.json"
     tuned = tmp_path / "tuned.env"
     argv = [sys.executable, "-m", "genfleet.workers", "tune", "--engine", "emulator"]
@@ -314,16 +322,7 @@ def test_emulator_sweep_shows_the_mtp_trade_off(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_emulator_sweep_shows_adaptive_as_its_own_point(tmp_path: Path) -> None:
     """Adaptive drafts like MTP with one request in flight and not at all with 128 running."""
-    env = {
-        "PYTHONPATH": str(ROOT),
-        "PATH": "/usr/bin:/bin",
-        "GENFLEET_EMULATOR_TIME_SCALE": "10",
-        "GENFLEET_EMULATOR_LOAD_S": "0.2",
-        "GENFLEET_EMULATOR_WARMUP_S": "0.2",
-        "GENFLEET_EMULATOR_MEAN_COMPLETION_TOKENS": "300",
-        "GENFLEET_MAX_TOKENS": "1024",
-        "GENFLEET_LOG_DIR": str(tmp_path / "logs"),
-    }
+    env = sweep_env(tmp_path)
     results = tmp_path / "tune.json"
     argv = [sys.executable, "-m", "genfleet.workers", "tune", "--engine", "emulator"]
     argv += ["--mtp", "on,adaptive,off", "--concurrency", "1,128", "--duration-s", "3"]

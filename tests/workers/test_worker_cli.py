@@ -19,7 +19,7 @@ from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.export import export_run
 from genfleet.producer.status import run_status
 from genfleet.workers.engine.ports import port_is_free
-from tests.support import ROOT, Worker, answering, base_env, free_port, wait_for
+from tests.support import ROOT, Worker, answering, base_env, free_port, genfleet, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -157,15 +157,11 @@ def test_print_engine_command_launches_nothing(tmp_path: Path) -> None:
     assert "--max-running-requests" in line and "--host 127.0.0.1" in line
     assert "sk-do-not-print" not in line
     assert port_is_free("127.0.0.1", port)
-    no_mtp = subprocess.run(
-        ["genfleet", "worker", "--print-engine-command", "--model", str(tmp_path), "--no-mtp"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
-        cwd=ROOT,
-    ).stdout
-    assert "--speculative" not in no_mtp
+    no_mtp = genfleet(
+        ["worker", "--print-engine-command", "--model", str(tmp_path), "--no-mtp"], timeout_s=60
+    )
+    assert no_mtp.returncode == 0, no_mtp.stderr
+    assert "--speculative" not in no_mtp.stdout
 
 
 def test_preflight_command_exit_codes(tmp_path: Path) -> None:
@@ -177,22 +173,10 @@ def test_preflight_command_exit_codes(tmp_path: Path) -> None:
     (model / "model.safetensors.index.json").write_text(
         '{"weight_map": {"model.layers.0.mlp.weight": "a.safetensors"}}'
     )
-    missing = subprocess.run(
-        ["genfleet", "preflight", "--model", str(model)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    missing = genfleet(["preflight", "--model", str(model)], timeout_s=60)
     assert missing.returncode == 1
     assert "--no-mtp" in missing.stderr and str(model) in missing.stderr
-    ok = subprocess.run(
-        ["genfleet", "preflight", "--model", str(model), "--no-mtp"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-    )
+    ok = genfleet(["preflight", "--model", str(model), "--no-mtp"], timeout_s=60)
     assert ok.returncode == 0, ok.stderr
 
 
@@ -210,14 +194,7 @@ def test_worker_refused_by_preflight_exits_non_zero_with_the_reason(
         '{"weight_map": {"model.layers.0.mlp.weight": "a.safetensors"}}'
     )
     env = base_env(redis_url, f"file://{tmp_path / 'store'}", log_dir=tmp_path / "logs")
-    worker = subprocess.run(
-        ["genfleet", "worker", "--engine", "sglang", "--model", str(model)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=ROOT,
-        env=env,
-    )
+    worker = genfleet(["worker", "--engine", "sglang", "--model", str(model)], env, timeout_s=60)
     assert worker.returncode == 1
     assert "PreflightError" in worker.stderr and str(model) in worker.stderr
     assert not list((tmp_path / "logs").glob("engine-*.log"))  # no engine was started
@@ -226,9 +203,7 @@ def test_worker_refused_by_preflight_exits_non_zero_with_the_reason(
 def test_worker_without_redis_exits_non_zero_with_the_reason(tmp_path: Path) -> None:
     dead = f"redis://127.0.0.1:{free_port()}/0"
     env = base_env(dead, f"file://{tmp_path / 'store'}")
-    worker = subprocess.run(
-        ["genfleet", "worker"], capture_output=True, text=True, timeout=60, cwd=ROOT, env=env
-    )
+    worker = genfleet(["worker"], env, timeout_s=60)
     assert worker.returncode == 1
     assert "BrokerUnavailable" in worker.stderr and dead in worker.stderr
 

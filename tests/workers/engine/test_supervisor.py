@@ -24,6 +24,7 @@ from genfleet.workers.engine.ports import (
     release_port,
 )
 from genfleet.workers.engine.supervisor import EngineSupervisor
+from tests.fakes.http_engine import engine_argv
 from tests.support import free_port, wait_for
 
 pytestmark = pytest.mark.integration
@@ -31,15 +32,9 @@ pytestmark = pytest.mark.integration
 
 def http_engine(port: int, delay_s: float = 0.0) -> EngineLaunch:
     """An 'engine' that binds after delay_s and answers 200 on /."""
-    code = (
-        "import http.server, sys, time; time.sleep(float(sys.argv[2])); "
-        "print('binding', flush=True); "
-        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), "
-        "http.server.SimpleHTTPRequestHandler).serve_forever()"
-    )
     return EngineLaunch(
         kind="command",
-        argv=[sys.executable, "-c", code, str(port), str(delay_s)],
+        argv=engine_argv(port, "--delay-s", str(delay_s), "--say", "binding"),
         port=port,
         health_path="/",
     )
@@ -214,17 +209,9 @@ def test_engine_gets_an_explicit_environment_and_its_key_by_config_file(
     monkeypatch.setenv("HF_HOME", "/models/hf")
     port = free_port()
     dump = tmp_path / "seen.json"
-    code = (
-        "import http.server, json, os, sys; "
-        "cfg = sys.argv[sys.argv.index('--config') + 1]; "
-        "json.dump({'env': dict(os.environ), 'argv': sys.argv, 'config': open(cfg).read(), "
-        "'mode': os.stat(cfg).st_mode & 0o777}, open(sys.argv[2], 'w')); "
-        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), "
-        "http.server.SimpleHTTPRequestHandler).serve_forever()"
-    )
     launch = EngineLaunch(
         kind="command",
-        argv=[sys.executable, "-c", code, str(port), str(dump)],
+        argv=engine_argv(port, "--dump", str(dump)),
         env={"SGLANG_X": "1"},
         port=port,
         health_path="/",
@@ -256,16 +243,11 @@ def test_engine_log_is_private_and_never_holds_the_api_key(tmp_path: Path) -> No
     """SGLang logs its server_args, the API key among them, at start: the log genfleet keeps
     (0600, in a directory it makes 0700) and the lines it shows on a failure say `***`."""
     port = free_port()
-    code = (
-        "import http.server, sys; "
-        "print(\"server_args=ServerArgs(api_key='engine-key', port=%s)\" % sys.argv[1], "
-        "flush=True); "
-        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])), "
-        "http.server.SimpleHTTPRequestHandler).serve_forever()"
-    )
     launch = EngineLaunch(
         kind="command",
-        argv=[sys.executable, "-c", code, str(port)],
+        argv=engine_argv(
+            port, "--say", "server_args=ServerArgs(api_key='engine-key', port={port})"
+        ),
         port=port,
         health_path="/",
         api_key="engine-key",
@@ -306,21 +288,14 @@ CRASH_LINE = (
 def crashing_engine(port: int, marker: Path) -> EngineLaunch:
     """An engine that serves, and while `marker` exists dies shortly after it starts, its
     last log line CRASH_LINE (as SGLang 0.5.15 does at its largest CUDA graph)."""
-    code = (
-        "import http.server, os, sys, threading, time\n"
-        "def crash():\n"
-        "    time.sleep(0.3)\n"
-        "    if os.path.exists(sys.argv[2]):\n"
-        "        print('Scheduler hit an exception: Traceback (most recent call last):')\n"
-        "        print(sys.argv[3], flush=True)\n"
-        "        os._exit(1)\n"
-        "threading.Thread(target=crash, daemon=True).start()\n"
-        "http.server.HTTPServer(('127.0.0.1', int(sys.argv[1])),\n"
-        "    http.server.SimpleHTTPRequestHandler).serve_forever()\n"
-    )
     return EngineLaunch(
         kind="command",
-        argv=[sys.executable, "-c", code, str(port), str(marker), CRASH_LINE],
+        argv=engine_argv(
+            port,
+            *("--crash-while", str(marker), "--crash-after-s", "0.3"),
+            *("--last-words", "Scheduler hit an exception: Traceback (most recent call last):"),
+            *("--last-words", CRASH_LINE),
+        ),
         port=port,
         health_path="/",
     )
@@ -369,7 +344,9 @@ def test_restart_budget_counts_over_a_window_not_a_lifetime() -> None:
         http_engine(free_port()),
         startup_timeout_s=20,
         restart_budget=1,
-        restart_window_s=0.5,
+        # wider than a restart takes on a loaded machine (two xdist workers and their engines
+        # on two cores), so "the last death is recent" still holds once it serves again
+        restart_window_s=2.0,
         restart_backoff_s=0.05,
         on_exhausted=lambda message: exhausted.set(),
     )
@@ -378,7 +355,7 @@ def test_restart_budget_counts_over_a_window_not_a_lifetime() -> None:
         for crash in range(1, 4):  # one crash per window, three windows: never spent
             pid = sup.pid
             assert pid is not None
-            time.sleep(0.6)  # the last restart leaves the window
+            time.sleep(2.1)  # the last restart leaves the window
             os.killpg(pid, signal.SIGKILL)
             wait_for(lambda p=pid: sup.pid != p and sup.state == "ready", 20, "a restart")
             assert sup.restarts == crash and not exhausted.is_set()

@@ -1,0 +1,51 @@
+"""The worker runtime `generate_batch` runs with (`workers.context.TaskRuntime`), made of fakes:
+a real Feeder (over FakeChat), a MemoryStore and a MemoryRedis. It records what the task asked
+of the worker: batches finished, refusals, slots handed back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from genfleet.common.settings import Settings
+from genfleet.workers.batch import BatchSummary
+from genfleet.workers.context import TaskRuntime
+from genfleet.workers.feeder import Feeder
+from tests.fakes.memory_redis import MemoryRedis
+from tests.fakes.memory_store import MemoryStore
+
+
+@dataclass
+class FakeRuntime:
+    """The `TaskRuntime` of a worker serving the emulator queue, made of fakes."""
+
+    feeder: Feeder
+    settings: Settings
+    store: MemoryStore = field(default_factory=MemoryStore)
+    redis: MemoryRedis = field(default_factory=MemoryRedis)
+    hostname: str = "w@test"
+    queue: str = "gpu.emulator"  # the model queue it serves
+    monitor: None = None
+    finished: list[BatchSummary] = field(default_factory=list)
+
+    refused: list[str] = field(default_factory=list)
+    model_identity: dict[str, Any] | None = None
+    model_runs: set[str] = field(default_factory=set)
+    ended: list[tuple[str, str]] = field(default_factory=list)
+
+    def after_batch(self, summary: Any) -> None:
+        self.finished.append(summary)
+
+    def refuse_work(self, message: str) -> None:
+        self.refused.append(message)
+
+    @property
+    def lease_redis(self) -> MemoryRedis:
+        return self.redis
+
+    def batch_ended(self, run: str, batch: str) -> None:
+        self.ended.append((run, batch))  # no Celery consumer whose prefetch to restore
+
+
+def _is_a_task_runtime(fake: FakeRuntime) -> TaskRuntime:
+    return fake  # mypy checks here that the fake is a TaskRuntime
