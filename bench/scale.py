@@ -7,7 +7,8 @@ of its batches failed, the rest as work orders in the broker's queue, up to 1,00
 delivered (kombu's `unacked` hash, the running hash, a live lease each), and the progress
 keys workers write as outputs are confirmed (`common/progress.py`). Then each command runs in
 a fresh child process, which reports its own wall time (the best of three for a command that
-changes nothing, of 100 for `status` and `runs`) and peak RSS above the imports:
+changes nothing, of 100 for `status` and `runs`) and its peak RSS above what it held before
+the command ran (its modules imported; `ru_maxrss` would be the parent's, kept across exec):
 
     status, status --verify, runs, enqueue --resume, retry, cancel, delete, export --partial,
     the reaper pass, and the power-watch pass over 1,000 simulated workers' pushed summaries.
@@ -313,7 +314,10 @@ def child(command: str, redis_url: str, store_url: str, out_dir: str) -> dict[st
     store = store_of(settings)
     client = redis.Redis.from_url(redis_url)
     fn = _command(command, settings, store, client, out_dir)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    import genfleet.common.progress
+    import genfleet.producer.broker  # noqa: F401 - imported on first use: not the command's
+
+    rss0 = _peak_reset()
     elapsed = math.inf
     # The shared machine's load only ever adds: the best of three of a command that changes
     # nothing (once for one that does).
@@ -323,8 +327,32 @@ def child(command: str, redis_url: str, store_url: str, out_dir: str) -> dict[st
         started = time.perf_counter()
         fn()
         elapsed = min(elapsed, time.perf_counter() - started)
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"command": command, "time_s": elapsed, "rss_mb": (rss1 - rss0) / 1024}
+    return {"command": command, "time_s": elapsed, "rss_mb": _peak_mb() - rss0}
+
+
+def _status_mb(field: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _peak_reset() -> float:
+    """The RSS now, with the peak reset to it. `ru_maxrss` cannot serve: Linux keeps it
+    across fork and exec, so a child starts with its parent's peak (the synthesised run)."""
+    rss = _status_mb("VmRSS")
+    if rss is None:  # not Linux: the peak so far
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    return rss
+
+
+def _peak_mb() -> float:
+    peak = _status_mb("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if peak is None else peak
 
 
 def _command(command: str, settings: Any, store: Any, client: Any, out_dir: str) -> Any:
