@@ -10,6 +10,7 @@ both. Workers are stopped (with their engines) after the test.
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.faults.services import RedisServer
 from tests.support import TEST_REDIS_URL, Worker, dummy_aws_credentials, free_port, new_bucket
 
 # The Celery app in this process (power-watch, top, inspect) talks to the test database too.
@@ -53,6 +55,21 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own: one it may stop, or whose every command it counts."""
+    if shutil.which("redis-server") is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed")
+        pytest.skip("redis-server is not installed")
+    directory = tmp_path / "redis"
+    directory.mkdir()
+    server = RedisServer(directory, free_port(), uuid.uuid4().hex)
+    server.start()
+    yield server
+    server.kill()
 
 
 @pytest.fixture(scope="session")

@@ -39,6 +39,7 @@ from genfleet.workers.context import BatchTask, TaskRuntime
 from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.fingerprint import checkpoint_identity
 from genfleet.workers.feeder import Feeder
+from genfleet.workers.progress import ProgressTally
 from genfleet.workers.tasks import BatchFailed, generate_batch, reap
 from tests.fakes.engine import FakeChat, FakeEngine
 from tests.fakes.memory_redis import MemoryRedis
@@ -61,6 +62,7 @@ class FakeRuntime:
     hostname: str = "w@test"
     queue: str = "gpu.emulator"  # the model queue it serves
     monitor: None = None
+    progress: ProgressTally = field(default_factory=ProgressTally)
     finished: list[BatchSummary] = field(default_factory=list)
 
     refused: list[str] = field(default_factory=list)
