@@ -238,6 +238,8 @@ def build_redis(redis_url: str, store_url: str, n: int, leases: bool = True) -> 
         pipe.sadd(keys.queued_key(RUN), batch)
         if leases and i % 100:  # one in a hundred leases expired: the reaper has work
             pipe.set(keys.lease_key(RUN, batch), f"w{i}@node", ex=600)
+        elif leases:  # and seen lapsed by the reaper's last pass: this one reaps it
+            pipe.hset(keys.lapsed_key(), f"{RUN}/{batch}", now - settings.lease_ttl_s)
     pipe.execute()
     _build_progress(client, settings, plan)
     _build_workers(client, settings, now)
