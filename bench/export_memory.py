@@ -31,7 +31,7 @@ import orjson
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from genfleet.common import keys  # noqa: E402
-from genfleet.common.manifest import BatchEntry, Manifest  # noqa: E402
+from genfleet.common.manifest import BatchEntry, write_manifest  # noqa: E402
 from genfleet.common.records import GenerationParams
 from genfleet.common.settings import Settings  # noqa: E402
 from genfleet.common.store import FileStore  # noqa: E402
@@ -81,8 +81,11 @@ def make_run(root: Path, run: str, records: int, seed: int = 0) -> None:
         data = gzip.compress(b"\n".join(lines) + b"\n", compresslevel=1)
         store.put_if_absent(keys.output_key(run, batch), data)
         entries.append(BatchEntry(batch=batch, key=keys.input_key(run, batch), prompts=count))
-    manifest = Manifest(
-        run=run,
+    write_manifest(
+        store,
+        run,
+        "be4c4",
+        entries,
         source="bench",
         format="jsonl",
         fingerprint="bench",
@@ -90,9 +93,7 @@ def make_run(root: Path, run: str, records: int, seed: int = 0) -> None:
         params=GenerationParams(max_tokens=8192, temperature=0.6, top_p=0.95, thinking=True),
         prompts_total=records,
         rejects=0,
-        batches=entries,
     )
-    store.put(keys.manifest_key(run), manifest.to_bytes())
 
 
 def export_child(store: Path, run: str, out: Path, fmt: str) -> dict[str, float]:

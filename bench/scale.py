@@ -7,18 +7,23 @@ of its batches failed, the rest as work orders in the broker's queue, up to 1,00
 delivered (kombu's `unacked` hash, the running hash, a live lease each), and the progress
 keys workers write as outputs are confirmed (`common/progress.py`). Then each command runs in
 a fresh child process, which reports its own wall time (the best of three for a command that
-changes nothing, of 100 for `status` and `runs`) and peak RSS above the imports:
+changes nothing, of 100 for `status` and `runs`) and its peak RSS above what it held before
+the command ran (its modules imported; `ru_maxrss` would be the parent's, kept across exec):
 
     status, status --verify, runs, enqueue --resume, retry, cancel, delete, export --partial,
     the reaper pass, and the power-watch pass over 1,000 simulated workers' pushed summaries.
 
 The last table gives, per command, the growth exponent k between the two largest sizes
 (time ∝ batches^k): k ≈ 0 is a per-call cost that does not grow with the run, k ≈ 1 one that
-grows with it (export reads every output: it must). The Redis database given is flushed.
+grows with it (export reads every output: it must); and the same for peak RSS above the
+imports (k RSS). `--manifest whole` writes the run's manifest as one object, as runs staged
+before the manifest was sharded have it (still read, whole): the same commands side by side
+with the sharded form. The Redis database given is flushed.
 
     python bench/scale.py --redis-url redis://127.0.0.1:6379/8                 # 1K, 10K
     python bench/scale.py --redis-url redis://127.0.0.1:6379/8 --sizes 1000,10000,100000
     python bench/scale.py ... --only status,cancel        # some commands only
+    python bench/scale.py ... --manifest whole            # a run staged before shards
 """
 
 from __future__ import annotations
@@ -107,9 +112,11 @@ def layout(n: int) -> dict[str, list[str]]:
     }
 
 
-def build_store(root: Path, redis_url: str, n: int) -> None:
+def build_store(root: Path, redis_url: str, n: int, manifest: str = "sharded") -> None:
+    """The run's objects: its manifest (`sharded`, or `whole`: one object holding every
+    entry, as runs staged before shards have it) and the outputs of its done batches."""
     from genfleet.common import keys
-    from genfleet.common.manifest import BatchEntry, Manifest
+    from genfleet.common.manifest import BatchEntry
     from genfleet.common.routing import model_ref
     from genfleet.producer.enqueue import generation_params
     from genfleet.producer.runs.identity import staging_params
@@ -121,25 +128,34 @@ def build_store(root: Path, redis_url: str, n: int) -> None:
         BatchEntry(batch=b, key=keys.input_key(RUN, b), prompts=PROMPTS_PER_BATCH)
         for b in plan["all"]
     ]
-    manifest = Manifest(
-        run=RUN,
-        source="synthetic",
-        format="jsonl",
-        fingerprint="0" * 64,
-        created_at=time.time(),
-        params=generation_params(settings),
-        model=ref.model,
-        engine=ref.engine,
-        staging=staging_params(settings),
-        prompts_total=n * PROMPTS_PER_BATCH,
-        rejects=0,
-        batches=entries,
-    )
+    fields: dict[str, Any] = {
+        "source": "synthetic",
+        "format": "jsonl",
+        "fingerprint": "0" * 64,
+        "created_at": time.time(),
+        "params": generation_params(settings),
+        "model": ref.model,
+        "engine": ref.engine,
+        "staging": staging_params(settings),
+        "prompts_total": n * PROMPTS_PER_BATCH,
+        "rejects": 0,
+    }
     (root / RUN / "outputs").mkdir(parents=True, exist_ok=True)
-    (root / keys.manifest_key(RUN)).write_bytes(manifest.to_bytes())
+    if manifest == "whole":
+        whole = {**fields, "params": fields["params"].model_dump(), "run": RUN, "version": 2}
+        whole["batches"] = [entry.model_dump() for entry in entries]
+        (root / keys.manifest_key(RUN)).write_bytes(orjson.dumps(whole))
+    else:
+        from genfleet.common.manifest import write_manifest
+        from genfleet.common.store import FileStore
+
+        write_manifest(FileStore(root), RUN, STAGING_ID, entries, **fields)
     data = _output("x")
     for batch in plan["done"]:
         (root / keys.output_key(RUN, batch)).write_bytes(data)
+
+
+STAGING_ID = "5ca1e"
 
 
 def _message(order: dict[str, Any], queue: str) -> bytes:
@@ -222,6 +238,8 @@ def build_redis(redis_url: str, store_url: str, n: int, leases: bool = True) -> 
         pipe.sadd(keys.queued_key(RUN), batch)
         if leases and i % 100:  # one in a hundred leases expired: the reaper has work
             pipe.set(keys.lease_key(RUN, batch), f"w{i}@node", ex=600)
+        elif leases:  # and seen lapsed by the reaper's last pass: this one reaps it
+            pipe.hset(keys.lapsed_key(), f"{RUN}/{batch}", now - settings.lease_ttl_s)
     pipe.execute()
     _build_progress(client, settings, plan)
     _build_workers(client, settings, now)
@@ -246,9 +264,10 @@ def _build_progress(client: Any, settings: Any, plan: dict[str, list[str]]) -> N
     from genfleet.common.manifest import Manifest
     from genfleet.common.store import store_of
 
-    manifest = Manifest.load(store_of(settings), RUN)
+    store = store_of(settings)
+    manifest = Manifest.load(store, RUN)
     assert manifest is not None
-    progress.reconcile(client, manifest, set(plan["done"]), now=time.time())
+    progress.reconcile(client, store, manifest, set(plan["done"]), now=time.time())
 
 
 def _build_workers(client: Any, settings: Any, now: float) -> None:
@@ -297,7 +316,10 @@ def child(command: str, redis_url: str, store_url: str, out_dir: str) -> dict[st
     store = store_of(settings)
     client = redis.Redis.from_url(redis_url)
     fn = _command(command, settings, store, client, out_dir)
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    import genfleet.common.progress
+    import genfleet.producer.broker  # noqa: F401 - imported on first use: not the command's
+
+    rss0 = _peak_reset()
     elapsed = math.inf
     # The shared machine's load only ever adds: the best of three of a command that changes
     # nothing (once for one that does).
@@ -307,8 +329,32 @@ def child(command: str, redis_url: str, store_url: str, out_dir: str) -> dict[st
         started = time.perf_counter()
         fn()
         elapsed = min(elapsed, time.perf_counter() - started)
-    rss1 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"command": command, "time_s": elapsed, "rss_mb": (rss1 - rss0) / 1024}
+    return {"command": command, "time_s": elapsed, "rss_mb": _peak_mb() - rss0}
+
+
+def _status_mb(field: str) -> float | None:
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def _peak_reset() -> float:
+    """The RSS now, with the peak reset to it. `ru_maxrss` cannot serve: Linux keeps it
+    across fork and exec, so a child starts with its parent's peak (the synthesised run)."""
+    rss = _status_mb("VmRSS")
+    if rss is None:  # not Linux: the peak so far
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    return rss
+
+
+def _peak_mb() -> float:
+    peak = _status_mb("VmHWM")
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 if peak is None else peak
 
 
 def _command(command: str, settings: Any, store: Any, client: Any, out_dir: str) -> Any:
@@ -404,14 +450,16 @@ def run_child(command: str, redis_url: str, store_url: str, out_dir: str) -> dic
     return result
 
 
-def measure(n: int, redis_url: str, only: list[str]) -> dict[str, dict[str, Any]]:
+def measure(
+    n: int, redis_url: str, only: list[str], manifest: str = "sharded"
+) -> dict[str, dict[str, Any]]:
     results: dict[str, dict[str, Any]] = {}
     base = Path(tempfile.mkdtemp(prefix="genfleet-scale-"))
     try:
         root = base / "store"
         root.mkdir()
         started = time.perf_counter()
-        build_store(root, redis_url, n)
+        build_store(root, redis_url, n, manifest)
         build_redis(redis_url, root.as_uri(), n)
         built_s = time.perf_counter() - started
         print(f"# {n:,} batches synthesised in {built_s:.1f} s", file=sys.stderr, flush=True)
@@ -430,9 +478,9 @@ def measure(n: int, redis_url: str, only: list[str]) -> dict[str, dict[str, Any]
     return results
 
 
-def growth(t_small: float, t_big: float, n_small: int, n_big: int) -> float:
+def growth(t_small: float, t_big: float, n_small: int, n_big: int, floor: float = 1e-4) -> float:
     """k of time ∝ batches^k between two sizes (floored at 0.1 ms: noise below that)."""
-    a, b = max(t_small, 1e-4), max(t_big, 1e-4)
+    a, b = max(t_small, floor), max(t_big, floor)
     return math.log(b / a) / math.log(n_big / n_small)
 
 
@@ -441,6 +489,12 @@ def main() -> None:
     parser.add_argument("--redis-url", required=True, help="a database this bench may flush")
     parser.add_argument("--sizes", default="1000,10000")
     parser.add_argument("--only", default=",".join(COMMANDS))
+    parser.add_argument(
+        "--manifest",
+        choices=("sharded", "whole"),
+        default="sharded",
+        help="the run's manifest as staging writes it, or one object (runs staged before shards)",
+    )
     parser.add_argument("--json", action="store_true", help="one JSON document on stdout")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--store", help=argparse.SUPPRESS)
@@ -451,29 +505,33 @@ def main() -> None:
         return
     sizes = [int(s) for s in args.sizes.split(",")]
     only = [c for c in COMMANDS if c in args.only.split(",")]
-    table = {n: measure(n, args.redis_url, only) for n in sizes}
+    table = {n: measure(n, args.redis_url, only, args.manifest) for n in sizes}
     small, big = sizes[-2], sizes[-1]
     rows = []
     for command in only:
         times = [table[n][command]["time_s"] for n in sizes]
+        rss = [table[n][command]["rss_mb"] for n in sizes]
         k = growth(times[-2], times[-1], small, big) if len(sizes) > 1 else None
+        # RSS below 1 MB is the allocator's noise: floored there.
+        k_rss = growth(rss[-2], rss[-1], small, big, floor=1.0) if len(sizes) > 1 else None
         rows.append(
             {
                 "command": command,
                 **{f"time_s_{n}": round(t, 4) for n, t in zip(sizes, times, strict=True)},
-                f"rss_mb_{big}": round(table[big][command]["rss_mb"], 1),
+                **{f"rss_mb_{n}": round(m, 1) for n, m in zip(sizes, rss, strict=True)},
                 "k": None if k is None else round(k, 2),
+                "k_rss": None if k_rss is None else round(k_rss, 2),
             }
         )
     if args.json:
-        print(json.dumps({"sizes": sizes, "rows": rows}))
+        print(json.dumps({"sizes": sizes, "manifest": args.manifest, "rows": rows}))
         return
-    head = ["command", *[f"{n:,} batches" for n in sizes], f"RSS @{big:,}", "k"]
-    print(" | ".join(head))
+    head = ["command", *[f"{n:,} batches" for n in sizes], "k", *[f"RSS @{n:,}" for n in sizes]]
+    print(" | ".join([*head, "k RSS"]))
     for row in rows:
-        cells = [row["command"], *[f"{row[f'time_s_{n}']:.4f} s" for n in sizes]]
-        cells += [f"{row[f'rss_mb_{big}']:.0f} MB", f"{row['k']}"]
-        print(" | ".join(cells))
+        cells = [row["command"], *[f"{row[f'time_s_{n}']:.4f} s" for n in sizes], f"{row['k']}"]
+        cells += [f"{row[f'rss_mb_{n}']:.1f} MB" for n in sizes]
+        print(" | ".join([*cells, f"{row['k_rss']}"]))
 
 
 if __name__ == "__main__":

@@ -16,6 +16,12 @@ POWER_WATCH_TASK = "genfleet.power_watch"
 REAPER_TASK = "genfleet.reap_leases"
 RECONCILE_TASK = "genfleet.reconcile_progress"
 
+# How long the result backend keeps a beat task's result (power-watch, reaper, reconcile):
+# Flower's task list shows each round from its events, and its API and a person's
+# `celery result` read the last hour's; a round a minute kept the week batch results are
+# would be 10,000 power-watch results of a row per GPU.
+BEAT_RESULT_EXPIRES_S = 3600
+
 
 def celery_config(settings: Settings) -> dict[str, Any]:
     broker = settings.redis_url.get_secret_value()
@@ -55,6 +61,8 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_track_started": True,
         "task_send_sent_event": True,
         "worker_send_task_events": True,
+        # A batch's result (one per batch: its task id is run.batch), for a week; a beat
+        # task's for BEAT_RESULT_EXPIRES_S (workers/context.BeatTask).
         "result_expires": 7 * 24 * 3600,
         "result_extended": True,
         "worker_hijack_root_logger": False,

@@ -7,6 +7,7 @@ GenfleetError
 ├── RunMismatch            a run exists with other prompts, parameters or model: never merged
 ├── StoreError             the object store failed after its own retries
 │   ├── StoreUnavailable   cannot reach it now: retry later, nothing is lost
+│   ├── ManifestDamaged    a shard of a run's manifest is missing or not what its index says
 │   └── BatchInputMissing  a batch's staged input is gone: retrying cannot help
 │       └── BatchInputMismatch  it is not the content its order was issued for
 ├── BrokerUnavailable      Redis does not answer: a hint says how to start one
@@ -61,6 +62,11 @@ class StoreError(GenfleetError):
 
 class StoreUnavailable(StoreError):
     pass
+
+
+class ManifestDamaged(StoreError):
+    """A shard of a run's manifest is missing, or its bytes are not those its index recorded
+    (common/manifest.py): the run's batch list cannot be trusted, so nothing is read from it."""
 
 
 class BatchInputMissing(StoreError):

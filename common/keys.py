@@ -13,6 +13,7 @@ import re
 # with a letter or digit, so no `../`, no slash, no glob or key-separator injection.
 _RUN_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _BATCH_RE = re.compile(r"^batch-\d{6,}$")
+_STAGING_RE = re.compile(r"^[0-9a-f]{1,64}$")  # a claim's staging id: secrets.token_hex
 
 
 def validate_run(run: str) -> str:
@@ -46,8 +47,20 @@ def batch_index(batch: str) -> int:
 
 
 def manifest_key(run: str) -> str:
-    """What the run is: source, settings, batch list. Written once by the first enqueue."""
+    """What the run is: source, settings, and the index of its batch list's shards (each
+    one's content hash). Written last by the staging: its existence means staging finished.
+    (A run staged before shards holds its whole batch list here: read whole, as before.)"""
     return f"{run}/manifest.json"
+
+
+def manifest_shard_key(run: str, staging_id: str, shard: int) -> str:
+    """Entries `shard * shard_batches` onwards of the run's batch list, written once by the
+    staging it names before the index that lists its hash: a reader of one batch's entry
+    (the lost-order reconciler) reads one shard, a resume streams them. Named by staging, so
+    the shards of a staging that an interrupted delete left behind never meet a new one's."""
+    if not _STAGING_RE.match(staging_id):
+        raise ValueError(f"staging id {staging_id!r} is not a hex token")
+    return f"{run}/manifest/{staging_id}/shard-{shard:06d}.json"
 
 
 def claim_key(run: str) -> str:

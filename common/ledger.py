@@ -53,6 +53,8 @@ from genfleet.common.redis_conn import RedisCommands, text
 
 # A failed batch's reason is shown by `status`; a traceback-sized message is cut here.
 REASON_MAX_CHARS = 2000
+# Entries of kombu's unacked hash read per HSCAN call.
+UNACKED_PAGE = 1000
 
 
 def running_field(run: str, batch: str) -> str:
@@ -228,16 +230,16 @@ class Ledger:
             progress.mark_seen(pipe, run, batch, prompts)
         pipe.execute()
 
-    def progress(
-        self, run: str, batch: str, worker: str, prompts: int, tokens: int, now: float
-    ) -> None:
-        """Called while a batch runs, with the prompts and tokens generated since the last
-        call: live progress and the tok/s buckets (common/throughput.py). These count what the
+    def progress(self, worker: str, counts: Mapping[str, tuple[int, int]], now: float) -> None:
+        """Called by a worker once an interval (workers/progress.py) with what its running
+        batches generated since, by run (prompts, tokens): live progress and the tok/s
+        buckets (common/throughput.py), one pipeline for all of them. These count what the
         GPUs did, a batch delivered twice counts twice; `done` counts what is in the store."""
         pipe = self.client.pipeline()
-        pipe.hincrby(keys.counters_key(run), "prompts_generated", prompts)
-        pipe.hincrby(keys.counters_key(run), "tokens_generated", tokens)
-        throughput.add(pipe, run, worker, tokens, now)
+        for run, (prompts, tokens) in counts.items():
+            pipe.hincrby(keys.counters_key(run), "prompts_generated", prompts)
+            pipe.hincrby(keys.counters_key(run), "tokens_generated", tokens)
+            throughput.add(pipe, run, worker, tokens, now)
         pipe.execute()
 
     def tried(self, run: str, batch: str) -> int:
@@ -332,9 +334,10 @@ class Ledger:
     def unacked_orders(self) -> list[Unacked]:
         """Work orders delivered to a worker and not acknowledged (kombu restores them to the
         queue after the visibility timeout): `--resume` counts them as outstanding, the
-        reaper finds a dead worker's copy, `delete` drops a run's."""
+        reaper finds a dead worker's copy, `delete` drops a run's. One scan of the hash, a
+        page of UNACKED_PAGE at a time (a whole-hash reply would hold Redis's one thread)."""
         found: list[Unacked] = []
-        for tag, raw in self.client.hgetall(keys.UNACKED).items():
+        for tag, raw in self.client.hscan_iter(keys.UNACKED, count=UNACKED_PAGE):
             try:
                 message = orjson.loads(raw)[0]  # [message, exchange, routing key]
             except (ValueError, IndexError, TypeError):
@@ -344,10 +347,10 @@ class Ledger:
                 found.append(Unacked(text(tag), *hit))
         return found
 
-    def unacked_copies(self, run: str, batch: str) -> list[str]:
-        """Delivery tags of the unacknowledged copies of one batch's order (the reaper drops
-        a dead worker's once it re-enqueued or parked the batch)."""
-        return [u.tag for u in self.unacked_orders() if (u.run, u.batch) == (run, batch)]
+    def unacked_index(self) -> UnackedIndex:
+        """The delivery tags of unacknowledged orders by batch, for a pass that looks up many
+        batches (the reaper's lost ones): the hash is scanned once, at the first lookup."""
+        return UnackedIndex(self)
 
     def drop_unacked(self, tags: Iterable[str]) -> None:
         """Forget deliveries so kombu never restores them (an ack for a dropped tag is a
@@ -368,3 +371,23 @@ class Ledger:
                 self.client.zrem(keys.UNACKED_INDEX, order.tag)
                 removed.add(order.batch)
         return removed
+
+
+class UnackedIndex:
+    """kombu's unacknowledged work orders by (run, batch), read in one scan when first asked
+    (`Ledger.unacked_index`): a reaper pass that finds 1,000 dead workers' batches reads the
+    hash once, not once per batch. A delivery made after the scan is not in it: the reaper
+    asks for a lost batch's copies before it sends the batch again, so what it drops is the
+    dead worker's copy, never the new one."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self._ledger = ledger
+        self._tags: dict[tuple[str, str], list[str]] | None = None
+
+    def copies(self, run: str, batch: str) -> list[str]:
+        """Delivery tags of the unacknowledged copies of one batch's order."""
+        if self._tags is None:
+            self._tags = {}
+            for order in self._ledger.unacked_orders():
+                self._tags.setdefault((order.run, order.batch), []).append(order.tag)
+        return list(self._tags.get((run, batch), ()))

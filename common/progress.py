@@ -139,6 +139,7 @@ class Repair:
 
 def reconcile(
     client: redis.Redis,
+    store: Store,
     manifest: Manifest,
     listed: set[str],
     now: float | None = None,
@@ -146,35 +147,43 @@ def reconcile(
 ) -> Repair:
     """Make Redis's copy agree with the store's listing `listed` (batches with an output).
 
-    A batch in the hash but not in the listing may have finished after the listing was taken:
-    it is removed only when `still_absent(batch)` (a fresh existence check) says so; without
-    that check it is kept. Workers may write while this runs: their entries are only added,
-    and `prompts_done` is recomputed from the hash atomically at the end.
+    The manifest is read shard by shard, the done hash a shard's batches at a time (one HMGET
+    each): what is held is one shard, whatever the run's size. A batch in the hash but not in
+    the listing may have finished after the listing was taken: it is removed only when
+    `still_absent(batch)` (a fresh existence check) says so; without that check it is kept.
+    An entry of no batch of the run is removed. Workers may write while this runs: their
+    entries are only added, and `prompts_done` is recomputed from the hash atomically at the
+    end.
     """
     run = manifest.run
     repair = Repair(run=run)
-    prompts = {entry.batch: entry.prompts for entry in manifest.batches}
     done = keys.done_key(run)
-    held = {text(k): int(v) for k, v in client.hscan_iter(done, count=_CHUNK)}
+    held_of_run = 0  # hash entries that name a batch of the run
     pipe = client.pipeline(transaction=False)
-    for batch in sorted(listed):
-        if batch not in prompts:
-            continue  # an output of no batch of this manifest: not this run's progress
-        if batch not in held:
-            repair.added.append(batch)
-        elif held[batch] != prompts[batch]:
-            repair.recounted.append(batch)
-        else:
-            continue
-        pipe.hset(done, batch, prompts[batch])
-        if len(pipe) >= _CHUNK:
-            pipe.execute()
-    for batch in sorted(held.keys() - listed):
-        if batch in prompts and (still_absent is None or not still_absent(batch)):
-            continue
-        repair.removed.append(batch)
-        pipe.hdel(done, batch)
+    for number in range(manifest.shard_count):
+        entries = manifest.shard(store, number)
+        found = client.hmget(done, [entry.batch for entry in entries])
+        for entry, value in zip(entries, found, strict=True):
+            held_of_run += value is not None
+            if entry.batch in listed:
+                if value is None:
+                    repair.added.append(entry.batch)
+                elif int(value) != entry.prompts:
+                    repair.recounted.append(entry.batch)
+                else:
+                    continue
+                pipe.hset(done, entry.batch, entry.prompts)
+            elif value is not None and still_absent is not None and still_absent(entry.batch):
+                repair.removed.append(entry.batch)
+                pipe.hdel(done, entry.batch)
+            if len(pipe) >= _CHUNK:
+                pipe.execute()
     pipe.execute()
+    if int(client.hlen(done)) > held_of_run:  # entries of no batch of the run (rare): a scan
+        for raw, _ in client.hscan_iter(done, count=_CHUNK):
+            if not manifest.has_batch(batch := text(raw)):
+                repair.removed.append(batch)
+                client.hdel(done, batch)
     repair.prompts_done_was = int(client.hget(keys.counters_key(run), PROMPTS_DONE) or 0)
     repair.prompts_done = int(client.eval(_RESUM, 2, done, keys.counters_key(run), PROMPTS_DONE))
     summary = {
@@ -219,6 +228,7 @@ def verify(
     listed = listed_done(store, run)
     repair = reconcile(
         client,
+        store,
         manifest,
         listed,
         now,

@@ -1,8 +1,9 @@
 """`genfleet export`: a run's outputs as one file (JSONL, Parquet or OpenAI batch output).
 
 Output objects are read one at a time in manifest order and written as they are read, so
-memory is bounded by one batch whatever the run size. Records keep the input order: batches
-are in input order in the manifest and each output object is in its batch's input order.
+memory is bounded by one batch (and one shard of the manifest) whatever the run size.
+Records keep the input order: batches are in input order in the manifest and each output
+object is in its batch's input order.
 
 Deduplication by (id, sample) keeps a set for the current batch only. That is enough: the
 reader rejects a repeated id, samples of an id are numbered 0..N-1, and batching puts every
@@ -90,8 +91,11 @@ class RunScan:
 
     def records(self) -> Iterator[dict[str, Any]]:
         run = self.manifest.run
-        entries = {entry.batch: entry for entry in self.manifest.batches}
-        for batch in self.done:
+        done = set(self.done)
+        for entry in self.manifest.entries(self.store):  # one shard in memory at a time
+            if entry.batch not in done:
+                continue
+            batch = entry.batch
             data = self.store.get(keys.output_key(run, batch))
             if data is None:
                 self.missing.append(batch)
@@ -107,7 +111,7 @@ class RunScan:
                     continue
                 seen.add(key)
                 rows.append(record)
-            check_output(run, entries[batch], rows)
+            check_output(run, entry, rows)
             yield from rows
 
 
@@ -142,14 +146,20 @@ def iter_output_lines(data: bytes) -> Iterator[dict[str, Any]]:
 
 def scan_run(settings: Settings, run: str) -> RunScan:
     """Open the run's store and split its manifest's batches into done and missing."""
+    return scan_store(store_of(settings), run)
+
+
+def scan_store(store: Store, run: str) -> RunScan:
+    """Split the run's batches into done and missing, from the store's listing and the
+    manifest's index (no shard is read until `records`)."""
     keys.validate_run(run)
-    store = store_of(settings)
     manifest = Manifest.load(store, run)
     if manifest is None:
         raise ConfigError(f"run {run!r} has no manifest in {store.url}: was it enqueued?")
     finished = {keys.batch_from_output_key(k) for k in store.list(keys.outputs_prefix(run))}
-    done = [entry.batch for entry in manifest.batches if entry.batch in finished]
-    missing = [entry.batch for entry in manifest.batches if entry.batch not in finished]
+    batches = manifest.batch_ids()  # ids only: the entries are read as the outputs are
+    done = [batch for batch in batches if batch in finished]
+    missing = [batch for batch in batches if batch not in finished]
     return RunScan(store, manifest, done, missing)
 
 
@@ -439,7 +449,7 @@ def export_run(
         raise ConfigError(f"--shard-size must be at least 1, got {shard_size}")
     _parse_out(out)
     scan = scan_run(settings, run)
-    total = len(scan.manifest.batches)
+    total = scan.manifest.batches_total
     if scan.missing and not partial:
         raise RunIncomplete(run, scan.missing, total)
     result = ExportResult(run=run, path=out, format=fmt, batches_total=total)
@@ -494,7 +504,7 @@ def _write_target(
         finally:
             writer.close()
         if scan.missing and not partial:  # an output vanished while we read
-            raise RunIncomplete(scan.manifest.run, scan.missing, len(scan.manifest.batches))
+            raise RunIncomplete(scan.manifest.run, scan.missing, scan.manifest.batches_total)
         if local is not None:
             os.replace(tmp, local)
         else:

@@ -226,7 +226,7 @@ def build_report(
         waste.add(record, is_short)
     report: dict[str, Any] = {
         "run": run,
-        "batches_total": len(scan.manifest.batches),
+        "batches_total": scan.manifest.batches_total,
         "batches_done": scan.batches_read,
         "batches_missing": len(scan.missing),
         "records": records,

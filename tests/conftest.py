@@ -10,6 +10,7 @@ both. Workers are stopped (with their engines) after the test.
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import uuid
 from collections.abc import Callable, Iterator
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import redis
 
+from tests.faults.services import RedisServer
 from tests.support import (
     TEST_REDIS_URL,
     BackgroundRun,
@@ -82,6 +84,21 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
+    """A redis-server of the test's own: one it may stop, or whose every command it counts."""
+    if shutil.which("redis-server") is None:
+        if os.environ.get("CI"):
+            pytest.fail("redis-server is not installed")
+        pytest.skip("redis-server is not installed")
+    directory = tmp_path / "redis"
+    directory.mkdir()
+    server = RedisServer(directory, free_port(), uuid.uuid4().hex)
+    server.start()
+    yield server
+    server.kill()
 
 
 @pytest.fixture(scope="session")

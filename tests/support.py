@@ -44,7 +44,7 @@ from pydantic import SecretStr
 from genfleet.common import keys
 from genfleet.common.celery_config import REAPER_TASK
 from genfleet.common.ledger import running_field
-from genfleet.common.manifest import BatchEntry, Manifest
+from genfleet.common.manifest import BatchEntry, Manifest, write_manifest
 from genfleet.common.readers import ReaderOptions, Reject
 from genfleet.common.records import (
     CompletionRecord,
@@ -52,8 +52,11 @@ from genfleet.common.records import (
     PromptRecord,
     Usage,
     WorkOrder,
+    batch_digest,
     decode_jsonl_gz,
+    dumps_jsonl,
     encode_jsonl_gz,
+    line_digests,
 )
 from genfleet.common.redis_conn import text
 from genfleet.common.settings import Settings
@@ -590,6 +593,53 @@ def assert_exactly_once(
     return result, rows
 
 
+class CommandLog:
+    """Every command a Redis server runs while the log is open (`MONITOR`), for a test that
+    counts what a pass costs. Open it on a server of the test's own (`private_redis`):
+    MONITOR sees every client of the server.
+
+        with CommandLog(server.client()) as log:
+            ...
+        log.count("HGETALL unacked")
+    """
+
+    def __init__(self, client: redis.Redis) -> None:
+        self.client = client
+        self.commands: list[str] = []
+        self._end = f"genfleet-command-log-end-{uuid.uuid4().hex}"
+        self._monitor = client.monitor()  # type: ignore[no-untyped-call]
+        self._thread = threading.Thread(target=self._read, name="command-log", daemon=True)
+
+    def __enter__(self) -> CommandLog:
+        self._monitor.__enter__()
+        self._thread.start()
+        return self
+
+    def _read(self) -> None:
+        while True:
+            command = str(self._monitor.next_command()["command"])
+            if self._end in command:
+                return
+            self.commands.append(command)
+
+    def __exit__(self, *exc: object) -> None:
+        self.client.echo(self._end)
+        self._thread.join(timeout=30)
+        self._monitor.__exit__()
+        assert not self._thread.is_alive(), "the command log never saw its end"
+
+    def count(self, prefix: str) -> int:
+        """Commands that begin with `prefix` (the command's name in any case, then its
+        arguments as sent)."""
+        name, _, rest = prefix.partition(" ")
+        return sum(
+            1
+            for command in self.commands
+            if command.split(" ", 1)[0].upper() == name.upper()
+            and (command + " ").partition(" ")[2].startswith(rest)
+        )
+
+
 def pid_alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     try:
@@ -688,27 +738,40 @@ def log_count(worker: Worker, text: str) -> int:
 # --- runs written straight into a store, as enqueue and the workers leave them (export, report)
 
 
-def stage_prompts(store: Store, run: str, prompts: list[PromptRecord], batch_size: int) -> Manifest:
-    """What enqueue leaves in the store: one input object per batch and the manifest."""
+# The staging id of the runs the tests write straight into a store.
+STAGING_ID = "5ca1ab1e"
+
+
+def stage_prompts(
+    store: Store, run: str, prompts: list[PromptRecord], batch_size: int, shard_batches: int = 3
+) -> Manifest:
+    """What enqueue leaves in the store: one input object per batch (its content hash in the
+    manifest, as staging records it) and the manifest (in shards of `shard_batches`, a few
+    so that readers cross shards)."""
     entries = []
     for index, records in enumerate(make_batches(prompts, batch_size, 10**12, 16)):
         batch = keys.batch_id(index)
         key = keys.input_key(run, batch)
-        store.put(key, encode_jsonl_gz(r.to_json() for r in records))
-        entries.append(BatchEntry(batch=batch, key=key, prompts=len(records)))
-    manifest = Manifest(
-        run=run,
+        raw = dumps_jsonl(r.to_json() for r in records)
+        store.put(key, gzip.compress(raw, mtime=0))
+        sha256 = batch_digest(line_digests(raw))
+        entries.append(BatchEntry(batch=batch, key=key, prompts=len(records), sha256=sha256))
+    return write_manifest(
+        store,
+        run,
+        STAGING_ID,
+        entries,
+        shard_batches,
         source="test",
         format="jsonl",
         fingerprint="f",
         created_at=1_700_000_000.0,
         params=GenerationParams(max_tokens=16, temperature=0.6, top_p=0.95, thinking=True),
+        model="test-model",
+        engine="emulator",
         prompts_total=len(prompts),
         rejects=0,
-        batches=entries,
     )
-    store.put(keys.manifest_key(run), manifest.to_bytes())
-    return manifest
 
 
 def completion(prompt: PromptRecord, run: str, batch: str) -> dict[str, Any]:
@@ -737,7 +800,7 @@ def finish(
     store: Store, manifest: Manifest, skip: frozenset[str] = frozenset(), repeat: int = 1
 ) -> None:
     """Write every batch's output object (each line `repeat` times), except those in `skip`."""
-    for entry in manifest.batches:
+    for entry in manifest.entries(store):
         if entry.batch in skip:
             continue
         staged = store.get(entry.key) or b""

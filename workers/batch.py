@@ -52,6 +52,7 @@ from genfleet.common.store import Store
 from genfleet.common.waste import WasteTally
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.lifecycle import Lease
+from genfleet.workers.progress import ProgressTally
 from genfleet.workers.provenance import ensure_current, kept_parts, read_staged
 
 log = logging.getLogger("genfleet.batch")
@@ -87,14 +88,9 @@ class BatchSummary:
         return dict(self.__dict__)
 
 
-# How often a running batch reports progress (prompts and tokens so far) to Redis, so that
-# status, the progress bar and tok/s move while batches run, not only when one finishes.
-PROGRESS_INTERVAL_S = 2.0
-
-
 class _Collector:
     """Results arriving from the loop thread, the part of them not yet checkpointed, and the
-    prompts and tokens not yet reported as progress."""
+    prompts and tokens not yet added to the worker's progress tally."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -119,11 +115,6 @@ class _Collector:
         with self.lock:
             rows, self.unflushed = self.unflushed, []
         return rows
-
-    def give_back_progress(self, prompts: int, tokens: int) -> None:
-        with self.lock:
-            self.unreported[0] += prompts
-            self.unreported[1] += tokens
 
     def give_back_rows(self, rows: list[CompletionRecord]) -> None:
         with self.lock:
@@ -251,10 +242,13 @@ def execute(
     cancelled: Callable[[], bool] | None = None,
     lease_client: RedisCommands | None = None,
     output_tries: int = 5,
+    progress: ProgressTally | None = None,
 ) -> BatchSummary:
     """Run one work order to its output object. `cancelled()` is polled while it runs and
     stops it; `lease_client` (default `client`) keeps the lease alive from a heartbeat thread,
-    its calls should time out well inside the lease."""
+    its calls should time out well inside the lease; `progress` is the worker's tally, shared
+    by its batches (default: one of this batch's own)."""
+    progress = ProgressTally() if progress is None else progress
     started = time.monotonic()
     summary = BatchSummary(run=order.run, batch=order.batch, worker=worker, gpus=gpus)
     output_key = keys.output_key(order.run, order.batch)
@@ -304,9 +298,7 @@ def execute(
                 future,
                 order,
                 store,
-                client,
-                worker,
-                collector,
+                _Reporter(client, worker, collector, progress),
                 next_part,
                 checkpoint_interval_s,
                 cancelled,
@@ -336,7 +328,7 @@ def execute(
             _unless_superseded(store, order, output_key)
         summary.duplicate = not wrote
         _summarise(summary, rows_out, started)
-        _report(client, order, worker, collector)
+        _Reporter(client, worker, collector, progress).report(order, ended=True)
         if wrote:
             _with_retries("the done counters", _count, client, order, summary)
         else:
@@ -355,9 +347,7 @@ def _follow(
     future: Future[None],
     order: WorkOrder,
     store: Store,
-    client: RedisCommands,
-    worker: str,
-    collector: _Collector,
+    reporter: _Reporter,
     next_part: int,
     checkpoint_interval_s: float,
     cancelled: Callable[[], bool] | None = None,
@@ -369,7 +359,8 @@ def _follow(
     and tried again at the next interval (its rows and counts kept); only the feeder's own
     failure (the engine, a shutdown) ends the wait early. Returns the next part number.
     """
-    tick_s = max(min(PROGRESS_INTERVAL_S, checkpoint_interval_s), 0.1)
+    collector = reporter.collector
+    tick_s = max(min(reporter.progress.interval_s, checkpoint_interval_s), 0.1)
     last_flush = time.monotonic()
     while True:
         try:
@@ -378,7 +369,7 @@ def _follow(
         except FutureTimeout:
             pass
         _check_cancelled(order, cancelled, len(collector.results), todo)
-        _report(client, order, worker, collector)
+        reporter.report(order)
         if time.monotonic() - last_flush >= checkpoint_interval_s:
             rows = collector.take_unflushed()
             if rows:
@@ -412,14 +403,21 @@ def _unless_superseded(store: Store, order: WorkOrder, output_key: str) -> None:
         raise
 
 
-def _report(client: RedisCommands, order: WorkOrder, worker: str, collector: _Collector) -> None:
-    """Report progress; on a Redis failure keep the counts for the next report."""
-    prompts, tokens = collector.take_progress()
-    try:
-        _progress(client, order, worker, prompts, tokens)
-    except redis.RedisError as exc:
-        collector.give_back_progress(prompts, tokens)
-        log.warning("progress of %s/%s not reported (%s): kept", order.run, order.batch, exc)
+@dataclass
+class _Reporter:
+    """A batch's way to its worker's progress tally (workers/progress.py)."""
+
+    client: RedisCommands
+    worker: str
+    collector: _Collector
+    progress: ProgressTally
+
+    def report(self, order: WorkOrder, ended: bool = False) -> None:
+        """Add what finished since the last call to the tally, which is written when its
+        interval is due, or now when the batch `ended` (what it generated must not wait for
+        another batch of the worker)."""
+        self.progress.add(order.run, *self.collector.take_progress())
+        self.progress.report(self.client, self.worker, now_due=ended)
 
 
 def _telemetry(what: str, fn: Callable[..., Any], *args: Any) -> None:
@@ -508,16 +506,3 @@ def _count(client: RedisCommands, order: WorkOrder, summary: BatchSummary) -> No
         more=summary.waste,
     )
     Ledger(client).done(order.run, order.batch, tally, prompts=summary.prompts)
-
-
-def _progress(
-    client: RedisCommands, order: WorkOrder, worker: str, prompts: int, tokens: int
-) -> None:
-    """Prompts and tokens generated since the last report: live progress and tok/s.
-
-    These count what the GPUs did (a batch delivered twice counts twice); `completion_tokens`
-    counts what is in the store.
-    """
-    if not prompts:
-        return
-    Ledger(client).progress(order.run, order.batch, worker, prompts, tokens, time.time())

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import Task
 
+from genfleet.common.celery_config import BEAT_RESULT_EXPIRES_S
 from genfleet.common.errors import EngineError
 
 if TYPE_CHECKING:
@@ -22,6 +23,7 @@ if TYPE_CHECKING:
     from genfleet.common.store import Store
     from genfleet.workers.feeder import Feeder
     from genfleet.workers.observe.sampler import Monitor
+    from genfleet.workers.progress import ProgressTally
 
 
 class TaskRuntime(Protocol):
@@ -54,6 +56,10 @@ class TaskRuntime(Protocol):
     def monitor(self) -> Monitor | None: ...
 
     @property
+    def progress(self) -> ProgressTally:
+        """The live progress of the worker's running batches, written once an interval."""
+
+    @property
     def model_identity(self) -> dict[str, Any] | None:
         """The checkpoint fingerprint the worker computed at start (`engine.fingerprint`)."""
 
@@ -82,3 +88,21 @@ class BatchTask(Task):  # type: ignore[misc]
         if runtime is None:
             raise EngineError("this process has no genfleet worker runtime (engine not started)")
         return runtime
+
+
+class BeatTask(Task):  # type: ignore[misc]
+    """The base of the beat tasks (power-watch, lease reaper, progress reconcile): their
+    results expire after BEAT_RESULT_EXPIRES_S, not after the backend's week. The backend's
+    expiry is one for all tasks, so the result's key gets its own once stored (`after_return`
+    runs after the result is written)."""
+
+    def after_return(
+        self,
+        status: str,
+        retval: Any,
+        task_id: str,
+        args: Any,
+        kwargs: Any,
+        einfo: Any,
+    ) -> None:
+        self.backend.expire(self.backend.get_key_for_task(task_id), BEAT_RESULT_EXPIRES_S)

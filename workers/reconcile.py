@@ -9,8 +9,9 @@ So the control worker's beat looks, every reaper round, at each run's `queued` b
 that is neither done (its output in the store), waiting in the broker, delivered and not
 acked, nor running, is missing. A batch missing for longer than a lease on two looks (an
 order moves between those places in milliseconds: popped from the queue before it is in the
-unacked hash, acked before its retry is sent) is sent again from the run's manifest. Each
-batch's first missing look is kept in Redis by the one beat, on its own clock.
+unacked hash, acked before its retry is sent) is sent again from the run's manifest (the one
+shard holding its entry). Each batch's first missing look is kept in Redis by the one beat,
+on its own clock.
 
 `reconcile()` decides, from facts alone (a table test covers it); `reconcile_orders()` reads
 the facts and applies the decision.
@@ -27,6 +28,7 @@ from typing import Any
 import redis
 
 from genfleet.common import keys
+from genfleet.common.errors import GenfleetError
 from genfleet.common.ledger import Ledger, work_order_of
 from genfleet.common.manifest import Manifest
 from genfleet.common.records import WorkOrder
@@ -90,24 +92,27 @@ def held_orders(client: redis.Redis, queues: Iterable[str]) -> set[tuple[str, st
     return held
 
 
-def order_of(manifest: Manifest, batch: str, now: float) -> WorkOrder | None:
-    """The work order of `batch` as `enqueue` sends it, from the run's manifest; None for a
-    batch it does not list or a run staged without a model (it cannot be routed)."""
+def order_of(manifest: Manifest, store: Store, batch: str, now: float) -> WorkOrder | None:
+    """The work order of `batch` as `enqueue` sends it (bound to the run's staging and the
+    batch's content hash), from the one shard of the run's manifest that holds it; None for
+    a batch it does not list or a run staged without a model (it cannot be routed)."""
     if manifest.model is None or manifest.engine is None:
         return None
-    for entry in manifest.batches:
-        if entry.batch == batch:
-            return WorkOrder(
-                run=manifest.run,
-                batch=batch,
-                key=entry.key,
-                params=manifest.params,
-                model=manifest.model,
-                engine=manifest.engine,
-                prompts=entry.prompts,
-                enqueued_at=now,
-            )
-    return None
+    entry = manifest.entry(store, batch)
+    if entry is None:
+        return None
+    return WorkOrder(
+        run=manifest.run,
+        batch=batch,
+        key=entry.key,
+        params=manifest.params,
+        model=manifest.model,
+        engine=manifest.engine,
+        prompts=entry.prompts,
+        enqueued_at=now,
+        input_sha256=entry.sha256,
+        staging=manifest.staging_id,
+    )
 
 
 def reconcile_orders(
@@ -155,10 +160,18 @@ def reconcile_orders(
 def _resend(
     store: Store, run: str, batches: list[str], now: float, send: Callable[[WorkOrder], object]
 ) -> list[str]:
-    manifest = Manifest.load(store, run)
     sent: list[str] = []
+    try:
+        manifest = Manifest.load(store, run)
+    except (GenfleetError, ValueError) as exc:
+        log.error("%s: its manifest cannot be read (%s): lost orders not sent again", run, exc)
+        return sent
     for batch in batches:
-        order = order_of(manifest, batch, now) if manifest is not None else None
+        try:
+            order = order_of(manifest, store, batch, now) if manifest is not None else None
+        except GenfleetError as exc:  # a shard missing or damaged: this batch, logged
+            log.error("%s/%s: %s", run, batch, exc)
+            continue
         if order is None:
             log.error(
                 "%s/%s is queued but has no order, and none can be made from its "

@@ -41,6 +41,7 @@ from genfleet.workers.observe.engine_state import (
 )
 from genfleet.workers.observe.power_watch import fleet_state
 from genfleet.workers.observe.sampler import Monitor, make_sampler
+from genfleet.workers.progress import ProgressTally
 from genfleet.workers.repetition import repetition_rule
 
 log = logging.getLogger("genfleet.worker")
@@ -72,6 +73,7 @@ class WorkerRuntime:
         self.feeder: Feeder | None = None
         self.findings: list[dict[str, Any]] = []
         self.monitor: Monitor | None = None
+        self.progress = ProgressTally()  # one pipeline an interval for all running batches
         self.refused: str | None = None  # why the engine refuses this worker, once it does
         self.arch: str | None = None  # the checkpoint's architectures[0], when preflight read it
         self.watchdog: StallWatchdog | None = None

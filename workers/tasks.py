@@ -40,14 +40,14 @@ from genfleet.common.celery_config import (
     RECONCILE_TASK,
 )
 from genfleet.common.errors import BatchFailed, BatchSuperseded, StoreError, ThinkingUnsupported
-from genfleet.common.ledger import Ledger, Running, running_field
+from genfleet.common.ledger import Ledger, Running, UnackedIndex, running_field
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.routing import order_queue
 from genfleet.common.store import Store
 from genfleet.workers.app import app, settings_of
 from genfleet.workers.batch import execute
-from genfleet.workers.context import BatchTask, TaskRuntime
+from genfleet.workers.context import BatchTask, BeatTask, TaskRuntime
 from genfleet.workers.lifecycle import Lease, gate, is_cancelled
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.observe.sampler import batch_share
@@ -89,6 +89,7 @@ def generate_batch(self: BatchTask, order: dict[str, Any]) -> dict[str, Any]:
             gpus=settings.gpus,
             cancelled=lambda: is_cancelled(client, work.run),
             lease_client=runtime.lease_redis,
+            progress=runtime.progress,
         )
     except Exception as exc:
         attempts = _attempt(client, work) if counts_a_try(exc) else 0
@@ -319,7 +320,7 @@ def _safe_release(ledger: Ledger, work: WorkOrder) -> None:
         log.warning("could not clear running entry %s", running_field(work.run, work.batch))
 
 
-@app.task(name=REAPER_TASK, Request=HeldRequest)  # type: ignore[untyped-decorator]
+@app.task(name=REAPER_TASK, base=BeatTask, Request=HeldRequest)  # type: ignore[untyped-decorator]
 def reap_leases() -> dict[str, Any]:
     """Re-enqueue running batches whose lease expired and whose output does not exist; park
     those whose worker died `max_deliveries` times."""
@@ -353,6 +354,7 @@ def reap(
     found: dict[str, list[str]] = {"requeued": [], "finished": [], "parked": []}
     ledger = Ledger(client)
     lapses = Lapses(client, lease_ttl_s)  # type: ignore[arg-type]
+    unacked = ledger.unacked_index()  # scanned once, at the first lost batch
     for claimed in ledger.running():
         run, batch = claimed.run, claimed.batch
         if client.exists(keys.lease_key(run, batch)):
@@ -370,7 +372,7 @@ def reap(
             continue
         if not ledger.release(run, batch):
             continue  # another reaper won this one
-        outcome = _lost(ledger, claimed, requeue, max_deliveries)
+        outcome = _lost(ledger, unacked, claimed, requeue, max_deliveries)
         found[outcome].append(claimed.field)
     lapses.forget_others()
     return {**found, "ts": now}
@@ -378,6 +380,7 @@ def reap(
 
 def _lost(
     ledger: Ledger,
+    unacked: UnackedIndex,
     claimed: Running,
     requeue: Callable[[dict[str, Any]], object],
     max_deliveries: int,
@@ -392,7 +395,7 @@ def _lost(
     """
     run, batch = claimed.run, claimed.batch
     lost = ledger.lost(run, batch)
-    dead = ledger.unacked_copies(run, batch)
+    dead = unacked.copies(run, batch)
     if lost >= max_deliveries:
         reason = (
             f"poison batch: its worker died or vanished in {lost} deliveries (the last on "
@@ -420,14 +423,14 @@ def _lost(
     return "requeued"
 
 
-@app.task(name=POWER_WATCH_TASK, Request=HeldRequest)  # type: ignore[untyped-decorator]
+@app.task(name=POWER_WATCH_TASK, base=BeatTask, Request=HeldRequest)  # type: ignore[untyped-decorator]
 def power_watch() -> dict[str, Any]:
     from genfleet.workers.observe.power_watch import run_power_watch
 
     return run_power_watch(app, settings_of(app))
 
 
-@app.task(name=RECONCILE_TASK)  # type: ignore[untyped-decorator]
+@app.task(name=RECONCILE_TASK, base=BeatTask)  # type: ignore[untyped-decorator]
 def reconcile_progress() -> dict[str, Any]:
     """Repair every running run's progress copy in Redis from its outputs in the store."""
     from genfleet.common.reconcile import reconcile_runs

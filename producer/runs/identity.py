@@ -21,7 +21,7 @@ import orjson
 
 from genfleet.common import keys
 from genfleet.common.errors import RunMismatch
-from genfleet.common.manifest import MANIFEST_VERSION, Manifest, RunIdentity
+from genfleet.common.manifest import IDENTITY_VERSION, Manifest, RunIdentity
 from genfleet.common.readers import ReaderOptions, Reject, read_source
 from genfleet.common.records import GenerationParams
 from genfleet.common.routing import ModelRef, model_ref
@@ -113,7 +113,7 @@ def check_identity(
     """Raise RunMismatch naming every difference between the run and what is asked now."""
     asked = new_identity(settings, params, source, options)
     differences = manifest.identity().differences(asked)
-    if manifest.version < MANIFEST_VERSION:
+    if manifest.version < IDENTITY_VERSION:
         differences.insert(
             0, f"the run was staged by an older genfleet (manifest v{manifest.version})"
         )

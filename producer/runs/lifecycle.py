@@ -205,7 +205,7 @@ def describe(store: Store, client: redis.Redis, run: str) -> str:
     what = f"run {run!r} in {store.url}"
     if manifest is not None:
         what += (
-            f" ({manifest.prompts_total} prompts, {outputs}/{len(manifest.batches)} batches "
+            f" ({manifest.prompts_total} prompts, {outputs}/{manifest.batches_total} batches "
             f"done, model {manifest.model})"
         )
     return what

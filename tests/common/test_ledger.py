@@ -104,11 +104,12 @@ def test_done_clears_queued_and_failed_and_counts_only_with_a_tally(db: Any) -> 
 
 def test_progress_counts_generated_work_into_expiring_buckets(db: Any) -> None:
     ledger = Ledger(db)
-    ledger.progress(RUN, B0, "w@a", 2, 30, 1000.0)
-    ledger.progress(RUN, B1, "w@b", 1, 10, 1005.0)
-    ledger.progress(RUN, B1, "w@b", 1, 5, 5000.0)
+    ledger.progress("w@a", {RUN: (2, 30), "other": (1, 7)}, 1000.0)
+    ledger.progress("w@b", {RUN: (1, 10)}, 1005.0)
+    ledger.progress("w@b", {RUN: (1, 5)}, 5000.0)
     counters = db.hgetall(keys.counters_key(RUN))
     assert (counters[b"prompts_generated"], counters[b"tokens_generated"]) == (b"4", b"45")
+    assert db.hget(keys.counters_key("other"), "tokens_generated") == b"7"
     first = keys.throughput_bucket_key(RUN, throughput.bucket_of(1000.0))
     assert db.hgetall(first) == {b"": b"40", b"w@a": b"30", b"w@b": b"10"}
     later = keys.throughput_bucket_key(RUN, throughput.bucket_of(5000.0))
@@ -196,10 +197,10 @@ def test_unacked_orders_are_the_genfleet_work_orders_of_the_hash(db: Any) -> Non
         ("t1", RUN, B0),
         ("t2", OTHER, B1),
     ]
-    assert sorted(ledger.unacked_copies(RUN, B0)) == ["t0", "t1"]
+    assert sorted(ledger.unacked_index().copies(RUN, B0)) == ["t0", "t1"]
     ledger.drop_unacked(["t0"])
     ledger.drop_unacked([])
-    assert ledger.unacked_copies(RUN, B0) == ["t1"]
+    assert ledger.unacked_index().copies(RUN, B0) == ["t1"]
     assert ledger.purge_unacked(RUN) == {B0}
     assert ledger.purge_unacked(RUN) == set()
     assert sorted(db.hgetall(keys.UNACKED)) == [b"t2", b"t3", b"t4", b"t5"]
@@ -219,7 +220,7 @@ def test_the_parser_reads_what_celery_and_kombu_really_put_in_redis(
     assert work_order_of(waiting) == (RUN, B2)
     with Connection(redis_url) as conn:
         delivered = conn.SimpleQueue("gpu.emulator").get(timeout=5)
-        assert Ledger(redis_client).unacked_copies(RUN, B2) == [delivered.delivery_tag]
+        assert Ledger(redis_client).unacked_index().copies(RUN, B2) == [delivered.delivery_tag]
         assert Ledger(redis_client).purge_unacked(RUN) == {B2}
         assert redis_client.hlen(keys.UNACKED) == 0
 

@@ -17,12 +17,13 @@ import pytest
 import redis
 
 from genfleet.common import keys, progress, reconcile
-from genfleet.common.manifest import BatchEntry, Manifest
+from genfleet.common.manifest import BatchEntry, Manifest, write_manifest
 from genfleet.common.records import GenerationParams
 from genfleet.common.store import FileStore, Store
 from genfleet.producer.runs.lifecycle import list_runs
 from genfleet.producer.status import FAILED_SHOWN, run_status
 from tests.fakes.memory_store import MemoryStore
+from tests.support import STAGING_ID
 
 pytestmark = pytest.mark.integration
 
@@ -35,8 +36,12 @@ def make_run(store: Store, done: int) -> Manifest:
         BatchEntry(batch=keys.batch_id(i), key=keys.input_key(RUN, keys.batch_id(i)), prompts=n)
         for i, n in enumerate(PROMPTS)
     ]
-    manifest = Manifest(
-        run=RUN,
+    manifest = write_manifest(
+        store,
+        RUN,
+        STAGING_ID,
+        entries,
+        2,
         source="test",
         format="jsonl",
         fingerprint="0" * 64,
@@ -46,9 +51,7 @@ def make_run(store: Store, done: int) -> Manifest:
         engine="emulator",
         prompts_total=sum(PROMPTS),
         rejects=0,
-        batches=entries,
     )
-    store.put(keys.manifest_key(RUN), manifest.to_bytes())
     for i in range(done):
         finish(store, i)
     return manifest
@@ -171,6 +174,7 @@ def test_a_worker_marking_during_a_reconcile_is_not_lost(
 
     progress.reconcile(
         redis_client,
+        store,
         manifest,
         listed,
         still_absent=lambda b: not store.exists(keys.output_key(RUN, b)),

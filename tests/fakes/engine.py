@@ -11,6 +11,7 @@ import asyncio
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
 from genfleet.workers.client import ChatResult
@@ -42,8 +43,10 @@ class FakeChat:
         gate: threading.Event | None = None,
         ungated: set[str] | None = None,
         tokens: int = 7,
+        delay_s: float | Callable[[PromptRecord], float] = 0.0,
     ) -> None:
         self.model = "fake-model"
+        self.delay_s = delay_s  # how long each answer takes (or a prompt's answer)
         self.failures = {k: list(v) for k, v in (failures or {}).items()}
         self.gate = gate
         self.ungated = ungated or set()
@@ -71,6 +74,9 @@ class FakeChat:
         try:
             if failure is not None:
                 raise failure
+            delay_s = self.delay_s(record) if callable(self.delay_s) else self.delay_s
+            if delay_s:
+                await asyncio.sleep(delay_s)
             if self.gate is not None and record.id not in self.ungated:
                 deadline = time.monotonic() + GATE_DEADLINE_S
                 while not self.gate.is_set():

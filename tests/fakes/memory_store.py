@@ -9,11 +9,13 @@ from genfleet.common.store import Store
 
 
 class MemoryStore:
-    """Objects by key in memory; `put_if_absent` has one winner among threads, as on S3."""
+    """Objects by key in memory; `put_if_absent` has one winner among threads, as on S3.
+    `reads` lists the keys `get` was asked for, in order (what a reader touched)."""
 
     def __init__(self, url: str = "memory://store") -> None:
         self.url = url
         self.objects: dict[str, bytes] = {}
+        self.reads: list[str] = []
         self._lock = threading.Lock()
 
     def put_if_absent(self, key: str, data: bytes) -> bool:
@@ -29,6 +31,7 @@ class MemoryStore:
 
     def get(self, key: str) -> bytes | None:
         with self._lock:
+            self.reads.append(key)
             return self.objects.get(key)
 
     def exists(self, key: str) -> bool:

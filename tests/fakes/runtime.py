@@ -11,6 +11,7 @@ from genfleet.common.settings import Settings
 from genfleet.workers.batch import BatchSummary
 from genfleet.workers.context import TaskRuntime
 from genfleet.workers.feeder import Feeder
+from genfleet.workers.progress import ProgressTally
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
 
@@ -26,6 +27,7 @@ class FakeRuntime:
     hostname: str = "w@test"
     queue: str = "gpu.emulator"  # the model queue it serves
     monitor: None = None
+    progress: ProgressTally = field(default_factory=ProgressTally)
     finished: list[BatchSummary] = field(default_factory=list)
 
     refused: list[str] = field(default_factory=list)

@@ -5,31 +5,14 @@ See tests/faults/services.py for what each one is and how it fails.
 
 from __future__ import annotations
 
-import os
-import shutil
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
 from tests.fakes.http_engine import PoisonEngine
-from tests.faults.services import FlakyProxy, FlakyS3, RedisServer
+from tests.faults.services import FlakyProxy, FlakyS3
 from tests.support import free_port
-
-
-@pytest.fixture
-def private_redis(tmp_path: Path) -> Iterator[RedisServer]:
-    if shutil.which("redis-server") is None:
-        if os.environ.get("CI"):
-            pytest.fail("redis-server is not installed")
-        pytest.skip("redis-server is not installed")
-    directory = tmp_path / "redis"
-    directory.mkdir()
-    server = RedisServer(directory, free_port(), uuid.uuid4().hex)
-    server.start()
-    yield server
-    server.kill()
 
 
 @pytest.fixture

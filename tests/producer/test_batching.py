@@ -116,10 +116,10 @@ def test_staging_with_a_tail_is_deterministic_and_named_in_the_identity(tmp_path
     settings = Settings(store=(tmp_path / "store").as_uri(), batch_size=8, batch_tail=2)
     store = open_store(settings.store)
     manifest, staged = stage(settings, store, "r", str(source), ReaderOptions(), len, set())
-    assert [b.prompts for b in manifest.batches] == [8, 8, 8, 8, 4, 2, 1, 1]
+    assert [b.prompts for b in manifest.entries(store)] == [8, 8, 8, 8, 4, 2, 1, 1]
     assert staged.batches_enqueued == 8 and manifest.staging["batch_tail"] == 2
     again, _ = stage(settings, store, "r", str(source), ReaderOptions(), len, set())
-    assert again.fingerprint == manifest.fingerprint and again.batches == manifest.batches
+    assert again.fingerprint == manifest.fingerprint and again.shards == manifest.shards
     full = settings.model_copy(update={"batch_tail": 0})
     with pytest.raises(RunMismatch):
         stage(full, store, "r", str(source), ReaderOptions(), len, set())

@@ -52,7 +52,7 @@ def test_jsonl_export_is_complete_and_in_input_order(
     assert [r["id"] for r in rows] == [p.id for p in inputs]
     assert (result.records, result.errors, result.duplicates) == (23, 1, 0)
     assert (result.batches_total, result.batches_exported, result.missing_batches) == (6, 6, [])
-    staged = decode_jsonl_gz(store.get(manifest.batches[0].key) or b"")
+    staged = decode_jsonl_gz(store.get(keys.input_key(RUN, "batch-000000")) or b"")
     digest = line_sha256s(orjson.dumps(next(staged)))[0]
     assert rows[0] == {**completion(inputs[0], RUN, "batch-000000"), "prompt_sha256": digest}
     assert [p.name for p in out.parent.iterdir()] == ["export.jsonl"]  # no temp file left
@@ -140,7 +140,7 @@ def test_openai_batch_round_trip(settings: Settings, store: Store, tmp_path: Pat
     manifest, staged = stage(
         settings, store, RUN, str(source), ReaderOptions(), lambda orders: len(orders), set()
     )
-    assert staged.prompts == 7 and len(manifest.batches) == 3
+    assert staged.prompts == 7 and manifest.batches_total == 3
     finish(store, manifest)
     out = tmp_path / "results.jsonl"
     result = export_run(settings, RUN, str(out), "openai")
@@ -171,7 +171,7 @@ def test_openai_batch_round_trip(settings: Settings, store: Store, tmp_path: Pat
     assert failed["response"] is None
     assert failed["error"] == {"code": "context_length", "message": "too long"}
     # The per-line parameters reached the staged batches the workers read.
-    first = next(decode_jsonl_gz(store.get(manifest.batches[0].key) or b""))
+    first = next(decode_jsonl_gz(store.get(keys.input_key(RUN, "batch-000000")) or b""))
     assert first["params"] == {"max_tokens": 5} and first["custom_id"] == "request-0"
     # Deterministic: a second export is byte-identical.
     again = tmp_path / "again.jsonl"
@@ -296,7 +296,8 @@ def test_an_output_that_does_not_answer_the_staged_prompts_is_not_exported(
     finish(store, manifest, skip=frozenset({"batch-000001"}))
     # batch-000001's output answers other prompts under the same ids (an interrupted staging
     # of other data, finished by a worker before the input was staged anew).
-    entry = manifest.batches[1]
+    entry = manifest.entry(store, "batch-000001")
+    assert entry is not None
     old = [
         PromptRecord(p["id"], [{"role": "user", "content": "old " + str(i)}])
         for i, p in enumerate(decode_jsonl_gz(store.get(entry.key) or b""))

@@ -53,7 +53,9 @@ def write_source(path: Path, hints: list[int]) -> Path:
     return path
 
 
-def stage(tmp_path: Path, hints: list[int]) -> tuple[Manifest, list[WorkOrder]]:
+def stage(
+    tmp_path: Path, hints: list[int], store: MemoryStore | None = None
+) -> tuple[Manifest, list[WorkOrder]]:
     settings = Settings(batch_size=1, regenerate=True, store=str(tmp_path / "unused"))
     sent: list[WorkOrder] = []
 
@@ -63,15 +65,17 @@ def stage(tmp_path: Path, hints: list[int]) -> tuple[Manifest, list[WorkOrder]]:
 
     source = write_source(tmp_path / "d.jsonl", hints)
     options = ReaderOptions(regenerate=True)
-    manifest, _ = enqueue.stage(settings, MemoryStore(), "r", str(source), options, send, set())
+    store = MemoryStore() if store is None else store
+    manifest, _ = enqueue.stage(settings, store, "r", str(source), options, send, set())
     return manifest, sent
 
 
 def test_the_longest_hinted_batches_go_out_first(tmp_path: Path) -> None:
     hints = [40, 400, 4, 4000, 400, 40]
-    manifest, sent = stage(tmp_path, hints)
+    store = MemoryStore()
+    manifest, sent = stage(tmp_path, hints, store)
     assert manifest.batch_ids() == [f"batch-{i:06d}" for i in range(6)]  # ids: input order
-    assert [e.longest_hint_tokens for e in manifest.batches] == [h // 4 for h in hints]
+    assert [e.longest_hint_tokens for e in manifest.entries(store)] == [h // 4 for h in hints]
     # The first at once; then, holding half of those staged, the longest waiting goes on; at
     # the end the held ones, longest first.
     assert [o.batch for o in sent] == [
@@ -82,8 +86,9 @@ def test_the_longest_hinted_batches_go_out_first(tmp_path: Path) -> None:
 
 def test_past_the_held_window_the_longest_waiting_goes_on(tmp_path: Path) -> None:
     hints = [(i * 37) % 101 * 4 + 4 for i in range(enqueue.HELD_BATCHES * 2 + 30)]
-    manifest, sent = stage(tmp_path, hints)
-    work = {e.batch: e.longest_hint_tokens or 0 for e in manifest.batches}
+    store = MemoryStore()
+    manifest, sent = stage(tmp_path, hints, store)
+    work = {e.batch: e.longest_hint_tokens or 0 for e in manifest.entries(store)}
     assert sorted(o.batch for o in sent) == manifest.batch_ids()  # every batch once
     tail = [work[o.batch] for o in sent[-enqueue.HELD_BATCHES :]]
     assert tail == sorted(tail, reverse=True)
@@ -93,9 +98,9 @@ def test_past_the_held_window_the_longest_waiting_goes_on(tmp_path: Path) -> Non
 
 
 def test_resume_sends_the_longest_hinted_first(tmp_path: Path) -> None:
-    manifest, _ = stage(tmp_path, [4, 400, 40])
-    resent: list[WorkOrder] = []
     store = MemoryStore()
+    manifest, _ = stage(tmp_path, [4, 400, 40], store)
+    resent: list[WorkOrder] = []
 
     def send(orders: list[WorkOrder]) -> int:
         resent.extend(orders)
@@ -117,7 +122,8 @@ def test_a_batch_is_as_long_as_its_longest_hinted_answer(tmp_path: Path) -> None
         return len(orders)
 
     options = ReaderOptions(regenerate=True)
-    manifest, _ = enqueue.stage(settings, MemoryStore(), "r", str(source), options, send, set())
-    assert [e.prompts for e in manifest.batches] == [4, 3, 1]
-    assert [e.longest_hint_tokens for e in manifest.batches] == [100, 1, 500]
+    store = MemoryStore()
+    manifest, _ = enqueue.stage(settings, store, "r", str(source), options, send, set())
+    assert [e.prompts for e in manifest.entries(store)] == [4, 3, 1]
+    assert [e.longest_hint_tokens for e in manifest.entries(store)] == [100, 1, 500]
     assert [o.batch for o in sent] == ["batch-000000", "batch-000002", "batch-000001"]

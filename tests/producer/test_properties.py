@@ -11,12 +11,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from genfleet.common import keys
-from genfleet.common.manifest import BatchEntry, Manifest
+from genfleet.common.manifest import BatchEntry, write_manifest
 from genfleet.common.records import GenerationParams, PromptRecord, encode_jsonl_gz
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.batching import expected_tokens, make_batches
 from genfleet.producer.export import export_run
+from tests.support import STAGING_ID
 
 RUN = "prop"
 MAX_TOKENS = 100
@@ -82,8 +83,12 @@ def stage_and_finish(
                 rows.append(dict(rows[n], content="again"))
                 extra += 1
         store.put_if_absent(keys.output_key(RUN, name), encode_jsonl_gz(rows))
-    manifest = Manifest(
-        run=RUN,
+    write_manifest(
+        store,
+        RUN,
+        STAGING_ID,
+        entries,
+        2,
         source="p",
         format="jsonl",
         fingerprint="f",
@@ -91,9 +96,7 @@ def stage_and_finish(
         params=GenerationParams(max_tokens=MAX_TOKENS, temperature=0.6, top_p=0.95, thinking=True),
         prompts_total=len(records),
         rejects=0,
-        batches=entries,
     )
-    store.put(keys.manifest_key(RUN), manifest.to_bytes())
     return settings_, batches, extra
 
 

@@ -12,11 +12,12 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from genfleet.common import keys
-from genfleet.common.manifest import BatchEntry, Manifest
+from genfleet.common.manifest import BatchEntry, write_manifest
 from genfleet.common.records import GenerationParams, encode_jsonl_gz
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.report import build_report, distribution, render_report
+from tests.support import STAGING_ID
 
 RUN = "report-run"
 
@@ -50,8 +51,12 @@ def write_run(tmp_path: Path, batches: list[list[dict[str, Any]] | None]) -> Set
         )
         if rows is not None:
             store.put_if_absent(keys.output_key(RUN, batch), encode_jsonl_gz(rows))
-    manifest = Manifest(
-        run=RUN,
+    write_manifest(
+        store,
+        RUN,
+        STAGING_ID,
+        entries,
+        2,
         source="t",
         format="jsonl",
         fingerprint="f",
@@ -59,9 +64,7 @@ def write_run(tmp_path: Path, batches: list[list[dict[str, Any]] | None]) -> Set
         params=GenerationParams(max_tokens=100, temperature=0.6, top_p=0.95, thinking=True),
         prompts_total=sum(len(rows or []) for rows in batches),
         rejects=0,
-        batches=entries,
     )
-    store.put(keys.manifest_key(RUN), manifest.to_bytes())
     return settings
 
 

@@ -10,16 +10,22 @@ from pathlib import Path
 import pytest
 import redis
 
-from genfleet.common.ledger import work_order_of
-from genfleet.workers.reconcile import RunOrders, reconcile
+from genfleet.common import keys
+from genfleet.common.ledger import Ledger, work_order_of
+from genfleet.common.records import WorkOrder
+from genfleet.workers.reconcile import RunOrders, reconcile, reconcile_orders
+from tests.fakes.memory_store import MemoryStore
 from tests.support import (
+    STAGING_ID,
     Worker,
     assert_exactly_once,
     base_env,
     fault_settings,
     free_port,
     genfleet,
+    prompts,
     stage,
+    stage_prompts,
     wait_run_done,
     write_prompts,
 )
@@ -69,6 +75,34 @@ def drop_order(client: redis.Redis, run: str, batch: str, queue: str = "gpu.emul
             assert client.lrem(queue, 0, raw)
             return
     raise AssertionError(f"no order of {run}/{batch} in {queue}")
+
+
+@pytest.mark.integration
+def test_a_lost_order_is_made_from_one_shard_bound_to_its_staging(
+    redis_client: redis.Redis,
+) -> None:
+    """The order sent again carries the run's staging id and the batch's content hash (a
+    worker checks both) and is made from the one manifest shard that holds the batch."""
+    store = MemoryStore()
+    manifest = stage_prompts(store, "lost", prompts(30), batch_size=1, shard_batches=4)
+    redis_client.sadd(keys.runs_key(), "lost")
+    Ledger(redis_client).mark_queued("lost", ["batch-000013"])
+    sent: list[WorkOrder] = []
+    assert reconcile_orders(redis_client, store, LEASE_S, sent.append, now=1000.0)["resent"] == []
+    store.reads.clear()
+
+    found = reconcile_orders(redis_client, store, LEASE_S, sent.append, now=1000.0 + LEASE_S)
+
+    shard = keys.manifest_shard_key("lost", STAGING_ID, 3)
+    assert store.reads == [keys.manifest_key("lost"), shard]
+    assert found["resent"] == ["lost/batch-000013"] and [o.batch for o in sent] == ["batch-000013"]
+    entry = manifest.entry(store, "batch-000013")
+    assert entry is not None and entry.sha256
+    assert (sent[0].staging, sent[0].input_sha256, sent[0].prompts) == (
+        STAGING_ID,
+        entry.sha256,
+        1,
+    )
 
 
 @pytest.mark.integration
