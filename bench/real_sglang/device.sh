@@ -17,7 +17,8 @@
 #   crash    crash_probe.py: CUDA-graph variants under genfleet's load -> $OUT/crash.tar.gz
 #   tests    python3 -m pytest -q -m gpu tests/workers/test_real_sglang_gpu.py -> $OUT/gpu_tests.txt
 #   bench    per model (BENCH_MODELS, default "q35 dense"): one engine with genfleet's argv, a
-#            saturating direct client, then genfleet's worker + control on the same engine
+#            saturating direct client (plain, then streamed), then genfleet's worker + control
+#            on the same engine
 #            (enqueue, wait, export, findings); then `genfleet tune` -> $OUT/bench.tar.gz
 #   harvest  the JIT caches -> $OUT/jitcache.tar.xz (carry it back to save ~40 s a start)
 # Env: BUDGET_S (570), OUT, PAYLOAD, BENCH_PROMPTS (2000), BENCH_MAX_TOKENS (128),
@@ -146,6 +147,7 @@ step_tests() {
 # worker on the same engine (--engine external), the same prompts, one after the other.
 bench_model() {
   local name=$1 model=/tmp/m/$1 port=30600 work=/tmp/bench/$1
+  [ -f "$model/config.json" ] || { say "bench $name: no checkpoint $model"; return 1; }
   enough "bench $name" 200 || return 1
   rm -rf "$work"; mkdir -p "$work/logs"
   local extra=(--attention-backend triton --mem-fraction-static 0.6 --engine-extra-args "$ENGINE_ARGS")
@@ -165,6 +167,9 @@ bench_model() {
   say "bench $name: engine ready in $(( $(date +%s) - t )) s"
   python3 "$HERE/load.py" --url "http://127.0.0.1:$port" --model "$model" --concurrency 324 \
     --prompts "${BENCH_PROMPTS:-2000}" --max-tokens "${BENCH_MAX_TOKENS:-128}" --json-out "$work/direct.json"
+  # The same, streamed as genfleet's worker asks: what streaming costs the engine itself.
+  python3 "$HERE/load.py" --url "http://127.0.0.1:$port" --model "$model" --concurrency 324 --stream \
+    --prompts "${BENCH_PROMPTS:-2000}" --max-tokens "${BENCH_MAX_TOKENS:-128}" --json-out "$work/direct_stream.json"
   # genfleet: Redis, one worker on the same engine, enqueue the same prompts, time to done.
   local rport=6391
   redis-server --port $rport --bind 127.0.0.1 --save "" --appendonly no --daemonize yes \
@@ -203,15 +208,22 @@ PY
 import json, sys
 work, t_enq, t_done, state = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
 direct = json.load(open(f"{work}/direct.json"))
+streamed = json.load(open(f"{work}/direct_stream.json"))
 status = json.load(open(f"{work}/genfleet_status.json"))
 elapsed = t_done - t_enq
 tokens = status.get("completion_tokens") or 0
 g = {"state": state, "elapsed_s": round(elapsed, 2), "completion_tokens": tokens,
      "tokens_per_s": round(tokens / elapsed, 1), "prompts_done": status.get("prompts_done"),
      "errors": status.get("errors")}
-ratio = g["tokens_per_s"] / direct["tokens_per_s"] if direct["tokens_per_s"] else None
-json.dump({"direct": direct, "genfleet": g, "genfleet_vs_direct": ratio}, open(f"{work}/vs.json", "w"), indent=1)
-print("direct", direct, "\ngenfleet", g, "\ngenfleet_vs_direct", round(ratio or 0, 3))
+def ratio(a, b):
+    return round(a / b, 3) if b else None
+vs = {"direct": direct, "direct_stream": streamed, "genfleet": g,
+      "genfleet_vs_direct": ratio(g["tokens_per_s"], direct["tokens_per_s"]),
+      "genfleet_vs_direct_stream": ratio(g["tokens_per_s"], streamed["tokens_per_s"]),
+      "direct_stream_vs_direct": ratio(streamed["tokens_per_s"], direct["tokens_per_s"])}
+json.dump(vs, open(f"{work}/vs.json", "w"), indent=1)
+print("direct", direct, "\ndirect_stream", streamed, "\ngenfleet", g)
+print({k: v for k, v in vs.items() if k.endswith(("_direct", "_stream"))})
 PY
   kill -TERM -- "-$wpg" "-$cpg" 2>/dev/null; sleep 3; kill -KILL -- "-$wpg" "-$cpg" 2>/dev/null
   redis-cli -p $rport shutdown nosave >/dev/null 2>&1

@@ -1,13 +1,17 @@
 """A saturating direct client: C requests always in flight, straight at the engine.
 
     python bench/real_sglang/load.py --url http://127.0.0.1:30000 --model M --concurrency 324 \
-        --duration-s 30 --max-tokens 128 [--prompts N] [--json-out F]
+        --duration-s 30 --max-tokens 128 [--prompts N] [--stream] [--json-out F]
 
 Either a closed loop for `--duration-s` (measured over the whole window: completion tokens of
 the requests that finished in it) or, with `--prompts N`, exactly N prompts (the same texts
 `device.sh` enqueues for genfleet) sent with C in flight, timed from the first request to the
 last answer: the direct side of "genfleet vs direct". Errors are counted by status, never
 retried. `saturate` is also what `crash_probe.py` drives the engine with.
+
+`--stream` asks for answers as genfleet's worker does (SSE, usage in the stream) and reads every
+chunk: beside a plain run it tells what streaming costs the engine itself, apart from what it
+costs genfleet's client.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ async def _run(
     prompts: int | None,
     max_tokens: int,
     alive: Any = None,
+    stream: bool = False,
 ) -> dict[str, Any]:
     statuses: collections.Counter[str] = collections.Counter()
     tokens = 0
@@ -68,9 +73,12 @@ async def _run(
                 "max_tokens": max_tokens,
                 "temperature": 0.6,
             }
+            if stream:
+                body["stream"] = True
+                body["stream_options"] = {"include_usage": True}
             try:
                 async with session.post(f"{url}/v1/chat/completions", json=body) as r:
-                    data = await r.json(content_type=None)
+                    data = await (_streamed(r) if stream else r.json(content_type=None))
                     statuses[str(r.status)] += 1
                     if r.status == 200:
                         if stop_at is None or time.monotonic() <= stop_at:
@@ -86,6 +94,7 @@ async def _run(
     elapsed = (stop_at - started) if stop_at else (last_answer - started)
     return {
         "concurrency": concurrency,
+        "stream": stream,
         "max_tokens": max_tokens,
         "elapsed_s": round(elapsed, 2),
         "requests_done": done,
@@ -93,6 +102,17 @@ async def _run(
         "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else 0.0,
         "statuses": dict(statuses),
     }
+
+
+async def _streamed(response: aiohttp.ClientResponse) -> dict[str, Any]:
+    """Every chunk of an SSE answer decoded; the last usage seen stands for the answer."""
+    usage: dict[str, Any] = {"completion_tokens": 0}
+    async for line in response.content:
+        if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+            continue
+        chunk = json.loads(line[6:])
+        usage = chunk.get("usage") or usage
+    return {"usage": usage}
 
 
 def saturate(
@@ -103,9 +123,12 @@ def saturate(
     duration_s: float | None = None,
     prompts: int | None = None,
     alive: Any = None,
+    stream: bool = False,
 ) -> dict[str, Any]:
     """Run the load (a window of `duration_s`, or exactly `prompts` requests) and report."""
-    return asyncio.run(_run(url, model, concurrency, duration_s, prompts, max_tokens, alive))
+    return asyncio.run(
+        _run(url, model, concurrency, duration_s, prompts, max_tokens, alive, stream)
+    )
 
 
 def main() -> None:
@@ -116,12 +139,19 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=None)
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--stream", action="store_true", help="SSE answers, as genfleet asks")
     parser.add_argument("--json-out", default=None)
     args = parser.parse_args()
     if (args.duration_s is None) == (args.prompts is None):
         parser.error("give one of --duration-s and --prompts")
     result = saturate(
-        args.url, args.model, args.concurrency, args.max_tokens, args.duration_s, args.prompts
+        args.url,
+        args.model,
+        args.concurrency,
+        args.max_tokens,
+        args.duration_s,
+        args.prompts,
+        stream=args.stream,
     )
     print(json.dumps(result))
     if args.json_out:
