@@ -237,11 +237,10 @@ def run_genfleet(
             if any(p.poll() is not None for p, _, _ in workers) or time.monotonic() > deadline:
                 raise RuntimeError(f"run did not finish:\n{workers[0][1].read_text()[-3000:]}")
             time.sleep(0.02)
-        cap = int(
-            httpx.get(f"http://127.0.0.1:{workers[0][2]}/server_info").json()[
-                "max_running_requests"
-            ]
-        )
+        # the engines' cap as the workers passed it (their /server_info wants the engine's
+        # random API key, which only the worker holds)
+        argv = engine_command(env)
+        cap = int(argv[argv.index("--max-running-requests") + 1])
         samples = [s.stop() for s in samplers]
         full = at_cap(samples, cap)
         import redis
