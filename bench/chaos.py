@@ -11,6 +11,9 @@ from enqueue to the last output object.
     python bench/chaos.py            # 1,800 prompts, 160 s of faults
     python bench/chaos.py --quick    # the test's soak: 900 prompts, 80 s of faults, seed 4
 
+Every engine keeps a request log (`tests/faults/resends.py`), so the prompts the chaos run sent
+to an engine again are printed per fault that caused them.
+
 The last line is `goodput_vs_clean: R`, chaos goodput over clean goodput.
 """
 
@@ -26,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.faults.chaos import fleet, soak_run  # noqa: E402
+from tests.faults.resends import Sends, attribute, log_name  # noqa: E402
 
 
 def main() -> None:
@@ -35,8 +39,16 @@ def main() -> None:
     args = parser.parse_args()
     prompts, duration_s = (900, 80.0) if args.quick else (1800, 160.0)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    with fleet(Path(tempfile.mkdtemp(prefix="genfleet-chaos-bench-"))) as soak:
+    root = Path(tempfile.mkdtemp(prefix="genfleet-chaos-bench-"))
+
+    def request_log(hostname: str) -> dict[str, str]:
+        return {"GENFLEET_EMULATOR_REQUEST_LOG": str(root / log_name(hostname))}
+
+    with fleet(root, extra_env=request_log) as soak:
         clean = soak_run(soak, "clean", prompts, None, 0.0, deadline_s=600.0)
+        sends = Sends(root)
+        sends.read()  # the clean run's sends: both runs send the same texts
+        before = {text: len(sent) for text, sent in sends.by_prompt.items()}
         print(
             f"clean: {clean.prompts} prompts in {clean.seconds:.1f} s "
             f"({clean.prompts_per_s:.2f} prompts/s)",
@@ -49,6 +61,10 @@ def main() -> None:
             f"{', '.join(chaos.actions)}",
             flush=True,
         )
+        sends.read()
+        chaotic = [sent[before.get(text, 0) :] for text, sent in sends.by_prompt.items()]
+        redone = attribute(chaotic, soak.played)
+        print(f"prompts sent again, by cause: {dict(redone.most_common())}", flush=True)
     print(f"goodput_vs_clean: {chaos.prompts_per_s / clean.prompts_per_s:.3f}")
 
 

@@ -5,19 +5,23 @@ that can be cut, the control worker and two GPU workers with emulator engines). 
 `--clean-prompts` gives the fleet's pace; then `--prompts` prompts run while a seeded schedule
 breaks things for `--duration-s`: worker SIGKILLs (a new worker takes the place), engine
 SIGKILLs (crashes) and SIGSTOPs (freezes), Redis client kills, broker blips (Redis away a few
-seconds, back on the same port), one Redis restart in the middle third, S3 outages, and a
-producer SIGKILLed while it stages a run, then run again. Every engine keeps a request log, so
-each fault's cost is counted as the prompts sent again after it, before the next one.
+seconds, back on the same port), one Redis restart in the middle third, S3 outages, a producer
+SIGKILLed while it stages a run, then run again, and poison prompts (a small run staged with
+one prompt that crashes whichever engine receives it: every engine runs with
+`--emulator-crash-on-prompt`).
 
-It prints `goodput_vs_clean` (prompts per second of wall time, chaos over clean), prompts
-lost and doubled in the exports (both must be 0), the workers still consuming at the end (must
-be all), and the prompts redone per fault kind.
+Every engine keeps a request log, so each prompt sent again is charged to the fault that made
+it so (`tests/faults/resends.py`): one that hit the worker of the earlier send, else one that
+hit the whole fleet, else `unexplained` (two copies of a batch at once).
+
+It prints `goodput_vs_clean` (prompts per second of wall time, chaos over clean), prompts lost
+and doubled in the exports (both must be 0), each poison prompt an error record naming the
+crash and no other prompt an error, the workers still consuming at the end (must be all), and
+the prompts redone per fault. It exits 1 when any of those fails.
 
     python bench/soak.py                       # 20,000 prompts, 20 minutes of faults
-    python bench/soak.py --duration-s 60 --prompts 1500 --clean-prompts 500   # a short one
-
-Poison prompts (a prompt that crashes the engine) are not in the schedule yet: the emulator's
-`--emulator-crash-on-prompt TEXT` (through `--engine-extra-args`) could make one.
+    python bench/soak.py --duration-s 120 --prompts 3000 --clean-prompts 1000 --mean-gap-s 8
+    python bench/soak.py --faults broker_blip  # one kind of fault only (and the Redis restart)
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,60 +47,43 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from tests.faults.chaos import ACTIONS, Fleet, fleet, run_state  # noqa: E402
+from tests.faults.resends import Sends, attribute, log_name  # noqa: E402
 from tests.support import control_app, stage  # noqa: E402
 from tests.support import write_prompts as write_plain  # noqa: E402
 
-SOAK_ACTIONS = (*ACTIONS, "broker_blip", "kill_producer")
+SOAK_ACTIONS = (*ACTIONS, "broker_blip", "kill_producer", "stage_poison")
 BLIP_S = 4.0
+POISON = "genfleet-soak-poison-pill"  # no other prompt of the soak holds it
+POISON_AT = 57  # the poisoned prompt of a poison run
+STAGED_PROMPTS = 200  # the run a killed producer stages, and a poison run
 
 
-def write_prompts(path: Path, count: int, prefix: str) -> list[str]:
+def write_prompts(path: Path, count: int, prefix: str, poison_at: int | None = None) -> list[str]:
     """`count` prompts whose texts name their run, so that the request logs tell every prompt
-    of every run apart (the plain ones repeat from run to run)."""
+    of every run apart (the plain ones repeat from run to run); `poison_at`: that one holds
+    the poison."""
     texts = {i: f"{prefix} question {i}: what is {i} + {i}?" for i in range(count)}
+    if poison_at is not None:
+        texts[poison_at] = f"{prefix} question {poison_at}: {POISON}"
     return write_plain(path, count, texts, prefix=prefix)
 
 
-class Sends:
-    """Every chat request the fleet's engines accepted, read from their request logs as they
-    grow: how many times each prompt was sent."""
+def worker_env(root: Path) -> Any:
+    """Each worker's request log, and the poison its engine dies on."""
 
-    def __init__(self, root: Path) -> None:
-        self.root = root
-        self.offsets: dict[Path, int] = {}
-        self.counts: collections.Counter[str] = collections.Counter()
+    def extra(hostname: str) -> dict[str, str]:
+        return {
+            "GENFLEET_EMULATOR_REQUEST_LOG": str(root / log_name(hostname)),
+            "GENFLEET_ENGINE_EXTRA_ARGS": f"--emulator-crash-on-prompt {POISON}",
+        }
 
-    def resent(self) -> int:
-        """Prompts sent again so far (each send after a prompt's first)."""
-        for path in sorted(self.root.glob("requests-*.jsonl")):
-            with path.open("rb") as handle:
-                handle.seek(self.offsets.get(path, 0))
-                data = handle.read()
-            complete = data[: data.rfind(b"\n") + 1]
-            self.offsets[path] = self.offsets.get(path, 0) + len(complete)
-            for line in complete.splitlines():
-                entry = orjson.loads(line)
-                if entry["outcome"] in {"ok", "abort"}:
-                    self.counts[entry["body"]["messages"][-1]["content"]] += 1
-        return sum(n - 1 for n in self.counts.values())
+    return extra
 
 
-def log_engines(soak: Fleet) -> None:
-    """Give every worker started from now on its own engine request log."""
-    plain = soak.env
-
-    def env() -> dict[str, str]:
-        values = plain()
-        values["GENFLEET_EMULATOR_REQUEST_LOG"] = str(
-            soak.root / f"requests-{os.urandom(4).hex()}.jsonl"
-        )
-        return values
-
-    soak.env = env  # type: ignore[method-assign]
-
-
-def schedule(seed: int, duration_s: float, mean_gap_s: float) -> list[tuple[float, str]]:
-    """(seconds from the start, action): every kind once in each round of len(SOAK_ACTIONS)
+def schedule(
+    seed: int, duration_s: float, mean_gap_s: float, kinds_played: tuple[str, ...] = SOAK_ACTIONS
+) -> list[tuple[float, str]]:
+    """(seconds from the start, action): every kind once in each round of len(kinds_played)
     faults, shuffled, at exponential gaps; one Redis restart in the middle third."""
     rng = random.Random(seed)
     plan: list[tuple[float, str]] = []
@@ -103,7 +91,7 @@ def schedule(seed: int, duration_s: float, mean_gap_s: float) -> list[tuple[floa
     at = rng.uniform(2.0, mean_gap_s)
     while at < duration_s:
         if not kinds:
-            kinds = list(SOAK_ACTIONS)
+            kinds = list(kinds_played)
             rng.shuffle(kinds)
         plan.append((round(at, 1), kinds.pop()))
         at += rng.expovariate(1.0 / mean_gap_s)
@@ -111,24 +99,42 @@ def schedule(seed: int, duration_s: float, mean_gap_s: float) -> list[tuple[floa
     return sorted(plan)
 
 
-def act(soak: Fleet, action: str, rng: random.Random, producer_runs: list[str]) -> None:
+@dataclass
+class Extra:
+    """The runs the schedule staged besides the soak's own: by a killed producer, poisoned."""
+
+    staged: list[str] = field(default_factory=list)
+    poisoned: list[str] = field(default_factory=list)
+
+
+def act(soak: Fleet, action: str, rng: random.Random, extra: Extra) -> None:
+    at_s = time.time()
     if action == "broker_blip":
         soak.redis.shutdown()
         time.sleep(BLIP_S)  # the blip itself
         soak.redis.start()
-        soak.log.append(action)
     elif action == "kill_producer":
-        producer_runs.append(kill_producer(soak, f"staged{len(producer_runs)}", rng))
-        soak.log.append(action)
+        extra.staged.append(kill_producer(soak, f"staged{len(extra.staged)}", rng))
+    elif action == "stage_poison":
+        run = f"poison{len(extra.poisoned)}"
+        write_prompts(soak.root / f"{run}.jsonl", STAGED_PROMPTS, f"{run}-", poison_at=POISON_AT)
+        stage(soak.settings(), run, soak.root / f"{run}.jsonl")
+        extra.poisoned.append(run)
     else:
         soak.act(action, rng)
+        return
+    soak.record(action, at_s)
 
 
 def kill_producer(soak: Fleet, run: str, rng: random.Random) -> str:
     """`genfleet enqueue` of a new run, SIGKILLed while it stages, then run again to the end."""
     source = soak.root / f"{run}.jsonl"
-    write_prompts(source, 200, prefix=f"{run}-")
-    env = {**soak.env(), "GENFLEET_S3_ENDPOINT_URL": soak.s3_direct, "GENFLEET_BATCH_SIZE": "25"}
+    write_prompts(source, STAGED_PROMPTS, prefix=f"{run}-")
+    env = {
+        **soak.env("producer"),
+        "GENFLEET_S3_ENDPOINT_URL": soak.s3_direct,
+        "GENFLEET_BATCH_SIZE": "25",
+    }
     argv = ["genfleet", "enqueue", str(source), "--run", run]
     proc = subprocess.Popen(argv, env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
     time.sleep(rng.uniform(0.5, 2.0))  # somewhere in its staging
@@ -146,17 +152,40 @@ def wait_done(soak: Fleet, runs: list[str], deadline_s: float, started: float) -
         time.sleep(1.0)
 
 
-def exported(soak: Fleet, run: str, ids: list[str]) -> tuple[int, int]:
-    """(lost, doubled) prompts of `run`'s export, against its input ids."""
+@dataclass
+class Export:
+    """What one run's export holds against its input ids."""
+
+    lost: int
+    doubled: int
+    errors: list[dict[str, Any]]  # the error records, in input order
+
+
+def exported(soak: Fleet, run: str, ids: list[str]) -> Export:
     from genfleet.producer.export import export_run
 
     target = soak.root / f"{run}-export.jsonl"
     result = export_run(soak.settings(), run, str(target), "jsonl", partial=True)
-    counts = collections.Counter(
-        orjson.loads(line)["id"] for line in target.read_bytes().splitlines()
+    rows = [orjson.loads(line) for line in target.read_bytes().splitlines()]
+    counts = collections.Counter(row["id"] for row in rows)
+    return Export(
+        lost=len(set(ids) - set(counts)),
+        doubled=sum(n - 1 for n in counts.values()) + result.duplicates,
+        errors=[row for row in rows if row.get("error")],
     )
-    lost = len(set(ids) - set(counts))
-    return lost, sum(n - 1 for n in counts.values()) + result.duplicates
+
+
+def staged_ids(run: str) -> list[str]:
+    return [f"{run}-{i:05d}" for i in range(STAGED_PROMPTS)]
+
+
+def poison_verdict(export: Export, run: str) -> str | None:
+    """None when the poison prompt, and only it, is an error record naming the crash."""
+    expected = f"{run}-{POISON_AT:05d}"
+    found = [(row["id"], row["error"].get("type")) for row in export.errors]
+    if found != [(expected, "engine_crash")]:
+        return f"{run}: error records {found}, expected only {expected} as engine_crash"
+    return None
 
 
 def consuming(soak: Fleet) -> tuple[int, int]:
@@ -176,6 +205,19 @@ def consuming(soak: Fleet) -> tuple[int, int]:
     return len(live), sum(1 for name in live if replies.get(name))
 
 
+def play(soak: Fleet, plan: list[tuple[float, str]], seed: int, started: float) -> Extra:
+    """Play the schedule while the soak's run goes on (a fault due after it is done is not)."""
+    rng = random.Random(seed)
+    extra = Extra()
+    for at, action in plan:
+        while time.monotonic() - started < at and run_state(soak, "soak") != "done":
+            time.sleep(0.5)
+        if run_state(soak, "soak") == "done":
+            break
+        act(soak, action, rng, extra)
+    return extra
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prompts", type=int, default=20_000)
@@ -183,15 +225,19 @@ def main() -> None:
     parser.add_argument("--duration-s", type=float, default=1200.0)
     parser.add_argument("--mean-gap-s", type=float, default=15.0)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--faults",
+        default=",".join(SOAK_ACTIONS),
+        help=f"the kinds of fault to play, comma-separated (default: all of {SOAK_ACTIONS})",
+    )
     args = parser.parse_args()
+    kinds = tuple(k for k in args.faults.split(",") if k)
+    unknown = set(kinds) - set(SOAK_ACTIONS)
+    if unknown or not kinds:
+        parser.error(f"--faults: unknown {sorted(unknown)}; choose among {SOAK_ACTIONS}")
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
-    rng = random.Random(args.seed)
-    with fleet(Path(tempfile.mkdtemp(prefix="genfleet-soak-"))) as soak:
-        log_engines(soak)
-        for worker in list(soak.workers):  # the fleet's first workers get their logs too
-            worker.stop(timeout_s=30)
-            soak.workers.remove(worker)
-            soak.start_worker().wait_ready(120)
+    root = Path(tempfile.mkdtemp(prefix="genfleet-soak-"))
+    with fleet(root, extra_env=worker_env(root)) as soak:
         clean_ids = write_prompts(soak.root / "clean.jsonl", args.clean_prompts, prefix="c-")
         started = time.monotonic()
         stage(soak.settings(), "clean", soak.root / "clean.jsonl")
@@ -200,28 +246,26 @@ def main() -> None:
         print(f"clean: {args.clean_prompts} prompts in {clean_s:.1f} s", flush=True)
 
         sends = Sends(soak.root)
-        baseline = sends.resent()
         ids = write_prompts(soak.root / "soak.jsonl", args.prompts, prefix="s-")
         started = time.monotonic()
         stage(soak.settings(), "soak", soak.root / "soak.jsonl")
-        cost: dict[str, int] = collections.defaultdict(int)
-        producer_runs: list[str] = []
-        last_action, last_resent = "before any fault", baseline
-        for at, action in schedule(args.seed, args.duration_s, args.mean_gap_s):
-            while time.monotonic() - started < at and run_state(soak, "soak") != "done":
-                time.sleep(0.5)
-            now_resent = sends.resent()
-            cost[last_action] += now_resent - last_resent
-            act(soak, action, rng, producer_runs)
-            last_action, last_resent = action, sends.resent()
-        wait_done(soak, ["soak", *producer_runs], 3600.0 + args.duration_s, started)
+        plan = schedule(args.seed, args.duration_s, args.mean_gap_s, kinds)
+        extra = play(soak, plan, args.seed, started)
+        wait_done(soak, ["soak"], 3600.0 + args.duration_s, started)
         soak_s = time.monotonic() - started
-        cost[last_action] += sends.resent() - last_resent
-        lost, doubled = exported(soak, "soak", ids)
-        for run in producer_runs:
-            run_lost, run_doubled = exported(soak, run, [f"{run}-{i:05d}" for i in range(200)])
-            lost, doubled = lost + run_lost, doubled + run_doubled
-        clean_lost, clean_doubled = exported(soak, "clean", clean_ids)
+        wait_done(soak, [*extra.staged, *extra.poisoned], 3600.0, started)
+        sends.read()
+        faulty = {k: v for k, v in sends.by_prompt.items() if not k.startswith("c- ")}
+        redone = attribute(faulty.values(), [*soak.played, *sends.crashes])
+        plain = [exported(soak, "soak", ids), exported(soak, "clean", clean_ids)]
+        plain += [exported(soak, run, staged_ids(run)) for run in extra.staged]
+        poisoned = [exported(soak, run, staged_ids(run)) for run in extra.poisoned]
+        poison_problems = [
+            why
+            for run, export in zip(extra.poisoned, poisoned, strict=True)
+            if (why := poison_verdict(export, run)) is not None
+        ]
+        checks = plain + poisoned
         live, consuming_now = consuming(soak)
         counted = collections.Counter(soak.log)
     report: dict[str, Any] = {
@@ -229,15 +273,20 @@ def main() -> None:
         "soak_prompts_per_s": round(args.prompts / soak_s, 2),
         "soak_s": round(soak_s, 1),
         "faults": dict(counted),
-        "prompts_redone_after": dict(cost),
-        "lost": lost + clean_lost,
-        "doubled": doubled + clean_doubled,
+        "prompts_redone_by": dict(redone.most_common()),
+        "lost": sum(c.lost for c in checks),
+        "doubled": sum(c.doubled for c in checks),
+        "poison_runs": len(extra.poisoned),
+        "poison_problems": poison_problems,
+        "error_records_of_plain_runs": sum(len(c.errors) for c in plain),
         "workers_live": live,
         "workers_consuming": consuming_now,
     }
     print(orjson.dumps(report, option=orjson.OPT_INDENT_2).decode())
     print(f"goodput_vs_clean: {report['soak_prompts_per_s'] / report['clean_prompts_per_s']:.3f}")
-    if report["lost"] or report["doubled"] or consuming_now != live:
+    failed = report["lost"] or report["doubled"] or poison_problems
+    failed = failed or report["error_records_of_plain_runs"]
+    if failed or consuming_now != live:
         raise SystemExit(1)
 
 

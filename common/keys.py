@@ -232,6 +232,19 @@ def running_key() -> str:
     return f"{PREFIX}:running"
 
 
+def reaping_key() -> str:
+    """Held (SET NX, TTL = a lease) by the reaper pass that runs: a slow pass and the next
+    beat's must not both take the same batches over. Deleted when the pass ends."""
+    return f"{PREFIX}:reaping"
+
+
+def delivered_key() -> str:
+    """Hash delivery tag → the worker a work order was delivered to and its connection's name,
+    written as the worker receives it; the reaper gives back to the queue an order its dead
+    worker never claimed (workers/liveness.py) and drops the entries kombu no longer holds."""
+    return f"{PREFIX}:delivered"
+
+
 def missing_key() -> str:
     """Hash `run/batch` → when the beat first saw that queued batch held by no order (its own
     clock); the reconciler sends it again a lease later. Fields go when the batch reappears."""

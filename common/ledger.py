@@ -40,6 +40,7 @@ that needs a batch's state asks a `Ledger` (a test greps the package for the key
 from __future__ import annotations
 
 import base64
+import contextlib
 import itertools
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -72,6 +73,12 @@ def work_order_of(message: bytes | str) -> tuple[str, str] | None:
 
 
 def _order_in(data: Any) -> tuple[str, str] | None:
+    order = _work_order(data)
+    return None if order is None else (str(order["run"]), str(order["batch"]))
+
+
+def _work_order(data: Any) -> dict[str, Any] | None:
+    """The work order a kombu message carries, if it is a genfleet work order."""
     try:
         if data.get("headers", {}).get("task") != GENERATE_TASK:
             return None
@@ -79,7 +86,7 @@ def _order_in(data: Any) -> tuple[str, str] | None:
         if data.get("properties", {}).get("body_encoding") == "base64":
             body = base64.b64decode(body)
         order = orjson.loads(body)[1]["order"]
-        return str(order["run"]), str(order["batch"])
+        return dict(order) if "run" in order and "batch" in order else None
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return None
 
@@ -107,9 +114,18 @@ class Running:
     def worker(self) -> str:
         return str(self.entry.get("worker", "an unknown worker"))
 
+    @property
+    def presence(self) -> str | None:
+        """The name of the claiming worker's connection (workers/liveness.py), if it had one."""
+        name = self.entry.get("presence")
+        return str(name) if name else None
+
     def order(self) -> dict[str, Any]:
         """The work order as it was sent (what the reaper enqueues again)."""
-        return {k: v for k, v in self.entry.items() if k not in ("claimed_at", "worker")}
+        return {k: v for k, v in self.entry.items() if k not in _CLAIM_FIELDS}
+
+
+_CLAIM_FIELDS = ("claimed_at", "worker", "presence")
 
 
 @dataclass(frozen=True)
@@ -119,6 +135,15 @@ class Unacked:
     tag: str
     run: str
     batch: str
+    order: dict[str, Any] = field(default_factory=dict, compare=False)
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """To whom a work order was delivered: its worker and that worker's connection name."""
+
+    worker: str
+    presence: str | None
 
 
 @dataclass(frozen=True)
@@ -170,12 +195,16 @@ class Ledger:
 
     # --- running: a worker claimed it ------------------------------------------------------
 
-    def claim(self, order: Mapping[str, Any], worker: str, now: float) -> None:
+    def claim(
+        self, order: Mapping[str, Any], worker: str, now: float, presence: str | None = None
+    ) -> None:
         """Called by the task when it admits an order, before any work: the running entry
-        (the order as sent, with when and by whom) is what the reaper re-enqueues if the
-        worker vanishes with its lease."""
+        (the order as sent, with when and by whom, and the name of the worker's connection)
+        is what the reaper re-enqueues if the worker vanishes with its lease."""
         field = running_field(str(order["run"]), str(order["batch"]))
         entry = {**order, "claimed_at": now, "worker": worker}
+        if presence:
+            entry["presence"] = presence
         self.client.hset(keys.running_key(), field, orjson.dumps(entry))
 
     def release(self, run: str, batch: str) -> bool:
@@ -183,6 +212,16 @@ class Ledger:
         the queue (handed back, shutdown, a retry), or the reaper takes it over. True when
         this call removed the entry (two reapers: only the one that removed it goes on)."""
         return bool(self.client.hdel(keys.running_key(), running_field(run, batch)))
+
+    def release_claim(self, claimed: Running) -> bool:
+        """The reaper takes over `claimed`: its entry goes only if it is still that claim
+        (True). Another pass may have taken it already, or a live worker claimed the batch
+        again since this pass read it (its order was sent again): that claim stays. (A claim
+        landing between this read and the delete is not seen; the window is one round trip.)"""
+        raw = self.client.hget(keys.running_key(), claimed.field)
+        if raw is None or orjson.loads(raw) != claimed.entry:
+            return False
+        return bool(self.client.hdel(keys.running_key(), claimed.field))
 
     def running(self) -> list[Running]:
         """Every claimed batch of every run (the reaper's pass, once a beat)."""
@@ -342,9 +381,9 @@ class Ledger:
                 message = orjson.loads(raw)[0]  # [message, exchange, routing key]
             except (ValueError, IndexError, TypeError):
                 continue
-            hit = _order_in(message)
-            if hit is not None:
-                found.append(Unacked(text(tag), *hit))
+            order = _work_order(message)
+            if order is not None:
+                found.append(Unacked(text(tag), str(order["run"]), str(order["batch"]), order))
         return found
 
     def unacked_index(self) -> UnackedIndex:
@@ -361,6 +400,27 @@ class Ledger:
             pipe.hdel(keys.UNACKED, *tags)
             pipe.zrem(keys.UNACKED_INDEX, *tags)
             pipe.execute()
+
+    def delivered(self, tag: str, worker: str, presence: str | None) -> None:
+        """Called by a worker as it receives a work order (before its admission reads the
+        store): whose it is until it is claimed, so that the reaper can give back the order
+        of a worker that died first (workers/liveness.py)."""
+        entry = {"worker": worker, "presence": presence}
+        self.client.hset(keys.delivered_key(), tag, orjson.dumps(entry))
+
+    def deliveries(self) -> dict[str, Delivery]:
+        """Delivery tag → to whom (the reaper's pass)."""
+        found: dict[str, Delivery] = {}
+        for tag, raw in self.client.hgetall(keys.delivered_key()).items():
+            with contextlib.suppress(ValueError, KeyError, TypeError):
+                entry = orjson.loads(raw)
+                found[text(tag)] = Delivery(str(entry["worker"]), entry.get("presence"))
+        return found
+
+    def forget_deliveries(self, tags: Collection[str]) -> None:
+        """Called by the reaper for deliveries kombu no longer holds (acked, given back)."""
+        if tags:
+            self.client.hdel(keys.delivered_key(), *tags)
 
     def purge_unacked(self, run: str) -> set[str]:
         """Called by `delete`: drops every unacknowledged order of `run`, which kombu would
@@ -382,12 +442,18 @@ class UnackedIndex:
 
     def __init__(self, ledger: Ledger) -> None:
         self._ledger = ledger
-        self._tags: dict[tuple[str, str], list[str]] | None = None
+        self._orders: list[Unacked] | None = None
+        self._tags: dict[tuple[str, str], list[str]] = {}
+
+    def orders(self) -> list[Unacked]:
+        """Every unacknowledged order, as the one scan found them."""
+        if self._orders is None:
+            self._orders = self._ledger.unacked_orders()
+            for order in self._orders:
+                self._tags.setdefault((order.run, order.batch), []).append(order.tag)
+        return self._orders
 
     def copies(self, run: str, batch: str) -> list[str]:
         """Delivery tags of the unacknowledged copies of one batch's order."""
-        if self._tags is None:
-            self._tags = {}
-            for order in self._ledger.unacked_orders():
-                self._tags.setdefault((order.run, order.batch), []).append(order.tag)
+        self.orders()
         return list(self._tags.get((run, batch), ()))

@@ -92,15 +92,25 @@ def _satisfies(client: redis.Redis) -> RedisCommands:
     return client  # mypy checks here that redis.Redis is a RedisCommands
 
 
-def connect(settings: Settings, check: bool = True, timeout_s: float | None = None) -> redis.Redis:
+def connect(
+    settings: Settings,
+    check: bool = True,
+    timeout_s: float | None = None,
+    client_name: str | None = None,
+) -> redis.Redis:
     """A Redis client for genfleet's counters and keys; raises BrokerUnavailable with a hint.
 
     `timeout_s` bounds each call (connect and reply), for callers that must not block longer
-    than something they protect, such as a lease heartbeat."""
+    than something they protect, such as a lease heartbeat. `client_name` names every
+    connection it opens (`CLIENT SETNAME`: a worker's presence, workers/liveness.py)."""
     url = settings.redis_url.get_secret_value()
     connect_s = 5.0 if timeout_s is None else min(5.0, timeout_s)
     client = redis.Redis.from_url(
-        url, socket_connect_timeout=connect_s, socket_timeout=timeout_s, health_check_interval=30
+        url,
+        socket_connect_timeout=connect_s,
+        socket_timeout=timeout_s,
+        health_check_interval=30,
+        client_name=client_name,
     )
     if check:
         try:

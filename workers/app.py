@@ -174,6 +174,18 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
     def shutdown(self, parent: Any) -> None:
         self.stop(parent)
 
+    def info(self, parent: Any) -> dict[str, Any]:
+        """Merged into the worker's `stats` reply (`WorkController.stats`), which Flower's
+        worker page shows under "Other": the engine's state in a line, its alarm first when
+        its restart budget is spent or it crashes in a loop (task results cannot say that:
+        a worker that takes no work has none)."""
+        from genfleet.workers.observe.diagnosis import engine_headline
+
+        runtime = self.runtime
+        if runtime is None:
+            return {}
+        return {"genfleet_engine": engine_headline(runtime.engine_state().to_json())}
+
 
 def _wait_for_running_tasks(timeout_s: float, poll_s: float = 0.2) -> bool:
     """Wait until no task runs in this worker (True) or `timeout_s` passes (False).

@@ -60,6 +60,10 @@ class TaskRuntime(Protocol):
         """The live progress of the worker's running batches, written once an interval."""
 
     @property
+    def presence_name(self) -> str | None:
+        """The name of the worker's connection (workers/liveness.py), None when unnamed."""
+
+    @property
     def model_identity(self) -> dict[str, Any] | None:
         """The checkpoint fingerprint the worker computed at start (`engine.fingerprint`)."""
 

@@ -61,6 +61,11 @@ from genfleet.workers.deadline import DeadlinePolicy, SequencePace, max_tokens_o
 log = logging.getLogger("genfleet.feeder")
 T = TypeVar("T")
 
+# How long a suspect must be in the engine, the engine alive, to count as having survived its
+# arrival: a prompt that crashes the engine does so in its prefill or first steps, well inside
+# this in a lane narrowed to one (the emulator's and the crashes recorded of SGLang do at once).
+SUSPECT_PROBE_S = 2.0
+
 
 class EngineHandle(Protocol):
     """The supervisor (or an external engine) as the feeder sees it: wait for it to be up;
@@ -189,16 +194,21 @@ class InflightLimiter:
 class SuspectLane:
     """Prompts that were in flight when the engine died go back to it through here.
 
-    Most of them are innocent, so the lane opens slowly: one suspect at a time, twice as many
-    after each one that succeeds, one again after a death. A prompt in flight at two deaths
-    goes alone (`solo`: no other suspect in the engine meanwhile), first. Suspects are
-    ranked by deaths seen, then by how late they were sent before the death (a prompt that
-    kills the engine on arrival is the last one sent). All on the feeder's loop.
+    Most of them are innocent, so the lane opens step by step: one suspect at a time, twice
+    as many after each one that succeeds or survives its arrival (still in the engine
+    `SUSPECT_PROBE_S` after it was sent, the engine alive: a prompt that kills the engine
+    does so as it arrives), one again after a death. Waiting for completions instead kept the
+    engine nearly empty for as long as a few completions take — minutes for long thinking
+    ones — after every restart. A prompt in flight at two deaths goes alone (`solo`: no
+    other suspect enters until it survived its arrival or ended), first. Suspects are ranked
+    by deaths seen, then by how late they were sent before the death (a prompt that kills the
+    engine on arrival is the last one sent). All on the feeder's loop.
 
         lane = SuspectLane()
         alone = await lane.enter((-deaths, -sent_at), solo=deaths >= 2)
-        lane.leave(ok=True)             # it succeeded: the lane widens
-        lane.died()                     # the engine died: one at a time again
+        lane.survived(exclusive=deaths >= 2)  # it outlived its arrival: the lane widens
+        lane.leave(ok=True, exclusive=False)  # it succeeded: the lane widens
+        lane.died()                           # the engine died: one at a time again
     """
 
     MAX_WIDTH = 64
@@ -230,14 +240,25 @@ class SuspectLane:
             return await turn
         except asyncio.CancelledError:
             if turn.done() and not turn.cancelled():
-                self.leave(ok=False)  # granted as it was cancelled
+                self.leave(ok=False, exclusive=solo)  # granted as it was cancelled
             raise
 
-    def leave(self, ok: bool) -> None:
+    def leave(self, ok: bool, exclusive: bool = True) -> None:
+        """A suspect is out of the engine (`ok`: it succeeded); `exclusive`: it still held the
+        lane alone as a solo (not yet released by `survived`)."""
         self.held -= 1
-        self.solo = False
+        if exclusive:
+            self.solo = False
         if ok:
             self.width = min(self.width * 2, self.MAX_WIDTH)
+        self._wake()
+
+    def survived(self, exclusive: bool) -> None:
+        """A suspect outlived its arrival in the engine: widen as a success would, and a solo
+        lets the next suspects in (its slot stays held until it ends)."""
+        if exclusive:
+            self.solo = False
+        self.width = min(self.width * 2, self.MAX_WIDTH)
         self._wake()
 
     def died(self) -> None:
@@ -270,6 +291,7 @@ class _Tries:
     first_death_s: float | None = None
     alone: bool = False  # its last send was alone among suspects
     in_lane: bool = False  # it holds its lane slot until the engine it failed on is back
+    exclusive: bool = False  # a solo suspect that holds the lane alone (not yet survived)
     spent: int = 0  # tokens the engine generated in tries that failed (an abort's)
 
 
@@ -494,6 +516,7 @@ class Feeder:
         if suspect:
             rank = (-float(tries.deaths), -tries.sent_at)
             tries.alone = await self._lane.enter(rank, solo=tries.deaths >= 2)
+            tries.exclusive = tries.deaths >= 2
         ok = False
         try:
             async with self._limiter:
@@ -508,10 +531,13 @@ class Feeder:
                 self.inflight += 1
                 tries.sent_at = time.monotonic()
                 tries.deaths_at_send = self._engine.deaths
+                probe = self._probe(tries) if suspect else None
                 try:
                     result = await self._client.chat(record, params, timeout_s)
                 finally:
                     self.inflight -= 1
+                    if probe is not None:
+                        probe.cancel()
             ok = True
             return result
         except EngineDown as exc:
@@ -524,7 +550,20 @@ class Feeder:
             raise
         finally:
             if suspect:
-                self._lane.leave(ok)
+                self._lane.leave(ok, tries.exclusive)
+                tries.exclusive = False
+
+    def _probe(self, tries: _Tries) -> asyncio.TimerHandle:
+        """A suspect was sent: if it is still in flight `SUSPECT_PROBE_S` later and the engine
+        has not died meanwhile, it survived its arrival (`SuspectLane.survived`)."""
+        deaths = tries.deaths_at_send
+
+        def passed() -> None:
+            if self._engine.deaths == deaths and self._engine.alive():
+                self._lane.survived(tries.exclusive)
+                tries.exclusive = False
+
+        return asyncio.get_running_loop().call_later(SUSPECT_PROBE_S, passed)
 
     async def _late(self, exc: RequestTimedOut, tries: _Tries) -> RequestFailed:
         """Past its deadline: the prompt's error record, if the engine serves others."""
@@ -580,7 +619,8 @@ class Feeder:
             return await self._down_counted(run, batch, record, exc, tries)
         finally:
             if held:
-                self._lane.leave(ok=False)
+                self._lane.leave(ok=False, exclusive=tries.exclusive)
+                tries.exclusive = False
 
     async def _down_counted(
         self, run: str, batch: str, record: PromptRecord, exc: EngineDown, tries: _Tries

@@ -23,9 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+import redis
 from celery.concurrency.thread import TaskPool as ThreadTaskPool
 
 from genfleet.common.backoff import Backoff
+from genfleet.common.ledger import Ledger
 from genfleet.workers.context import BatchTask
 from genfleet.workers.reconnect import HeldRequest
 
@@ -75,6 +77,22 @@ class BatchRequest(HeldRequest):
 
     # A batch holds a prefetch slot on the new channel after a reconnect (`workers.reconnect`).
     counts_against_prefetch = True
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        """Record whose delivery this is as it is received: until its admission claims it
+        (after reading the store), nothing else says which worker holds the order, and the
+        reaper could not give it back if this worker died first (workers/liveness.py). Best
+        effort: without the record, an unclaimed order is given back after half a lease."""
+        super().__init__(*args, **kwargs)
+        runtime = BatchTask.runtime
+        tag = getattr(self.message, "delivery_tag", None)
+        if runtime is not None and tag is not None:
+            try:
+                Ledger(runtime.lease_redis).delivered(
+                    str(tag), runtime.hostname, runtime.presence_name
+                )
+            except redis.RedisError as exc:
+                log.warning("delivery of %s not recorded (%s)", self.id, exc)
 
     def terminate(self, pool: Any, signal: Any = None) -> None:
         order = (self.kwargs or {}).get("order") or {}

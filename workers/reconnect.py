@@ -44,16 +44,22 @@ def defer(action: Callable[[], object]) -> None:
     _deferred.append(action)
 
 
-def held_messages(requests: Any) -> list[tuple[Any, bool]]:
-    """The messages of the tasks this worker holds (batches, the control worker's beat tasks;
-    running or waiting on a pool thread) that are neither acked nor handed back yet, each with
-    whether it is a batch's (counted against the prefetch limit on the new channel: a beat
-    task stuck on the outage must not keep the worker from taking the next ones)."""
+def held_requests(requests: Any) -> list[HeldRequest]:
+    """The requests of the tasks this worker holds (batches, the control worker's beat tasks;
+    running or waiting on a pool thread) whose messages are neither acked nor handed back."""
     return [
-        (r.message, r.counts_against_prefetch)
+        r
         for r in tuple(requests)
         if isinstance(r, HeldRequest) and not r.acknowledged and r.message is not None
     ]
+
+
+def still_running(request: HeldRequest, requests: Any) -> bool:
+    """Whether a held request still holds a prefetch slot when the broker is back: a batch's
+    (a beat task stuck on the outage must not keep the worker from taking the next ones)
+    that still runs. One that ended meanwhile acks or hands back at once on the new channel;
+    counting it would keep its slot for good if that never came (its end failed first)."""
+    return request.counts_against_prefetch and request in requests and not request.acknowledged
 
 
 class HeldRequest(Request):  # type: ignore[misc]
@@ -103,21 +109,21 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        # held messages with no channel until the next connect, and whether each is a batch's
-        self.orphans: list[tuple[Any, bool]] = []
+        self.orphans: list[HeldRequest] = []  # held, with no channel until the next connect
 
     def on_connection_error_after_connected(self, exc: Exception) -> None:
         from celery.worker.state import reserved_requests
 
         channel = _default_channel(self.connection)
         detached = 0
-        for message, counted in held_messages(reserved_requests):
+        for request in held_requests(reserved_requests):
+            message = request.message
             if message.channel is not None and message.channel is channel:
                 channel.qos._delivered.pop(message.delivery_tag, None)
                 detached += 1
             message.channel = None
-            if all(message is not m for m, _ in self.orphans):
-                self.orphans.append((message, counted))
+            if all(request is not r for r in self.orphans):
+                self.orphans.append(request)
         if channel is not None:
             # What is still delivered on the old channel runs nowhere here: an ack or a hand-back
             # that failed with the connection. kombu restores it when the channel closes — a
@@ -136,16 +142,19 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
         super().on_connection_error_after_connected(exc)
 
     def connect(self) -> Any:
+        from celery.worker.state import reserved_requests
+
         connection = super().connect()
         if self.orphans:
             channel = connection.default_channel
-            for message, counted in self.orphans:
-                message.channel = channel
-                # A batch counts as delivered on the new channel, so the prefetch limit still
-                # holds: otherwise the worker takes a full prefetch more while its batches run,
-                # and orders it cannot start yet would wait, unclaimed, on a worker that may die.
-                if counted:
-                    channel.qos._delivered[message.delivery_tag] = message
+            for request in self.orphans:
+                request.message.channel = channel
+                # A batch that still runs counts as delivered on the new channel, so the
+                # prefetch limit still holds: otherwise the worker takes a full prefetch more
+                # while its batches run, and orders it cannot start yet would wait, unclaimed,
+                # on a worker that may die.
+                if still_running(request, reserved_requests):
+                    channel.qos._delivered[request.message.delivery_tag] = request.message
             log.info("broker connection back: %d running tasks moved to it", len(self.orphans))
             self.orphans = []
         while _deferred:

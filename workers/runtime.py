@@ -34,6 +34,7 @@ from genfleet.workers.engine.ports import pick_port, private_dir
 from genfleet.workers.engine.supervisor import EngineSupervisor
 from genfleet.workers.engine.watchdog import StallWatchdog, WatchedEngine
 from genfleet.workers.feeder import Feeder, default_max_inflight
+from genfleet.workers.liveness import Presence, connection_name
 from genfleet.workers.observe.engine_state import (
     EngineState,
     accept_length_from_server_info,
@@ -69,6 +70,18 @@ class WorkerRuntime:
         self.lease_redis: redis.Redis = connect(
             settings, check=False, timeout_s=max(settings.lease_ttl_s / 4, 0.5)
         )
+        # Its named connection, so that the reaper knows at once when it died (a lease lapses
+        # a lease later): pinged as often as a lease is refreshed.
+        self.presence = Presence(
+            connect(
+                settings,
+                check=False,
+                timeout_s=max(settings.lease_ttl_s / 4, 0.5),
+                client_name=connection_name(hostname),
+            ),
+            hostname,
+            interval_s=max(settings.lease_ttl_s / 3, 0.05),
+        )
         self.engine: EngineSupervisor | ExternalEngine | None = None
         self.feeder: Feeder | None = None
         self.findings: list[dict[str, Any]] = []
@@ -86,7 +99,13 @@ class WorkerRuntime:
         self._released = 0
         self._released_by: set[tuple[str, str]] = set()  # batches whose slot was handed on
 
+    @property
+    def presence_name(self) -> str | None:
+        """The name of this worker's connection once Redis holds it (None: not named)."""
+        return self.presence.name
+
     def start(self) -> None:
+        self.presence.start()
         # httpx logs every request at INFO: once a second per worker from the telemetry loop.
         logging.getLogger("httpx").setLevel(logging.WARNING)
         from genfleet.workers.engine.kinds import with_engine_key
@@ -472,3 +491,4 @@ class WorkerRuntime:
             self.feeder.close()
         if self.engine is not None:
             self.engine.stop()
+        self.presence.stop()

@@ -23,13 +23,13 @@ from __future__ import annotations
 
 import logging
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any, NoReturn
 
 import redis
 from celery import Task
 from celery.exceptions import Reject, Retry
-from kombu.exceptions import OperationalError
 
 from genfleet.common import keys
 from genfleet.common.backoff import BATCH_RETRY
@@ -40,7 +40,7 @@ from genfleet.common.celery_config import (
     RECONCILE_TASK,
 )
 from genfleet.common.errors import BatchFailed, BatchSuperseded, StoreError, ThinkingUnsupported
-from genfleet.common.ledger import Ledger, Running, UnackedIndex, running_field
+from genfleet.common.ledger import Delivery, Ledger, Running, UnackedIndex, running_field
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.routing import order_queue
@@ -49,6 +49,7 @@ from genfleet.workers.app import app, settings_of
 from genfleet.workers.batch import execute
 from genfleet.workers.context import BatchTask, BeatTask, TaskRuntime
 from genfleet.workers.lifecycle import Lease, gate, is_cancelled
+from genfleet.workers.liveness import present
 from genfleet.workers.observe.headlines import batch_headline, not_generated_headline
 from genfleet.workers.observe.sampler import batch_share
 from genfleet.workers.outcome import Outcome, counts_a_try, outcome
@@ -163,7 +164,7 @@ def _admit(
         turned_away = gate(client, work, runtime.queue, order_queue(settings.queue, order))
         if turned_away is not None:
             if turned_away.get("handed_back"):
-                generate_batch.apply_async(kwargs={"order": order}, queue=turned_away["queue"])
+                _hand_back(order, turned_away["queue"], field)
             return {"summary": not_generated_headline(turned_away), **turned_away}
         if ledger.is_poison(work.run, work.batch, settings.max_deliveries):
             # A stale copy (the broker's redelivery after its visibility timeout) of a batch
@@ -177,10 +178,8 @@ def _admit(
         # the lease (taken by `execute` before any other read), or a slow store lets the
         # reaper take a batch whose worker is alive.
         _check_model(runtime, work)
-        ledger.claim(order, worker, time.time())
-    except (redis.RedisError, StoreError, OperationalError) as exc:
-        # OperationalError: the hand-back could not be sent (the broker is down); acking this
-        # message would lose the only copy of the order.
+        ledger.claim(order, worker, time.time(), runtime.presence_name)
+    except (redis.RedisError, StoreError) as exc:
         raise Reject(
             f"{field}: Redis or the store failed before the batch started: {exc}", requeue=True
         ) from exc
@@ -189,6 +188,22 @@ def _admit(
         dropped = {"run": work.run, "batch": work.batch, "drop": True, "superseded": True}
         return {"summary": not_generated_headline(dropped), **dropped}
     return None
+
+
+def _hand_back(order: dict[str, Any], queue: str, field: str) -> None:
+    """Send the order to its own model's queue; when the broker does not take it, put this
+    message back instead (acking it would lose the only copy of the order).
+
+    Any failure counts, not only kombu's OperationalError: after a publish failed with the
+    connection, the next one on the same producer can raise AttributeError from inside kombu
+    (its channel's connection is gone), and a task that raises that is acked.
+    """
+    try:
+        generate_batch.apply_async(kwargs={"order": order}, queue=queue)
+    except Exception as exc:  # noqa: BLE001 - any failure to send the hand-back
+        raise Reject(
+            f"{field}: not handed back to {queue} ({exc!r}): requeued", requeue=True
+        ) from exc
 
 
 def _check_model(runtime: TaskRuntime, work: WorkOrder) -> None:
@@ -293,8 +308,17 @@ def _retry_or_requeue(
     rather than let a failed task ack the only copy of the order."""
     try:
         raise task.retry(exc=exc, countdown=countdown, max_retries=None, queue=queue)
-    except (Retry, Reject):
+    except Retry:
         raise
+    except Reject as rejected:
+        if rejected.requeue:
+            raise
+        # Celery answers a retry it could not send with Reject(requeue=False): the only copy
+        # of the order dropped, and first its failure written to the result backend, which
+        # raises while Redis is away, so the message was neither acked nor put back.
+        raise Reject(
+            f"{field}: retry not sent ({rejected.reason}): requeued", requeue=True
+        ) from exc
     except Exception as error:  # noqa: BLE001 - any failure to send the retry
         if error is exc:
             raise  # called outside a worker, `retry` re-raises the error itself
@@ -322,8 +346,10 @@ def _safe_release(ledger: Ledger, work: WorkOrder) -> None:
 
 @app.task(name=REAPER_TASK, base=BeatTask, Request=HeldRequest)  # type: ignore[untyped-decorator]
 def reap_leases() -> dict[str, Any]:
-    """Re-enqueue running batches whose lease expired and whose output does not exist; park
-    those whose worker died `max_deliveries` times."""
+    """Re-enqueue running batches whose worker is gone (its lease expired, or its connection
+    with Redis, workers/liveness.py) and whose output does not exist; give back the orders a
+    dead worker received and never claimed; park those whose worker died `max_deliveries`
+    times."""
     from genfleet.common.redis_conn import connect
     from genfleet.common.store import store_of
 
@@ -335,9 +361,30 @@ def reap_leases() -> dict[str, Any]:
             kwargs={"order": order}, queue=order_queue(settings.queue, order)
         )
 
-    reaped = reap(client, store, settings.lease_ttl_s, time.time(), send, settings.max_deliveries)
-    lost = reconcile_orders(client, store, settings.lease_ttl_s, lambda o: send(o.model_dump()))
+    token = uuid.uuid4().hex
+    lock, ttl_ms = keys.reaping_key(), max(int(settings.lease_ttl_s * 1000), 1)
+    if not client.set(lock, token, nx=True, px=ttl_ms):
+        # The last beat's pass still runs (slow under load, or Redis was away): one at a time.
+        empty: dict[str, list[str]] = {k: [] for k in REAPED}
+        return {**empty, "ts": time.time(), "resent": [], "skipped": True}
+    try:
+        reaped = reap(
+            client,
+            store,
+            settings.lease_ttl_s,
+            time.time(),
+            send,
+            settings.max_deliveries,
+            present=present(client),
+        )
+        lost = reconcile_orders(client, store, settings.lease_ttl_s, lambda o: send(o.model_dump()))
+    finally:
+        if client.get(lock) == token.encode():
+            client.delete(lock)
     return {**reaped, "resent": lost["resent"]}
+
+
+REAPED = ("requeued", "finished", "parked", "given_back")  # what a reaper pass reports
 
 
 def reap(
@@ -347,19 +394,28 @@ def reap(
     now: float,
     requeue: Callable[[dict[str, Any]], object],
     max_deliveries: int = 3,
+    present: set[str] | None = None,
 ) -> dict[str, Any]:
-    """One reaper pass over the running batches: a batch whose lease expired is finished when
-    its output exists (its entry is dropped), else `requeue`d with its work order, once; or
-    parked in the failed set when its worker died `max_deliveries` times."""
-    found: dict[str, list[str]] = {"requeued": [], "finished": [], "parked": []}
+    """One reaper pass over the running batches: a batch whose worker is gone is finished
+    when its output exists (its entry is dropped), else `requeue`d with its work order, once;
+    or parked in the failed set when its worker died `max_deliveries` times. Then the orders
+    delivered to a gone worker and never claimed go the same way.
+
+    Gone, on two looks half a lease apart: its lease expired, or (`present`: the names of the
+    workers' connections Redis holds, None when unknown) its worker's connection is not
+    there. The second is known a lease sooner: a dead process's connections close at once."""
+    found: dict[str, list[str]] = {k: [] for k in REAPED}
     ledger = Ledger(client)
     lapses = Lapses(client, lease_ttl_s)  # type: ignore[arg-type]
-    unacked = ledger.unacked_index()  # scanned once, at the first lost batch
-    for claimed in ledger.running():
+    deliveries = ledger.deliveries()  # before the unacked hash: see _unclaimed
+    unacked = ledger.unacked_index()  # scanned once a pass, when first asked
+    running = ledger.running()
+    for claimed in running:
         run, batch = claimed.run, claimed.batch
-        if client.exists(keys.lease_key(run, batch)):
+        absent = _absent(claimed.presence, present)
+        if not absent and client.exists(keys.lease_key(run, batch)):
             continue
-        if now - claimed.claimed_at < lease_ttl_s:
+        if not absent and now - claimed.claimed_at < lease_ttl_s:
             continue  # claimed but the first lease write may not have landed yet
         if not lapses.confirmed(claimed.field, now):
             continue  # a first look: a live worker re-sets its lease within a heartbeat
@@ -370,12 +426,55 @@ def reap(
         if client.exists(keys.cancelled_key(run), keys.deleted_key(run)):
             ledger.park(run, batch)  # nothing to redo: parked
             continue
-        if not ledger.release(run, batch):
-            continue  # another reaper won this one
+        if not ledger.release_claim(claimed):
+            continue  # another reaper won this one, or a live worker claimed it again
         outcome = _lost(ledger, unacked, claimed, requeue, max_deliveries)
         found[outcome].append(claimed.field)
+    claimed_fields = {c.field for c in running}
+    orphans = _unclaimed(ledger, unacked, deliveries, claimed_fields, present, lapses, now)
+    for orphan in orphans:
+        if store.exists(keys.output_key(orphan.run, orphan.batch)):
+            ledger.drop_unacked(unacked.copies(orphan.run, orphan.batch))
+            continue
+        outcome = _lost(ledger, unacked, orphan, requeue, max_deliveries)
+        found["given_back" if outcome == "requeued" else outcome].append(orphan.field)
     lapses.forget_others()
     return {**found, "ts": now}
+
+
+def _absent(name: str | None, present: set[str] | None) -> bool:
+    """Whether a worker's named connection is known to be gone (never for an unnamed one)."""
+    return present is not None and name is not None and name not in present
+
+
+def _unclaimed(
+    ledger: Ledger,
+    unacked: UnackedIndex,
+    deliveries: dict[str, Delivery],
+    claimed: set[str],
+    present: set[str] | None,
+    lapses: Lapses,
+    now: float,
+) -> list[Running]:
+    """The work orders delivered to a worker that is gone and never claimed (no running
+    entry), each as the claim it never made. Their owner is recorded at delivery
+    (`Ledger.delivered`); an order with no owner on record for half a lease is one whose
+    worker died before it could record it. The deliveries kombu no longer holds are forgotten
+    (`deliveries` was read before the unacked hash, so none is forgotten as it arrives)."""
+    orphans: list[Running] = []
+    ledger.forget_deliveries(set(deliveries) - {u.tag for u in unacked.orders()})
+    for order in unacked.orders():
+        field = running_field(order.run, order.batch)
+        if field in claimed:
+            continue
+        owner = deliveries.get(order.tag)
+        if owner is not None and not _absent(owner.presence, present):
+            continue  # its worker lives (or cannot be judged): it claims it, or acks it
+        if not lapses.confirmed(f"delivered:{order.tag}", now):
+            continue
+        worker = owner.worker if owner is not None else "a worker that never said so"
+        orphans.append(Running(field, {**order.order, "worker": worker}))
+    return orphans
 
 
 def _lost(
@@ -413,10 +512,11 @@ def _lost(
         raise
     ledger.drop_unacked(dead)
     log.warning(
-        "lease of %s/%s expired without output: re-enqueued (delivery %d of at most %d ended "
-        "with its worker gone)",
+        "%s/%s: its worker %s is gone and it has no output: re-enqueued (delivery %d of at "
+        "most %d ended with its worker gone)",
         run,
         batch,
+        claimed.worker,
         lost,
         max_deliveries,
     )

@@ -60,6 +60,23 @@ def test_a_claim_is_the_order_as_sent_until_it_is_released(db: Any) -> None:
     assert [r.field for r in ledger.running()] == [running_field(OTHER, B0)]
 
 
+def test_the_reaper_takes_over_a_claim_only_while_it_is_the_one_it_read(db: Any) -> None:
+    """A slow reaper pass read a dead worker's claim; meanwhile another pass took it over and
+    a live worker claimed the batch again: that claim stays, and a claim as read goes."""
+    ledger = Ledger(db)
+    ledger.claim(order(RUN, B0), "dead@a", 1.0, "genfleet-worker:dead@a")
+    (read,) = ledger.running()
+    assert read.presence == "genfleet-worker:dead@a"
+    assert "presence" not in read.order()
+    ledger.claim(order(RUN, B0), "live@b", 2.0)
+    assert ledger.release_claim(read) is False
+    assert ledger.running_batches(RUN) == {B0}
+    (again,) = ledger.running()
+    assert ledger.release_claim(again) is True
+    assert ledger.release_claim(again) is False
+    assert ledger.running_batches(RUN) == set()
+
+
 def test_queued_marks_follow_enqueue_resume_and_cancel(db: Any) -> None:
     ledger = Ledger(db)
     ledger.mark_queued(RUN, [B0, B1])
@@ -235,7 +252,7 @@ def package_files() -> list[Path]:
 
 
 STATE = re.compile(
-    r"\b(queued_key|running_key|failed_key|attempts_key|lost_key|UNACKED(_INDEX)?)\b"
+    r"\b(queued_key|running_key|failed_key|attempts_key|lost_key|delivered_key|UNACKED(_INDEX)?)\b"
     r"|[\"']unacked(_index)?[\"']"
 )
 

@@ -12,13 +12,11 @@ from typing import Any
 import orjson
 import pytest
 import redis
-from typer.testing import CliRunner
 
-from genfleet.cli import app
 from genfleet.common.manifest import Manifest
 from genfleet.common.store import open_store
 from genfleet.producer.status import run_status
-from tests.support import Worker, base_env, wait_for
+from tests.support import Worker, base_env, invoke, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -77,7 +75,7 @@ def test_every_field_reaches_the_engine_and_an_unsupported_one_is_a_reject(
     flags = ["--redis-url", redis_url, "--store", store_url, "--max-tokens", "300"]
     flags += ["--top-k", "40", "--min-p", "0.02", "--repetition-penalty", "1.05"]
     flags += ["--json-schema", str(schema_file), "--chat-template-kwargs", '{"custom": 7}']
-    result = CliRunner().invoke(app, ["enqueue", str(source), "--run", "fields", *flags])
+    result = invoke("enqueue", str(source), "--run", "fields", *flags)
     assert result.exit_code == 0, result.output
     output = " ".join(result.output.split())
     assert "rejected 1 line;" in output

@@ -34,6 +34,7 @@ class FakeRuntime:
     model_identity: dict[str, Any] | None = None
     model_runs: set[str] = field(default_factory=set)
     ended: list[tuple[str, str]] = field(default_factory=list)
+    presence_name: str | None = None
 
     def after_batch(self, summary: Any) -> None:
         self.finished.append(summary)

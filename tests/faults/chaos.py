@@ -17,7 +17,7 @@ import signal
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +66,16 @@ def schedule(seed: int, duration_s: float, mean_gap_s: float) -> list[tuple[floa
     return sorted(plan)
 
 
+@dataclass(frozen=True)
+class Played:
+    """A fault as played: when (wall clock), what, and the worker it hit (None: the whole
+    fleet, or no worker: Redis, S3, a producer)."""
+
+    at_s: float
+    action: str
+    target: str | None = None
+
+
 @dataclass
 class Fleet:
     """The services and processes of one soak; `close()` stops them all."""
@@ -79,9 +89,13 @@ class Fleet:
     control: Worker | None = None
     stopped: list[int] = field(default_factory=list)  # SIGSTOPped engines, resumed at close
     log: list[str] = field(default_factory=list)
+    played: list[Played] = field(default_factory=list)
+    # More environment for worker `hostname` (the soak's request logs and poison prompt).
+    extra_env: Callable[[str], dict[str, str]] | None = None
 
-    def env(self) -> dict[str, str]:
-        return base_env(
+    def env(self, hostname: str) -> dict[str, str]:
+        """The environment of worker `hostname`."""
+        values = base_env(
             self.redis.url,
             self.store_url,
             s3_endpoint_url=self.proxy.url,
@@ -89,10 +103,11 @@ class Fleet:
             port=free_port(),
             **WORKER_SETTINGS,
         )
+        return {**values, **(self.extra_env(hostname) if self.extra_env else {})}
 
     def start_worker(self, role: str = "worker") -> Worker:
         hostname = f"{role}-{uuid.uuid4().hex[:6]}@chaos"
-        worker = Worker(self.env(), self.root / f"{hostname}.log", hostname, [role])
+        worker = Worker(self.env(hostname), self.root / f"{hostname}.log", hostname, [role])
         if role == "control":
             self.control = worker
         else:
@@ -104,14 +119,19 @@ class Fleet:
         return fault_settings(self.redis.url, self.store_url, s3_endpoint_url=self.s3_direct)
 
     def act(self, action: str, rng: random.Random) -> None:
+        at_s = time.time()
+        target: str | None = None
         live = [w for w in self.workers if w.proc.poll() is None]
         if action == "kill_worker" and live:
             victim = rng.choice(live)
+            target = victim.hostname
             victim.kill(signal.SIGKILL)
             victim.proc.wait(timeout=10)
             self.start_worker()
         elif action in ("kill_engine", "stop_engine") and live:
-            pid = engine_pid(rng.choice(live))
+            hit = rng.choice(live)
+            target = hit.hostname
+            pid = engine_pid(hit)
             if pid is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL if action == "kill_engine" else signal.SIGSTOP)
@@ -126,7 +146,11 @@ class Fleet:
             self.proxy.restore()
         elif action == "restart_redis":
             self.redis.restart()
+        self.record(action, at_s, target)
+
+    def record(self, action: str, at_s: float, target: str | None = None) -> None:
         self.log.append(action)
+        self.played.append(Played(at_s, action, target))
 
     def close(self) -> None:
         for pid in self.stopped:
@@ -139,7 +163,9 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def fleet(root: Path | None = None) -> Iterator[Fleet]:
+def fleet(
+    root: Path | None = None, extra_env: Callable[[str], dict[str, str]] | None = None
+) -> Iterator[Fleet]:
     """Redis, S3 behind a proxy, the control worker and two GPU workers, all ready."""
     import boto3
     from moto.server import ThreadedMotoServer
@@ -158,7 +184,7 @@ def fleet(root: Path | None = None) -> Iterator[Fleet]:
     bucket = f"chaos-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=direct, region_name="us-east-1").create_bucket(Bucket=bucket)
     proxy = FlakyProxy(("127.0.0.1", port))
-    soak = Fleet(base, server, proxy, direct, f"s3://{bucket}/runs")
+    soak = Fleet(base, server, proxy, direct, f"s3://{bucket}/runs", extra_env=extra_env)
     try:
         soak.start_worker("control")
         for _ in range(2):

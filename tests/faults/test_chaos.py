@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.chaos import ACTIONS, fleet, schedule, soak_run
+from tests.faults.chaos import ACTIONS, Played, fleet, schedule, soak_run
+from tests.faults.resends import Send, attribute
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
@@ -41,3 +42,48 @@ def test_chaos_soak_finishes_exactly_once(tmp_path: Path) -> None:
         f"\n[chaos seed {SEED}] {result.prompts} prompts in {result.seconds:.1f} s "
         f"({result.prompts_per_s:.2f}/s) through {len(result.actions)} faults: {result.actions}"
     )
+
+
+W1, W2 = "worker-a@chaos", "worker-b@chaos"
+
+
+@pytest.mark.parametrize(
+    ("sends", "faults", "charged"),
+    [
+        # A killed worker's prompts are sent again after the reaper took its batches: after a
+        # blip that came between, and after the last fault, they are still the kill's.
+        (
+            [[Send(5.0, W1), Send(30.0, W2)]],
+            [Played(10.0, "kill_worker", W1), Played(12.0, "broker_blip")],
+            {"kill_worker": 1},
+        ),
+        # A fault on another worker explains nothing; one on the whole fleet does.
+        (
+            [[Send(5.0, W1), Send(30.0, W1)]],
+            [Played(8.0, "kill_engine", W2), Played(9.0, "s3_outage")],
+            {"s3_outage": 1},
+        ),
+        # The first fault on the earlier send's worker, whatever else came first.
+        (
+            [[Send(5.0, W1), Send(9.0, W1), Send(30.0, W2)]],
+            [
+                Played(6.0, "broker_blip"),
+                Played(7.0, "stop_engine", W1),
+                Played(20.0, "poison_prompt", W1),
+            ],
+            {"stop_engine": 1, "poison_prompt": 1},
+        ),
+        # Nothing broke between two sends: two copies of its batch ran at once.
+        ([[Send(5.0, W1), Send(6.0, W2)]], [Played(1.0, "kill_worker", W1)], {"unexplained": 1}),
+        # A producer killed while staging breaks no batch; one send is no resend.
+        (
+            [[Send(5.0, W1), Send(6.0, W2)], [Send(1.0, W1)]],
+            [Played(5.5, "kill_producer")],
+            {"unexplained": 1},
+        ),
+    ],
+)
+def test_each_resend_is_charged_to_the_fault_that_caused_it(
+    sends: list[list[Send]], faults: list[Played], charged: dict[str, int]
+) -> None:
+    assert dict(attribute(sends, faults)) == charged

@@ -153,3 +153,53 @@ def test_the_control_worker_survives_blips_while_its_beat_tasks_run(
     wait_for(lambda: client.keys("celery-task-meta-*"), 30, "a beat task after the blips", 0.2)
     assert control.proc.poll() is None, control.tail()
     client.close()
+
+
+def test_batches_that_finish_while_redis_is_away_are_acked_and_the_worker_goes_on(
+    tmp_path: Path, private_redis: RedisServer, start_worker: Callable[..., Worker]
+) -> None:
+    """Batches end while Redis is away, long enough that recording them as done fails and
+    the retry cannot be sent (Celery then rejected the message without requeue, writing the
+    failure to a result backend that was away too: the message was neither acked nor put
+    back, its prefetch slot held for good, and the worker took no more work). Once Redis is
+    back, each order is put back, found done and acked; the worker takes the rest."""
+    request_log = tmp_path / "requests.jsonl"
+    store_url = (tmp_path / "store").as_uri()
+    env = base_env(
+        private_redis.url,
+        store_url,
+        emulator_time_scale=4,
+        emulator_mean_completion_tokens=200,
+        emulator_request_log=request_log,
+        worker_concurrency=2,
+        lease_ttl_s=2,
+        reaper_interval_s=0.5,
+        log_dir=tmp_path,
+        port=free_port(),
+    )
+    # The control worker sends again an order lost in kombu's own window (popped from the
+    # queue as Redis went away, before its copy was in the unacked hash).
+    control = start_worker(env, role="control")
+    worker = start_worker(env)
+    ids = write_prompts(tmp_path / "prompts.jsonl", 160)
+    settings = fault_settings(private_redis.url, store_url, batch_size=16, max_tokens=512)
+    control.wait_ready()
+    worker.wait_ready()
+    stage(settings, "ends", tmp_path / "prompts.jsonl")
+    store = open_run_store(settings)
+    wait_for(lambda: len(sends(request_log)) >= 32, 60, "two batches in the engine", 0.05)
+    assert not list(store.list(keys.outputs_prefix("ends"))), "a batch ended before the outage"
+
+    private_redis.shutdown()
+    # The outage itself: longer than a finished batch's bookkeeping tries (1 + 2 + 4 s) and
+    # its retry's backoff, so that the retry is sent while Redis is still away.
+    time.sleep(AWAY_S * 3)
+    assert list(store.list(keys.outputs_prefix("ends"))), "no batch ended during the outage"
+    private_redis.start()
+
+    client = private_redis.client()
+    wait_run_done(settings, client, "ends", 90, store)
+    assert_exactly_once(settings, "ends", ids, client, store)
+    wait_for(lambda: not held_orders(client, "ends"), 30, "every order to be acked", 0.1)
+    assert worker.proc.poll() is None
+    client.close()

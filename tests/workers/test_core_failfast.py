@@ -14,7 +14,7 @@ from genfleet.common import keys
 from genfleet.common.backoff import Backoff
 from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.errors import EngineDown
-from genfleet.common.ledger import running_field
+from genfleet.common.ledger import Ledger, running_field
 from genfleet.workers import tasks as tasks_module
 from genfleet.workers.tasks import BatchFailed, generate_batch, reap
 from tests.fakes.engine import FakeChat
@@ -163,3 +163,65 @@ def test_a_retry_waits_out_its_backoff_under_a_lease_then_goes_straight_to_the_q
     assert seen["running"] and seen["holder"] == b"w@test" and seen["attempts"] == 1
     assert not batch_state(runtime.redis)["running"]  # handed to the queue after the wait
     assert not runtime.redis.get(keys.lease_key(RUN, BATCH))
+
+
+PRESENT, GONE = "genfleet-worker:w-live", "genfleet-worker:w-dead"
+
+
+def claimed_by(db: MemoryRedis, batch: str, presence: str | None) -> dict[str, Any]:
+    """A batch claimed a while ago by a worker with that connection name, its lease alive."""
+    order = running_order(db, batch, NOW - 100)
+    Ledger(db).claim(order, "w", NOW - 100, presence)
+    db.set(keys.lease_key(RUN, batch), "w", px=int(TTL_S * 100 * 1000))
+    return order
+
+
+def test_a_batch_whose_worker_is_gone_is_reaped_before_its_lease_lapses() -> None:
+    """Redis drops a dead process's connections at once: its batches go back on the second
+    look half a lease later, while their leases still run. A batch whose worker's connection
+    is there, or was never named, or when no one may list connections, waits for its lease."""
+    db, store = MemoryRedis(), MemoryStore()
+    dead = claimed_by(db, "batch-000001", GONE)
+    claimed_by(db, "batch-000002", PRESENT)
+    claimed_by(db, "batch-000003", None)
+    requeued: list[dict[str, Any]] = []
+    reap(db, store, TTL_S, NOW, requeued.append, present={PRESENT})  # a first look
+    assert requeued == []
+    reap(db, store, TTL_S, NOW + TTL_S / 4, requeued.append, present={PRESENT})
+    assert requeued == [], "a connection back within a ping (after a Redis restart) is alive"
+    report = reap(db, store, TTL_S, NOW + TTL_S / 2, requeued.append, present={PRESENT})
+    assert requeued == [dead] and report["requeued"] == [running_field(RUN, "batch-000001")]
+    reap(db, store, TTL_S, NOW + TTL_S, requeued.append, present=None)
+    reap(db, store, TTL_S, NOW + 2 * TTL_S, requeued.append, present=None)
+    assert requeued == [dead]
+
+
+def test_an_order_a_dead_worker_never_claimed_goes_back_to_the_queue() -> None:
+    """Delivered, not claimed (its admission still read the store) when the worker died: no
+    lease says so, and the broker would deliver it again after hours. Its owner is on record
+    from delivery; gone, the order goes back; a live owner's and an unnamed owner's stay, and
+    an order nobody recorded goes back after half a lease (its worker died first)."""
+    db, store = MemoryRedis(), MemoryStore()
+    ledger = Ledger(db)
+    orders = {}
+    for n, owner in enumerate((GONE, PRESENT, None, "nobody"), start=1):
+        batch = keys.batch_id(n)
+        orders[batch] = running_order(db, batch, NOW)
+        db.hdel(keys.running_key(), running_field(RUN, batch))  # delivered, never claimed
+        unacked(db, f"tag{n}", orders[batch])
+        if owner != "nobody":
+            ledger.delivered(f"tag{n}", f"w{n}", owner)
+    ledger.delivered("acked-long-ago", "w9", PRESENT)
+    requeued: list[dict[str, Any]] = []
+    reap(db, store, TTL_S, NOW, requeued.append, present={PRESENT})  # a first look
+    assert requeued == []
+    report = reap(db, store, TTL_S, NOW + TTL_S / 2, requeued.append, present={PRESENT})
+
+    back = [keys.batch_id(1), keys.batch_id(4)]
+    assert requeued == [orders[b] for b in back]
+    assert report["given_back"] == [running_field(RUN, b) for b in back]
+    assert sorted(db.hgetall(keys.UNACKED)) == [b"tag2", b"tag3"]
+    assert set(ledger.deliveries()) == {"tag1", "tag2", "tag3"}  # the acked one forgotten
+    assert int(db.hget(keys.lost_key(RUN), keys.batch_id(1)) or 0) == 1
+    reap(db, store, TTL_S, NOW + TTL_S, requeued.append, present={PRESENT})
+    assert len(requeued) == 2  # given back once

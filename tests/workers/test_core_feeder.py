@@ -20,6 +20,7 @@ from genfleet.common.errors import (
     RestartBudgetExhausted,
 )
 from genfleet.common.records import CompletionRecord, PromptRecord
+from genfleet.workers import feeder as feeder_module
 from genfleet.workers.feeder import Feeder, default_max_inflight, retry_backoff_s
 from tests.fakes.engine import FakeChat, FakeEngine
 from tests.support import PARAMS, wait_for
@@ -251,3 +252,32 @@ def test_default_max_inflight(cap: int | None, expected: int) -> None:
 
 def test_retry_backoff_doubles_up_to_ten_seconds() -> None:
     assert [retry_backoff_s(a) for a in range(1, 8)] == [0.5, 1.0, 2.0, 4.0, 8.0, 10.0, 10.0]
+
+
+class RestartedOnce(FakeEngine):
+    """An engine that died once with every prompt in flight and is back."""
+
+    def wait_up(self, timeout_s: float) -> None:
+        super().wait_up(timeout_s)
+        self.deaths = 1
+
+
+def test_after_a_death_the_suspects_go_back_as_they_survive_not_as_they_finish(
+    make_feeder: Callable[..., Feeder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Four prompts were in flight when the engine died: suspects, sent again one at a time
+    at first. Each that outlives its arrival in the engine widens the lane, so all four run
+    again long before any of them finishes (a completion can take minutes: waiting for one
+    kept the engine nearly empty that long after every restart)."""
+    monkeypatch.setattr(feeder_module, "SUSPECT_PROBE_S", 0.2, raising=False)
+    gate = threading.Event()
+    records = prompts(4)
+    chat = FakeChat(failures={r.id: [EngineDown("connection reset")] for r in records}, gate=gate)
+    feeder = make_feeder(chat, RestartedOnce(), retries=5)
+    future, got = run(feeder, records)
+    wait_for(lambda: chat.inflight == 4, 5, "every suspect back in the engine", 0.01)
+    assert not got.records
+    gate.set()
+    future.result(timeout=10)
+    assert sorted(got.records) == list(range(4))
+    assert all(r.error is None for r in got.records.values())

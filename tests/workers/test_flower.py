@@ -224,6 +224,47 @@ def test_tasks_page_of_a_saturated_run_flags_no_gpu(
     assert all("; 0 of 1 GPU underused" in r for r in rounds), rounds
 
 
+def test_worker_page_shows_an_engine_whose_restart_budget_is_spent(
+    tmp_path: Path, redis_url: str, flower: str, start_worker: Callable[..., Worker]
+) -> None:
+    """A worker whose engine keeps dying takes no work, so no task result can say so: its
+    own page in Flower (the worker's `stats`, which Flower renders) names the alarm."""
+    store = (tmp_path / "store").as_uri()
+    env = base_env(redis_url, store, emulator_fail_after_requests=10, restart_budget=0)
+    broken = start_worker(env, name="broken")
+    healthy = start_worker(base_env(redis_url, store), name="healthy")
+    settings = Settings(redis_url=redis_url, store=store, batch_size=20)
+    broken.wait_ready()
+    healthy.wait_ready()
+    stage_questions(settings, "crashing", tmp_path, 40, prefix="crashing question ")
+
+    def stats(name: str) -> dict[str, Any]:
+        response = httpx.get(
+            f"{flower}/api/workers",
+            params={"workername": name, "refresh": 1},
+            auth=(USER, PASSWORD),
+            timeout=10,
+        )
+        response.raise_for_status()
+        data: dict[str, Any] = response.json().get(name, {}).get("stats") or {}
+        return data
+
+    def alarmed() -> str | None:
+        line = str(stats(broken.hostname).get("genfleet_engine") or "")
+        return line if line.startswith("RESTART BUDGET SPENT") else None
+
+    line = wait_for(alarmed, 90, "Flower to show the spent restart budget", 1.0)
+    assert "restart budget spent (" in line and "back in" in line, line
+    assert str(stats(healthy.hostname).get("genfleet_engine")).startswith("ready: ")
+
+    def page() -> str | None:
+        response = httpx.get(f"{flower}/worker/{broken.hostname}", auth=(USER, PASSWORD))
+        return response.text if response.status_code == 200 else None
+
+    html = wait_for(page, 30, "Flower's page of the broken worker", 0.5)
+    assert "genfleet_engine" in html and "RESTART BUDGET SPENT: restart budget spent" in html
+
+
 def eval_result(text: str) -> dict[str, Any]:
     """Flower's API gives results as their repr; ours are dicts of plain values."""
     import ast

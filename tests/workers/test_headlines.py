@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from celery.utils.saferepr import saferepr
 
+from genfleet.workers.observe.diagnosis import engine_headline
 from genfleet.workers.observe.headlines import (
     batch_headline,
     clock,
@@ -296,3 +297,32 @@ def test_client_limited_advice_says_what_waits(queue_depth: int, says: str) -> N
 )
 def test_not_generated_headline(result: dict[str, Any], line: str) -> None:
     assert not_generated_headline(result) == line
+
+
+@pytest.mark.parametrize(
+    ("engine", "line"),
+    [
+        ({"up": True, "inflight": 48, "inflight_cap": 64}, "ready: 48 of 64 in flight, 0 restarts"),
+        ({"up": False, "restarting": True, "restarts": 2}, "restarting (restarts so far: 2)"),
+        ({"up": False}, "down"),
+        (
+            {
+                "up": False,
+                "exhausted": True,
+                "restarts_in_window": 5,
+                "restart_window_s": 3600.0,
+                "cooldown_left_s": 540.0,
+                "crash": {"error": "RuntimeError: boom", "loop": False},
+            },
+            "RESTART BUDGET SPENT: restart budget spent (5 in 3600 s), back in 540 s: "
+            "RuntimeError: boom",
+        ),
+        (
+            {"up": True, "crash": {"error": "RuntimeError: boom", "loop": True, "repeats": 3}},
+            "CRASH LOOP: crash loop (3 times): RuntimeError: boom — ",
+        ),
+    ],
+)
+def test_engine_headline(engine: dict[str, Any], line: str) -> None:
+    """The engine line of a worker's `stats` (Flower's worker page): its alarm first."""
+    assert engine_headline(engine).startswith(line)

@@ -45,6 +45,9 @@ def test_a_reaper_pass_scans_the_unacked_hash_once(private_redis: RedisServer) -
     pipe = client.pipeline(transaction=False)
     for i in range(DELIVERED):
         pipe.hset(keys.UNACKED, f"live{i}", delivery(order("busy", keys.batch_id(i))))
+        # each live worker recorded its delivery as it received it (BatchRequest)
+        owner = {"worker": f"live{i % 50}@host", "presence": None}
+        pipe.hset(keys.delivered_key(), f"live{i}", orjson.dumps(owner))
     for i in range(LOST):
         work = order("lost", keys.batch_id(i))
         pipe.hset(keys.UNACKED, f"dead{i}", delivery(work))
@@ -68,4 +71,5 @@ def test_a_reaper_pass_scans_the_unacked_hash_once(private_redis: RedisServer) -
     assert client.hlen(keys.UNACKED) == DELIVERED  # the dead copies dropped, the live kept
     assert not client.hexists(keys.UNACKED, "dead0")
     assert client.zcard(keys.UNACKED_INDEX) == 0
+    assert client.hlen(keys.delivered_key()) == DELIVERED  # the live owners kept
     client.close()

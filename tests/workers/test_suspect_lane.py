@@ -91,3 +91,32 @@ def test_a_cancelled_waiter_gives_its_turn_away() -> None:
         return lane.held == 1
 
     assert asyncio.run(scenario())
+
+
+def test_a_suspect_that_survives_its_arrival_widens_the_lane_and_frees_a_solo_turn() -> None:
+    async def scenario() -> tuple[int, list[str]]:
+        lane = SuspectLane()
+        entered: list[str] = []
+        assert await lane.enter((-2.0, 0.0), solo=True) is True  # a solo: alone
+
+        async def suspect(name: str, solo: bool) -> None:
+            await lane.enter((-2.0 if solo else -1.0, 0.0), solo=solo)
+            entered.append(name)
+
+        tasks = [asyncio.create_task(suspect("other-solo", True))]
+        tasks += [asyncio.create_task(suspect(f"plain{n}", False)) for n in range(3)]
+        await settle()
+        assert entered == []  # nobody while the solo is alone and unproven
+        lane.survived(exclusive=True)  # the solo outlived its arrival
+        await settle()
+        assert entered == []  # the next solo needs the lane empty
+        lane.leave(ok=True, exclusive=False)  # the first solo ends
+        await settle()
+        assert entered == ["other-solo"]
+        lane.survived(exclusive=True)
+        await settle()
+        await asyncio.gather(*tasks)
+        return lane.width, entered
+
+    width, entered = asyncio.run(scenario())
+    assert entered == ["other-solo", "plain0", "plain1", "plain2"] and width >= 4

@@ -47,7 +47,7 @@ from typing import Any
 
 from genfleet.workers.engine.crashes import crash_suggestion
 from genfleet.workers.observe.engine_state import accept_length_judges_mtp
-from genfleet.workers.observe.headlines import waiting_work
+from genfleet.workers.observe.headlines import engine_alarm_line, waiting_work
 
 CAUSES = (
     "crash_loop",
@@ -220,6 +220,25 @@ def engine_alarm(engine: Mapping[str, Any]) -> str | None:
     if engine.get("exhausted"):
         return "restart_budget_spent"
     return None
+
+
+def engine_headline(engine: Mapping[str, Any]) -> str:
+    """The engine of one worker in a line, for the worker's Celery `stats` (Flower's worker
+    page shows it): the alarm when it needs a person (`restart budget spent (5 in 3600 s),
+    back in 540 s: RuntimeError: …`, `crash loop (3 times): …`), else its state and load
+    (`ready: 48 of 64 in flight, 3 batches`). `engine` is an `EngineState` as JSON."""
+    alarm = engine_alarm(engine)
+    if alarm is not None:
+        line = engine_alarm_line(alarm, _alarm_numbers(engine))
+        return f"{alarm.upper().replace('_', ' ')}: {line}"
+    if engine.get("restarting"):
+        return f"restarting (restarts so far: {engine.get('restarts') or 0})"
+    if not engine.get("up"):
+        return "down"
+    return (
+        f"ready: {engine.get('inflight') or 0} of {engine.get('inflight_cap') or 0} in flight, "
+        f"{engine.get('restarts_in_window') or 0} restarts in its window"
+    )
 
 
 def _alarm_numbers(engine: Mapping[str, Any]) -> dict[str, Any]:

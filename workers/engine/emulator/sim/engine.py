@@ -15,6 +15,7 @@ import math
 import os
 import random
 import sys
+import time
 import uuid
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
@@ -145,10 +146,11 @@ class Engine:
 
     def log_request(self, entry: dict[str, Any]) -> None:
         """Append what a chat request asked and what it got to the request log, if kept, with
-        how many requests the engine held (running and waiting) when it arrived."""
+        how many requests the engine held (running and waiting) when it arrived and when
+        (`ts`, this host's wall clock: a soak on one machine orders sends and faults by it)."""
         if self._request_log is not None:
             s = self.scheduler
-            entry = {**entry, "in_engine": len(s.running) + len(s.waiting)}
+            entry = {**entry, "in_engine": len(s.running) + len(s.waiting), "ts": time.time()}
             self._request_log.write(orjson.dumps(entry) + b"\n")
             self._request_log.flush()
 
@@ -183,6 +185,7 @@ class Engine:
         if crash is None or crash.on_prompt is None:
             return
         if crash.on_prompt in orjson.dumps(messages).decode():
+            self.log_request({"body": {"messages": messages}, "outcome": "crash", "id": None})
             self._crash(f"RuntimeError: emulated crash on a prompt holding {crash.on_prompt!r}")
 
     def _crash(self, line: str) -> None:
