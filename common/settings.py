@@ -168,12 +168,14 @@ class Settings(BaseSettings):
     # The repetition guard (workers/repetition.py): a streaming answer whose last
     # repetition_min_span_chars (and at least repetition_min_repeats copies) are one block of
     # repetition_min_block_chars … repetition_max_block_chars repeated is stopped and recorded
-    # as finish_reason "repetition".
+    # as finish_reason "repetition"; a block too long for those copies to fit
+    # repetition_max_span_chars needs that span and three copies.
     repetition_guard: bool = True
     repetition_min_span_chars: int = Field(default=3000, ge=1)
     repetition_min_repeats: int = Field(default=8, ge=2)
     repetition_min_block_chars: int = Field(default=10, ge=1)
     repetition_max_block_chars: int = Field(default=1500, ge=1)
+    repetition_max_span_chars: int = Field(default=6000, ge=1)
 
     # --- watching ---------------------------------------------------------------------------
     # One power-watch round per power window: each round judges a fresh minute, and in Flower

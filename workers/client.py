@@ -15,38 +15,32 @@ Answers stream (SSE, `workers/stream.py`): an in-stream error chunk maps by its 
 status above would; a stream that ends before its finish chunk is a failed try; an answer the
 repetition guard stops is a result with `finish_reason "repetition"` and its `repetition`
 figures (where the loop began, the block, the budget it did not spend).
-The hot path decodes with orjson and builds no validation models per request. It speaks HTTP
-through aiohttp (with a pool of a few hundred connections it sustains ~10x httpx's request
-rate on one core); `timeout_s` is a deadline for the whole request (connect, queue on the
-engine, generation, body), the client's own or the one a call passes (`workers/deadline`).
+The hot path decodes with orjson and builds no validation models per request. The wire is
+`workers/transport.py`'s (aiohttp by default); `timeout_s` is a deadline for the whole request
+(connect, queue on the engine, generation, body), the client's own or the one a call passes
+(`workers/deadline`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import email.utils
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import aiohttp
 import orjson
-from yarl import URL
 
 from genfleet.common.errors import (
     EngineBusy,
     EngineConfigError,
-    EngineDown,
-    EngineUnreachable,
     RequestFailed,
     RequestRejected,
-    RequestTimedOut,
 )
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
 from genfleet.workers.engine.launch import auth_headers
 from genfleet.workers.repetition import RepetitionRule
 from genfleet.workers.stream import ChatStream
+from genfleet.workers.transport import AiohttpTransport, Transport
 
 # The longest Retry-After honoured: a server asking for more is waited on in steps of this.
 MAX_RETRY_AFTER_S = 60.0
@@ -305,119 +299,6 @@ def answer_error(status: int, payload: bytes, retry_after: str | None = None) ->
     return RequestFailed(status, kind or "http_error", text)
 
 
-@contextlib.contextmanager
-def _transport_errors(timeout: aiohttp.ClientTimeout) -> Iterator[None]:
-    """aiohttp's failures as genfleet's, in one place: a request that never connected
-    (EngineUnreachable), one past its deadline (RequestTimedOut), anything else on the wire
-    (EngineDown)."""
-    try:
-        yield
-    except (aiohttp.ConnectionTimeoutError, aiohttp.ClientConnectorError) as exc:
-        raise EngineUnreachable(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
-    except TimeoutError as exc:
-        raise RequestTimedOut(
-            f"request timed out after {timeout.total:.0f} s: {exc.__class__.__name__}"
-        ) from exc
-    except aiohttp.ClientError as exc:
-        raise EngineDown(f"engine unreachable: {exc.__class__.__name__}: {exc}") from exc
-
-
-class _AiohttpPost:
-    """One aiohttp session, a keep-alive pool, a prebuilt URL."""
-
-    def __init__(
-        self, url: str, headers: dict[str, str], timeout_s: float, max_connections: int
-    ) -> None:
-        self._url = URL(url)
-        self._headers = headers
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=10.0)
-        self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
-
-    def _open(self) -> aiohttp.ClientSession:
-        """Made on first use, inside the loop that will run every request."""
-        connector = aiohttp.TCPConnector(
-            limit=self._max_connections, ttl_dns_cache=None, keepalive_timeout=60.0
-        )
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=self._timeout,
-            headers=self._headers,
-            auto_decompress=False,
-        )
-        return self._session
-
-    async def __call__(
-        self, body: bytes, timeout_s: float | None = None
-    ) -> tuple[int, bytes, str | None]:
-        """(status, body, Retry-After); transport failures raise EngineDown, the request's
-        deadline (`timeout_s`, else the session's) RequestTimedOut."""
-        session = self._session or self._open()
-        timeout = self._timeout if timeout_s is None else self._deadline(timeout_s)
-        with _transport_errors(timeout):
-            async with session.post(self._url, data=body, timeout=timeout) as response:
-                payload = await response.read()
-                status = response.status
-                # Retry-After matters only on a refusal: no header lookup per completion.
-                return (
-                    status,
-                    payload,
-                    None if status == 200 else response.headers.get("Retry-After"),
-                )
-
-    async def stream(
-        self, body: bytes, sink: ChatStream, timeout_s: float | None = None
-    ) -> tuple[int, bytes, str | None]:
-        """POST and feed the SSE body to `sink` line by line as it arrives; (status, body,
-        Retry-After) with the body empty once streamed. When `sink` says stop before the end
-        (a loop), the connection is closed at once: SGLang aborts a request whose client is
-        gone. A 200 that is not an event stream (a server that does not stream) comes back
-        whole, to be read as a plain completion. Failures map as `__call__`'s do."""
-        session = self._session or self._open()
-        timeout = self._timeout if timeout_s is None else self._deadline(timeout_s)
-        with _transport_errors(timeout):
-            async with session.post(self._url, data=body, timeout=timeout) as response:
-                status = response.status
-                if status != 200:
-                    return status, await response.read(), response.headers.get("Retry-After")
-                if response.content_type != "text/event-stream":
-                    return status, await response.read(), None
-                if not await _feed(response, sink):
-                    return status, b"", None
-                if not sink.done:
-                    response.close()
-                return status, b"", None
-
-    def _deadline(self, timeout_s: float) -> aiohttp.ClientTimeout:
-        return aiohttp.ClientTimeout(total=timeout_s, connect=self._timeout.connect)
-
-    async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-
-
-async def _feed(response: aiohttp.ClientResponse, sink: ChatStream) -> bool:
-    """Lines of the body to `sink` until it says stop (True) or the body ends (False).
-    Split here rather than with `readline`, which caps a line at 128 KiB."""
-    pending: list[bytes] = []
-    async for data in response.content.iter_any():
-        if b"\n" not in data:
-            pending.append(data)
-            continue
-        if pending:
-            data = b"".join((*pending, data))
-            pending = []
-        *lines, rest = data.split(b"\n")
-        for line in lines:
-            if line and sink.feed(line):  # blank lines only separate events
-                return True
-        if rest:
-            pending.append(rest)
-    if pending:
-        return sink.feed(b"".join(pending))
-    return False
-
-
 DEFAULT_RULE = RepetitionRule()
 
 
@@ -439,14 +320,19 @@ class EngineClient:
         max_connections: int = 256,
         thinking: ThinkingSwitch | None = None,
         repetition: RepetitionRule | None = DEFAULT_RULE,
+        transport: Transport | None = None,
     ) -> None:
-        headers = {"Content-Type": "application/json", **auth_headers(api_key)}
+        """`transport`: how requests travel (workers/transport.py); by default aiohttp to
+        `base_url` with `api_key`, `timeout_s` and `max_connections`."""
         self.model = model
         self.timeout_s = timeout_s
         self.thinking = thinking or ThinkingSwitch()
         self.repetition = repetition  # None: the guard is off, answers still stream
-        url = base_url.rstrip("/") + "/v1/chat/completions"
-        self._post = _AiohttpPost(url, headers, timeout_s, max_connections)
+        if transport is None:
+            headers = {"Content-Type": "application/json", **auth_headers(api_key)}
+            url = base_url.rstrip("/") + "/v1/chat/completions"
+            transport = AiohttpTransport(url, headers, timeout_s, max_connections)
+        self._transport = transport
 
     async def chat(
         self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
@@ -457,7 +343,7 @@ class EngineClient:
         body = orjson.dumps(fields)
         stream = ChatStream(self.repetition)
         started = time.monotonic()
-        status, payload, retry_after = await self._post.stream(body, stream, timeout_s)
+        status, payload, retry_after = await self._transport.stream(body, stream, timeout_s)
         if status == 200:
             if not payload:
                 max_tokens = fields.get("max_completion_tokens") or fields.get("max_tokens")
@@ -470,4 +356,4 @@ class EngineClient:
         raise answer_error(status, payload, retry_after)
 
     async def aclose(self) -> None:
-        await self._post.aclose()
+        await self._transport.aclose()

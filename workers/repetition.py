@@ -2,11 +2,14 @@
 
 A thinking model sometimes falls into a loop, the same sentence or paragraph again and again
 until `max_tokens`. The guard watches the tail of the text as it arrives and calls it a loop
-when the last `min_span_chars` characters (at least `min_repeats` copies of the block) are one
-block of `min_block_chars` … `max_block_chars` characters repeated exactly, character for
-character. It is conservative by construction: text that repeats a structure with anything
-changing in it (a table's cells, a list's numbers, code's names, a refrain between verses)
-is never periodic over thousands of characters; a run whose shortest period is below
+when its last part is one block of `min_block_chars` … `max_block_chars` characters repeated
+exactly, character for character: at least `min_span_chars` characters and `min_repeats`
+copies of the block, or, for a block so long that those copies would run past
+`max_span_chars`, that many characters and never fewer than three copies (a paragraph of
+1,500 characters written out verbatim four times is a loop, and waiting for eight would let
+it burn 3,000 tokens). It is conservative by construction: text that repeats a structure
+with anything changing in it (a table's cells, a list's numbers, code's names, a refrain
+between verses) is never periodic over thousands of characters; a run whose shortest period is below
 `min_block_chars` (a rule of `=`, padding) is left alone.
 
 Cost per chunk does not grow with the answer: the detector keeps only the tail it can need
@@ -32,21 +35,25 @@ if TYPE_CHECKING:
 
 NEEDLE_CHARS = 32  # the tail's last characters whose earlier copies name candidate periods
 MAX_CANDIDATES = 24  # candidate periods verified per check, nearest first
+# A long block counts as a loop from this many verbatim copies on, when `min_repeats` of it
+# would not fit `max_span_chars`: two copies are a quotation, three of a paragraph are not.
+LONG_BLOCK_MIN_REPEATS = 3
 
 
 @dataclass(frozen=True, slots=True)
 class RepetitionRule:
     """When a tail counts as a loop: the settings `repetition_*`, with their defaults.
 
-    The defaults stop a loop of a block of p characters once max(3,000, 8 x p) characters of
-    it have streamed (plus one check interval): within 2,000 tokens of its start for blocks
-    up to about 900 characters at 4 characters a token.
+    The defaults stop a loop of a block of p characters once max(3,000, min(8 x p, 6,000),
+    3 x p) characters of it have streamed (plus one check interval): within 2,000 tokens of
+    its start for every block up to the longest (1,500 characters) at 4 characters a token.
     """
 
     min_span_chars: int = 3000
     min_repeats: int = 8
     min_block_chars: int = 10
     max_block_chars: int = 1500
+    max_span_chars: int = 6000
     check_every_chars: int = 256
 
     def __post_init__(self) -> None:
@@ -60,10 +67,17 @@ class RepetitionRule:
                 "repetition_min_repeats must be at least 2, repetition_min_span_chars and "
                 "the check interval at least 1"
             )
+        if self.max_span_chars < self.min_span_chars:
+            raise ValueError(
+                f"repetition_max_span_chars ({self.max_span_chars}) must be at least "
+                f"repetition_min_span_chars ({self.min_span_chars})"
+            )
 
     def span_chars(self, block_chars: int) -> int:
         """How much periodic tail a block of this size needs before it counts as a loop."""
-        return max(self.min_span_chars, self.min_repeats * block_chars)
+        copies = min(self.min_repeats, LONG_BLOCK_MIN_REPEATS)
+        wanted = min(self.min_repeats * block_chars, self.max_span_chars)
+        return max(self.min_span_chars, wanted, copies * block_chars)
 
     @property
     def keep_chars(self) -> int:
@@ -80,6 +94,7 @@ def repetition_rule(settings: Settings) -> RepetitionRule | None:
         min_repeats=settings.repetition_min_repeats,
         min_block_chars=settings.repetition_min_block_chars,
         max_block_chars=settings.repetition_max_block_chars,
+        max_span_chars=settings.repetition_max_span_chars,
     )
 
 

@@ -35,12 +35,14 @@ LEGIT_RATE = 0.10
 MAX_TOKENS = 8192
 
 
-def planned(text: str) -> tuple[str, int]:
-    """The emulator's plan for a prompt: its kind of answer and, for a loop, its first token."""
+def planned(text: str) -> tuple[str, int, int]:
+    """The emulator's plan for a prompt: its kind of answer and, for a loop, its first token
+    and its block's tokens."""
     key, _ = chat_prompt([{"role": "user", "content": text}], thinking=True)
     seed = prompt_seed(key, 0)
     kind = draw_text_kind(seed, LOOP_RATE, LEGIT_RATE)
-    return kind, draw_loop(seed, MAX_TOKENS)[0] if kind == "loop" else 0
+    loop_at, block = draw_loop(seed, MAX_TOKENS) if kind == "loop" else (0, 0)
+    return kind, loop_at, block
 
 
 def test_loops_are_stopped_early_and_kept_apart_and_nothing_else_is(
@@ -53,9 +55,11 @@ def test_loops_are_stopped_early_and_kept_apart_and_nothing_else_is(
         f"q{n:04d}": f"Question {n}: list the first {n} primes and explain." for n in range(PROMPTS)
     }
     plans = {i: planned(text) for i, text in texts.items()}
-    loops = {i for i, (kind, _) in plans.items() if kind == "loop"}
-    legit = {i for i, (kind, _) in plans.items() if kind not in {"loop", "plain"}}
+    loops = {i for i, (kind, _, _) in plans.items() if kind == "loop"}
+    legit = {i for i, (kind, _, _) in plans.items() if kind not in {"loop", "plain"}}
     assert len(loops) >= 4 and len(legit) >= 8  # the plan holds both kinds
+    blocks = {plans[i][2] for i in loops}
+    assert min(blocks) <= 5 and max(blocks) >= 300  # loops of a few words and of paragraphs
     source = lines(tmp_path / "prompts.jsonl", [{"id": i, "prompt": t} for i, t in texts.items()])
     store_url = (tmp_path / "store").as_uri()
     env = base_env(
@@ -85,7 +89,7 @@ def test_loops_are_stopped_early_and_kept_apart_and_nothing_else_is(
         figures = row["repetition"]
         generated = row["usage"]["completion_tokens"]
         assert generated - loop_at <= 2000, (i, loop_at, figures)
-        assert abs(figures["start_token_estimate"] - loop_at) <= 200  # within one block
+        assert abs(figures["start_token_estimate"] - loop_at) <= max(50, plans[i][2])
         assert figures["tokens_saved"] == MAX_TOKENS - generated
         assert row["error"] is None and row["reasoning"]
     for i in legit:

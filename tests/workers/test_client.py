@@ -1,9 +1,11 @@
-"""The engine client's error mapping and request shape, over real HTTP (aiohttp, the
-production path) against a small local server that answers what each case needs."""
+"""The engine client's answer mapping and request shape. The contract cases run over both
+wires: real HTTP (aiohttp's transport, the production path, against a small local server)
+and in process (`tests/fakes/transport.py`), so the fake transport answers as the real one."""
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,9 +19,11 @@ from genfleet.common.errors import (
     EngineDown,
     RequestFailed,
     RequestRejected,
+    RequestTimedOut,
 )
 from genfleet.common.records import GenerationParams, PromptRecord
 from genfleet.workers.client import (
+    ChatResult,
     EngineClient,
     ThinkingSwitch,
     answer_error,
@@ -27,6 +31,7 @@ from genfleet.workers.client import (
     request_body,
     retry_after_s,
 )
+from tests.fakes.transport import Answer, Events, ScriptedTransport, Whole, encoded
 from tests.support import free_port
 
 PARAMS = GenerationParams(max_tokens=64, temperature=0.6, top_p=0.95, thinking=True)
@@ -50,49 +55,114 @@ OK = {
 }
 
 
-class Server:
-    """Answers each POST with the next (status, body, delay) it was given; records bodies."""
+class HttpEngine:
+    """Serves scripted answers over real HTTP as `ScriptedTransport` gives them in process:
+    each POST takes the next; records bodies, headers and whether a stream's client went away
+    before its end. `delay_s`: how long it waits before each answer."""
 
-    def __init__(self) -> None:
-        self.replies: list[tuple[int, Any, float]] = []
+    def __init__(self, answers: list[Answer], delay_s: float = 0.0) -> None:
+        self.answers = answers
+        self.delay_s = delay_s
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        self.closed_early: list[bool] = []
 
-    async def handle(self, request: web.Request) -> web.Response:
+    async def handle(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(orjson.loads(await request.read()))
         self.headers.append(dict(request.headers))
-        status, body, delay = self.replies.pop(0)
-        await asyncio.sleep(delay)
-        return web.Response(status=status, body=orjson.dumps(body))
+        answer = self.answers.pop(0)
+        await asyncio.sleep(self.delay_s)
+        if isinstance(answer, Whole):
+            headers = {"Retry-After": answer.retry_after} if answer.retry_after else None
+            return web.Response(status=answer.status, body=encoded(answer.body), headers=headers)
+        assert isinstance(answer, Events), "an HTTP server answers; it raises nothing"
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for event in answer.events:
+                await response.write(b"data: " + encoded(event) + b"\n\n")
+                await asyncio.sleep(0)
+        except (ConnectionResetError, RuntimeError):
+            self.closed_early.append(True)  # the client closed the stream
+            return response
+        self.closed_early.append(False)
+        return response
+
+
+WIRES = ["http", "in-process"]
+
+
+@dataclass
+class Answered:
+    """What a client call returned, and what the engine saw of it."""
+
+    result: ChatResult
+    bodies: list[dict[str, Any]]
+    closed_early: list[bool]
+    headers: list[dict[str, str]]
 
 
 def run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-async def _with_server(replies: list[tuple[int, Any, float]], timeout_s: float = 5.0) -> Any:
-    state = Server()
-    state.replies = replies
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", state.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    client = EngineClient(f"http://127.0.0.1:{port}", model="m", api_key="k", timeout_s=timeout_s)
-    try:
-        return await client.chat(RECORD, PARAMS), state
-    finally:
-        await client.aclose()
-        await runner.cleanup()
+def ask(
+    wire: str,
+    answers: list[Answer],
+    record: PromptRecord = RECORD,
+    delay_s: float = 0.0,
+    **client_args: Any,
+) -> Answered:
+    """One `chat` of `record` by a client whose engine answers `answers`, over `wire`."""
+    client_args.setdefault("timeout_s", 10.0)
+    if wire == "in-process":
+        transport = ScriptedTransport(answers)
+        client = EngineClient("http://unused", model="m", transport=transport, **client_args)
+
+        async def local() -> ChatResult:
+            try:
+                return await client.chat(record, PARAMS)
+            finally:
+                await client.aclose()
+
+        result = run(local())
+        assert transport.closed
+        return Answered(result, transport.bodies, transport.closed_early, [])
+    streams = sum(isinstance(answer, Events) for answer in answers)
+    engine = HttpEngine(answers, delay_s)
+
+    async def served() -> ChatResult:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", engine.handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        url = f"http://127.0.0.1:{port}"
+        client = EngineClient(url, model="m", api_key="k", **client_args)
+        try:
+            result = await client.chat(record, PARAMS)
+            for _ in range(500):  # a stream's handler ends once it sees the client go
+                if len(engine.closed_early) >= streams:
+                    break
+                await asyncio.sleep(0.01)
+            return result
+        finally:
+            await client.aclose()
+            await runner.cleanup()
+
+    result = run(served())
+    return Answered(result, engine.bodies, engine.closed_early, engine.headers)
 
 
-def test_success_is_parsed_and_the_request_is_plain_openai() -> None:
-    result, state = run(_with_server([(200, OK, 0.0)]))
+@pytest.mark.parametrize("wire", WIRES)
+def test_success_is_parsed_and_the_request_is_plain_openai(wire: str) -> None:
+    answered = ask(wire, [Whole(200, OK)])
+    result = answered.result
     assert (result.content, result.reasoning, result.finish_reason) == ("4", "2+2", "stop")
     assert (result.usage.completion_tokens, result.usage.reasoning_tokens) == (7, 3)
     assert result.request_id == OK["id"]
-    assert state.bodies == [
+    assert answered.bodies == [
         {
             "model": "m",
             "messages": RECORD.messages,
@@ -103,7 +173,8 @@ def test_success_is_parsed_and_the_request_is_plain_openai() -> None:
             "stream_options": {"include_usage": True, "continuous_usage_stats": True},
         }
     ]
-    assert state.headers[0]["Authorization"] == "Bearer k"
+    if wire == "http":
+        assert answered.headers[0]["Authorization"] == "Bearer k"
 
 
 @pytest.mark.parametrize(
@@ -136,9 +207,12 @@ def test_success_is_parsed_and_the_request_is_plain_openai() -> None:
         (404, {"error": {"message": "not found"}}, EngineConfigError, "not found"),
     ],
 )
-def test_error_mapping(status: int, body: Any, error: type[Exception], text: str) -> None:
+@pytest.mark.parametrize("wire", WIRES)
+def test_error_mapping(
+    wire: str, status: int, body: Any, error: type[Exception], text: str
+) -> None:
     with pytest.raises(error, match=text) as info:
-        run(_with_server([(status, body, 0.0)]))
+        ask(wire, [Whole(status, body)])
     if error is RequestRejected:
         assert info.value.status == status  # type: ignore[attr-defined]
     if error is EngineBusy:
@@ -159,10 +233,11 @@ def test_retry_after_as_an_http_date() -> None:
     assert retry_after_s("Thu, 01 Jan 1970 00:00:10 GMT", now=4.0) == 6.0
 
 
-def test_an_aborted_answer_is_a_failed_try_never_a_result() -> None:
+@pytest.mark.parametrize("wire", WIRES)
+def test_an_aborted_answer_is_a_failed_try_never_a_result(wire: str) -> None:
     aborted = {**OK, "choices": [{**OK["choices"][0], "finish_reason": "abort"}]}  # type: ignore[dict-item]
     with pytest.raises(RequestFailed, match="aborted") as info:
-        run(_with_server([(200, aborted, 0.0)]))
+        ask(wire, [Whole(200, aborted)])
     assert info.value.kind == "abort"
 
 
@@ -198,8 +273,15 @@ def test_reasoning_tokens_are_read_from_either_place(usage: dict[str, Any], reas
 
 
 def test_deadline_is_enforced_by_the_client() -> None:
-    with pytest.raises(EngineDown, match="timed out"):
-        run(_with_server([(200, OK, 3.0)], timeout_s=0.5))
+    with pytest.raises(RequestTimedOut, match="timed out"):
+        ask("http", [Whole(200, OK)], delay_s=3.0, timeout_s=0.5)
+
+
+def test_the_busy_answer_keeps_its_retry_after_on_either_wire() -> None:
+    for wire in WIRES:
+        with pytest.raises(EngineBusy) as info:
+            ask(wire, [Whole(429, {"error": {"message": "slow down"}}, retry_after="3")])
+        assert info.value.retry_after_s == 3.0, wire
 
 
 def test_connection_refused_is_engine_down() -> None:
@@ -280,46 +362,8 @@ def chunk(delta: dict[str, Any] | None = None, finish: str | None = None, **extr
     return {**head, "choices": [choice], **extra}
 
 
-class StreamServer:
-    """Streams the SSE lines it was given (a generator may run forever); records whether the
-    client went away before the stream's end."""
-
-    def __init__(self, lines: Any) -> None:
-        self.lines = lines
-        self.bodies: list[dict[str, Any]] = []
-        self.closed_early = asyncio.Event()
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        self.bodies.append(orjson.loads(await request.read()))
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        try:
-            for line in self.lines:
-                payload = line if isinstance(line, bytes) else orjson.dumps(line)
-                await response.write(b"data: " + payload + b"\n\n")
-                await asyncio.sleep(0)
-        except (ConnectionResetError, RuntimeError):
-            self.closed_early.set()  # the client closed the stream
-        return response
-
-
-async def _with_stream(lines: Any, **client_args: Any) -> Any:
-    state = StreamServer(lines)
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", state.handle)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    client = EngineClient(f"http://127.0.0.1:{port}", model="m", timeout_s=10, **client_args)
-    try:
-        return await client.chat(RECORD, PARAMS), state
-    finally:
-        await client.aclose()
-        await runner.cleanup()
-
-
-def test_a_stream_is_assembled_like_a_whole_answer() -> None:
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_stream_is_assembled_like_a_whole_answer(wire: str) -> None:
     usage = {"prompt_tokens": 5, "completion_tokens": 7, "total_tokens": 12, "reasoning_tokens": 3}
     logprob = {"token": "4", "bytes": [52], "logprob": -0.1, "top_logprobs": []}
     lines = [
@@ -333,15 +377,17 @@ def test_a_stream_is_assembled_like_a_whole_answer() -> None:
         chunk(choices=[], usage=usage),
         b"[DONE]",
     ]  # fmt: skip
-    result, state = run(_with_stream(lines))
+    answered = ask(wire, [Events(lines)])
+    result = answered.result
     assert (result.reasoning, result.content, result.finish_reason) == ("2+2", "4!", "stop")
     assert (result.usage.prompt_tokens, result.usage.completion_tokens) == (5, 7)
     assert result.usage.reasoning_tokens == 3
     assert (result.request_id, result.model) == (OK["id"], "m")
     assert result.logprobs == {"content": [logprob]}
     assert result.repetition is None
-    assert state.bodies[0]["stream"] is True
-    assert state.bodies[0]["stream_options"]["include_usage"] is True
+    assert answered.bodies[0]["stream"] is True
+    assert answered.bodies[0]["stream_options"]["include_usage"] is True
+    assert answered.closed_early == [False]
 
 
 @pytest.mark.parametrize(
@@ -355,13 +401,17 @@ def test_a_stream_is_assembled_like_a_whole_answer() -> None:
         ({"message": "no code"}, RequestFailed),
     ],
 )  # fmt: skip
-def test_an_in_stream_error_maps_like_its_status(error: dict[str, Any], raised: type) -> None:
+@pytest.mark.parametrize("wire", WIRES)
+def test_an_in_stream_error_maps_like_its_status(
+    wire: str, error: dict[str, Any], raised: type
+) -> None:
     lines = [chunk({"role": "assistant", "content": ""}), {"error": error}, b"[DONE]"]
     with pytest.raises(raised, match=error["message"][:12]):
-        run(_with_stream(lines))
+        ask(wire, [Events(lines)])
 
 
-def test_a_stream_that_does_not_finish_is_a_failed_try() -> None:
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_stream_that_does_not_finish_is_a_failed_try(wire: str) -> None:
     cases = [
         ([chunk({"content": "half an ans"})], "bad_response"),  # cut before the finish chunk
         ([chunk({"content": "partial"}), chunk({}, "abort"), b"[DONE]"], "abort"),
@@ -369,7 +419,7 @@ def test_a_stream_that_does_not_finish_is_a_failed_try() -> None:
     ]
     for lines, kind in cases:
         with pytest.raises(RequestFailed) as info:
-            run(_with_stream(lines))
+            ask(wire, [Events(lines)])
         assert info.value.kind == kind
 
 
@@ -387,30 +437,16 @@ def looping(prefix: str, block: str, max_chunks: int, tokens_per_chunk: int = 32
     yield b"[DONE]"
 
 
-def test_a_looping_stream_is_stopped_at_once_and_kept_as_repetition() -> None:
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_looping_stream_is_stopped_at_once_and_kept_as_repetition(wire: str) -> None:
     prefix = "Let me think about the sum of the first odd numbers. " * 3
     block = "Wait, let me recount the odd numbers once more from the start. "
     params_tokens = PARAMS.max_tokens * 1000  # a budget far above what the loop spends
     record = PromptRecord("p1", RECORD.messages, params={"max_tokens": params_tokens})
 
-    async def go() -> Any:
-        state = StreamServer(looping(prefix, block, max_chunks=10_000))
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", state.handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        client = EngineClient(f"http://127.0.0.1:{port}", model="m", timeout_s=10)
-        try:
-            result = await client.chat(record, PARAMS)
-            await asyncio.wait_for(state.closed_early.wait(), 5)  # the server saw it go
-            return result
-        finally:
-            await client.aclose()
-            await runner.cleanup()
-
-    result = run(go())
+    answered = ask(wire, [Events(looping(prefix, block, max_chunks=10_000))], record)
+    assert answered.closed_early == [True]  # the engine saw its client go: SGLang aborts
+    result = answered.result
     loop = result.repetition
     assert result.finish_reason == "repetition"
     assert loop["field"] == "reasoning" and loop["block_chars"] == len(block)
@@ -422,20 +458,23 @@ def test_a_looping_stream_is_stopped_at_once_and_kept_as_repetition() -> None:
     assert abs(loop["start_token_estimate"] - len(prefix) // 4) <= len(block)
 
 
-def test_with_the_guard_off_a_loop_runs_to_its_end() -> None:
+@pytest.mark.parametrize("wire", WIRES)
+def test_with_the_guard_off_a_loop_runs_to_its_end(wire: str) -> None:
     block = "Wait, let me recount the odd numbers once more from the start. "
-    result, state = run(_with_stream(looping("", block, max_chunks=60), repetition=None))
+    answered = ask(wire, [Events(looping("", block, max_chunks=60))], repetition=None)
+    result = answered.result
     assert result.finish_reason == "length"
     assert result.usage.completion_tokens == 60 * 32
-    assert not state.closed_early.is_set()
+    assert answered.closed_early == [False]
 
 
 GOLDEN_STREAM = Path(__file__).resolve().parents[1] / "golden" / "sglang-0.5.15" / "chat_stream.sse"
 
 
-def test_a_stream_recorded_from_real_sglang_is_assembled() -> None:
-    """SGLang 0.5.15's own chat stream (tests/golden), served back over HTTP: the client puts
-    together the same reasoning, finish reason and usage the stream carries."""
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_stream_recorded_from_real_sglang_is_assembled(wire: str) -> None:
+    """SGLang 0.5.15's own chat stream (tests/golden), served back: the client puts together
+    the same reasoning, finish reason and usage the stream carries."""
     payloads = [
         line[len(b"data: ") :]
         for line in GOLDEN_STREAM.read_bytes().splitlines()
@@ -444,7 +483,7 @@ def test_a_stream_recorded_from_real_sglang_is_assembled() -> None:
     chunks = [orjson.loads(p) for p in payloads if p != b"[DONE]"]
     deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"]]
     usage = chunks[-1]["usage"]
-    result, _ = run(_with_stream(payloads))
+    result = ask(wire, [Events(payloads)]).result
     assert result.reasoning == "".join(d.get("reasoning_content") or "" for d in deltas)
     assert result.content == "".join(d.get("content") or "" for d in deltas)
     assert result.finish_reason == "length" and result.repetition is None

@@ -23,6 +23,16 @@ def stream(text: str, rule: RepetitionRule = RULE, chunk: int = CHUNK_CHARS) -> 
     return None
 
 
+def block_of(chars: int) -> str:
+    """A block whose shortest period is its own length."""
+    text = synth_text(11, chars // 4 + 2)
+    for start in range(64):
+        block = (text + text)[start : start + chars]
+        if (block + block).find(block, 1) == chars:
+            return block
+    raise AssertionError("no aperiodic block")
+
+
 PROSE = (
     "To find the sum of the first n odd numbers we can pair them from both ends. The first "
     "and the last add to 2n, the second and the second last too, and there are n/2 pairs. "
@@ -59,6 +69,13 @@ def ascii_rule() -> str:
     return PROSE + "=" * 5000 + "\n" + PROSE  # a short-period run is not a block loop
 
 
+def quoted_paragraph() -> str:
+    """A 1,500-character paragraph quoted three times, verbatim, between prose: a long block
+    needs a fourth copy (6,000 characters of it) before it is a loop."""
+    paragraph = block_of(1500)
+    return PROSE * 10 + paragraph * 3 + PROSE * 10
+
+
 LEGITIMATE = {
     "prose": PROSE + synth_text(7, 30_000),
     "code": code(),
@@ -67,6 +84,7 @@ LEGITIMATE = {
     "refrain": refrain(),
     "long enumeration": enumeration(),
     "ascii rule": ascii_rule(),
+    "paragraph quoted three times": quoted_paragraph(),
     **{f"emulator {kind}": legit_text(kind, 3, 20_000) for kind in LEGIT_KINDS},
 }
 
@@ -78,17 +96,7 @@ def test_legitimate_repetition_is_never_stopped(name: str) -> None:
     assert stream(text) is None
 
 
-def block_of(chars: int) -> str:
-    """A block whose shortest period is its own length."""
-    text = synth_text(11, chars // 4 + 2)
-    for start in range(64):
-        block = (text + text)[start : start + chars]
-        if (block + block).find(block, 1) == chars:
-            return block
-    raise AssertionError("no aperiodic block")
-
-
-@pytest.mark.parametrize("block_chars", [10, 13, 40, 97, 256, 500, 800, 900])
+@pytest.mark.parametrize("block_chars", [10, 13, 40, 97, 256, 500, 800, 900, 1200, 1500])
 @pytest.mark.parametrize("chunk", [1, 37, CHUNK_CHARS, 300])
 def test_loops_are_caught_within_2000_tokens_of_their_start(block_chars: int, chunk: int) -> None:
     prefix = PROSE * 5
@@ -99,7 +107,26 @@ def test_loops_are_caught_within_2000_tokens_of_their_start(block_chars: int, ch
     assert loop.block_chars == block_chars
     assert len(prefix) - block_chars < loop.start_char <= len(prefix)
     assert (loop.chars - len(prefix)) / CHARS_PER_TOKEN <= 2000
-    assert loop.repeats >= RULE.min_repeats
+    assert loop.repeats * block_chars >= RULE.span_chars(block_chars)
+    assert loop.repeats >= min(RULE.min_repeats, 3)  # never fewer than three copies
+
+
+@pytest.mark.parametrize(
+    ("rule", "block_chars", "span"),
+    [
+        (RULE, 10, 3000),  # short blocks: the minimum span
+        (RULE, 375, 3000),
+        (RULE, 500, 4000),  # eight copies
+        (RULE, 750, 6000),
+        (RULE, 1000, 6000),  # long blocks: the maximum span, four to six copies
+        (RULE, 1500, 6000),
+        (RepetitionRule(max_span_chars=20_000), 1500, 12_000),  # eight copies fit
+        (RepetitionRule(min_repeats=2), 1500, 3000),  # fewer copies asked: those
+        (RepetitionRule(max_span_chars=3000), 1500, 4500),  # never fewer than three
+    ],
+)
+def test_the_span_a_block_needs(rule: RepetitionRule, block_chars: int, span: int) -> None:
+    assert rule.span_chars(block_chars) == span
 
 
 def test_a_loop_is_caught_however_long_the_answer_before_it() -> None:
@@ -130,7 +157,12 @@ def test_the_tail_kept_is_bounded_whatever_the_length() -> None:
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"min_block_chars": 0}, {"min_block_chars": 200, "max_block_chars": 100}, {"min_repeats": 1}],
+    [
+        {"min_block_chars": 0},
+        {"min_block_chars": 200, "max_block_chars": 100},
+        {"min_repeats": 1},
+        {"min_span_chars": 3000, "max_span_chars": 2000},
+    ],
 )
 def test_impossible_rules_are_refused(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="repetition_"):

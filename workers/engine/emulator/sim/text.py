@@ -85,15 +85,21 @@ def synth_ids(seed: int, tokens: int) -> list[int]:
 # --- answers that repeat: loops the repetition guard must stop, structure it must not -------
 
 LEGIT_KINDS = ("table", "list", "code", "refrain", "enumeration")
-LOOP_BLOCK_TOKENS = (3, 5, 12, 30, 75, 150, 200)  # 12 … 800 characters
+LOOP_BLOCK_TOKENS = (3, 5, 12, 30, 75, 150, 200, 300, 375)  # 12 … 1,500 characters
 LOOP_START_TOKENS = (64, 1200)  # a loop begins this many tokens in, at the earliest and latest
 _CHORUS = "Oh the night is long and the road goes on, so we sing it again until the dawn.\n"
 _legit_cache: dict[tuple[str, int], str] = {}
+_MASK64 = 2**64 - 1
 
 
 def _draw(seed: int, salt: int) -> float:
-    """A uniform [0, 1) draw of the prompt's seed, independent of its length's draws."""
-    return zlib.crc32(seed.to_bytes(8, "little", signed=False), salt) / 2**32
+    """A uniform [0, 1) draw of the prompt's seed, independent of its length's draws and of
+    its other draws (splitmix64's finaliser: a CRC is linear, so draws of one seed under two
+    salts would move together, and every looping prompt would loop the same way)."""
+    x = (seed ^ (salt * 0x9E3779B97F4A7C15)) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (x ^ (x >> 31)) / 2**64
 
 
 def draw_text_kind(seed: int, loop_rate: float, legit_rate: float) -> str:
