@@ -9,11 +9,11 @@ copies of the block, or, for a block so long that those copies would run past
 1,500 characters written out verbatim four times is a loop, and waiting for eight would let
 it burn 3,000 tokens). It is conservative by construction: text that repeats a structure
 with anything changing in it (a table's cells, a list's numbers, code's names, a refrain
-between verses) is never periodic over thousands of characters; a run whose shortest period is below
-`min_block_chars` (a rule of `=`, padding) is left alone.
+between verses) is never periodic over thousands of characters; a run whose shortest period
+is below `min_block_chars` (a rule of `=`, padding) is left alone.
 
 Cost per chunk does not grow with the answer: the detector keeps only the tail it can need
-(`max(min_span_chars, min_repeats x max_block_chars)` plus slack), checks at most every
+(the span the longest block needs, plus slack), checks at most every
 `check_every_chars`, and a check is a few C-level string searches and comparisons over that
 tail. The candidate periods are the distances back to earlier copies of the last 32
 characters (`str.rfind`); each is verified by comparing the tail with itself shifted by it.
