@@ -13,6 +13,7 @@ Retry-After) for the client to map.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Iterator
 from typing import Protocol
@@ -24,6 +25,7 @@ from genfleet.common.errors import EngineDown, EngineUnreachable, RequestTimedOu
 
 # (status, body, Retry-After): the body is empty once it was streamed into the sink
 Reply = tuple[int, bytes, str | None]
+DRAIN_S = 1.0  # how long the end of a finished stream's body is waited for
 
 
 class Sink(Protocol):
@@ -108,7 +110,7 @@ class AiohttpTransport:
                     return status, await response.read(), None
                 if not await _feed(response, sink):
                     return status, b"", None
-                if not sink.done:
+                if not sink.done or not await _drained(response):
                     response.close()
                 return status, b"", None
 
@@ -118,6 +120,17 @@ class AiohttpTransport:
     async def aclose(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+async def _drained(response: aiohttp.ClientResponse) -> bool:
+    """Read the few bytes after `[DONE]` (the last separator, the chunked body's end), so that
+    the connection goes back to the pool instead of closing; False when the server holds the
+    body open past a moment (then it is closed: the answer is whole already)."""
+    try:
+        await asyncio.wait_for(response.content.read(), DRAIN_S)
+    except (TimeoutError, aiohttp.ClientError):
+        return False
+    return True
 
 
 async def _feed(response: aiohttp.ClientResponse, sink: Sink) -> bool:

@@ -60,16 +60,20 @@ class HttpEngine:
     each POST takes the next; records bodies, headers and whether a stream's client went away
     before its end. `delay_s`: how long it waits before each answer."""
 
-    def __init__(self, answers: list[Answer], delay_s: float = 0.0) -> None:
+    def __init__(self, answers: list[Answer], delay_s: float = 0.0, hold_s: float = 0.0) -> None:
         self.answers = answers
         self.delay_s = delay_s
+        self.hold_s = hold_s  # a stream's body held open this long after its last event
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
         self.closed_early: list[bool] = []
+        self.peers: list[Any] = []  # the client's end of each request's connection
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         self.bodies.append(orjson.loads(await request.read()))
         self.headers.append(dict(request.headers))
+        assert request.transport is not None
+        self.peers.append(request.transport.get_extra_info("peername"))
         answer = self.answers.pop(0)
         await asyncio.sleep(self.delay_s)
         if isinstance(answer, Whole):
@@ -82,6 +86,7 @@ class HttpEngine:
             for event in answer.events:
                 await response.write(b"data: " + encoded(event) + b"\n\n")
                 await asyncio.sleep(0)
+            await asyncio.sleep(self.hold_s)
         except (ConnectionResetError, RuntimeError):
             self.closed_early.append(True)  # the client closed the stream
             return response
@@ -282,6 +287,42 @@ def test_the_busy_answer_keeps_its_retry_after_on_either_wire() -> None:
         with pytest.raises(EngineBusy) as info:
             ask(wire, [Whole(429, {"error": {"message": "slow down"}}, retry_after="3")])
         assert info.value.retry_after_s == 3.0, wire
+
+
+def finished_stream(n: int) -> Events:
+    return Events(
+        [
+            chunk({"content": f"answer {n}"}),
+            chunk({}, "stop"),
+            chunk(choices=[], usage={}),
+            b"[DONE]",
+        ]
+    )
+
+
+@pytest.mark.parametrize(("hold_s", "connections"), [(0.0, 1), (3.0, 4)])
+def test_finished_streams_reuse_one_connection(hold_s: float, connections: int) -> None:
+    """After [DONE] the end of the body is read, so the next request reuses the connection;
+    a server that holds a finished body open is left after a moment (the answer is whole)."""
+    engine = HttpEngine([finished_stream(n) for n in range(4)], hold_s=hold_s)
+
+    async def go() -> list[str]:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", engine.handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        client = EngineClient(f"http://127.0.0.1:{port}", model="m", timeout_s=10)
+        try:
+            return [(await client.chat(RECORD, PARAMS)).content for _ in range(4)]
+        finally:
+            await client.aclose()
+            await runner.cleanup()
+
+    started = asyncio.run(asyncio.wait_for(go(), 20))
+    assert started == [f"answer {n}" for n in range(4)]
+    assert len(set(engine.peers)) == connections
 
 
 def test_connection_refused_is_engine_down() -> None:
