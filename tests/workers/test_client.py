@@ -5,6 +5,8 @@ and in process (`tests/fakes/transport.py`), so the fake transport answers as th
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -97,6 +99,21 @@ class HttpEngine:
 WIRES = ["http", "in-process"]
 
 
+@contextlib.asynccontextmanager
+async def serving(engine: HttpEngine) -> AsyncIterator[str]:
+    """`engine` on a loopback port for the block; yields its base URL."""
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", engine.handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
 @dataclass
 class Answered:
     """What a client call returned, and what the engine saw of it."""
@@ -137,24 +154,17 @@ def ask(
     engine = HttpEngine(answers, delay_s)
 
     async def served() -> ChatResult:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", engine.handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        url = f"http://127.0.0.1:{port}"
-        client = EngineClient(url, model="m", api_key="k", **client_args)
-        try:
-            result = await client.chat(record, PARAMS)
-            for _ in range(500):  # a stream's handler ends once it sees the client go
-                if len(engine.closed_early) >= streams:
-                    break
-                await asyncio.sleep(0.01)
-            return result
-        finally:
-            await client.aclose()
-            await runner.cleanup()
+        async with serving(engine) as url:
+            client = EngineClient(url, model="m", api_key="k", **client_args)
+            try:
+                result = await client.chat(record, PARAMS)
+                for _ in range(500):  # a stream's handler ends once it sees the client go
+                    if len(engine.closed_early) >= streams:
+                        break
+                    await asyncio.sleep(0.01)
+                return result
+            finally:
+                await client.aclose()
 
     result = run(served())
     return Answered(result, engine.bodies, engine.closed_early, engine.headers)
@@ -307,18 +317,12 @@ def test_finished_streams_reuse_one_connection(hold_s: float, connections: int) 
     engine = HttpEngine([finished_stream(n) for n in range(4)], hold_s=hold_s)
 
     async def go() -> list[str]:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", engine.handle)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        port = free_port()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        client = EngineClient(f"http://127.0.0.1:{port}", model="m", timeout_s=10)
-        try:
-            return [(await client.chat(RECORD, PARAMS)).content for _ in range(4)]
-        finally:
-            await client.aclose()
-            await runner.cleanup()
+        async with serving(engine) as url:
+            client = EngineClient(url, model="m", timeout_s=10)
+            try:
+                return [(await client.chat(RECORD, PARAMS)).content for _ in range(4)]
+            finally:
+                await client.aclose()
 
     started = asyncio.run(asyncio.wait_for(go(), 20))
     assert started == [f"answer {n}" for n in range(4)]
