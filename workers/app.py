@@ -30,6 +30,7 @@ from genfleet.common.celery_config import (
 )
 from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
+from genfleet.workers import heap
 from genfleet.workers.context import BatchTask
 
 log = logging.getLogger("genfleet.worker")
@@ -149,6 +150,7 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
         parent.genfleet_runtime = runtime
         BatchTask.runtime = runtime
         self.pusher.push_now()  # the engine is up: its first window, not in a while
+        log.info("%s: start-up heap settled (%d objects frozen)", hostname, heap.settle())
 
     def stop(self, parent: Any) -> None:
         runtime = self.runtime

@@ -126,8 +126,11 @@ async def _drained(response: aiohttp.ClientResponse) -> bool:
     """Read the few bytes after `[DONE]` (the last separator, the chunked body's end), so that
     the connection goes back to the pool instead of closing; False when the server holds the
     body open past a moment (then it is closed: the answer is whole already)."""
+    if response.content.at_eof():
+        return True
     try:
-        await asyncio.wait_for(response.content.read(), DRAIN_S)
+        async with asyncio.timeout(DRAIN_S):  # a timer, not a task per answer (wait_for)
+            await response.content.read()
     except (TimeoutError, aiohttp.ClientError):
         return False
     return True
