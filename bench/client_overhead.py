@@ -54,6 +54,7 @@ class AlwaysUp:
 
     state = "ready"
     deaths = 0
+    crashes = 0
     last_error = None
 
     def alive(self) -> bool:

@@ -19,10 +19,11 @@ What each answer does to a prompt (the client maps HTTP to these errors):
 - engine down: the prompt waits for the supervisor to bring it back and is retried; if it
   cannot come back, the batch fails and its finished prompts survive as a checkpoint.
 - engine died with it in flight: the prompt becomes a suspect and goes back through the
-  `SuspectLane`, alone once it has been in flight at two deaths; a suspect the engine dies
-  on again while alone (and while other prompts succeed) is that prompt's error record,
-  never sent again: one prompt that crashes the engine costs one record, not its batch or
-  its worker's restart budget.
+  `SuspectLane`, alone once it has been in flight at two deaths; a suspect in flight at two
+  of the engine's own crashes, the last with no other suspect in the engine (and while
+  other prompts succeed), is that prompt's error record, never sent again: one prompt that
+  crashes the engine costs one record, not its batch or its worker's restart budget. A
+  kill (from outside, or the watchdog's for a stall) is no prompt's crash.
 - past its deadline (`workers/deadline`: its max_tokens at the engine's measured pace): an
   error record at once, provided the engine serves other prompts; the batch goes on.
 - engine refuses the worker (401/403/404): the batch stops; the task stops the worker
@@ -69,14 +70,19 @@ SUSPECT_PROBE_S = 2.0
 
 class EngineHandle(Protocol):
     """The supervisor (or an external engine) as the feeder sees it: wait for it to be up;
-    `deaths` counts the exits a prompt in flight may have caused, `last_error` the latest,
-    `alive()` whether its process runs (True when it cannot tell)."""
+    `deaths` counts the exits a prompt in flight may have caused, `crashes` those of them
+    the engine made itself with an error (the only ones a prompt is blamed for: not a kill
+    from outside, not the watchdog's), `last_error` the latest, `alive()` whether its
+    process runs (True when it cannot tell)."""
 
     @property
     def state(self) -> str: ...
 
     @property
     def deaths(self) -> int: ...
+
+    @property
+    def crashes(self) -> int: ...
 
     @property
     def last_error(self) -> str | None: ...
@@ -287,9 +293,11 @@ class _Tries:
     waiting: bool = True  # counted in Feeder.waiting until it first holds a limiter slot
     sent_at: float = 0.0
     deaths_at_send: int = 0
+    crashes_at_send: int = 0
     deaths: int = 0  # engine deaths while it was in flight
+    crashes: int = 0  # of those, the engine's own crashes (`EngineHandle.crashes`)
     first_death_s: float | None = None
-    alone: bool = False  # its last send was alone among suspects
+    alone: bool = False  # no other suspect was in the engine when its last send failed
     in_lane: bool = False  # it holds its lane slot until the engine it failed on is back
     exclusive: bool = False  # a solo suspect that holds the lane alone (not yet survived)
     spent: int = 0  # tokens the engine generated in tries that failed (an abort's)
@@ -515,7 +523,7 @@ class Feeder:
         suspect = tries.deaths > 0
         if suspect:
             rank = (-float(tries.deaths), -tries.sent_at)
-            tries.alone = await self._lane.enter(rank, solo=tries.deaths >= 2)
+            await self._lane.enter(rank, solo=tries.deaths >= 2)
             tries.exclusive = tries.deaths >= 2
         ok = False
         try:
@@ -531,6 +539,7 @@ class Feeder:
                 self.inflight += 1
                 tries.sent_at = time.monotonic()
                 tries.deaths_at_send = self._engine.deaths
+                tries.crashes_at_send = self._engine.crashes
                 probe = self._probe(tries) if suspect else None
                 try:
                     result = await self._client.chat(record, params, timeout_s)
@@ -542,10 +551,13 @@ class Feeder:
             return result
         except EngineDown as exc:
             if suspect and not isinstance(exc, RequestTimedOut):
-                # Alone if no other suspect is in the engine as it fails. And it may be dying:
-                # no other suspect goes until `_down` has seen it back (else one sent into
-                # the dying engine would look as if it had been in flight at the death).
-                tries.alone = tries.alone or self._lane.held == 1
+                # Alone if no other suspect is in the engine as it fails: the others in flight
+                # at the same death still hold their slots (they leave in `_down`, once the
+                # engine is back), one that entered alone but was joined later does not count
+                # as alone. And the engine may be dying: no other suspect goes until `_down`
+                # has seen it back (else one sent into the dying engine would look as if it had
+                # been in flight at the death).
+                tries.alone = self._lane.held == 1
                 tries.in_lane, suspect = True, False
             raise
         finally:
@@ -638,9 +650,16 @@ class Feeder:
         if reached and self._engine.deaths > tries.deaths_at_send:
             tries.deaths += 1
             self._lane.died()
+            crashed = self._engine.crashes > tries.crashes_at_send
+            tries.crashes += crashed
             if tries.first_death_s is None:
                 tries.first_death_s = time.monotonic()
-            elif tries.alone and await self._serves_others(tries.first_death_s):
+            elif (
+                crashed
+                and tries.crashes >= 2
+                and tries.alone
+                and await self._serves_others(tries.first_death_s)
+            ):
                 self.crashes_total += 1
                 log.error(
                     "%s/%s %s: the engine died %d times with it in flight: an error record, "

@@ -3,6 +3,7 @@
 `FakeChat` answers each prompt after an optional gate opens, or raises what the test scripted
 for that prompt's attempts; it counts calls, requests in flight (and the most at once) and
 requests cancelled mid-flight. `FakeEngine` stands in for the supervisor's `wait_up`.
+`CrashingEngine` is both, an engine that prompts crash or a test kills.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
+from genfleet.common.errors import EngineDown
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
 from genfleet.workers.client import ChatResult
 from genfleet.workers.feeder import ChatClient, EngineHandle
@@ -104,6 +106,7 @@ class FakeEngine:
         self.down = down
         self.waits = 0
         self.deaths = 0
+        self.crashes = 0
         self.last_error: str | None = None
 
     def alive(self) -> bool:
@@ -117,3 +120,68 @@ class FakeEngine:
 
 def _protocols(chat: FakeChat, engine: FakeEngine) -> tuple[ChatClient, EngineHandle]:
     return chat, engine  # a type checker sees here that the fakes satisfy the protocols
+
+
+class CrashingEngine:
+    """An engine in memory that crashes as it receives a prompt holding one of `poison` (every
+    request then in flight fails as a reset connection would), or that a test kills from
+    outside (`kill(crash=False)`): the feeder's chat client and supervisor handle in one.
+    Other prompts are answered `answer_s` after they arrive, unless it dies first. A poison
+    takes `crash_after_s` to crash it (its prefill): prompts sent meanwhile are in flight at
+    the crash, sent after the poison."""
+
+    def __init__(self, poison: set[str], answer_s: float, crash_after_s: float = 0.0) -> None:
+        self.model = "fake-model"
+        self.state = "ready"
+        self.deaths = 0
+        self.crashes = 0
+        self.last_error: str | None = None
+        self.poison = poison
+        self.answer_s = answer_s
+        self.crash_after_s = crash_after_s
+        self.sent: Counter[str] = Counter()
+        self.inflight: set[str] = set()
+        self._generation = 0  # one more at each death: the requests of an older one fail
+
+    def alive(self) -> bool:
+        return True
+
+    def wait_up(self, timeout_s: float) -> None:
+        return None  # back at once
+
+    def kill(self, crash: bool) -> None:
+        """The engine dies: by its own crash (an error in its log), or killed from outside."""
+        self.deaths += 1
+        self.crashes += crash
+        self.last_error = "RuntimeError: poisoned" if crash else "engine exited with code -9"
+        self._generation += 1
+
+    async def chat(
+        self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
+    ) -> ChatResult:
+        self.sent[record.id] += 1
+        generation = self._generation
+        text = str(record.messages)
+        if any(marker in text for marker in self.poison):
+            await asyncio.sleep(self.crash_after_s)
+            if self._generation == generation:  # else it died of something else first
+                self.kill(crash=True)
+            await asyncio.sleep(0.01)  # its own connection the last to see it: no help given
+            raise EngineDown("engine unreachable: the server disconnected")
+        self.inflight.add(record.id)
+        try:
+            deadline = time.monotonic() + self.answer_s
+            while time.monotonic() < deadline and self._generation == generation:
+                await asyncio.sleep(0.002)
+            if self._generation != generation:
+                raise EngineDown("engine unreachable: the server disconnected")
+            return answer(record)
+        finally:
+            self.inflight.discard(record.id)
+
+    async def aclose(self) -> None:
+        return None
+
+
+def _crashing_protocols(engine: CrashingEngine) -> tuple[ChatClient, EngineHandle]:
+    return engine, engine  # a type checker sees here that it is both

@@ -22,7 +22,7 @@ from genfleet.common.errors import (
 from genfleet.common.records import CompletionRecord, PromptRecord
 from genfleet.workers import feeder as feeder_module
 from genfleet.workers.feeder import Feeder, default_max_inflight, retry_backoff_s
-from tests.fakes.engine import FakeChat, FakeEngine
+from tests.fakes.engine import CrashingEngine, FakeChat, FakeEngine
 from tests.support import PARAMS, wait_for
 
 IDENTITY = {"kind": "fake", "worker": "w@test"}
@@ -281,3 +281,51 @@ def test_after_a_death_the_suspects_go_back_as_they_survive_not_as_they_finish(
     future.result(timeout=10)
     assert sorted(got.records) == list(range(4))
     assert all(r.error is None for r in got.records.values())
+
+
+def crashing_feeder(
+    make_feeder: Callable[..., Feeder], engine: CrashingEngine, monkeypatch: pytest.MonkeyPatch
+) -> Feeder:
+    """A feeder on `engine` that has answered a first batch (so a canary exists)."""
+    monkeypatch.setattr(feeder_module, "SUSPECT_PROBE_S", 0.05, raising=False)
+    feeder = make_feeder(engine, engine, retries=10)  # type: ignore[arg-type]
+    warm, _ = run(feeder, prompts(4, "warm"), "batch-warm")
+    warm.result(timeout=10)
+    return feeder
+
+
+def test_a_prompt_that_crashes_the_engine_is_the_one_error_and_no_suspect_beside_it_is(
+    make_feeder: Callable[..., Feeder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The poison arrives with innocents in flight; after the first crash they are all
+    suspects, the lane widens as they survive, and the poison crashes the engine again with
+    an innocent that had entered the lane alone still in flight (sent just after the poison,
+    it ranks first among the suspects). Only the prompt alone among
+    suspects at its crash is blamed: the poison, never the innocent joined by it."""
+    engine = CrashingEngine(poison={"POISON"}, answer_s=0.3, crash_after_s=0.02)
+    feeder = crashing_feeder(make_feeder, engine, monkeypatch)
+    records = prompts(4)  # all four in flight at the first crash: every one a suspect
+    records[2] = PromptRecord(id="poison", messages=[{"role": "user", "content": "POISON"}])
+    future, got = run(feeder, records)
+    future.result(timeout=30)
+    assert sorted(got.records) == list(range(4))
+    errors = {r.id: r.error for r in got.records.values() if r.error is not None}
+    assert list(errors) == ["poison"], errors
+    assert errors["poison"]["type"] == "engine_crash"
+    assert engine.crashes >= 2
+
+
+def test_kills_from_outside_never_make_a_prompt_an_error(
+    make_feeder: Callable[..., Feeder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One prompt in flight, alone, at two deaths that were kills (SIGKILL from outside, the
+    watchdog's): no crash of the engine's own, so no blame; it is answered."""
+    engine = CrashingEngine(poison=set(), answer_s=0.5)
+    feeder = crashing_feeder(make_feeder, engine, monkeypatch)
+    future, got = run(feeder, prompts(1, "x"))
+    for send in (1, 2):
+        wait_for(lambda s=send: engine.sent["x0"] == s and "x0" in engine.inflight, 10, "x0 sent")
+        engine.kill(crash=False)
+    future.result(timeout=30)
+    assert got.records[0].error is None
+    assert engine.sent["x0"] == 3 and engine.deaths == 2

@@ -66,6 +66,20 @@ def last_error_line(lines: Iterable[str]) -> str | None:
     return found[:500] if found else None
 
 
+def is_crash(line: str | None, killed: bool) -> bool:
+    """Whether an exit is the engine's own crash, the kind a prompt in flight can cause: the
+    watchdog did not kill it, and this process's log names an error. A signal from outside
+    (SIGKILL, the OOM killer) leaves no error line. The exit code cannot tell: SGLang's
+    launcher SIGKILLs its own process tree when its scheduler dies.
+
+    >>> is_crash("RuntimeError: boom", killed=False), is_crash(None, killed=False)
+    (True, False)
+    >>> is_crash("RuntimeError: boom", killed=True)
+    False
+    """
+    return not killed and line is not None
+
+
 def known_crash(line: str | None) -> CrashSignature | None:
     """The known engine crash a last error line is, if any."""
     if not line:

@@ -22,6 +22,7 @@ class ExternalEngine:
 
     restarts = 0
     deaths = 0  # it cannot be watched dying: no prompt is ever blamed for it
+    crashes = 0
     last_error: str | None = None
     log_tail: collections.deque[str] = collections.deque(maxlen=1)
     pid = None

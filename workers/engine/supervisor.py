@@ -40,6 +40,7 @@ from genfleet.common.errors import EngineDown, EngineStartError, RestartBudgetEx
 from genfleet.common.private import die_with_parent as _die_with_parent
 from genfleet.workers.engine.crashes import (
     crash_report,
+    is_crash,
     known_crash,
     last_error_line,
     restart_allowed,
@@ -89,6 +90,10 @@ class EngineSupervisor:
         # Exits no known engine crash explains: a prompt in flight may have caused them (the
         # feeder counts them per prompt; see feeder.SuspectLane).
         self.deaths = 0
+        # Of those, the exits the engine made itself with an error line (not a kill: neither
+        # the watchdog's nor a signal from outside): what a prompt's crash looks like, and the
+        # only deaths a prompt is ever blamed for (the feeder's error record `engine_crash`).
+        self.crashes = 0
         self.crash_lines: collections.deque[str | None] = collections.deque(maxlen=20)
         self.cooldown_until: float | None = None  # monotonic; while exhausted
         self._last_death_s: float | None = None
@@ -341,7 +346,7 @@ class EngineSupervisor:
                 return
             reason, self._kill_reason = self._kill_reason, None
             self._set_state("restarting")  # callers wait from now on, and see the death counted
-            line = self._record_death(proc)
+            line = self._record_death(proc, killed=reason is not None)
             self.last_error = reason or f"engine exited with code {code}"
             if line and not reason:
                 self.last_error += f": {line}"
@@ -351,9 +356,9 @@ class EngineSupervisor:
             if not self._restart():
                 return
 
-    def _record_death(self, proc: subprocess.Popen[bytes]) -> str | None:
+    def _record_death(self, proc: subprocess.Popen[bytes], killed: bool) -> str | None:
         """Count an unexpected exit and keep its last error line (after the log pump drained
-        the process's last lines)."""
+        the process's last lines); `killed`: the watchdog killed it."""
         if self._pump is not None:
             self._pump.join(timeout=2.0)
         line = last_error_line(self.log_tail)
@@ -361,6 +366,8 @@ class EngineSupervisor:
             self.exits += 1
             if known_crash(line) is None:
                 self.deaths += 1
+                if is_crash(line, killed):
+                    self.crashes += 1
             self.crash_lines.append(line)
             self._last_death_s = time.monotonic()
         return line

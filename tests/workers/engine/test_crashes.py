@@ -8,6 +8,7 @@ import pytest
 from genfleet.workers.engine.crashes import (
     crash_report,
     crash_suggestion,
+    is_crash,
     known_crash,
     last_error_line,
     restart_allowed,
@@ -100,3 +101,25 @@ def test_restart_budget_is_a_rate(
     restarts: list[float], now: float, budget: int, window_s: float, allowed: bool
 ) -> None:
     assert restart_allowed(restarts, now, budget, window_s) is allowed
+
+
+HEALTHY_THEN_KILLED = [
+    "[2026-11-30 21:04:11 TP0] Decode batch, #running-req: 40, #token: 81920, gen throughput",
+    "[2026-11-30 21:04:12 TP0] Prefill batch, #new-seq: 4, #new-token: 512",
+]
+
+
+@pytest.mark.parametrize(
+    ("log", "killed", "crash"),
+    [
+        (SGLANG_DEATH, False, True),  # its scheduler raised: a prompt may have caused it
+        (HEALTHY_THEN_KILLED, False, False),  # SIGKILL or the OOM killer from outside
+        ([], False, False),  # died before a line
+        (SGLANG_DEATH, True, False),  # the watchdog killed it (a stall), whatever its log
+    ],
+    ids=["own crash", "killed from outside", "no log", "killed by the watchdog"],
+)
+def test_only_the_engines_own_crash_can_be_a_prompts(
+    log: list[str], killed: bool, crash: bool
+) -> None:
+    assert is_crash(last_error_line(log), killed) is crash
