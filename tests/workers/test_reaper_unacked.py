@@ -13,15 +13,14 @@ import pytest
 from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.ledger import UNACKED_PAGE, running_field
-from genfleet.common.records import GenerationParams, WorkOrder
+from genfleet.common.records import WorkOrder
 from genfleet.workers.tasks import reap
 from tests.fakes.memory_store import MemoryStore
 from tests.faults.services import RedisServer
-from tests.support import CommandLog
+from tests.support import PARAMS, CommandLog
 
 pytestmark = pytest.mark.integration
 
-PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
 NOW, TTL_S = 1_000_000.0, 60.0
 DELIVERED = 5000  # live workers' deliveries in the hash
 LOST = 40  # batches whose worker died, each with its delivery still in the hash

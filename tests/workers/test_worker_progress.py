@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from genfleet.common import keys, throughput
-from genfleet.common.records import GenerationParams, PromptRecord, WorkOrder, encode_jsonl_gz
+from genfleet.common.records import PromptRecord, WorkOrder, encode_jsonl_gz
 from genfleet.workers.batch import execute
 from genfleet.workers.feeder import Feeder
 from genfleet.workers.progress import ProgressTally
@@ -18,9 +18,8 @@ from tests.fakes.engine import FakeChat, FakeEngine
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
 from tests.faults.services import RedisServer
-from tests.support import CommandLog
+from tests.support import PARAMS, CommandLog
 
-PARAMS = GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False)
 WORKER = "w@test"
 
 
