@@ -463,6 +463,26 @@ def write_prompt_lines(path: Path, prompts: list[str]) -> Path:
     return path
 
 
+OTHER_MODEL = "other-model"
+
+
+def stage_other_model_run(
+    redis_url: str, store_url: str, directory: Path, run: str = "model-run"
+) -> EnqueueResult:
+    """A run of 20 prompts in two batches for another model (`OTHER_MODEL`, an external
+    engine nobody runs) on the same Redis and store: its orders wait on that model's queue."""
+    model = Settings(
+        redis_url=SecretStr(redis_url),
+        store=store_url,
+        batch_size=10,
+        engine="external",
+        engine_url="http://127.0.0.1:9",
+        served_model_name=OTHER_MODEL,
+    )
+    write_prompts(directory / "m.jsonl", 20, prefix="m")
+    return enqueue_run(model, run, str(directory / "m.jsonl"), reader_options(model))
+
+
 def stage_questions(
     settings: Settings, run: str, directory: Path, count: int, prefix: str = "q"
 ) -> EnqueueResult:

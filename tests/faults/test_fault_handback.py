@@ -19,17 +19,15 @@ import pytest
 
 from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK
-from genfleet.common.settings import Settings
+from genfleet.common.store import open_store
 from genfleet.producer.broker import orders_in_broker
-from genfleet.producer.enqueue import enqueue_run, reader_options
 from tests.faults.services import RedisServer
 from tests.support import (
     Worker,
     base_env,
     control_app,
-    open_run_store,
+    stage_other_model_run,
     wait_for,
-    write_prompts,
 )
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
@@ -54,16 +52,7 @@ def test_a_hand_back_the_broker_refuses_puts_the_order_back_unacked(
 
     # A model's run staged by its producer (the default user): its two orders wait on the
     # model's queue; one of them is sent to the emulator's queue as well (misdelivered).
-    model = Settings(
-        redis_url=private_redis.url,
-        store=store_url,
-        batch_size=10,
-        engine="external",
-        engine_url="http://127.0.0.1:9",
-        served_model_name="other-model",
-    )
-    write_prompts(tmp_path / "m.jsonl", 20, prefix="m")
-    enqueue_run(model, "model-run", str(tmp_path / "m.jsonl"), reader_options(model))
+    stage_other_model_run(private_redis.url, store_url, tmp_path)
     message = orjson.loads(admin.rpop("gpu.other-model") or b"{}")
     order = orjson.loads(base64.b64decode(message["body"]))[1]["order"]
     with control_app(private_redis.url) as app:
@@ -96,7 +85,7 @@ def test_a_hand_back_the_broker_refuses_puts_the_order_back_unacked(
         "no copy left on the emulator's queue",
         0.2,
     )
-    store = open_run_store(model)
+    store = open_store(store_url)
     assert list(store.list("model-run/outputs/")) == []
     assert list(store.list("model-run/parts/")) == []
     assert worker.proc.poll() is None

@@ -20,6 +20,7 @@ from tests.support import (
     assert_exactly_once,
     base_env,
     genfleet,
+    stage_other_model_run,
     wait_for,
     wait_run_done,
     write_prompts,
@@ -67,16 +68,7 @@ def test_an_order_for_another_model_is_handed_back_never_generated(
     store_url = (tmp_path / "store").as_uri()
     worker = start_worker(base_env(redis_url, store_url, log_dir=tmp_path))
     # A model run on the same Redis and store: its orders wait on its model's queue.
-    model = Settings(
-        redis_url=redis_url,
-        store=store_url,
-        batch_size=10,
-        engine="external",
-        engine_url="http://127.0.0.1:9",
-        served_model_name="other-model",
-    )
-    write_prompts(tmp_path / "m.jsonl", 20, prefix="m")
-    staged = enqueue_run(model, "model-run", str(tmp_path / "m.jsonl"), reader_options(model))
+    staged = stage_other_model_run(redis_url, store_url, tmp_path)
     assert staged.queue == "gpu.other-model"
     assert redis_client.llen("gpu.other-model") == 2
     # One of them is misdelivered onto the emulator's queue.
