@@ -300,6 +300,7 @@ class _Tries:
     alone: bool = False  # no other suspect was in the engine when its last send failed
     in_lane: bool = False  # it holds its lane slot until the engine it failed on is back
     exclusive: bool = False  # a solo suspect that holds the lane alone (not yet survived)
+    survived: bool = False  # its last send outlived its arrival (`Feeder._probe`)
     spent: int = 0  # tokens the engine generated in tries that failed (an abort's)
 
 
@@ -540,6 +541,7 @@ class Feeder:
                 tries.sent_at = time.monotonic()
                 tries.deaths_at_send = self._engine.deaths
                 tries.crashes_at_send = self._engine.crashes
+                tries.survived = False
                 probe = self._probe(tries) if suspect else None
                 try:
                     result = await self._client.chat(record, params, timeout_s)
@@ -557,7 +559,10 @@ class Feeder:
                 # as alone. And the engine may be dying: no other suspect goes until `_down`
                 # has seen it back (else one sent into the dying engine would look as if it had
                 # been in flight at the death).
-                tries.alone = self._lane.held == 1
+                # And only while it was arriving: a prompt that kills the engine does so as it
+                # arrives (SUSPECT_PROBE_S); a death after that came from another prompt (a new
+                # poison arriving among the fresh ones), never from this one.
+                tries.alone = self._lane.held == 1 and not tries.survived
                 tries.in_lane, suspect = True, False
             raise
         finally:
@@ -572,6 +577,7 @@ class Feeder:
 
         def passed() -> None:
             if self._engine.deaths == deaths and self._engine.alive():
+                tries.survived = True
                 self._lane.survived(tries.exclusive)
                 tries.exclusive = False
 

@@ -8,6 +8,7 @@ future's outcome) and what the fake engine saw (calls, requests in flight, cance
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import CancelledError, Future
 
@@ -329,3 +330,22 @@ def test_kills_from_outside_never_make_a_prompt_an_error(
     future.result(timeout=30)
     assert got.records[0].error is None
     assert engine.sent["x0"] == 3 and engine.deaths == 2
+
+
+def test_a_suspect_is_not_blamed_for_a_crash_after_it_survived_its_arrival(
+    make_feeder: Callable[..., Feeder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A prompt kills the engine as it arrives. A suspect alone among suspects that has been
+    in the engine past its arrival when the engine crashes did not cause it (a new poison
+    arriving among the fresh prompts did): it is sent again, not made an error record."""
+    engine = CrashingEngine(poison=set(), answer_s=0.6)
+    feeder = crashing_feeder(make_feeder, engine, monkeypatch)
+    future, got = run(feeder, prompts(1, "x"))
+    wait_for(lambda: engine.sent["x0"] == 1 and "x0" in engine.inflight, 10, "x0 sent")
+    engine.kill(crash=True)  # a crash with it in flight: a suspect
+    wait_for(lambda: engine.sent["x0"] == 2 and "x0" in engine.inflight, 10, "x0 sent again")
+    time.sleep(0.2)  # past its arrival (SUSPECT_PROBE_S 0.05), alone in the lane
+    engine.kill(crash=True)  # another prompt's crash
+    future.result(timeout=30)
+    assert got.records[0].error is None
+    assert engine.sent["x0"] == 3 and engine.crashes == 2
