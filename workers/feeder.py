@@ -20,10 +20,10 @@ What each answer does to a prompt (the client maps HTTP to these errors):
   cannot come back, the batch fails and its finished prompts survive as a checkpoint.
 - engine died with it in flight: the prompt becomes a suspect and goes back through the
   `SuspectLane`, alone once it has been in flight at two deaths; a suspect in flight at two
-  of the engine's own crashes, the last with no other suspect in the engine (and while
-  other prompts succeed), is that prompt's error record, never sent again: one prompt that
-  crashes the engine costs one record, not its batch or its worker's restart budget. A
-  kill (from outside, or the watchdog's for a stall) is no prompt's crash.
+  of the engine's own crashes, the last as it arrived with no other suspect in the engine
+  (and while other prompts succeed), is that prompt's error record, never sent again: one
+  prompt that crashes the engine costs one record, not its batch or its worker's restart
+  budget. A kill (from outside, or the watchdog's for a stall) is no prompt's crash.
 - past its deadline (`workers/deadline`: its max_tokens at the engine's measured pace): an
   error record at once, provided the engine serves other prompts; the batch goes on.
 - engine refuses the worker (401/403/404): the batch stops; the task stops the worker
