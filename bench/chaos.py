@@ -12,7 +12,10 @@ from enqueue to the last output object.
     python bench/chaos.py --quick    # the test's soak: 900 prompts, 80 s of faults, seed 4
 
 Every engine keeps a request log (`tests/faults/resends.py`), so the prompts the chaos run sent
-to an engine again are printed per fault that caused them.
+to an engine again are printed per fault that caused them. And each GPU worker's engine is
+read twice a second (its process, and `num_running_reqs` from its /metrics): each run prints
+its engine-seconds by how full the engines were, so where the chaos run's time goes shows
+(no engine: dead, starting or frozen; idle; a quarter full or less; three quarters; more).
 
 The last line is `goodput_vs_clean: R`, chaos goodput over clean goodput.
 """
@@ -20,16 +23,85 @@ The last line is `goodput_vs_clean: R`, chaos goodput over clean goodput.
 from __future__ import annotations
 
 import argparse
+import collections
 import logging
+import secrets
 import sys
 import tempfile
+import threading
+import time
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.faults.chaos import fleet, soak_run  # noqa: E402
+from tests.faults.chaos import Fleet, fleet, soak_run  # noqa: E402
 from tests.faults.resends import Sends, attribute, log_name  # noqa: E402
+from tests.support import engine_pid  # noqa: E402
+
+FULL = 256  # the emulator's max running requests
+FILLS = ("no engine", "idle", "<=25%", "<=75%", ">75%")
+
+
+def fill(running: int | None) -> str:
+    """The bin of one engine's look: None when it has no serving process."""
+    if running is None:
+        return "no engine"
+    if running == 0:
+        return "idle"
+    return "<=25%" if running <= FULL // 4 else "<=75%" if running <= 3 * FULL // 4 else ">75%"
+
+
+class EngineTimeline(threading.Thread):
+    """Looks at every GPU worker's engine every `every_s` until stopped: (time, bin) pairs."""
+
+    def __init__(self, soak: Fleet, api_key: str, every_s: float = 0.5) -> None:
+        super().__init__(name="engine-timeline", daemon=True)
+        self.soak = soak
+        self.every_s = every_s
+        self.looks: list[tuple[float, str]] = []
+        self.stopped = threading.Event()
+        self._http = httpx.Client(
+            timeout=0.4, headers={"Authorization": f"Bearer {api_key}"}, trust_env=False
+        )
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every_s):
+            now = time.monotonic()
+            for worker in list(self.soak.workers):
+                if worker.proc.poll() is None:
+                    self.looks.append((now, fill(self._running(engine_pid(worker)))))
+
+    def _running(self, pid: int | None) -> int | None:
+        """Requests running in engine `pid`; None when it is gone, frozen or not answering."""
+        if pid is None:
+            return None
+        try:
+            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            port = int(argv[argv.index(b"--port") + 1])
+            if state == "T":
+                return None
+            text = self._http.get(f"http://127.0.0.1:{port}/metrics").text
+        except (OSError, ValueError, IndexError, httpx.HTTPError):
+            return None
+        for line in text.splitlines():
+            if line.startswith("sglang:num_running_reqs{"):
+                return int(float(line.rsplit(" ", 1)[1]))
+        return None
+
+    def seconds(self, start: float, end: float) -> dict[str, float]:
+        """Engine-seconds between `start` and `end` (monotonic) in each bin."""
+        counts = collections.Counter(b for at, b in self.looks if start <= at <= end)
+        return {name: counts[name] * self.every_s for name in FILLS}
+
+
+def show(run: str, seconds: dict[str, float]) -> None:
+    total = sum(seconds.values()) or 1.0
+    parts = ", ".join(f"{k} {v:.1f} ({100 * v / total:.0f} %)" for k, v in seconds.items())
+    print(f"{run}: engine-seconds by fill: {parts}", flush=True)
 
 
 def main() -> None:
@@ -41,11 +113,20 @@ def main() -> None:
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     root = Path(tempfile.mkdtemp(prefix="genfleet-chaos-bench-"))
 
+    api_key = secrets.token_hex(16)
+
     def request_log(hostname: str) -> dict[str, str]:
-        return {"GENFLEET_EMULATOR_REQUEST_LOG": str(root / log_name(hostname))}
+        return {
+            "GENFLEET_EMULATOR_REQUEST_LOG": str(root / log_name(hostname)),
+            "GENFLEET_ENGINE_API_KEY": api_key,  # the timeline reads the engines' /metrics
+        }
 
     with fleet(root, extra_env=request_log) as soak:
+        timeline = EngineTimeline(soak, api_key)
+        timeline.start()
+        started = time.monotonic()
         clean = soak_run(soak, "clean", prompts, None, 0.0, deadline_s=600.0)
+        show("clean", timeline.seconds(started, time.monotonic()))
         sends = Sends(root)
         sends.read()  # the clean run's sends: both runs send the same texts
         before = {text: len(sent) for text, sent in sends.by_prompt.items()}
@@ -54,7 +135,10 @@ def main() -> None:
             f"({clean.prompts_per_s:.2f} prompts/s)",
             flush=True,
         )
+        started = time.monotonic()
         chaos = soak_run(soak, "chaos", prompts, args.seed, duration_s, deadline_s=900.0)
+        show("chaos", timeline.seconds(started, time.monotonic()))
+        timeline.stopped.set()
         print(
             f"chaos (seed {args.seed}): {chaos.prompts} prompts in {chaos.seconds:.1f} s "
             f"({chaos.prompts_per_s:.2f} prompts/s) through {len(chaos.actions)} faults: "
