@@ -18,10 +18,8 @@ What each answer does to a prompt (the client maps HTTP to these errors):
   still succeeds. Otherwise the engine is what is broken and the batch's try fails instead.
 - engine down: the prompt waits for the supervisor to bring it back and is retried; if it
   cannot come back, the batch fails and its finished prompts survive as a checkpoint.
-- engine died with its answer begun (output streamed): the prompt was past its arrival, not
-  the cause; it goes back at once when the engine is up again.
-- engine died with it arriving (no output yet): the prompt becomes a suspect and goes back
-  through the `SuspectLane`, alone once it has been in flight at two deaths; a suspect at two
+- engine died with it in flight: the prompt becomes a suspect and goes back through the
+  `SuspectLane`, alone once it has been in flight at two deaths; a suspect in flight at two
   of the engine's own crashes, the last as it arrived with no other suspect in the engine
   (and while other prompts succeed), is that prompt's error record, never sent again: one
   prompt that crashes the engine costs one record, not its batch or its worker's restart
@@ -48,7 +46,6 @@ from typing import Any, Protocol, TypeVar
 
 from genfleet.common.backoff import BUSY, PROMPT_RETRY
 from genfleet.common.errors import (
-    AnswerInterrupted,
     BatchTerminated,
     EngineBusy,
     EngineDown,
@@ -201,7 +198,7 @@ class InflightLimiter:
 
 
 class SuspectLane:
-    """Prompts that were arriving when the engine died (no output yet) go back through here.
+    """Prompts that were in flight when the engine died go back to it through here.
 
     Most of them are innocent, so the lane opens step by step: one suspect at a time, twice
     as many after each one that succeeds or survives its arrival (still in the engine
@@ -214,7 +211,7 @@ class SuspectLane:
     engine on arrival is the last one sent). All on the feeder's loop.
 
         lane = SuspectLane()
-        await lane.enter((-deaths, -sent_at), solo=deaths >= 2)
+        alone = await lane.enter((-deaths, -sent_at), solo=deaths >= 2)
         lane.survived(exclusive=deaths >= 2)  # it outlived its arrival: the lane widens
         lane.leave(ok=True, exclusive=False)  # it succeeded: the lane widens
         lane.died()                           # the engine died: one at a time again
@@ -227,27 +224,26 @@ class SuspectLane:
         self.held = 0
         self.solo = False  # a solo suspect is in the engine: nobody else enters
         self._order = itertools.count()
-        self._waiting: list[tuple[tuple[float, float], int, bool, asyncio.Future[None]]] = []
+        self._waiting: list[tuple[tuple[float, float], int, bool, asyncio.Future[bool]]] = []
 
     def _grantable(self, solo: bool) -> bool:
         if self.solo:
             return False
         return self.held == 0 if solo else self.held < self.width
 
-    def _grant(self, solo: bool) -> None:
+    def _grant(self, solo: bool) -> bool:
         self.held += 1
         self.solo = solo
+        return solo or self.width == 1
 
-    async def enter(self, rank: tuple[float, float], solo: bool) -> None:
-        """Wait for this suspect's turn. Whether it is alone is read at a death (`held`), not
-        at entry: one that entered alone may be joined later."""
+    async def enter(self, rank: tuple[float, float], solo: bool) -> bool:
+        """Wait for this suspect's turn; True when it goes alone among suspects."""
         if not self._waiting and self._grantable(solo):
-            self._grant(solo)
-            return
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            return self._grant(solo)
+        turn: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting, (rank, next(self._order), solo, turn))
         try:
-            await turn
+            return await turn
         except asyncio.CancelledError:
             if turn.done() and not turn.cancelled():
                 self.leave(ok=False, exclusive=solo)  # granted as it was cancelled
@@ -283,8 +279,7 @@ class SuspectLane:
             if not self._grantable(solo):
                 return
             heapq.heappop(self._waiting)
-            self._grant(solo)
-            turn.set_result(None)
+            turn.set_result(self._grant(solo))
 
 
 @dataclass
@@ -306,7 +301,6 @@ class _Tries:
     in_lane: bool = False  # it holds its lane slot until the engine it failed on is back
     exclusive: bool = False  # a solo suspect that holds the lane alone (not yet survived)
     survived: bool = False  # its last send outlived its arrival (`Feeder._probe`)
-    answered: bool = False  # its last send broke after its answer had begun: past arrival
     spent: int = 0  # tokens the engine generated in tries that failed (an abort's)
 
 
@@ -558,7 +552,6 @@ class Feeder:
             ok = True
             return result
         except EngineDown as exc:
-            tries.answered = isinstance(exc, AnswerInterrupted)
             if suspect and not isinstance(exc, RequestTimedOut):
                 # Alone if no other suspect is in the engine as it fails: the others in flight
                 # at the same death still hold their slots (they leave in `_down`, once the
@@ -661,16 +654,8 @@ class Feeder:
         await asyncio.to_thread(self._engine.wait_up, self.engine_wait_s)
         reached = not isinstance(exc, EngineUnreachable)  # else never in flight
         if reached and self._engine.deaths > tries.deaths_at_send:
-            self._lane.died()
-            if tries.answered:
-                # Its answer had begun: past its arrival, so not the cause of this death, nor
-                # of any before (it would have killed the engine arriving again). It goes
-                # back at once, not through the lane: after a restart most of what was in
-                # flight does, and the engine is full again at once, not a few at a time.
-                tries.deaths = tries.crashes = 0
-                tries.first_death_s = None
-                return None
             tries.deaths += 1
+            self._lane.died()
             crashed = self._engine.crashes > tries.crashes_at_send
             tries.crashes += crashed
             if tries.first_death_s is None:

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from genfleet.common.errors import AnswerInterrupted, EngineDown
+from genfleet.common.errors import EngineDown
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
 from genfleet.workers.client import ChatResult
 from genfleet.workers.feeder import ChatClient, EngineHandle
@@ -130,13 +130,7 @@ class CrashingEngine:
     takes `crash_after_s` to crash it (its prefill): prompts sent meanwhile are in flight at
     the crash, sent after the poison."""
 
-    def __init__(
-        self,
-        poison: set[str],
-        answer_s: float,
-        crash_after_s: float = 0.0,
-        begins_after_s: float | None = None,
-    ) -> None:
+    def __init__(self, poison: set[str], answer_s: float, crash_after_s: float = 0.0) -> None:
         self.model = "fake-model"
         self.state = "ready"
         self.deaths = 0
@@ -145,9 +139,6 @@ class CrashingEngine:
         self.poison = poison
         self.answer_s = answer_s
         self.crash_after_s = crash_after_s
-        # A prompt in flight this long has begun its answer (output streamed): at a death it
-        # fails as AnswerInterrupted. None: nothing streams, every death is a plain EngineDown.
-        self.begins_after_s = begins_after_s
         self.sent: Counter[str] = Counter()
         self.inflight: set[str] = set()
         self._generation = 0  # one more at each death: the requests of an older one fail
@@ -179,16 +170,10 @@ class CrashingEngine:
             raise EngineDown("engine unreachable: the server disconnected")
         self.inflight.add(record.id)
         try:
-            started = time.monotonic()
-            deadline = started + self.answer_s
+            deadline = time.monotonic() + self.answer_s
             while time.monotonic() < deadline and self._generation == generation:
                 await asyncio.sleep(0.002)
             if self._generation != generation:
-                begun = self.begins_after_s is not None and (
-                    time.monotonic() - started >= self.begins_after_s
-                )
-                if begun:
-                    raise AnswerInterrupted("engine unreachable: the server disconnected")
                 raise EngineDown("engine unreachable: the server disconnected")
             return answer(record)
         finally:

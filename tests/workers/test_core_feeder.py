@@ -349,27 +349,3 @@ def test_a_suspect_is_not_blamed_for_a_crash_after_it_survived_its_arrival(
     future.result(timeout=30)
     assert got.records[0].error is None
     assert engine.sent["x0"] == 3 and engine.crashes == 2
-
-
-def test_prompts_whose_answers_had_begun_go_back_at_once_not_through_the_lane(
-    make_feeder: Callable[..., Feeder], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Three prompts answering (output streamed) and one just sent when the engine crashes:
-    the three were past their arrival, not its cause, and are all back in the engine as soon
-    as it is up; only the one still arriving is a suspect, one at a time. Before, all four
-    went back one at a time, widening as each survived its arrival."""
-    engine = CrashingEngine(poison=set(), answer_s=1.5, begins_after_s=0.1)
-    feeder = crashing_feeder(make_feeder, engine, monkeypatch)
-    monkeypatch.setattr(feeder_module, "SUSPECT_PROBE_S", 10.0, raising=False)  # no widening
-    answering, _ = run(feeder, prompts(3, "a"), "batch-a")
-    wait_for(lambda: len(engine.inflight) == 3, 5, "three in flight", 0.005)
-    time.sleep(0.2)  # their answers have begun
-    arriving, _ = run(feeder, prompts(1, "b"), "batch-b")
-    wait_for(lambda: "b0" in engine.inflight, 5, "b0 in flight", 0.001)
-    engine.kill(crash=True)
-    wait_for(
-        lambda: all(engine.sent[f"a{n}"] == 2 for n in range(3)), 2, "all three sent again", 0.005
-    )
-    answering.result(timeout=10)
-    arriving.result(timeout=30)
-    assert engine.sent["b0"] == 2

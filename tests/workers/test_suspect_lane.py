@@ -39,34 +39,27 @@ def test_one_at_a_time_then_twice_as_many_after_each_success() -> None:
 
 
 def test_a_death_narrows_the_lane_to_one() -> None:
-    async def scenario() -> tuple[int, int]:
+    async def scenario() -> tuple[int, bool]:
         lane = SuspectLane()
         lane.width = 8
-        for _ in range(3):
-            await lane.enter((-1.0, 0.0), solo=False)  # width 8: three at once
+        assert await lane.enter((-1.0, 0.0), solo=False) is False  # not alone: width 8
         lane.died()
-        for _ in range(3):
-            lane.leave(ok=False)
-        await lane.enter((-1.0, 0.0), solo=False)
-        second = asyncio.create_task(lane.enter((-1.0, 0.0), solo=False))
-        await settle()
-        held = lane.held  # the first alone: width 1 after the death
         lane.leave(ok=False)
-        await asyncio.wait_for(second, 1.0)
-        return lane.width, held
+        return lane.width, await lane.enter((-1.0, 0.0), solo=False)
 
-    assert asyncio.run(scenario()) == (1, 1)
+    assert asyncio.run(scenario()) == (1, True)
 
 
 def test_solo_suspects_go_first_and_alone_then_the_latest_sent() -> None:
     async def scenario() -> list[str]:
         lane = SuspectLane()
         order: list[str] = []
-        await lane.enter((-1.0, 0.0), solo=False)  # one in the engine already
+        blocker = await lane.enter((-1.0, 0.0), solo=False)  # one in the engine already
+        assert blocker is True
 
         async def suspect(name: str, deaths: int, sent_at: float) -> None:
-            await lane.enter((-float(deaths), -sent_at), solo=deaths >= 2)
-            order.append(f"{name}:{'alone' if lane.solo else 'with others'}:{lane.held}")
+            alone = await lane.enter((-float(deaths), -sent_at), solo=deaths >= 2)
+            order.append(f"{name}:{'alone' if alone else 'with others'}:{lane.held}")
             await asyncio.sleep(0)
             lane.leave(ok=True)
 
@@ -104,8 +97,7 @@ def test_a_suspect_that_survives_its_arrival_widens_the_lane_and_frees_a_solo_tu
     async def scenario() -> tuple[int, list[str]]:
         lane = SuspectLane()
         entered: list[str] = []
-        await lane.enter((-2.0, 0.0), solo=True)  # a solo: alone
-        assert lane.solo
+        assert await lane.enter((-2.0, 0.0), solo=True) is True  # a solo: alone
 
         async def suspect(name: str, solo: bool) -> None:
             await lane.enter((-2.0 if solo else -1.0, 0.0), solo=solo)
