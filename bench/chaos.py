@@ -37,21 +37,22 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from genfleet.workers.observe.engine_state import engine_state_from_metrics  # noqa: E402
 from tests.faults.chaos import Fleet, fleet, soak_run  # noqa: E402
 from tests.faults.resends import Sends, attribute, log_name  # noqa: E402
-from tests.support import engine_pid  # noqa: E402
+from tests.support import cmdline, engine_pid  # noqa: E402
 
-FULL = 256  # the emulator's max running requests
 FILLS = ("no engine", "idle", "<=25%", "<=75%", ">75%")
 
 
-def fill(running: int | None) -> str:
-    """The bin of one engine's look: None when it has no serving process."""
+def fill(running: int | None, cap: int) -> str:
+    """The bin of one engine's look (`cap`: its max running requests); `running` is None
+    when it has no serving process."""
     if running is None:
         return "no engine"
     if running == 0:
         return "idle"
-    return "<=25%" if running <= FULL // 4 else "<=75%" if running <= 3 * FULL // 4 else ">75%"
+    return "<=25%" if 4 * running <= cap else "<=75%" if 4 * running <= 3 * cap else ">75%"
 
 
 class EngineTimeline(threading.Thread):
@@ -68,29 +69,27 @@ class EngineTimeline(threading.Thread):
         )
 
     def run(self) -> None:
-        while not self.stopped.wait(self.every_s):
-            now = time.monotonic()
-            for worker in list(self.soak.workers):
-                if worker.proc.poll() is None:
-                    self.looks.append((now, fill(self._running(engine_pid(worker)))))
+        with self._http:
+            while not self.stopped.wait(self.every_s):
+                now = time.monotonic()
+                for worker in list(self.soak.workers):
+                    if worker.proc.poll() is None:
+                        self.looks.append((now, self._look(engine_pid(worker))))
 
-    def _running(self, pid: int | None) -> int | None:
-        """Requests running in engine `pid`; None when it is gone, frozen or not answering."""
+    def _look(self, pid: int | None) -> str:
+        """The bin of engine `pid`: "no engine" when it is gone, frozen or not answering."""
         if pid is None:
-            return None
+            return fill(None, 1)
         try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            argv = cmdline(pid)
             port = int(argv[argv.index(b"--port") + 1])
-            if state == "T":
-                return None
+            cap = int(argv[argv.index(b"--max-running-requests") + 1])
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+                return fill(None, cap)  # SIGSTOPped: frozen
             text = self._http.get(f"http://127.0.0.1:{port}/metrics").text
         except (OSError, ValueError, IndexError, httpx.HTTPError):
-            return None
-        for line in text.splitlines():
-            if line.startswith("sglang:num_running_reqs{"):
-                return int(float(line.rsplit(" ", 1)[1]))
-        return None
+            return fill(None, 1)
+        return fill(engine_state_from_metrics(text).get("running"), cap)
 
     def seconds(self, start: float, end: float) -> dict[str, float]:
         """Engine-seconds between `start` and `end` (monotonic) in each bin."""
