@@ -106,6 +106,12 @@ class EngineUnreachable(EngineDown):
     never saw it, so whatever the engine died of, it was not this prompt."""
 
 
+class AnswerInterrupted(EngineDown):
+    """The connection broke after the answer had begun (output text streamed): the prompt's
+    prefill and first steps had run, past the arrival where a prompt that crashes the engine
+    does so, so whatever the engine died of, it was not this prompt."""
+
+
 class RequestTimedOut(EngineDown):
     """One request outlived its own deadline (`workers/deadline`, from its max_tokens) while
     the engine answered connections: that prompt's failure, an error record, never its

@@ -10,7 +10,9 @@ Every answer is mapped here, at the seam (`answer_error` for statuses, `parse_ch
 - other 5xx and 4xx, a 200 with `finish_reason "abort"` or without a choice → RequestFailed:
   a failed try, sent again, then an error record; never stored as a completion.
 - connection refused/reset, a connect timeout → EngineDown: retried after the supervisor has
-  the engine up again; a request past its deadline → RequestTimedOut (that prompt's error).
+  the engine up again (AnswerInterrupted when the answer had begun: the prompt was past its
+  arrival, not what killed the engine); a request past its deadline → RequestTimedOut (that
+  prompt's error).
 Answers stream (SSE, `workers/stream.py`): an in-stream error chunk maps by its `code` as the
 status above would; a stream that ends before its finish chunk is a failed try; an answer the
 repetition guard stops is a result with `finish_reason "repetition"` and its `repetition`
@@ -25,16 +27,21 @@ from __future__ import annotations
 
 import email.utils
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from genfleet.common.errors import (
+    AnswerInterrupted,
     EngineBusy,
     EngineConfigError,
+    EngineDown,
+    EngineUnreachable,
     RequestFailed,
     RequestRejected,
+    RequestTimedOut,
 )
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
 from genfleet.workers.engine.launch import auth_headers
@@ -335,15 +342,26 @@ class EngineClient:
         self._transport = transport
 
     async def chat(
-        self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
+        self,
+        record: PromptRecord,
+        params: GenerationParams,
+        timeout_s: float | None = None,
+        on_begun: Callable[[], None] | None = None,
     ) -> ChatResult:
         """One completion, streamed (the guard watching it); `timeout_s` is this request's
-        deadline (default the client's)."""
+        deadline (default the client's); `on_begun()` fires at its first output text."""
         fields = streamed_body(request_body(record, params, self.model, self.thinking))
         body = orjson.dumps(fields)
-        stream = ChatStream(self.repetition)
+        stream = ChatStream(self.repetition, on_begun)
         started = time.monotonic()
-        status, payload, retry_after = await self._transport.stream(body, stream, timeout_s)
+        try:
+            status, payload, retry_after = await self._transport.stream(body, stream, timeout_s)
+        except (EngineUnreachable, RequestTimedOut):
+            raise
+        except EngineDown as exc:
+            if stream.reasoning or stream.content:
+                raise AnswerInterrupted(f"{exc} (after {stream.chars} characters)") from exc
+            raise
         if status == 200:
             if not payload:
                 max_tokens = fields.get("max_completion_tokens") or fields.get("max_tokens")

@@ -18,12 +18,16 @@ What each answer does to a prompt (the client maps HTTP to these errors):
   still succeeds. Otherwise the engine is what is broken and the batch's try fails instead.
 - engine down: the prompt waits for the supervisor to bring it back and is retried; if it
   cannot come back, the batch fails and its finished prompts survive as a checkpoint.
-- engine died with it in flight: the prompt becomes a suspect and goes back through the
-  `SuspectLane`, alone once it has been in flight at two deaths; a suspect in flight at two
-  of the engine's own crashes, the last as it arrived with no other suspect in the engine
-  (and while other prompts succeed), is that prompt's error record, never sent again: one
-  prompt that crashes the engine costs one record, not its batch or its worker's restart
-  budget. A kill (from outside, or the watchdog's for a stall) is no prompt's crash.
+- engine died with its answer begun (output streamed): the prompt was past its arrival, not
+  the cause; it goes back at once when the engine is up again.
+- engine died with it arriving (no output yet): the prompt becomes a suspect and goes back
+  through the `SuspectLane`, alone once it has been in flight at two deaths (no prompt,
+  fresh or suspect, is sent from then until its output begins, and it waits for those in
+  flight to begin theirs); a suspect at two of the engine's own crashes, the last as it
+  arrived with no other prompt arriving beside it (and while other prompts succeed), is that
+  prompt's error record, never sent again: one prompt that crashes the engine costs one
+  record, not its batch or its worker's restart budget. A kill (from outside, or the
+  watchdog's for a stall) is no prompt's crash.
 - past its deadline (`workers/deadline`: its max_tokens at the engine's measured pace): an
   error record at once, provided the engine serves other prompts; the batch goes on.
 - engine refuses the worker (401/403/404): the batch stops; the task stops the worker
@@ -46,6 +50,7 @@ from typing import Any, Protocol, TypeVar
 
 from genfleet.common.backoff import BUSY, PROMPT_RETRY
 from genfleet.common.errors import (
+    AnswerInterrupted,
     BatchTerminated,
     EngineBusy,
     EngineDown,
@@ -98,8 +103,14 @@ class ChatClient(Protocol):
     model: str
 
     async def chat(
-        self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
-    ) -> ChatResult: ...
+        self,
+        record: PromptRecord,
+        params: GenerationParams,
+        timeout_s: float | None = None,
+        on_begun: Callable[[], None] | None = None,
+    ) -> ChatResult:
+        """`on_begun()` fires at the answer's first output text (none may come)."""
+        ...
 
     async def aclose(self) -> None: ...
 
@@ -198,7 +209,7 @@ class InflightLimiter:
 
 
 class SuspectLane:
-    """Prompts that were in flight when the engine died go back to it through here.
+    """Prompts that were arriving when the engine died (no output yet) go back through here.
 
     Most of them are innocent, so the lane opens step by step: one suspect at a time, twice
     as many after each one that succeeds or survives its arrival (still in the engine
@@ -206,12 +217,14 @@ class SuspectLane:
     does so as it arrives), one again after a death. Waiting for completions instead kept the
     engine nearly empty for as long as a few completions take — minutes for long thinking
     ones — after every restart. A prompt in flight at two deaths goes alone (`solo`: no
-    other suspect enters until it survived its arrival or ended), first. Suspects are ranked
-    by deaths seen, then by how late they were sent before the death (a prompt that kills the
-    engine on arrival is the last one sent). All on the feeder's loop.
+    other suspect enters until it survived its arrival or ended), first; while it does,
+    `calm` is clear and no fresh prompt is sent either (`Feeder._slot`), so that a crash in
+    its arrival is its own, not a fresh poison's beside it. Suspects are ranked by deaths
+    seen, then by how late they were sent before the death (a prompt that kills the engine
+    on arrival is the last one sent). All on the feeder's loop.
 
         lane = SuspectLane()
-        alone = await lane.enter((-deaths, -sent_at), solo=deaths >= 2)
+        await lane.enter((-deaths, -sent_at), solo=deaths >= 2)
         lane.survived(exclusive=deaths >= 2)  # it outlived its arrival: the lane widens
         lane.leave(ok=True, exclusive=False)  # it succeeded: the lane widens
         lane.died()                           # the engine died: one at a time again
@@ -223,27 +236,36 @@ class SuspectLane:
         self.width = 1
         self.held = 0
         self.solo = False  # a solo suspect is in the engine: nobody else enters
+        self.calm = asyncio.Event()  # set while no solo holds the lane: fresh prompts may go
+        self.calm.set()
         self._order = itertools.count()
-        self._waiting: list[tuple[tuple[float, float], int, bool, asyncio.Future[bool]]] = []
+        self._waiting: list[tuple[tuple[float, float], int, bool, asyncio.Future[None]]] = []
 
     def _grantable(self, solo: bool) -> bool:
         if self.solo:
             return False
         return self.held == 0 if solo else self.held < self.width
 
-    def _grant(self, solo: bool) -> bool:
+    def _grant(self, solo: bool) -> None:
         self.held += 1
         self.solo = solo
-        return solo or self.width == 1
+        if solo:
+            self.calm.clear()
 
-    async def enter(self, rank: tuple[float, float], solo: bool) -> bool:
-        """Wait for this suspect's turn; True when it goes alone among suspects."""
+    def _unsolo(self) -> None:
+        self.solo = False
+        self.calm.set()
+
+    async def enter(self, rank: tuple[float, float], solo: bool) -> None:
+        """Wait for this suspect's turn. Whether it is alone is read at a death (`held`), not
+        at entry: one that entered alone may be joined later."""
         if not self._waiting and self._grantable(solo):
-            return self._grant(solo)
-        turn: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+            self._grant(solo)
+            return
+        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiting, (rank, next(self._order), solo, turn))
         try:
-            return await turn
+            await turn
         except asyncio.CancelledError:
             if turn.done() and not turn.cancelled():
                 self.leave(ok=False, exclusive=solo)  # granted as it was cancelled
@@ -254,7 +276,7 @@ class SuspectLane:
         lane alone as a solo (not yet released by `survived`)."""
         self.held -= 1
         if exclusive:
-            self.solo = False
+            self._unsolo()
         if ok:
             self.width = min(self.width * 2, self.MAX_WIDTH)
         self._wake()
@@ -263,7 +285,7 @@ class SuspectLane:
         """A suspect outlived its arrival in the engine: widen as a success would, and a solo
         lets the next suspects in (its slot stays held until it ends)."""
         if exclusive:
-            self.solo = False
+            self._unsolo()
         self.width = min(self.width * 2, self.MAX_WIDTH)
         self._wake()
 
@@ -279,7 +301,8 @@ class SuspectLane:
             if not self._grantable(solo):
                 return
             heapq.heappop(self._waiting)
-            turn.set_result(self._grant(solo))
+            self._grant(solo)
+            turn.set_result(None)
 
 
 @dataclass
@@ -297,10 +320,15 @@ class _Tries:
     deaths: int = 0  # engine deaths while it was in flight
     crashes: int = 0  # of those, the engine's own crashes (`EngineHandle.crashes`)
     first_death_s: float | None = None
-    alone: bool = False  # no other suspect was in the engine when its last send failed
+    alone: bool = False  # its last send failed arriving, with no other prompt arriving
     in_lane: bool = False  # it holds its lane slot until the engine it failed on is back
     exclusive: bool = False  # a solo suspect that holds the lane alone (not yet survived)
     survived: bool = False  # its last send outlived its arrival (`Feeder._probe`)
+    send_no: int = 0  # its last send's number (`Feeder._sends`)
+    arriving: bool = False  # its last send has no output yet (counted in Feeder._arriving)
+    begun: bool = False  # its last send's answer had begun (output streamed)
+    overlapped: bool = False  # another prompt was arriving during its last send's arrival
+    answered: bool = False  # its last send broke after its answer had begun: past arrival
     spent: int = 0  # tokens the engine generated in tries that failed (an abort's)
 
 
@@ -356,6 +384,9 @@ class Feeder:
         self._client: ChatClient = self.call(self._make(client_factory))
         self._limiter = InflightLimiter(max_inflight)
         self._lane = SuspectLane()
+        self._sends = 0  # requests sent so far (numbers them)
+        self._arriving = 0  # requests in flight with no output yet
+        self._none_arriving = asyncio.Event()  # set each time `_arriving` falls to 0
 
     async def _make(self, factory: Callable[[], ChatClient]) -> ChatClient:
         return factory()
@@ -528,13 +559,16 @@ class Feeder:
             tries.exclusive = tries.deaths >= 2
         ok = False
         try:
-            async with self._limiter:
+            await self._slot(suspect)
+            try:
                 if tries.waiting:
                     tries.waiting = False
                     self.waiting -= 1
                     unsent[0] -= 1
                     if unsent[0] == 0:
                         on_sent()
+                if tries.exclusive:
+                    await self._quiet()
                 if not self._engine.alive():  # dead, its exit not seen yet: never sent
                     raise EngineUnreachable("the engine process is not running")
                 self.inflight += 1
@@ -542,16 +576,23 @@ class Feeder:
                 tries.deaths_at_send = self._engine.deaths
                 tries.crashes_at_send = self._engine.crashes
                 tries.survived = False
+                self._arrive(tries)
                 probe = self._probe(tries) if suspect else None
                 try:
-                    result = await self._client.chat(record, params, timeout_s)
+                    result = await self._client.chat(
+                        record, params, timeout_s, lambda: self._arrived(tries, True, suspect)
+                    )
                 finally:
                     self.inflight -= 1
+                    self._arrived(tries, False, suspect)
                     if probe is not None:
                         probe.cancel()
+            finally:
+                self._limiter.release()
             ok = True
             return result
         except EngineDown as exc:
+            tries.answered = isinstance(exc, AnswerInterrupted)
             if suspect and not isinstance(exc, RequestTimedOut):
                 # Alone if no other suspect is in the engine as it fails: the others in flight
                 # at the same death still hold their slots (they leave in `_down`, once the
@@ -559,10 +600,11 @@ class Feeder:
                 # as alone. And the engine may be dying: no other suspect goes until `_down`
                 # has seen it back (else one sent into the dying engine would look as if it had
                 # been in flight at the death).
-                # And only while it was arriving: a prompt that kills the engine does so as it
-                # arrives (SUSPECT_PROBE_S); a death after that came from another prompt (a new
-                # poison arriving among the fresh ones), never from this one.
-                tries.alone = self._lane.held == 1 and not tries.survived
+                # And only while it was arriving (no output yet), with no other prompt
+                # arriving at any moment of its arrival: a prompt that kills the engine does
+                # so as it arrives, so a death after its first output, or beside another
+                # arrival (a fresh poison sent at the same moment), may not be its own.
+                tries.alone = self._lane.held == 1 and not tries.begun and not tries.overlapped
                 tries.in_lane, suspect = True, False
             raise
         finally:
@@ -570,16 +612,68 @@ class Feeder:
                 self._lane.leave(ok, tries.exclusive)
                 tries.exclusive = False
 
+    async def _slot(self, suspect: bool) -> None:
+        """A limiter slot. A fresh prompt waits while a solo suspect holds the lane (`calm`
+        clear) before it takes one, and after too: the solo may have entered meanwhile. A
+        suspect's lane turn already keeps it out of a solo's way. No slot is held while
+        waiting for calm: the solo needs one."""
+        while True:
+            if not suspect:
+                await self._lane.calm.wait()
+            await self._limiter.acquire()
+            if suspect or self._lane.calm.is_set():
+                return
+            self._limiter.release()
+
+    async def _quiet(self) -> None:
+        """A solo suspect waits for every prompt in flight to be past its arrival (output
+        streamed, or ended), so that nothing arrives beside it; fresh prompts wait for calm
+        meanwhile, so this ends as soon as the ones sent before have begun."""
+        while self._arriving:
+            self._none_arriving.clear()
+            await self._none_arriving.wait()
+
+    def _arrive(self, tries: _Tries) -> None:
+        """A send: numbered, counted as arriving until its first output or its end."""
+        self._sends += 1
+        tries.send_no = self._sends
+        tries.overlapped = self._arriving > 0
+        tries.arriving, tries.begun = True, False
+        self._arriving += 1
+
+    def _arrived(self, tries: _Tries, begun: bool, suspect: bool) -> None:
+        """A send's arrival ended: its first output (`begun`; a suspect then survived, as
+        `_probe` would say later), or its end with none. Sends after its own overlapped it."""
+        if not tries.arriving:
+            return
+        tries.arriving = False
+        tries.overlapped = tries.overlapped or self._sends != tries.send_no
+        self._arriving -= 1
+        if not self._arriving:
+            self._none_arriving.set()
+        tries.begun = begun
+        if begun and suspect and self._engine.deaths == tries.deaths_at_send:
+            self._survive(tries)
+
+    def _survive(self, tries: _Tries) -> None:
+        if tries.survived:
+            return
+        tries.survived = True
+        self._lane.survived(tries.exclusive)
+        tries.exclusive = False
+
     def _probe(self, tries: _Tries) -> asyncio.TimerHandle:
         """A suspect was sent: if it is still in flight `SUSPECT_PROBE_S` later and the engine
-        has not died meanwhile, it survived its arrival (`SuspectLane.survived`)."""
+        has not died meanwhile, it survived its arrival (`SuspectLane.survived`): the lane
+        widens. Not a solo's: it holds the lane, and fresh prompts, until its first output,
+        which a full engine may queue past this."""
         deaths = tries.deaths_at_send
 
         def passed() -> None:
+            if tries.exclusive:
+                return
             if self._engine.deaths == deaths and self._engine.alive():
-                tries.survived = True
-                self._lane.survived(tries.exclusive)
-                tries.exclusive = False
+                self._survive(tries)
 
         return asyncio.get_running_loop().call_later(SUSPECT_PROBE_S, passed)
 
@@ -654,8 +748,16 @@ class Feeder:
         await asyncio.to_thread(self._engine.wait_up, self.engine_wait_s)
         reached = not isinstance(exc, EngineUnreachable)  # else never in flight
         if reached and self._engine.deaths > tries.deaths_at_send:
-            tries.deaths += 1
             self._lane.died()
+            if tries.answered:
+                # Its answer had begun: past its arrival, so not the cause of this death, nor
+                # of any before (it would have killed the engine arriving again). It goes
+                # back at once, not through the lane: after a restart most of what was in
+                # flight does, and the engine is full again at once, not a few at a time.
+                tries.deaths = tries.crashes = 0
+                tries.first_death_s = None
+                return None
+            tries.deaths += 1
             crashed = self._engine.crashes > tries.crashes_at_send
             tries.crashes += crashed
             if tries.first_death_s is None:

@@ -13,6 +13,7 @@ client went away). What was generated is kept, with `finish_reason "repetition"`
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -39,10 +40,15 @@ class ChatStream:
         "done",
         "loop",
         "loop_field",
+        "on_begun",
         "_guards",
     )
 
-    def __init__(self, rule: RepetitionRule | None) -> None:
+    def __init__(
+        self, rule: RepetitionRule | None, on_begun: Callable[[], None] | None = None
+    ) -> None:
+        """`on_begun()` fires once, at the first reasoning or content text: the prompt is past
+        its arrival (prefill and first steps run), which the feeder's crash blame needs."""
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.finish_reason: str | None = None
@@ -54,6 +60,7 @@ class ChatStream:
         self.done = False  # `data: [DONE]` arrived
         self.loop: Loop | None = None
         self.loop_field: str | None = None
+        self.on_begun = on_begun
         self._guards = (
             (RepetitionDetector(rule), RepetitionDetector(rule)) if rule is not None else None
         )
@@ -95,6 +102,9 @@ class ChatStream:
         if isinstance(logprobs, dict) and logprobs.get("content"):
             self.logprobs = (self.logprobs or []) + list(logprobs["content"])
         stop = False
+        if self.on_begun is not None and (delta.get("reasoning_content") or delta.get("content")):
+            self.on_begun()
+            self.on_begun = None
         text = delta.get("reasoning_content")
         if text:
             self.reasoning.append(text)

@@ -14,7 +14,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 
-from genfleet.common.errors import EngineDown
+from genfleet.common.errors import AnswerInterrupted, EngineDown
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
 from genfleet.workers.client import ChatResult
 from genfleet.workers.feeder import ChatClient, EngineHandle
@@ -63,7 +63,11 @@ class FakeChat:
         self._lock = threading.Lock()
 
     async def chat(
-        self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
+        self,
+        record: PromptRecord,
+        params: GenerationParams,
+        timeout_s: float | None = None,
+        on_begun: Callable[[], None] | None = None,
     ) -> ChatResult:
         with self._lock:
             self.calls[record.id] += 1
@@ -85,6 +89,8 @@ class FakeChat:
                     if time.monotonic() > deadline:
                         raise AssertionError("the test never opened the gate")
                     await asyncio.sleep(0.002)
+            if on_begun is not None:
+                on_begun()  # the whole answer at once: it begins as it ends
             return answer(record, self.tokens)
         except asyncio.CancelledError:
             with self._lock:
@@ -130,7 +136,13 @@ class CrashingEngine:
     takes `crash_after_s` to crash it (its prefill): prompts sent meanwhile are in flight at
     the crash, sent after the poison."""
 
-    def __init__(self, poison: set[str], answer_s: float, crash_after_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        poison: set[str],
+        answer_s: float,
+        crash_after_s: float = 0.0,
+        begins_after_s: float | None = None,
+    ) -> None:
         self.model = "fake-model"
         self.state = "ready"
         self.deaths = 0
@@ -139,7 +151,11 @@ class CrashingEngine:
         self.poison = poison
         self.answer_s = answer_s
         self.crash_after_s = crash_after_s
+        # A prompt in flight this long has begun its answer (output streamed): at a death it
+        # fails as AnswerInterrupted. None: nothing streams, every death is a plain EngineDown.
+        self.begins_after_s = begins_after_s
         self.sent: Counter[str] = Counter()
+        self.events: list[tuple[float, str, str]] = []  # (monotonic, "sent" | "begun", id)
         self.inflight: set[str] = set()
         self._generation = 0  # one more at each death: the requests of an older one fail
 
@@ -157,9 +173,14 @@ class CrashingEngine:
         self._generation += 1
 
     async def chat(
-        self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
+        self,
+        record: PromptRecord,
+        params: GenerationParams,
+        timeout_s: float | None = None,
+        on_begun: Callable[[], None] | None = None,
     ) -> ChatResult:
         self.sent[record.id] += 1
+        self.events.append((time.monotonic(), "sent", record.id))
         generation = self._generation
         text = str(record.messages)
         if any(marker in text for marker in self.poison):
@@ -170,10 +191,20 @@ class CrashingEngine:
             raise EngineDown("engine unreachable: the server disconnected")
         self.inflight.add(record.id)
         try:
-            deadline = time.monotonic() + self.answer_s
+            started = time.monotonic()
+            deadline = started + self.answer_s
+            begun = False
             while time.monotonic() < deadline and self._generation == generation:
                 await asyncio.sleep(0.002)
+                if not begun and self.begins_after_s is not None:
+                    begun = time.monotonic() - started >= self.begins_after_s
+                    if begun:
+                        self.events.append((time.monotonic(), "begun", record.id))
+                        if on_begun is not None:
+                            on_begun()
             if self._generation != generation:
+                if begun:
+                    raise AnswerInterrupted("engine unreachable: the server disconnected")
                 raise EngineDown("engine unreachable: the server disconnected")
             return answer(record)
         finally:

@@ -3,7 +3,8 @@
 It passes the contract tests the real transport passes (`tests/workers/test_client.py` runs
 them over both), so the engine client's answer mapping is tested in process: each request
 takes the next scripted answer, a whole one (status, JSON body, Retry-After), an event
-stream (its events, `data:`-framed as SGLang sends them; a generator may run forever), or an
+stream (its events, `data:`-framed as SGLang sends them; a generator may run forever; `CUT`
+breaks it as a dying engine does), or an
 exception a transport raises (EngineDown, RequestTimedOut, EngineUnreachable).
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 import orjson
 
+from genfleet.common.errors import EngineDown
 from genfleet.workers.transport import Reply, Sink
 
 
@@ -33,6 +35,13 @@ class Events:
 
     events: Iterable[Any]
 
+
+class Cut:
+    """An event of `Events`: the engine dies here, the connection broken mid-stream (as a
+    killed engine's: the real transport sees a reset, raises EngineDown)."""
+
+
+CUT = Cut()
 
 Answer = Whole | Events | Exception
 
@@ -60,6 +69,8 @@ class ScriptedTransport:
             return answer.status, encoded(answer.body), answer.retry_after
         stopped = False
         for event in answer.events:
+            if isinstance(event, Cut):
+                raise EngineDown("engine unreachable: ClientPayloadError: the stream was cut")
             # SSE framing as SGLang writes it: the event line, then a blank separator
             if sink.feed(b"data: " + encoded(event)):
                 stopped = True

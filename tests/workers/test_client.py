@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import functools
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,7 @@ import pytest
 from aiohttp import web
 
 from genfleet.common.errors import (
+    AnswerInterrupted,
     EngineBusy,
     EngineConfigError,
     EngineDown,
@@ -33,7 +35,7 @@ from genfleet.workers.client import (
     request_body,
     retry_after_s,
 )
-from tests.fakes.transport import Answer, Events, ScriptedTransport, Whole, encoded
+from tests.fakes.transport import CUT, Answer, Cut, Events, ScriptedTransport, Whole, encoded
 from tests.support import free_port
 
 PARAMS = GenerationParams(max_tokens=64, temperature=0.6, top_p=0.95, thinking=True)
@@ -86,6 +88,11 @@ class HttpEngine:
         await response.prepare(request)
         try:
             for event in answer.events:
+                if isinstance(event, Cut):  # the engine dies: its connection is reset
+                    assert request.transport is not None
+                    request.transport.abort()
+                    self.closed_early.append(True)
+                    return response
                 await response.write(b"data: " + encoded(event) + b"\n\n")
                 await asyncio.sleep(0)
             await asyncio.sleep(self.hold_s)
@@ -133,6 +140,7 @@ def ask(
     answers: list[Answer],
     record: PromptRecord = RECORD,
     delay_s: float = 0.0,
+    on_begun: Callable[[], None] | None = None,
     **client_args: Any,
 ) -> Answered:
     """One `chat` of `record` by a client whose engine answers `answers`, over `wire`."""
@@ -143,7 +151,7 @@ def ask(
 
         async def local() -> ChatResult:
             try:
-                return await client.chat(record, PARAMS)
+                return await client.chat(record, PARAMS, None, on_begun)
             finally:
                 await client.aclose()
 
@@ -157,7 +165,7 @@ def ask(
         async with serving(engine) as url:
             client = EngineClient(url, model="m", api_key="k", **client_args)
             try:
-                result = await client.chat(record, PARAMS)
+                result = await client.chat(record, PARAMS, None, on_begun)
                 for _ in range(500):  # a stream's handler ends once it sees the client go
                     if len(engine.closed_early) >= streams:
                         break
@@ -466,6 +474,47 @@ def test_a_stream_that_does_not_finish_is_a_failed_try(wire: str) -> None:
         with pytest.raises(RequestFailed) as info:
             ask(wire, [Events(lines)])
         assert info.value.kind == kind
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_an_engine_that_dies_mid_answer_says_whether_the_answer_had_begun(wire: str) -> None:
+    """A connection broken after output text arrived is AnswerInterrupted (the prompt was past
+    its arrival, not the cause of the death); broken before any text (the role chunk alone
+    is no output on every engine) it is a plain EngineDown."""
+    role = chunk({"role": "assistant", "content": ""})
+    with pytest.raises(AnswerInterrupted):
+        ask(wire, [Events([role, chunk({"reasoning_content": "Let me think"}), CUT])])
+    with pytest.raises(EngineDown) as info:
+        ask(wire, [Events([role, CUT])])
+    assert not isinstance(info.value, AnswerInterrupted)
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_on_begun_fires_once_at_the_first_output_text(wire: str) -> None:
+    """The feeder's arrival ends at the answer's first text, reasoning or content, once; the
+    role chunk (an empty content on every engine) is no output, nor is a cut before text."""
+    role = chunk({"role": "assistant", "content": "", "reasoning_content": None})
+    usage = {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    whole = [
+        role,
+        chunk({"reasoning_content": "2+2"}),
+        chunk({"content": "4"}),
+        chunk({}, finish="stop"),
+        chunk(choices=[], usage=usage),
+        b"[DONE]",
+    ]
+    cases: list[tuple[list[Any], int]] = [
+        (whole, 1),
+        ([role, chunk({"content": "4"}), CUT], 1),
+        ([role, CUT], 0),
+    ]
+    for events, begun in cases:
+        calls: list[int] = []
+        try:
+            ask(wire, [Events(events)], on_begun=functools.partial(calls.append, 1))
+        except EngineDown:
+            assert events[-1] is CUT
+        assert len(calls) == begun, events
 
 
 def looping(prefix: str, block: str, max_chunks: int, tokens_per_chunk: int = 32) -> Any:

@@ -335,17 +335,74 @@ def test_kills_from_outside_never_make_a_prompt_an_error(
 def test_a_suspect_is_not_blamed_for_a_crash_after_it_survived_its_arrival(
     make_feeder: Callable[..., Feeder], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A prompt kills the engine as it arrives. A suspect alone among suspects that has been
-    in the engine past its arrival when the engine crashes did not cause it (a new poison
+    """A prompt kills the engine as it arrives. A suspect alone among suspects that was past
+    its arrival (its answer begun) when the engine crashes did not cause it (a new poison
     arriving among the fresh prompts did): it is sent again, not made an error record."""
-    engine = CrashingEngine(poison=set(), answer_s=0.6)
+    engine = CrashingEngine(poison=set(), answer_s=0.6, begins_after_s=0.1)
     feeder = crashing_feeder(make_feeder, engine, monkeypatch)
     future, got = run(feeder, prompts(1, "x"))
     wait_for(lambda: engine.sent["x0"] == 1 and "x0" in engine.inflight, 10, "x0 sent")
-    engine.kill(crash=True)  # a crash with it in flight: a suspect
+    engine.kill(crash=True)  # a crash with it in flight, no output yet: a suspect
     wait_for(lambda: engine.sent["x0"] == 2 and "x0" in engine.inflight, 10, "x0 sent again")
-    time.sleep(0.2)  # past its arrival (SUSPECT_PROBE_S 0.05), alone in the lane
+    time.sleep(0.25)  # past its arrival (its answer begun), alone in the lane
     engine.kill(crash=True)  # another prompt's crash
     future.result(timeout=30)
     assert got.records[0].error is None
     assert engine.sent["x0"] == 3 and engine.crashes == 2
+
+
+def test_prompts_whose_answers_had_begun_go_back_at_once_not_through_the_lane(
+    make_feeder: Callable[..., Feeder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three prompts answering (output streamed) and one just sent when the engine crashes:
+    the three were past their arrival, not its cause, and are all back in the engine as soon
+    as it is up; only the one still arriving is a suspect, one at a time. Before, all four
+    went back one at a time, widening as each survived its arrival."""
+    engine = CrashingEngine(poison=set(), answer_s=1.5, begins_after_s=0.1)
+    feeder = crashing_feeder(make_feeder, engine, monkeypatch)
+    monkeypatch.setattr(feeder_module, "SUSPECT_PROBE_S", 10.0, raising=False)  # no widening
+    answering, _ = run(feeder, prompts(3, "a"), "batch-a")
+    wait_for(lambda: len(engine.inflight) == 3, 5, "three in flight", 0.005)
+    time.sleep(0.2)  # their answers have begun
+    arriving, _ = run(feeder, prompts(1, "b"), "batch-b")
+    wait_for(lambda: "b0" in engine.inflight, 5, "b0 in flight", 0.001)
+    engine.kill(crash=True)
+    wait_for(
+        lambda: all(engine.sent[f"a{n}"] == 2 for n in range(3)), 2, "all three sent again", 0.005
+    )
+    answering.result(timeout=10)
+    arriving.result(timeout=30)
+    assert engine.sent["b0"] == 2
+
+
+def test_a_suspect_is_not_blamed_for_a_crash_while_fresh_prompts_arrive_beside_it(
+    make_feeder: Callable[..., Feeder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A suspect alone among suspects, sent again as fresh prompts of another batch arrive:
+    the engine crashes before any of them has output. Any of the fresh ones may be a poison
+    (a new run's), so the suspect is not blamed; it goes alone, and nothing else is sent
+    until its answer has begun, then every prompt is answered. Before, only other suspects
+    counted, and the suspect was made an `engine_crash` record."""
+    engine = CrashingEngine(poison=set(), answer_s=0.8, begins_after_s=0.3)
+    feeder = crashing_feeder(make_feeder, engine, monkeypatch)
+    monkeypatch.setattr(feeder_module, "SUSPECT_PROBE_S", 5.0, raising=False)
+    suspect, got = run(feeder, prompts(1, "x"), "batch-x")
+    wait_for(lambda: "x0" in engine.inflight, 10, "x0 sent", 0.002)
+    engine.kill(crash=True)  # no output yet: a suspect
+    wait_for(lambda: engine.sent["x0"] == 2 and "x0" in engine.inflight, 10, "x0 again", 0.002)
+    fresh, fresh_got = run(feeder, prompts(3, "f"), "batch-f")
+    wait_for(lambda: len(engine.inflight) == 4, 10, "the fresh ones sent beside it", 0.002)
+    assert not any(kind == "begun" and name == "x0" for _, kind, name in engine.events)
+    engine.kill(crash=True)  # every one of the four still arriving
+    wait_for(lambda: engine.sent["x0"] == 3, 10, "x0 alone", 0.002)
+    later, later_got = run(feeder, prompts(2, "g"), "batch-g")  # they wait for its output
+    for future in (suspect, fresh, later):
+        future.result(timeout=30)
+    assert got.records[0].error is None
+    assert all(r.error is None for r in [*fresh_got.records.values(), *later_got.records.values()])
+    assert engine.sent["x0"] == 3 and engine.sent["g0"] == 1
+    # Its third send went alone: nothing sent from it to its first output.
+    sent_at = [t for t, kind, name in engine.events if kind == "sent" and name == "x0"][-1]
+    begun_at = next(t for t, kind, name in engine.events if kind == "begun" and name == "x0")
+    beside = [n for t, kind, n in engine.events if kind == "sent" and sent_at < t < begun_at]
+    assert beside == []

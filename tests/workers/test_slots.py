@@ -35,7 +35,11 @@ class SlowClient:
         self.release = asyncio.Event()
 
     async def chat(
-        self, record: PromptRecord, params: GenerationParams, timeout_s: float | None = None
+        self,
+        record: PromptRecord,
+        params: GenerationParams,
+        timeout_s: float | None = None,
+        on_begun: object = None,
     ) -> object:
         await self.release.wait()
         raise asyncio.CancelledError  # never reached in this test: the batch is cancelled

@@ -39,27 +39,34 @@ def test_one_at_a_time_then_twice_as_many_after_each_success() -> None:
 
 
 def test_a_death_narrows_the_lane_to_one() -> None:
-    async def scenario() -> tuple[int, bool]:
+    async def scenario() -> tuple[int, int]:
         lane = SuspectLane()
         lane.width = 8
-        assert await lane.enter((-1.0, 0.0), solo=False) is False  # not alone: width 8
+        for _ in range(3):
+            await lane.enter((-1.0, 0.0), solo=False)  # width 8: three at once
         lane.died()
+        for _ in range(3):
+            lane.leave(ok=False)
+        await lane.enter((-1.0, 0.0), solo=False)
+        second = asyncio.create_task(lane.enter((-1.0, 0.0), solo=False))
+        await settle()
+        held = lane.held  # the first alone: width 1 after the death
         lane.leave(ok=False)
-        return lane.width, await lane.enter((-1.0, 0.0), solo=False)
+        await asyncio.wait_for(second, 1.0)
+        return lane.width, held
 
-    assert asyncio.run(scenario()) == (1, True)
+    assert asyncio.run(scenario()) == (1, 1)
 
 
 def test_solo_suspects_go_first_and_alone_then_the_latest_sent() -> None:
     async def scenario() -> list[str]:
         lane = SuspectLane()
         order: list[str] = []
-        blocker = await lane.enter((-1.0, 0.0), solo=False)  # one in the engine already
-        assert blocker is True
+        await lane.enter((-1.0, 0.0), solo=False)  # one in the engine already
 
         async def suspect(name: str, deaths: int, sent_at: float) -> None:
-            alone = await lane.enter((-float(deaths), -sent_at), solo=deaths >= 2)
-            order.append(f"{name}:{'alone' if alone else 'with others'}:{lane.held}")
+            await lane.enter((-float(deaths), -sent_at), solo=deaths >= 2)
+            order.append(f"{name}:{'alone' if lane.solo else 'with others'}:{lane.held}")
             await asyncio.sleep(0)
             lane.leave(ok=True)
 
@@ -97,7 +104,8 @@ def test_a_suspect_that_survives_its_arrival_widens_the_lane_and_frees_a_solo_tu
     async def scenario() -> tuple[int, list[str]]:
         lane = SuspectLane()
         entered: list[str] = []
-        assert await lane.enter((-2.0, 0.0), solo=True) is True  # a solo: alone
+        await lane.enter((-2.0, 0.0), solo=True)  # a solo: alone
+        assert lane.solo
 
         async def suspect(name: str, solo: bool) -> None:
             await lane.enter((-2.0 if solo else -1.0, 0.0), solo=solo)
