@@ -128,3 +128,27 @@ def test_a_suspect_that_survives_its_arrival_widens_the_lane_and_frees_a_solo_tu
 
     width, entered = asyncio.run(scenario())
     assert entered == ["other-solo", "plain0", "plain1", "plain2"] and width >= 4
+
+
+def test_calm_is_clear_exactly_while_a_solo_holds_the_lane() -> None:
+    """Fresh prompts wait for `calm`: clear from a solo's grant until it survives or leaves,
+    whichever first, and untouched by suspects that are not solos."""
+
+    async def scenario() -> list[bool]:
+        lane = SuspectLane()
+        seen = [lane.calm.is_set()]
+        await lane.enter((-1.0, 0.0), solo=False)
+        seen.append(lane.calm.is_set())
+        lane.leave(ok=True, exclusive=False)
+        await lane.enter((-2.0, 0.0), solo=True)
+        seen.append(lane.calm.is_set())
+        lane.survived(exclusive=True)  # its answer began
+        seen.append(lane.calm.is_set())
+        lane.leave(ok=True, exclusive=False)
+        await lane.enter((-2.0, 0.0), solo=True)
+        seen.append(lane.calm.is_set())
+        lane.leave(ok=False, exclusive=True)  # failed before its answer began
+        seen.append(lane.calm.is_set())
+        return seen
+
+    assert asyncio.run(scenario()) == [True, True, False, True, False, True]
