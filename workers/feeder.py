@@ -67,9 +67,11 @@ from genfleet.workers.deadline import DeadlinePolicy, SequencePace, max_tokens_o
 log = logging.getLogger("genfleet.feeder")
 T = TypeVar("T")
 
-# How long a suspect must be in the engine, the engine alive, to count as having survived its
-# arrival: a prompt that crashes the engine does so in its prefill or first steps, well inside
-# this in a lane narrowed to one (the emulator's and the crashes recorded of SGLang do at once).
+# How long a suspect (not a solo) must be in the engine, the engine alive, to widen the lane
+# as if it had survived its arrival, should its first output not have come sooner: a prompt
+# that crashes the engine does so in its prefill or first steps (the emulator's and the
+# crashes recorded of SGLang at once). Blame never rests on it: a prompt arrives until its
+# first output, however long the engine queued it.
 SUSPECT_PROBE_S = 2.0
 
 
@@ -781,7 +783,7 @@ class Feeder:
                     0,
                     "engine_crash",
                     f"the engine died {tries.deaths} times with this prompt in flight, the "
-                    f"last time as the only suspect sent ({self._engine.last_error}); not "
+                    f"last time as the only prompt arriving ({self._engine.last_error}); not "
                     "sent again",
                 )
         return None
