@@ -16,6 +16,9 @@ to an engine again are printed per fault that caused them. And each GPU worker's
 read twice a second (its process, and `num_running_reqs` from its /metrics): each run prints
 its engine-seconds by how full the engines were, so where the chaos run's time goes shows
 (no engine: dead, starting or frozen; idle; a quarter full or less; three quarters; more).
+With `--timeline` the chaos run is also printed second by second: each GPU worker's engine
+(requests running, `down` or `frozen`) and the faults played in that second, so the seconds a
+fault costs (an engine starting, a frozen engine holding the last prompts) can be read off.
 
 The last line is `goodput_vs_clean: R`, chaos goodput over clean goodput.
 """
@@ -38,7 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from genfleet.workers.observe.engine_state import engine_state_from_metrics  # noqa: E402
-from tests.faults.chaos import Fleet, fleet, soak_run  # noqa: E402
+from tests.faults.chaos import Fleet, Played, fleet, soak_run  # noqa: E402
 from tests.faults.resends import Sends, attribute, log_name  # noqa: E402
 from tests.support import cmdline, engine_pid  # noqa: E402
 
@@ -63,6 +66,8 @@ class EngineTimeline(threading.Thread):
         self.soak = soak
         self.every_s = every_s
         self.looks: list[tuple[float, str]] = []
+        # (time, worker, what its engine was doing: requests running, "down" or "frozen")
+        self.states: list[tuple[float, str, str]] = []
         self.stopped = threading.Event()
         self._http = httpx.Client(
             timeout=0.4, headers={"Authorization": f"Bearer {api_key}"}, trust_env=False
@@ -74,27 +79,54 @@ class EngineTimeline(threading.Thread):
                 now = time.monotonic()
                 for worker in list(self.soak.workers):
                     if worker.proc.poll() is None:
-                        self.looks.append((now, self._look(engine_pid(worker))))
+                        state, cap = self._look(engine_pid(worker))
+                        running = int(state) if state.isdigit() else None
+                        self.looks.append((now, fill(running, cap)))
+                        self.states.append((now, worker.hostname, state))
 
-    def _look(self, pid: int | None) -> str:
-        """The bin of engine `pid`: "no engine" when it is gone, frozen or not answering."""
+    def _look(self, pid: int | None) -> tuple[str, int]:
+        """What engine `pid` is doing (requests running, "down" when it is gone or not
+        answering, "frozen" when SIGSTOPped) and its cap."""
         if pid is None:
-            return fill(None, 1)
+            return "down", 1
         try:
             argv = cmdline(pid)
             port = int(argv[argv.index(b"--port") + 1])
             cap = int(argv[argv.index(b"--max-running-requests") + 1])
             if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
-                return fill(None, cap)  # SIGSTOPped: frozen
+                return "frozen", cap
             text = self._http.get(f"http://127.0.0.1:{port}/metrics").text
         except (OSError, ValueError, IndexError, httpx.HTTPError):
-            return fill(None, 1)
-        return fill(engine_state_from_metrics(text).get("running"), cap)
+            return "down", 1
+        running = engine_state_from_metrics(text).get("running")
+        return ("down" if running is None else str(int(running))), cap
 
     def seconds(self, start: float, end: float) -> dict[str, float]:
         """Engine-seconds between `start` and `end` (monotonic) in each bin."""
         counts = collections.Counter(b for at, b in self.looks if start <= at <= end)
         return {name: counts[name] * self.every_s for name in FILLS}
+
+
+def show_timeline(
+    states: list[tuple[float, str, str]], played: list[Played], start: float, wall_start: float
+) -> None:
+    """One line per second from `start` (monotonic; `wall_start` the same moment on the wall
+    clock the faults were stamped with): each worker's engine at the second's last look, then
+    the faults played in it. Workers are numbered in the order they first appear."""
+    names: dict[str, str] = {}
+    seconds: dict[int, dict[str, str]] = collections.defaultdict(dict)
+    for at, worker, state in states:
+        if at >= start:
+            names.setdefault(worker, f"w{len(names)}")
+            seconds[int(at - start)][worker] = state
+    faults: dict[int, list[str]] = collections.defaultdict(list)
+    for fault in played:
+        target = f" {names.setdefault(fault.target, f'w{len(names)}')}" if fault.target else ""
+        faults[int(fault.at_s - wall_start)].append(f"{fault.action}{target}")
+    print("chaos timeline (s: each worker's engine, requests running; then the faults):")
+    for second in range(max([*seconds, *faults], default=-1) + 1):
+        engines = "  ".join(f"{names[w]} {s:>6}" for w, s in seconds.get(second, {}).items())
+        print(f"{second:4d}  {engines:<34}{'  '.join(faults.get(second, []))}".rstrip())
 
 
 def show(run: str, seconds: dict[str, float]) -> None:
@@ -107,6 +139,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the test's soak (about 5 min)")
     parser.add_argument("--seed", type=int, default=4)
+    parser.add_argument(
+        "--timeline", action="store_true", help="print the chaos run second by second"
+    )
     args = parser.parse_args()
     prompts, duration_s = (900, 80.0) if args.quick else (1800, 160.0)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
@@ -134,10 +169,13 @@ def main() -> None:
             f"({clean.prompts_per_s:.2f} prompts/s)",
             flush=True,
         )
-        started = time.monotonic()
+        started, wall_started = time.monotonic(), time.time()
         chaos = soak_run(soak, "chaos", prompts, args.seed, duration_s, deadline_s=900.0)
         show("chaos", timeline.seconds(started, time.monotonic()))
         timeline.stopped.set()
+        timeline.join()
+        if args.timeline:
+            show_timeline(timeline.states, soak.played, started, wall_started)
         print(
             f"chaos (seed {args.seed}): {chaos.prompts} prompts in {chaos.seconds:.1f} s "
             f"({chaos.prompts_per_s:.2f} prompts/s) through {len(chaos.actions)} faults: "
