@@ -275,6 +275,12 @@ class Settings(BaseSettings):
             return self.engine
         return "sglang" if self.model else "emulator"
 
+    @property
+    def summary_ttl_s(self) -> float:
+        """How old a worker's pushed summary may be before the worker counts as silent:
+        about three power-watch rounds (its pushes come four times a round)."""
+        return max(3 * self.power_watch_interval_s, 10 * self.sample_interval_s)
+
     def redacted(self) -> dict[str, Any]:
         """The settings as a dict with secrets masked, safe for logs and task results."""
         data = self.model_dump()

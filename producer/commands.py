@@ -117,20 +117,24 @@ def enqueue(
 def queue_check(settings: Settings) -> QueueCheck:
     """A check, given a run's status (its `model` and `engine`), of whether a live worker
     consumes the run's queue: None when one does (or the workers could not be asked), else
-    what `unconsumed_queue` says. Each call asks the workers (it waits INSPECT_TIMEOUT_S)."""
-    from genfleet.producer.broker import make_client_app, worker_queues
+    what `unconsumed_queue` says. Each call asks the workers (it waits INSPECT_TIMEOUT_S) and
+    reads which are still loading their engine."""
+    from genfleet.producer.broker import loading_workers, make_client_app, worker_queues
 
     def check(report: dict[str, Any]) -> dict[str, Any] | None:
         model, engine = report.get("model"), report.get("engine")
         if model is None or engine is None:
             return None
         queue = work_queue(settings.queue, ModelRef(engine, model))
+        # Loading first: one that starts consuming during the broadcast's wait is in one.
+        with connect(settings, check=False, timeout_s=5.0) as client:
+            loading = loading_workers(client, settings.summary_ttl_s)
         app = make_client_app(settings)
         try:
             consumers = worker_queues(app)
         finally:
             app.close()
-        return unconsumed_queue(queue, model, engine, settings.queue, consumers)
+        return unconsumed_queue(queue, model, engine, settings.queue, consumers, loading)
 
     return check
 

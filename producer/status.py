@@ -237,18 +237,25 @@ STALL_CAUSES = (
 
 
 def unconsumed_queue(
-    queue: str, model: str, engine: str, prefix: str, worker_queues: dict[str, list[str]] | None
+    queue: str,
+    model: str,
+    engine: str,
+    prefix: str,
+    worker_queues: dict[str, list[str]] | None,
+    loading: dict[str, str] | None = None,
 ) -> dict[str, Any] | None:
     """Why a run's orders sit unread, when no live worker consumes its `queue`; None when one
-    does, or when the workers could not be asked (`worker_queues` None).
+    does, when one is loading its engine to consume it (`loading`: worker → the queue it will
+    consume), or when the workers could not be asked (`worker_queues` None).
 
     Runs go to their model's queue (`gpu.emulator`, `gpu.<model>`): a run enqueued for a
-    model the fleet does not serve waits forever unless someone is told.
+    model the fleet does not serve waits forever unless someone is told. A worker loading its
+    engine (minutes for a large model) does not consume yet, and is not to be told to start.
 
         unconsumed_queue("gpu.q3", "q3", "sglang", "gpu", {"w@h": ["gpu.emulator"]})["message"]
         # 'no live worker consumes queue gpu.q3 (model q3); workers consume: gpu.emulator. …'
     """
-    if worker_queues is None:
+    if worker_queues is None or queue in (loading or {}).values():
         return None
     consumed = sorted(
         {q for qs in worker_queues.values() for q in qs if q.startswith(f"{prefix}.")}

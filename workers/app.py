@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from celery import Celery, bootsteps
+from celery.signals import worker_ready
 from celery.worker.control import inspect_command
 
 from genfleet.common.celery_config import (
@@ -148,8 +149,8 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
                 self.pusher = None
             raise
         parent.genfleet_runtime = runtime
+        parent.genfleet_pusher = self.pusher
         BatchTask.runtime = runtime
-        self.pusher.push_now()  # the engine is up: its first window, not in a while
         log.info("%s: start-up heap settled (%d objects frozen)", hostname, heap.settle())
 
     def stop(self, parent: Any) -> None:
@@ -167,6 +168,7 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
             _wait_for_running_tasks(15.0)
         BatchTask.runtime = None
         parent.genfleet_runtime = None
+        parent.genfleet_pusher = None
         runtime.stop()
         self.runtime = None
         if self.pusher is not None:
@@ -187,6 +189,21 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
         if runtime is None:
             return {}
         return {"genfleet_engine": engine_headline(runtime.engine_state().to_json())}
+
+
+@worker_ready.connect  # type: ignore[untyped-decorator]
+def _consuming(sender: Any = None, **_: Any) -> None:
+    """The worker consumes its queue now (Celery sends worker_ready once its consumer has
+    started, after the engine step): its summary stops saying it is starting, pushed at once
+    rather than in a while."""
+    worker = getattr(sender, "controller", None)
+    runtime = getattr(worker, "genfleet_runtime", None)
+    if runtime is None:
+        return  # the control worker, or an engine that failed to start
+    runtime.consuming = True
+    pusher = getattr(worker, "genfleet_pusher", None)
+    if pusher is not None:
+        pusher.push_now()
 
 
 def _wait_for_running_tasks(timeout_s: float, poll_s: float = 0.2) -> bool:

@@ -63,6 +63,9 @@ class WorkerRuntime:
         self.on_exhausted = on_exhausted
         self.on_recovered = on_recovered
         self.queue = worker_queue(settings)  # the one queue (model) this worker serves
+        # Set once Celery consumes `queue` (worker_ready, after the engine is up): until then
+        # the worker answers no broadcast, and its pushed summary says it is starting.
+        self.consuming = False
         # Every store call ends well inside the lease it runs under (a hung put cannot outlast
         # it); the lease heartbeat has a client of its own whose calls end inside one beat.
         self.store: Store = store_of(settings, deadline_s=settings.lease_ttl_s / 2)
@@ -382,12 +385,15 @@ class WorkerRuntime:
 
     def report(self) -> dict[str, Any]:
         """The recent GPU + engine window (the `gpu_report` inspect command's reply)."""
-        if self.monitor is None:
+        if self.monitor is None or not self.consuming:
+            # Starting: the power-watch counts its node's GPUs as claimed, and `enqueue` does
+            # not tell anyone to start a worker for `queue`, which it will consume once up.
             return {
                 "worker": self.hostname,
                 "ok": False,
-                "reason": "engine not started",
+                "reason": "engine not started" if self.monitor is None else "not consuming yet",
                 "node": socket.gethostname(),
+                "queue": self.queue,
             }
         report = self.monitor.report()
         report["findings"] = self.findings[-5:]

@@ -22,23 +22,35 @@ pytestmark = pytest.mark.integration
 
 
 @pytest.mark.parametrize(
-    ("queue", "engine", "consumers", "expected"),
+    ("queue", "engine", "consumers", "loading", "expected"),
     [
-        ("gpu.emulator", "emulator", {"w@h": ["control", "gpu.emulator"]}, None),
-        ("gpu.q3", "sglang", None, None),  # the workers could not be asked: no claim
-        ("gpu.q3", "sglang", {"w@h": ["gpu.emulator"], "c@h": ["control"]}, ["gpu.emulator"]),
-        ("gpu.q3", "sglang", {}, []),
-        ("gpu.emulator", "emulator", {"w@h": ["gpu.q3"]}, ["gpu.q3"]),
+        ("gpu.emulator", "emulator", {"w@h": ["control", "gpu.emulator"]}, {}, None),
+        ("gpu.q3", "sglang", None, {}, None),  # the workers could not be asked: no claim
+        (
+            "gpu.q3",
+            "sglang",
+            {"w@h": ["gpu.emulator"], "c@h": ["control"]},
+            {},
+            ["gpu.emulator"],
+        ),
+        ("gpu.q3", "sglang", {}, {}, []),
+        ("gpu.emulator", "emulator", {"w@h": ["gpu.q3"]}, {}, ["gpu.q3"]),
+        # a worker loading its engine for the queue: its orders wait for it, nobody is told
+        ("gpu.q3", "sglang", {"c@h": ["control"]}, {"w@h": "gpu.q3"}, None),
+        ("gpu.q3", "sglang", {}, {"w@h": "gpu.q3"}, None),
+        # one loading for another model does not serve this one
+        ("gpu.q3", "sglang", {"c@h": ["control"]}, {"w@h": "gpu.emulator"}, []),
     ],
 )
 def test_unconsumed_queue(
     queue: str,
     engine: str,
     consumers: dict[str, list[str]] | None,
+    loading: dict[str, str],
     expected: list[str] | None,
 ) -> None:
     model = "emulator" if engine == "emulator" else "q3"
-    found = unconsumed_queue(queue, model, engine, "gpu", consumers)
+    found = unconsumed_queue(queue, model, engine, "gpu", consumers, loading)
     if expected is None:
         assert found is None
         return
@@ -131,3 +143,59 @@ def test_a_run_for_a_model_no_worker_serves_is_told(
         0.5,
     )
     assert cli("status", "served", "--json", env=env)["unconsumed"] is None
+
+
+def test_a_worker_loading_its_engine_is_not_told_to_start(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    """An engine loads for minutes and its worker does not consume meanwhile: a run enqueued
+    for it is not told "no live worker consumes its queue, start one", while a run for a model
+    nobody loads is; once the loading worker is dead and silent, its queue is unconsumed."""
+    store_url = (tmp_path / "store").as_uri()
+    source = tmp_path / "p.jsonl"
+    source.write_bytes(b"".join(orjson.dumps({"prompt": f"q{i}"}) + b"\n" for i in range(4)))
+    # Summaries are fresh for 3 s (three power-watch rounds of 1 s).
+    watch = {"GENFLEET_POWER_WATCH_INTERVAL_S": "1", "GENFLEET_SAMPLE_INTERVAL_S": "0.2"}
+    env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": store_url, **watch}
+    worker = start_worker(
+        {**base_env(redis_url, store_url, emulator_load_s=120, startup_timeout_s=300), **watch}
+    )
+    wait_for(
+        lambda: redis_client.hexists("genfleet:summaries", worker.hostname),
+        60,
+        "the loading worker's first summary",
+        0.2,
+    )
+    summary = orjson.loads(redis_client.hget("genfleet:summaries", worker.hostname) or b"{}")
+    assert (summary["ok"], summary["queue"]) == (False, "gpu.emulator")
+
+    served = cli("enqueue", str(source), "--run", "served", "--json", env=env)
+    assert served["queue"] == "gpu.emulator"
+    assert served["unconsumed"] is None, served["unconsumed"]
+    assert cli("status", "served", "--json", env=env)["unconsumed"] is None
+    other = cli("enqueue", str(source), "--run", "other", "--model", "q3", "--json", env=env)
+    assert other["unconsumed"] is not None and other["unconsumed"]["queue"] == "gpu.q3"
+
+    worker.kill()  # dies loading: its summary stays, and goes stale
+    worker.proc.wait(timeout=10)
+    wait_for(
+        lambda: cli("status", "served", "--json", env=env)["unconsumed"] is not None,
+        30,
+        "the dead worker's queue to be unconsumed",
+        0.5,
+    )
+    told = cli("status", "served", "--json", env=env)["unconsumed"]
+    assert told["queue"] == "gpu.emulator" and "no worker answered" in told["message"]
+
+    # A worker that consumes stops saying it is starting (the power-watch samples it).
+    ready = start_worker({**base_env(redis_url, store_url), **watch})
+    ready.wait_ready()
+
+    def sampled() -> bool:
+        summary = orjson.loads(redis_client.hget("genfleet:summaries", ready.hostname) or b"{}")
+        return bool(summary) and summary.get("ok", True) is not False
+
+    wait_for(sampled, 10, "the consuming worker's summary", 0.2)

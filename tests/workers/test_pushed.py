@@ -18,7 +18,7 @@ from pydantic import SecretStr
 from genfleet.common import keys
 from genfleet.common.settings import Settings
 from genfleet.workers.observe import pushed
-from genfleet.workers.observe.power_watch import stale_after, watch_pass
+from genfleet.workers.observe.power_watch import watch_pass
 
 pytestmark = pytest.mark.integration
 
@@ -37,14 +37,14 @@ def test_a_silent_worker_becomes_a_finding(redis_url: str, redis_client: redis.R
     settings = Settings(redis_url=SecretStr(redis_url))
     for worker in ("w1@n1", "w2@n1"):
         pushed.push(redis_client, worker, summary(worker))
-    age(redis_client, "w2@n1", stale_after(settings) + 30)
+    age(redis_client, "w2@n1", settings.summary_ttl_s + 30)
 
     report = watch_pass(redis_client, settings, time.time())
 
     assert report["workers"] == ["w1@n1"]
     silent = [f for f in report["findings"] if f["cause"] == "worker_unresponsive"]
     assert [f["worker"] for f in silent] == ["w2@n1"]
-    assert silent[0]["numbers"]["summary_age_s"] >= stale_after(settings) + 30
+    assert silent[0]["numbers"]["summary_age_s"] >= settings.summary_ttl_s + 30
     assert report["new_findings"] >= 1
     stream = [orjson.loads(f[b"finding"]) for _, f in redis_client.xrange(keys.findings_key())]
     assert "w2@n1" in {f["worker"] for f in stream}
@@ -75,6 +75,6 @@ def test_a_worker_whose_engine_is_starting_is_a_starting_node_not_a_sample(
     settings = Settings(redis_url=SecretStr(redis_url))
     pushed.push(redis_client, "w1@n2", {"worker": "w1@n2", "ok": False, "node": "n2"})
 
-    found = pushed.read(redis_client, stale_after(settings))
+    found = pushed.read(redis_client, settings.summary_ttl_s)
 
     assert found.samples == {} and found.starting_nodes == {"n2"} and found.silent_s == {}

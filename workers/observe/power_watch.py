@@ -60,17 +60,12 @@ def fleet_state(client: redis.Redis, settings: Settings, now: float) -> FleetSta
     )
 
 
-def stale_after(settings: Settings) -> float:
-    """How old a worker's summary may be: its pushes' TTL, about three power-watch rounds."""
-    return max(3 * settings.power_watch_interval_s, 10 * settings.sample_interval_s)
-
-
 def snapshot(
     settings: Settings, client: redis.Redis, now: float
 ) -> tuple[dict[str, dict[str, Any]], FleetState]:
     """Every worker's pushed summary and the fleet's queue state. The workers expected are
     those the registry holds (heard within FORGET_S); a silent one is expected, unsampled."""
-    found = pushed.read(client, stale_after(settings))
+    found = pushed.read(client, settings.summary_ttl_s)
     pipe = client.pipeline()
     if found.samples:
         pipe.hset(keys.workers_key(), mapping={w: now for w in found.samples})
@@ -96,7 +91,7 @@ def run_power_watch(app: Celery, settings: Settings) -> dict[str, Any]:
 def watch_pass(client: redis.Redis, settings: Settings, now: float) -> dict[str, Any]:
     """One power-watch round over the pushed summaries: diagnose, dedupe, record findings."""
     samples, fleet = snapshot(settings, client, now)
-    stale_after_s = stale_after(settings)
+    stale_after_s = settings.summary_ttl_s
     args = (samples, fleet, now, settings.underuse_threshold, settings.min_accept_length)
     nodes = node_rows(samples, fleet, now, stale_after_s)
     findings = diagnose(*args, stale_after_s=stale_after_s) + [f for _, f in nodes]

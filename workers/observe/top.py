@@ -43,7 +43,7 @@ def rows(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     client = connect(settings)
     now = time.time()
     samples, fleet = snapshot(settings, client, now)
-    stale_after_s = max(3 * settings.power_watch_interval_s, 10 * settings.sample_interval_s)
+    stale_after_s = settings.summary_ttl_s
     data = verdicts(
         samples,
         fleet,
