@@ -11,7 +11,6 @@ import uuid
 from collections.abc import Iterable
 from typing import Any
 
-import orjson
 import redis
 from celery import Celery
 from kombu.exceptions import OperationalError
@@ -20,7 +19,6 @@ from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK, celery_config
 from genfleet.common.ledger import Ledger, work_order_of
 from genfleet.common.records import WorkOrder
-from genfleet.common.redis_conn import text
 from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
 
@@ -68,35 +66,6 @@ def worker_queues(app: Celery, timeout_s: float = INSPECT_TIMEOUT_S) -> dict[str
         str(worker): sorted(str(queue["name"]) for queue in queues or [] if "name" in queue)
         for worker, queues in replies.items()
     }
-
-
-def loading_workers(client: redis.Redis, ttl_s: float) -> dict[str, str]:
-    """Workers whose engine is still loading, by worker: the queue each will consume once it
-    is up. A worker answers `worker_queues` only once it consumes, and an engine loads for
-    minutes, so these are read from the summaries workers push from their start (`ok: false`
-    with their `queue`, keys.summaries_key), heard within `ttl_s` by Redis's clock (one that
-    died loading goes silent). {} when Redis cannot be read: no claim either way."""
-    try:
-        seconds, micros = client.time()
-        now = float(seconds) + float(micros) / 1e6
-        pipe = client.pipeline(transaction=False)
-        pipe.zrangebyscore(keys.pushed_key(), now - ttl_s, "+inf")
-        pipe.hgetall(keys.summaries_key())
-        heard, reports = pipe.execute()
-    except redis.RedisError:
-        return {}
-    fresh = {text(w) for w in heard}
-    loading: dict[str, str] = {}
-    for worker, raw in reports.items():
-        name = text(worker)
-        try:
-            report = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            continue
-        if name in fresh and isinstance(report, dict) and report.get("ok") is False:
-            if isinstance(report.get("queue"), str):
-                loading[name] = report["queue"]
-    return loading
 
 
 def orders_in_broker(client: redis.Redis, queue: str, run: str) -> set[str]:

@@ -47,6 +47,7 @@ from genfleet.producer.runs.identity import check_resumed
 from genfleet.producer.status import (
     energy_text,
     engine_alarm_text,
+    loading_workers,
     read_findings,
     run_is_held,
     run_status,
@@ -119,7 +120,7 @@ def queue_check(settings: Settings) -> QueueCheck:
     consumes the run's queue: None when one does (or the workers could not be asked), else
     what `unconsumed_queue` says. Each call asks the workers (it waits INSPECT_TIMEOUT_S) and
     reads which are still loading their engine."""
-    from genfleet.producer.broker import loading_workers, make_client_app, worker_queues
+    from genfleet.producer.broker import make_client_app, worker_queues
 
     def check(report: dict[str, Any]) -> dict[str, Any] | None:
         model, engine = report.get("model"), report.get("engine")
@@ -199,7 +200,17 @@ def status(
         if watch:
             stall_s = settings.engine_stall_timeout_s
             deadline_s = wait_deadline_s(settings)
-            watch_run(objects, client, run, None, stall_s, settings.queue, check, deadline_s)
+            watch_run(
+                objects,
+                client,
+                run,
+                None,
+                stall_s,
+                settings.queue,
+                check,
+                deadline_s,
+                settings.summary_ttl_s,
+            )
         report = run_status(
             objects,
             client,
@@ -258,6 +269,7 @@ def watch_run(
     queue: str = "gpu",
     queue_check: QueueCheck | None = None,
     deadline_s: float | None = None,
+    summary_ttl_s: float | None = None,
 ) -> None:
     """A progress bar with tok/s and ETA until the run is done or failed. When nothing has
     moved (prompts answered, batches done or failed) for `stall_s`, it says so and why, once
@@ -266,7 +278,8 @@ def watch_run(
 
     With `deadline_s`, it gives up (WaitExpired, saying why) once nothing has moved and no
     worker has held a batch of the run for that long: a deadline that follows the work, not
-    the run's size."""
+    the run's size. With `summary_ttl_s` (the workers' summaries' TTL), the why names the
+    workers still loading their engine for the run."""
     with Progress(
         TextColumn("[bold]{task.fields[run]}"),
         BarColumn(),
@@ -296,7 +309,7 @@ def watch_run(
                     worked_at = time.monotonic()
                 worked_at = max(worked_at, moved_at)
                 if time.monotonic() - worked_at >= deadline_s:
-                    facts = stall_facts(client, run, _run_queue(queue, report))
+                    facts = stall_facts(client, run, _run_queue(queue, report), summary_ttl_s)
                     reason = stall_reason(
                         report, still_s=still_s, now=time.time(), unconsumed=unconsumed, **facts
                     )
@@ -315,7 +328,7 @@ def watch_run(
                     )
                 asked = True
             if stall_s and still_s >= stall_s and not warned:
-                facts = stall_facts(client, run, _run_queue(queue, report))
+                facts = stall_facts(client, run, _run_queue(queue, report), summary_ttl_s)
                 reason = stall_reason(
                     report, still_s=still_s, now=time.time(), unconsumed=unconsumed, **facts
                 )

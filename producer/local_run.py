@@ -131,7 +131,17 @@ def _wait(children: Children, settings: Settings, run: str) -> dict[str, Any]:
 
     stall_s = settings.engine_stall_timeout_s
     deadline_s = wait_deadline_s(settings)
-    watch_run(store, client, run, check, stall_s, settings.queue, queue_check(settings), deadline_s)
+    watch_run(
+        store,
+        client,
+        run,
+        check,
+        stall_s,
+        settings.queue,
+        queue_check(settings),
+        deadline_s,
+        settings.summary_ttl_s,
+    )
     return run_status(store, client, run)
 
 

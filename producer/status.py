@@ -293,8 +293,10 @@ def stall_reason(
     queue_depth: int,
     now: float,
     unconsumed: dict[str, Any] | None = None,
+    loading: list[str] | None = None,
 ) -> str:
-    """Why a run that has not moved for `still_s` is stuck, the most specific cause first.
+    """Why a run that has not moved for `still_s` is stuck, the most specific cause first
+    (`loading`: the workers still loading their engine for the run's queue).
 
     >>> stall_reason({"batches_failed": 0}, still_s=300, workers_seen={}, findings=[],
     ...              queue_depth=4, now=1000.0)[:47]
@@ -310,6 +312,13 @@ def stall_reason(
             )
     if unconsumed is not None:
         return head + str(unconsumed["message"])
+    if loading:
+        names = ", ".join(loading[:5]) + (", …" if len(loading) > 5 else "")
+        workers = f"{len(loading)} worker{'s' if len(loading) > 1 else ''}"
+        return (
+            f"{head}{workers} still loading the engine for this run ({names}), {queue_depth} "
+            "orders queued for them: see `genfleet top` and the workers' logs"
+        )
     alive = sorted(w for w, ts in workers_seen.items() if now - ts <= still_s)
     if not alive:
         return (
@@ -328,15 +337,53 @@ def stall_reason(
     )
 
 
-def stall_facts(client: redis.Redis, run: str, queue: str) -> dict[str, Any]:
-    """What `stall_reason` needs from Redis: workers seen by the power-watch, recent findings
-    and the work queue's depth."""
+def stall_facts(
+    client: redis.Redis, run: str, queue: str, summary_ttl_s: float | None = None
+) -> dict[str, Any]:
+    """What `stall_reason` needs from Redis: workers seen by the power-watch, recent findings,
+    the work queue's depth and, given the summaries' TTL, the workers loading their engine
+    for `queue`."""
     seen = {text(k): float(v) for k, v in client.hgetall(keys.workers_key()).items()}
     pipe = client.pipeline()
     for name in keys.broker_queue_keys(queue):
         pipe.llen(name)
     depth = sum(int(n) for n in pipe.execute())
-    return {"workers_seen": seen, "findings": read_findings(client, run), "queue_depth": depth}
+    starting = loading_workers(client, summary_ttl_s) if summary_ttl_s else {}
+    return {
+        "workers_seen": seen,
+        "findings": read_findings(client, run),
+        "queue_depth": depth,
+        "loading": sorted(w for w, q in starting.items() if q == queue),
+    }
+
+
+def loading_workers(client: redis.Redis, ttl_s: float) -> dict[str, str]:
+    """Workers whose engine is still loading, by worker: the queue each will consume once it
+    is up. A worker answers `worker_queues` only once it consumes, and an engine loads for
+    minutes, so these are read from the summaries workers push from their start (`ok: false`
+    with their `queue`, keys.summaries_key), heard within `ttl_s` by Redis's clock (one that
+    died loading goes silent). {} when Redis cannot be read: no claim either way."""
+    try:
+        seconds, micros = client.time()
+        now = float(seconds) + float(micros) / 1e6
+        pipe = client.pipeline(transaction=False)
+        pipe.zrangebyscore(keys.pushed_key(), now - ttl_s, "+inf")
+        pipe.hgetall(keys.summaries_key())
+        heard, reports = pipe.execute()
+    except redis.RedisError:
+        return {}
+    fresh = {text(w) for w in heard}
+    loading: dict[str, str] = {}
+    for worker, raw in reports.items():
+        name = text(worker)
+        try:
+            report = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue
+        if name in fresh and isinstance(report, dict) and report.get("ok") is False:
+            if isinstance(report.get("queue"), str):
+                loading[name] = report["queue"]
+    return loading
 
 
 def run_is_held(client: redis.Redis, run: str) -> bool:
