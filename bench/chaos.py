@@ -34,6 +34,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 
@@ -58,6 +59,20 @@ def fill(running: int | None, cap: int) -> str:
     return "<=25%" if 4 * running <= cap else "<=75%" if 4 * running <= 3 * cap else ">75%"
 
 
+class Look(NamedTuple):
+    """One look at a worker's engine: what it was doing (requests running, "down" or
+    "frozen") and its cap."""
+
+    at: float  # monotonic
+    worker: str
+    state: str
+    cap: int
+
+    @property
+    def bin(self) -> str:
+        return fill(int(self.state) if self.state.isdigit() else None, self.cap)
+
+
 class EngineTimeline(threading.Thread):
     """Looks at every GPU worker's engine every `every_s` until stopped: (time, bin) pairs."""
 
@@ -65,9 +80,7 @@ class EngineTimeline(threading.Thread):
         super().__init__(name="engine-timeline", daemon=True)
         self.soak = soak
         self.every_s = every_s
-        self.looks: list[tuple[float, str]] = []
-        # (time, worker, what its engine was doing: requests running, "down" or "frozen")
-        self.states: list[tuple[float, str, str]] = []
+        self.looks: list[Look] = []
         self.stopped = threading.Event()
         self._http = httpx.Client(
             timeout=0.4, headers={"Authorization": f"Bearer {api_key}"}, trust_env=False
@@ -80,9 +93,7 @@ class EngineTimeline(threading.Thread):
                 for worker in list(self.soak.workers):
                     if worker.proc.poll() is None:
                         state, cap = self._look(engine_pid(worker))
-                        running = int(state) if state.isdigit() else None
-                        self.looks.append((now, fill(running, cap)))
-                        self.states.append((now, worker.hostname, state))
+                        self.looks.append(Look(now, worker.hostname, state, cap))
 
     def _look(self, pid: int | None) -> tuple[str, int]:
         """What engine `pid` is doing (requests running, "down" when it is gone or not
@@ -103,19 +114,17 @@ class EngineTimeline(threading.Thread):
 
     def seconds(self, start: float, end: float) -> dict[str, float]:
         """Engine-seconds between `start` and `end` (monotonic) in each bin."""
-        counts = collections.Counter(b for at, b in self.looks if start <= at <= end)
+        counts = collections.Counter(look.bin for look in self.looks if start <= look.at <= end)
         return {name: counts[name] * self.every_s for name in FILLS}
 
 
-def show_timeline(
-    states: list[tuple[float, str, str]], played: list[Played], start: float, wall_start: float
-) -> None:
+def show_timeline(looks: list[Look], played: list[Played], start: float, wall_start: float) -> None:
     """One line per second from `start` (monotonic; `wall_start` the same moment on the wall
     clock the faults were stamped with): each worker's engine at the second's last look, then
     the faults played in it. Workers are numbered in the order they first appear."""
     names: dict[str, str] = {}
     seconds: dict[int, dict[str, str]] = collections.defaultdict(dict)
-    for at, worker, state in states:
+    for at, worker, state, _ in looks:
         if at >= start:
             names.setdefault(worker, f"w{len(names)}")
             seconds[int(at - start)][worker] = state
@@ -175,7 +184,7 @@ def main() -> None:
         timeline.stopped.set()
         timeline.join()
         if args.timeline:
-            show_timeline(timeline.states, soak.played, started, wall_started)
+            show_timeline(timeline.looks, soak.played, started, wall_started)
         print(
             f"chaos (seed {args.seed}): {chaos.prompts} prompts in {chaos.seconds:.1f} s "
             f"({chaos.prompts_per_s:.2f} prompts/s) through {len(chaos.actions)} faults: "
