@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import keys, progress
+from genfleet.common import keys, progress, summaries
 from genfleet.common.errors import InputError
 from genfleet.common.ledger import Ledger
 from genfleet.common.redis_conn import text
@@ -360,30 +360,13 @@ def stall_facts(
 def loading_workers(client: redis.Redis, ttl_s: float) -> dict[str, str]:
     """Workers whose engine is still loading, by worker: the queue each will consume once it
     is up. A worker answers `worker_queues` only once it consumes, and an engine loads for
-    minutes, so these are read from the summaries workers push from their start (`ok: false`
-    with their `queue`, keys.summaries_key), heard within `ttl_s` by Redis's clock (one that
-    died loading goes silent). {} when Redis cannot be read: no claim either way."""
+    minutes, so these come from the summaries workers push from their start
+    (`common.summaries`), heard within `ttl_s` (one that died loading goes silent). {} when
+    Redis cannot be read: no claim either way."""
     try:
-        seconds, micros = client.time()
-        now = float(seconds) + float(micros) / 1e6
-        pipe = client.pipeline(transaction=False)
-        pipe.zrangebyscore(keys.pushed_key(), now - ttl_s, "+inf")
-        pipe.hgetall(keys.summaries_key())
-        heard, reports = pipe.execute()
+        return summaries.read(client, ttl_s).loading()
     except redis.RedisError:
         return {}
-    fresh = {text(w) for w in heard}
-    loading: dict[str, str] = {}
-    for worker, raw in reports.items():
-        name = text(worker)
-        try:
-            report = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            continue
-        if name in fresh and isinstance(report, dict) and report.get("ok") is False:
-            if isinstance(report.get("queue"), str):
-                loading[name] = report["queue"]
-    return loading
 
 
 def run_is_held(client: redis.Redis, run: str) -> bool:

@@ -10,7 +10,8 @@ in a few round trips:
 
 Only Redis's clock is compared with itself: a worker whose last push is older than the TTL is
 silent (a `worker_unresponsive` finding, with how long it has been silent), and one silent for
-FORGET_S is pruned from both keys; a worker that stops cleanly removes itself.
+FORGET_S is pruned from both keys; a worker that stops cleanly removes itself. Reading them is
+`common.summaries`' (the producer reads them too); this module writes and prunes.
 """
 
 from __future__ import annotations
@@ -18,19 +19,15 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import redis
 
-from genfleet.common import keys
-from genfleet.common.redis_conn import text
+from genfleet.common import keys, summaries
+from genfleet.common.summaries import FORGET_S, Pushed
 
 log = logging.getLogger("genfleet.pushed")
-
-# A worker silent this long has gone for good: it leaves the registry and stops being a finding.
-FORGET_S = 600.0
 
 _PUSH = """
 local now = redis.call('TIME')
@@ -65,51 +62,16 @@ def withdraw(client: redis.Redis, worker: str) -> None:
     pipe.execute()
 
 
-@dataclass
-class Pushed:
-    """What the beat read: reports of workers heard within the TTL, the nodes of workers whose
-    engine is still starting, and the silent workers with how long they have been silent."""
-
-    samples: dict[str, dict[str, Any]] = field(default_factory=dict)
-    starting_nodes: set[str] = field(default_factory=set)
-    silent_s: dict[str, float] = field(default_factory=dict)
-    pruned: list[str] = field(default_factory=list)
-
-
 def read(client: redis.Redis, ttl_s: float, forget_s: float = FORGET_S) -> Pushed:
-    """Every worker's last push, judged by Redis's clock; prunes those silent for `forget_s`."""
-    seconds, micros = client.time()
-    now = float(seconds) + float(micros) / 1e6
-    pipe = client.pipeline(transaction=False)
-    pipe.zrangebyscore(keys.pushed_key(), "-inf", now - forget_s)
-    pipe.zrangebyscore(keys.pushed_key(), now - forget_s, "+inf", withscores=True)
-    pipe.hgetall(keys.summaries_key())
-    gone, heard, reports = pipe.execute()
-    found = Pushed(pruned=sorted(text(w) for w in gone))
+    """Every worker's last push (`common.summaries.read`); prunes those silent for
+    `forget_s` from both keys and the registry (the power-watch is their one pruner)."""
+    found = summaries.read(client, ttl_s, forget_s)
     if found.pruned:
         pipe = client.pipeline()
         pipe.zrem(keys.pushed_key(), *found.pruned)
         pipe.hdel(keys.summaries_key(), *found.pruned)
         pipe.hdel(keys.workers_key(), *found.pruned)
         pipe.execute()
-    raw = {text(k): v for k, v in reports.items()}
-    for member, score in heard:
-        worker = text(member)
-        age_s = max(now - float(score), 0.0)
-        if age_s > ttl_s or worker not in raw:
-            found.silent_s[worker] = round(age_s, 1)
-            continue
-        try:
-            report = orjson.loads(raw[worker])
-        except orjson.JSONDecodeError:
-            found.silent_s[worker] = round(age_s, 1)  # a report that cannot be read is none
-            continue
-        if not isinstance(report, dict):
-            found.silent_s[worker] = round(age_s, 1)
-        elif report.get("ok", True) is not False:
-            found.samples[worker] = report
-        elif report.get("node"):
-            found.starting_nodes.add(str(report["node"]))
     return found
 
 
