@@ -34,9 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._emulator import Emulator  # noqa: E402
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord  # noqa: E402
-from genfleet.workers import heap  # noqa: E402
-from genfleet.workers.client import EngineClient  # noqa: E402
-from genfleet.workers.feeder import Feeder  # noqa: E402
+from genfleet.workers.feeding.client import EngineClient  # noqa: E402
+from genfleet.workers.feeding.feeder import Feeder  # noqa: E402
+from genfleet.workers.process import heap  # noqa: E402
 
 ZERO_TIME = {
     "emulator_step_base_ms": 0,
@@ -127,7 +127,7 @@ def measure_bare(url: str, records: list[PromptRecord], inflight: int) -> tuple[
     import aiohttp
     import orjson
 
-    from genfleet.workers.client import request_body, streamed_body
+    from genfleet.workers.feeding.client import request_body, streamed_body
 
     bodies = [orjson.dumps(streamed_body(request_body(r, PARAMS, "bench-model"))) for r in records]
     headers = {"Content-Type": "application/json"}
@@ -169,7 +169,8 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=3, help="batches at once (threads)")
     parser.add_argument("--rounds", type=int, default=3, help="client/bare rounds for the ratio")
     args = parser.parse_args()
-    heap.settle()  # as a worker does once it is ready (workers/heap.py); both sides run here
+    # As a worker does once it is ready (workers/process/heap.py); both sides run here.
+    heap.settle()
     count = args.requests or (15_000 if args.quick else 60_000)
     records = prompts(count)
     engine = Emulator(ZERO_TIME, max_running_requests=4096)

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 
 from bench._emulator import Emulator, Sampler, emulator_env, forget_run, free_port  # noqa: E402
 from genfleet.common.records import GenerationParams, PromptRecord  # noqa: E402
-from genfleet.workers.client import request_body, streamed_body  # noqa: E402
+from genfleet.workers.feeding.client import request_body, streamed_body  # noqa: E402
 
 CAP = 64
 MODEL = "genfleet/emulated"

@@ -62,9 +62,9 @@ from bench._emulator import Emulator, Sampler, emulator_env, forget_run, free_po
 from bench.feeding import engine_command, write_prompts  # noqa: E402
 from genfleet.common.settings import Settings  # noqa: E402
 from genfleet.producer.enqueue import generation_params  # noqa: E402
-from genfleet.workers.client import request_body  # noqa: E402
 from genfleet.workers.engine.emulator.args import SpecConfig  # noqa: E402
 from genfleet.workers.engine.emulator.sim.model import TimeModel  # noqa: E402
+from genfleet.workers.feeding.client import request_body  # noqa: E402
 
 MODEL = "genfleet/emulated"
 TIMELINE = False  # --timeline: print each run's requests per engine, second by second

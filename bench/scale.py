@@ -408,7 +408,7 @@ def _resume(command: str, settings: Any) -> Any:
 
 
 def _reaper(settings: Any, store: Any, client: Any) -> Any:
-    from genfleet.workers.tasks import reap
+    from genfleet.workers.control.reaper import reap
 
     sent: list[dict[str, Any]] = []
     return lambda: reap(client, store, settings.lease_ttl_s, time.time(), sent.append)

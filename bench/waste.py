@@ -36,14 +36,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from bench._emulator import Emulator, read_metric  # noqa: E402
 from bench.client_overhead import AlwaysUp  # noqa: E402
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord  # noqa: E402
-from genfleet.workers.client import EngineClient  # noqa: E402
 from genfleet.workers.engine.emulator.sim.text import (  # noqa: E402
     chat_prompt,
     draw_text_kind,
     prompt_seed,
 )
-from genfleet.workers.feeder import Feeder  # noqa: E402
-from genfleet.workers.repetition import RepetitionRule  # noqa: E402
+from genfleet.workers.feeding.client import EngineClient  # noqa: E402
+from genfleet.workers.feeding.feeder import Feeder  # noqa: E402
+from genfleet.workers.feeding.repetition import RepetitionRule  # noqa: E402
 
 LOOP_RATE = 0.05
 LEGIT_RATE = 0.10

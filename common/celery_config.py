@@ -42,9 +42,9 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         "task_reject_on_worker_lost": True,
         "worker_prefetch_multiplier": 1,
         # A broker blip costs nothing already done: running batches keep running across the
-        # reconnect and ack on the new connection (genfleet's consumer, workers/reconnect).
+        # reconnect and ack on the new connection (genfleet's consumer, workers/process/reconnect).
         "worker_cancel_long_running_tasks_on_connection_loss": False,
-        "worker_consumer": "genfleet.workers.reconnect:Consumer",
+        "worker_consumer": "genfleet.workers.process.reconnect:Consumer",
         "worker_enable_soft_shutdown_on_idle": True,
         # A cold shutdown (SIGQUIT, a second Ctrl-C) also gives running batches the grace
         # period, then the pool cancels them: they checkpoint and go back to the queue.
@@ -52,7 +52,7 @@ def celery_config(settings: Settings) -> dict[str, Any]:
         # Threads: several batches share one asyncio loop and one in-flight limiter; the main
         # thread stays free for heartbeats and control commands (a solo worker looks dead).
         # genfleet's subclass can also stop running batches on a cold shutdown.
-        "worker_pool": "genfleet.workers.pool:TaskPool",
+        "worker_pool": "genfleet.workers.process.pool:TaskPool",
         "worker_concurrency": settings.worker_concurrency,
         # Work orders are sent to their model's queue (`{queue}.emulator`, `{queue}.<model>`,
         # see below), always named explicitly: nothing is routed here.

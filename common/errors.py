@@ -113,7 +113,7 @@ class AnswerInterrupted(EngineDown):
 
 
 class RequestTimedOut(EngineDown):
-    """One request outlived its own deadline (`workers/deadline`, from its max_tokens) while
+    """One request outlived its own deadline (`workers/feeding/deadline`, from its max_tokens) while
     the engine answered connections: that prompt's failure, an error record, never its
     batch's. An EngineDown for whoever does not tell them apart."""
 

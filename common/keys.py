@@ -241,7 +241,8 @@ def reaping_key() -> str:
 def delivered_key() -> str:
     """Hash delivery tag → the worker a work order was delivered to and its connection's name,
     written as the worker receives it; the reaper gives back to the queue an order its dead
-    worker never claimed (workers/liveness.py) and drops the entries kombu no longer holds."""
+    worker never claimed (workers/observe/liveness.py) and drops the entries kombu no longer
+    holds."""
     return f"{PREFIX}:delivered"
 
 

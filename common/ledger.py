@@ -116,7 +116,8 @@ class Running:
 
     @property
     def presence(self) -> str | None:
-        """The name of the claiming worker's connection (workers/liveness.py), if it had one."""
+        """The name of the claiming worker's connection (workers/observe/liveness.py), if it had
+        one."""
         name = self.entry.get("presence")
         return str(name) if name else None
 
@@ -270,8 +271,8 @@ class Ledger:
         pipe.execute()
 
     def progress(self, worker: str, counts: Mapping[str, tuple[int, int]], now: float) -> None:
-        """Called by a worker once an interval (workers/progress.py) with what its running
-        batches generated since, by run (prompts, tokens): live progress and the tok/s
+        """Called by a worker once an interval (workers/observe/live_progress.py) with what its
+        running batches generated since, by run (prompts, tokens): live progress and the tok/s
         buckets (common/throughput.py), one pipeline for all of them. These count what the
         GPUs did, a batch delivered twice counts twice; `done` counts what is in the store."""
         pipe = self.client.pipeline()
@@ -404,7 +405,7 @@ class Ledger:
     def delivered(self, tag: str, worker: str, presence: str | None) -> None:
         """Called by a worker as it receives a work order (before its admission reads the
         store): whose it is until it is claimed, so that the reaper can give back the order
-        of a worker that died first (workers/liveness.py)."""
+        of a worker that died first (workers/observe/liveness.py)."""
         entry = {"worker": worker, "presence": presence}
         self.client.hset(keys.delivered_key(), tag, orjson.dumps(entry))
 

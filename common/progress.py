@@ -14,7 +14,7 @@ Redis keeps a copy, written where the truth changes and repaired from the truth:
 - `reconcile`, given the store's listing, repairs the hash (missing batches added, batches
   without output removed, prompt counts from the manifest) and recomputes `prompts_done`
   from it atomically: run by `status --verify`, by a status that finds no copy, on resume, and
-  by the control worker's beat (`common/reconcile.py`), never by a plain `status`.
+  by the control worker's beat (`workers/control/progress_repair.py`), never by a plain `status`.
 
 Between reconciles the copy can only lag the truth (a counter lost to a Redis failure after
 the output was written): it never counts a batch whose output does not exist.

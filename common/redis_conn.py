@@ -102,7 +102,7 @@ def connect(
 
     `timeout_s` bounds each call (connect and reply), for callers that must not block longer
     than something they protect, such as a lease heartbeat. `client_name` names every
-    connection it opens (`CLIENT SETNAME`: a worker's presence, workers/liveness.py)."""
+    connection it opens (`CLIENT SETNAME`: a worker's presence, workers/observe/liveness.py)."""
     url = settings.redis_url.get_secret_value()
     connect_s = 5.0 if timeout_s is None else min(5.0, timeout_s)
     client = redis.Redis.from_url(

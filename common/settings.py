@@ -141,7 +141,7 @@ class Settings(BaseSettings):
     max_inflight: int | None = Field(default=None, ge=1)  # None: engine cap x 1.25 + 4
     # One request's deadline is request_timeout_s + its max_tokens at the engine's measured
     # per-sequence pace (never below request_min_tokens_per_s) x request_deadline_margin
-    # (workers/deadline.py); past it, that prompt gets an error record, its batch goes on.
+    # (workers/feeding/deadline.py); past it, that prompt gets an error record, its batch goes on.
     request_timeout_s: float = Field(default=3600.0, gt=0)
     request_min_tokens_per_s: float = Field(default=2.0, gt=0)
     request_deadline_margin: float = Field(default=2.0, ge=1.0)
@@ -165,7 +165,7 @@ class Settings(BaseSettings):
     # `run` and `status --watch` give up on a run when, for this many leases (or the engine's
     # start-up time, if longer), no prompt finished and no batch of it was held by a worker.
     wait_deadline_leases: int = Field(default=10, ge=1)
-    # The repetition guard (workers/repetition.py): a streaming answer whose last
+    # The repetition guard (workers/feeding/repetition.py): a streaming answer whose last
     # repetition_min_span_chars (and at least repetition_min_repeats copies) are one block of
     # repetition_min_block_chars … repetition_max_block_chars repeated is stopped and recorded
     # as finish_reason "repetition"; a block too long for those copies to fit

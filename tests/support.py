@@ -66,7 +66,7 @@ from genfleet.producer.enqueue import EnqueueResult, enqueue_run, reader_options
 from genfleet.producer.export import ExportResult, export_run
 from genfleet.producer.status import run_status
 from genfleet.workers.batch import BatchSummary, execute
-from genfleet.workers.feeder import Feeder
+from genfleet.workers.feeding.feeder import Feeder
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.runtime import FakeRuntime
 

@@ -31,12 +31,12 @@ from genfleet.common.celery_config import (
 )
 from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
-from genfleet.workers import heap
 from genfleet.workers.context import BatchTask
+from genfleet.workers.process import heap
 
 log = logging.getLogger("genfleet.worker")
 
-app = Celery("genfleet", include=["genfleet.workers.tasks"])
+app = Celery("genfleet", include=["genfleet.workers.tasks", "genfleet.workers.control.beat"])
 
 SETTINGS_KEY = "genfleet_settings"
 _given: list[Settings] = []  # what configure() handed over, read once when the conf loads

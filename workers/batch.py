@@ -50,9 +50,9 @@ from genfleet.common.records import (
 from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.store import Store
 from genfleet.common.waste import WasteTally
-from genfleet.workers.feeder import Feeder
-from genfleet.workers.lifecycle import Lease
-from genfleet.workers.progress import ProgressTally
+from genfleet.workers.feeding import Feeder
+from genfleet.workers.lease import Lease
+from genfleet.workers.observe.live_progress import ProgressTally
 from genfleet.workers.provenance import ensure_current, kept_parts, read_staged
 
 log = logging.getLogger("genfleet.batch")
@@ -405,7 +405,7 @@ def _unless_superseded(store: Store, order: WorkOrder, output_key: str) -> None:
 
 @dataclass
 class _Reporter:
-    """A batch's way to its worker's progress tally (workers/progress.py)."""
+    """A batch's way to its worker's progress tally (workers/observe/live_progress.py)."""
 
     client: RedisCommands
     worker: str

@@ -111,7 +111,7 @@ def run_group_workers(settings: Settings, groups: list[str | None], hostname: st
     """One child worker per GPU group, its settings in its environment; signals are
     forwarded; a child that dies unasked is restarted (`--worker-restart-budget` times each,
     with backoff) and reported; exit when they all exit."""
-    from genfleet.workers.pool import Child, ChildWorkers, report_restart
+    from genfleet.workers.process.children import Child, ChildWorkers, report_restart
 
     children = []
     for i, group in enumerate(groups):

@@ -21,9 +21,9 @@ if TYPE_CHECKING:
     from genfleet.common.redis_conn import RedisCommands
     from genfleet.common.settings import Settings
     from genfleet.common.store import Store
-    from genfleet.workers.feeder import Feeder
+    from genfleet.workers.feeding import Feeder
+    from genfleet.workers.observe.live_progress import ProgressTally
     from genfleet.workers.observe.sampler import Monitor
-    from genfleet.workers.progress import ProgressTally
 
 
 class TaskRuntime(Protocol):
@@ -61,7 +61,7 @@ class TaskRuntime(Protocol):
 
     @property
     def presence_name(self) -> str | None:
-        """The name of the worker's connection (workers/liveness.py), None when unnamed."""
+        """The name of the worker's connection (workers/observe/liveness.py), None when unnamed."""
 
     @property
     def model_identity(self) -> dict[str, Any] | None:

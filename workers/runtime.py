@@ -23,8 +23,6 @@ from genfleet.common.redis_conn import connect
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
-from genfleet.workers.client import EngineClient, ThinkingSwitch
-from genfleet.workers.deadline import DeadlinePolicy
 from genfleet.workers.engine.crashes import CRASH_LOOP_REPEATS, crash_suggestion
 from genfleet.workers.engine.external import ExternalEngine
 from genfleet.workers.engine.families import choose
@@ -33,17 +31,23 @@ from genfleet.workers.engine.launch import auth_headers
 from genfleet.workers.engine.ports import pick_port, private_dir
 from genfleet.workers.engine.supervisor import EngineSupervisor
 from genfleet.workers.engine.watchdog import StallWatchdog, WatchedEngine
-from genfleet.workers.feeder import Feeder, default_max_inflight
-from genfleet.workers.liveness import Presence, connection_name
+from genfleet.workers.feeding import (
+    DeadlinePolicy,
+    EngineClient,
+    Feeder,
+    ThinkingSwitch,
+    default_max_inflight,
+    repetition_rule,
+)
 from genfleet.workers.observe.engine_state import (
     EngineState,
     accept_length_from_server_info,
     enforced_cap,
 )
+from genfleet.workers.observe.live_progress import ProgressTally
+from genfleet.workers.observe.liveness import Presence, connection_name
 from genfleet.workers.observe.power_watch import fleet_state
 from genfleet.workers.observe.sampler import Monitor, make_sampler
-from genfleet.workers.progress import ProgressTally
-from genfleet.workers.repetition import repetition_rule
 
 log = logging.getLogger("genfleet.worker")
 

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import redis
 
-from genfleet.common import keys, progress, reconcile
+from genfleet.common import keys, progress
 from genfleet.common.manifest import BatchEntry, Manifest, write_manifest
 from genfleet.common.records import GenerationParams
 from genfleet.common.store import FileStore, Store
 from genfleet.producer.runs.lifecycle import list_runs
 from genfleet.producer.status import FAILED_SHOWN, run_status
+from genfleet.workers.control import progress_repair as reconcile
 from tests.fakes.memory_store import MemoryStore
 from tests.support import STAGING_ID
 

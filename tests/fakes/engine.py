@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 from genfleet.common.errors import AnswerInterrupted, EngineDown
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
-from genfleet.workers.client import ChatResult
-from genfleet.workers.feeder import ChatClient, EngineHandle
+from genfleet.workers.feeding.client import ChatResult
+from genfleet.workers.feeding.feeder import ChatClient, EngineHandle
 
 GATE_DEADLINE_S = 30.0
 

@@ -10,8 +10,8 @@ from typing import Any
 from genfleet.common.settings import Settings
 from genfleet.workers.batch import BatchSummary
 from genfleet.workers.context import TaskRuntime
-from genfleet.workers.feeder import Feeder
-from genfleet.workers.progress import ProgressTally
+from genfleet.workers.feeding.feeder import Feeder
+from genfleet.workers.observe.live_progress import ProgressTally
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
 

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 
 from genfleet.common.errors import EngineDown
-from genfleet.workers.transport import Reply, Sink
+from genfleet.workers.feeding.transport import Reply, Sink
 
 
 @dataclass

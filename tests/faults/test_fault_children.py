@@ -13,7 +13,7 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from genfleet.workers.pool import restart_delay_s
+from genfleet.workers.process.children import restart_delay_s
 from tests.support import (
     Worker,
     assert_exactly_once,

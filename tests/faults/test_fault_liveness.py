@@ -1,5 +1,5 @@
 """A worker SIGKILLed is known dead at once: Redis drops its named connection
-(workers/liveness.py). Its running batches go back without waiting for their leases, and the
+(workers/observe/liveness.py). Its running batches go back without waiting for their leases, and the
 orders it had received and not claimed yet (no lease, no running entry: only the broker's
 unacked copy, delivered again after hours) go back too."""
 

@@ -11,7 +11,7 @@ from genfleet.common.backoff import Backoff
 from genfleet.common.settings import Settings
 from genfleet.workers import tasks as tasks_module
 from genfleet.workers.context import BatchTask
-from genfleet.workers.feeder import Feeder
+from genfleet.workers.feeding.feeder import Feeder
 from tests.fakes.engine import FakeChat, FakeEngine
 from tests.fakes.runtime import FakeRuntime
 from tests.support import MakeFeeder, MakeRuntime

@@ -26,7 +26,7 @@ from genfleet.common.errors import (
     RequestTimedOut,
 )
 from genfleet.common.records import GenerationParams, PromptRecord
-from genfleet.workers.client import (
+from genfleet.workers.feeding.client import (
     ChatResult,
     EngineClient,
     ThinkingSwitch,

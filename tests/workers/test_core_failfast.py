@@ -16,7 +16,8 @@ from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.errors import EngineDown
 from genfleet.common.ledger import Ledger, running_field
 from genfleet.workers import tasks as tasks_module
-from genfleet.workers.tasks import BatchFailed, generate_batch, reap
+from genfleet.workers.control.reaper import reap
+from genfleet.workers.tasks import BatchFailed, generate_batch
 from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore

@@ -21,8 +21,8 @@ from genfleet.common.errors import (
     RestartBudgetExhausted,
 )
 from genfleet.common.records import CompletionRecord, PromptRecord
-from genfleet.workers import feeder as feeder_module
-from genfleet.workers.feeder import Feeder, default_max_inflight, retry_backoff_s
+from genfleet.workers.feeding import feeder as feeder_module
+from genfleet.workers.feeding.feeder import Feeder, default_max_inflight, retry_backoff_s
 from tests.fakes.engine import CrashingEngine, FakeChat, FakeEngine
 from tests.support import PARAMS, wait_for
 

@@ -27,9 +27,10 @@ from genfleet.common.records import (
 from genfleet.common.routing import ModelRef
 from genfleet.common.settings import Settings
 from genfleet.producer.runs.identity import claim_run
+from genfleet.workers.control.reaper import reap
 from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.fingerprint import checkpoint_identity
-from genfleet.workers.tasks import BatchFailed, generate_batch, reap
+from genfleet.workers.tasks import BatchFailed, generate_batch
 from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from genfleet.workers.deadline import (
+from genfleet.workers.feeding.deadline import (
     DeadlinePolicy,
     SequencePace,
     max_tokens_of,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import gc
 import weakref
 
-from genfleet.workers import heap
+from genfleet.workers.process import heap
 
 
 class Node:

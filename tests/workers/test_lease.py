@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import redis
 
-from genfleet.workers.lifecycle import Lease
+from genfleet.workers.lease import Lease
 from tests.support import wait_for
 
 

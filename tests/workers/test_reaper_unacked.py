@@ -14,7 +14,7 @@ from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.ledger import UNACKED_PAGE, running_field
 from genfleet.common.records import WorkOrder
-from genfleet.workers.tasks import reap
+from genfleet.workers.control.reaper import reap
 from tests.fakes.memory_store import MemoryStore
 from tests.faults.services import RedisServer
 from tests.support import PARAMS, CommandLog

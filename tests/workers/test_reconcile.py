@@ -13,7 +13,7 @@ import redis
 from genfleet.common import keys
 from genfleet.common.ledger import Ledger, work_order_of
 from genfleet.common.records import WorkOrder
-from genfleet.workers.reconcile import RunOrders, reconcile, reconcile_orders
+from genfleet.workers.control.lost_orders import RunOrders, reconcile, reconcile_orders
 from tests.fakes.memory_store import MemoryStore
 from tests.support import (
     STAGING_ID,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from genfleet.workers.engine.emulator.sim.text import LEGIT_KINDS, legit_text, synth_text
-from genfleet.workers.repetition import Loop, RepetitionDetector, RepetitionRule
+from genfleet.workers.feeding.repetition import Loop, RepetitionDetector, RepetitionRule
 
 RULE = RepetitionRule()
 CHUNK_CHARS = 128  # what SGLang streams with --stream-interval 32, at 4 characters a token

@@ -14,7 +14,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.broker import orders_in_broker
 from genfleet.producer.enqueue import enqueue_run, reader_options
-from genfleet.workers.lifecycle import decide, deleted_staging
+from genfleet.workers.admission import decide, deleted_staging
 from tests.support import (
     Worker,
     assert_exactly_once,

@@ -21,7 +21,7 @@ from genfleet.common.records import CompletionRecord, GenerationParams, PromptRe
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.status import run_status
-from genfleet.workers.feeder import Feeder
+from genfleet.workers.feeding.feeder import Feeder
 from tests.fakes.engine import FakeEngine
 from tests.support import Worker, base_env, stage_questions, wait_for, wait_run_done
 

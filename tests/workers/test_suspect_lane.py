@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from genfleet.workers.feeder import SuspectLane
+from genfleet.workers.feeding.feeder import SuspectLane
 
 
 async def settle() -> None:

@@ -12,8 +12,8 @@ import pytest
 from genfleet.common import keys, throughput
 from genfleet.common.records import PromptRecord, WorkOrder, encode_jsonl_gz
 from genfleet.workers.batch import execute
-from genfleet.workers.feeder import Feeder
-from genfleet.workers.progress import ProgressTally
+from genfleet.workers.feeding.feeder import Feeder
+from genfleet.workers.observe.live_progress import ProgressTally
 from tests.fakes.engine import FakeChat, FakeEngine
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore

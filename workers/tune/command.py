@@ -44,13 +44,13 @@ from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import fail
 from genfleet.common.records import GenerationParams, PromptRecord
 from genfleet.common.settings import Settings
-from genfleet.workers.client import EngineClient, ThinkingSwitch
 from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.kinds import engine_launch, with_engine_key
 from genfleet.workers.engine.ports import pick_port, private_dir
 from genfleet.workers.engine.preflight import checkpoint_arch
 from genfleet.workers.engine.sglang_argv import DEFAULT_MAX_RUNNING_REQUESTS
 from genfleet.workers.engine.supervisor import EngineSupervisor
+from genfleet.workers.feeding import EngineClient, ThinkingSwitch
 from genfleet.workers.observe.engine_state import enforced_cap
 from genfleet.workers.observe.sampler import make_sampler
 from genfleet.workers.tune.measure import EngineReader, Load, judge, measure

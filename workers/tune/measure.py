@@ -27,8 +27,8 @@ from genfleet.common.errors import (
 )
 from genfleet.common.records import GenerationParams, PromptRecord
 from genfleet.common.settings import Settings
-from genfleet.workers.client import ChatResult, EngineClient
 from genfleet.workers.engine.supervisor import EngineSupervisor
+from genfleet.workers.feeding import ChatResult, EngineClient
 from genfleet.workers.observe.diagnosis import FleetState, diagnose, verdicts
 from genfleet.workers.observe.engine_state import (
     EngineState,

@@ -7,7 +7,7 @@ from pathlib import Path
 import httpx
 import orjson
 
-from genfleet.workers.repetition import RepetitionDetector, RepetitionRule
+from genfleet.workers.feeding.repetition import RepetitionDetector, RepetitionRule
 from tests.support import StartEmulator
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}

@@ -13,7 +13,7 @@ every third of a lease (`Presence`), and the control worker's reaper reads the n
   `delivered`), and when that owner has no connection the order goes back to the queue
   instead of waiting for the broker's visibility timeout (hours).
 
-Absence counts only when seen twice, half a lease apart (`reconcile.lapse_confirmed`): a live
+Absence counts only when seen twice, half a lease apart (`reaper.lapse_confirmed`): a live
 worker's connection is back within a ping after a Redis restart or `CLIENT KILL`. A worker
 whose connection could not be named (an ACL without `CLIENT SETNAME`) claims without a name
 and is judged by its lease alone; a reaper that may not run `CLIENT LIST` judges every batch

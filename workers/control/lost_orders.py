@@ -48,7 +48,7 @@ class RunOrders:
 
 
 @dataclass
-class Verdict:
+class Plan:
     resend: list[str] = field(default_factory=list)  # missing longer than a lease
     missing_since: dict[str, float] = field(default_factory=dict)  # missing, not yet for long
     finished: list[str] = field(default_factory=list)  # queued but done: not queued any more
@@ -56,7 +56,7 @@ class Verdict:
 
 def reconcile(
     orders: RunOrders, missing_since: Mapping[str, float], now: float, lease_ttl_s: float
-) -> Verdict:
+) -> Plan:
     """What to do with one run's queued batches, given when each was first seen missing.
 
     >>> v = reconcile(RunOrders(frozenset({"a", "b", "c"}), frozenset({"a"}), frozenset({"b"})),
@@ -64,7 +64,7 @@ def reconcile(
     >>> v.resend, v.missing_since, v.finished
     (['c'], {}, ['b'])
     """
-    verdict = Verdict()
+    verdict = Plan()
     for batch in sorted(orders.queued - orders.held):
         if batch in orders.done:
             verdict.finished.append(batch)
@@ -202,41 +202,3 @@ def _keep_watch(client: redis.Redis, before: Mapping[str, float], now: Mapping[s
         if before.get(name) != since:
             pipe.hset(keys.missing_key(), name, since)
     pipe.execute()
-
-
-def lapse_confirmed(first_seen_s: float | None, now: float, lease_ttl_s: float) -> bool:
-    """Whether a lease seen lapsed now (and first at `first_seen_s`, None: this is the first
-    look) has stayed lapsed long enough to mean its worker is gone: half a lease, more than
-    the heartbeat's third, so a live worker whose lease lapsed while Redis was away (a blip
-    longer than the lease) has re-set it by the second look.
-
-    >>> lapse_confirmed(None, 100.0, 60.0), lapse_confirmed(80.0, 100.0, 60.0)
-    (False, False)
-    >>> lapse_confirmed(70.0, 100.0, 60.0)
-    True
-    """
-    return first_seen_s is not None and now - first_seen_s >= lease_ttl_s / 2
-
-
-class Lapses:
-    """The reaper's looks at lapsed leases, kept in Redis between its passes (one beat, one
-    clock): `confirmed(field, now)` records a first look and answers `lapse_confirmed`."""
-
-    def __init__(self, client: redis.Redis, lease_ttl_s: float) -> None:
-        self.client = client
-        self.lease_ttl_s = lease_ttl_s
-        self.seen = {text(k): float(v) for k, v in client.hgetall(keys.lapsed_key()).items()}
-        self.looked: set[str] = set()
-
-    def confirmed(self, field: str, now: float) -> bool:
-        self.looked.add(field)
-        first = self.seen.get(field)
-        if first is None:
-            self.client.hset(keys.lapsed_key(), field, now)
-        return lapse_confirmed(first, now, self.lease_ttl_s)
-
-    def forget_others(self) -> None:
-        """Drop the looks at leases that are no longer lapsed (alive again, or reaped)."""
-        stale = [f for f in self.seen if f not in self.looked]
-        if stale:
-            self.client.hdel(keys.lapsed_key(), *stale)

@@ -1,6 +1,6 @@
 """The engine client's wire: one POST of a chat request, its answer fed to a sink line by line.
 
-`EngineClient` (workers/client.py) builds the request and maps every answer; how the bytes
+`EngineClient` (workers/feeding/client.py) builds the request and maps every answer; how the bytes
 travel is this seam's. `AiohttpTransport` is the one a worker uses; a test hands the client a
 scripted one (`tests/fakes/transport.py`) that passes the same contract tests, so the
 client's answer mapping is tested in process and one set of tests holds the real HTTP path.
@@ -29,7 +29,7 @@ DRAIN_S = 1.0  # how long the end of a finished stream's body is waited for
 
 
 class Sink(Protocol):
-    """What reads an answer's event stream (`workers.stream.ChatStream`)."""
+    """What reads an answer's event stream (`workers.feeding.stream.ChatStream`)."""
 
     @property
     def done(self) -> bool:

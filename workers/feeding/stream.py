@@ -19,7 +19,7 @@ from typing import Any
 import orjson
 
 from genfleet.common.errors import RequestFailed
-from genfleet.workers.repetition import Loop, RepetitionDetector, RepetitionRule
+from genfleet.workers.feeding.repetition import Loop, RepetitionDetector, RepetitionRule
 
 DATA = b"data:"
 DONE = b"[DONE]"

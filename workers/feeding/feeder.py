@@ -28,7 +28,7 @@ What each answer does to a prompt (the client maps HTTP to these errors):
   prompt's error record, never sent again: one prompt that crashes the engine costs one
   record, not its batch or its worker's restart budget. A kill (from outside, or the
   watchdog's for a stall) is no prompt's crash.
-- past its deadline (`workers/deadline`: its max_tokens at the engine's measured pace): an
+- past its deadline (`workers/feeding/deadline`: its max_tokens at the engine's measured pace): an
   error record at once, provided the engine serves other prompts; the batch goes on.
 - engine refuses the worker (401/403/404): the batch stops; the task stops the worker
   consuming.
@@ -61,8 +61,8 @@ from genfleet.common.errors import (
 )
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord, Usage
 from genfleet.common.waste import WasteTally
-from genfleet.workers.client import ChatResult
-from genfleet.workers.deadline import DeadlinePolicy, SequencePace, max_tokens_of
+from genfleet.workers.feeding.client import ChatResult
+from genfleet.workers.feeding.deadline import DeadlinePolicy, SequencePace, max_tokens_of
 
 log = logging.getLogger("genfleet.feeder")
 T = TypeVar("T")

@@ -13,14 +13,14 @@ Every answer is mapped here, at the seam (`answer_error` for statuses, `parse_ch
   the engine up again (AnswerInterrupted when the answer had begun: the prompt was past its
   arrival, not what killed the engine); a request past its deadline → RequestTimedOut (that
   prompt's error).
-Answers stream (SSE, `workers/stream.py`): an in-stream error chunk maps by its `code` as the
-status above would; a stream that ends before its finish chunk is a failed try; an answer the
+Answers stream (SSE, `workers/feeding/stream.py`): an in-stream error chunk maps by its `code`
+as the status above would; a stream that ends before its finish chunk is a failed try; an answer the
 repetition guard stops is a result with `finish_reason "repetition"` and its `repetition`
 figures (where the loop began, the block, the budget it did not spend).
 The hot path decodes with orjson and builds no validation models per request. The wire is
-`workers/transport.py`'s (aiohttp by default); `timeout_s` is a deadline for the whole request
-(connect, queue on the engine, generation, body), the client's own or the one a call passes
-(`workers/deadline`).
+`workers/feeding/transport.py`'s (aiohttp by default); `timeout_s` is a deadline for the whole
+request (connect, queue on the engine, generation, body), the client's own or the one a call passes
+(`workers/feeding/deadline`).
 """
 
 from __future__ import annotations
@@ -45,9 +45,9 @@ from genfleet.common.errors import (
 )
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
 from genfleet.workers.engine.launch import auth_headers
-from genfleet.workers.repetition import RepetitionRule
-from genfleet.workers.stream import ChatStream
-from genfleet.workers.transport import AiohttpTransport, Transport
+from genfleet.workers.feeding.repetition import RepetitionRule
+from genfleet.workers.feeding.stream import ChatStream
+from genfleet.workers.feeding.transport import AiohttpTransport, Transport
 
 # The longest Retry-After honoured: a server asking for more is waited on in steps of this.
 MAX_RETRY_AFTER_S = 60.0
@@ -329,7 +329,7 @@ class EngineClient:
         repetition: RepetitionRule | None = DEFAULT_RULE,
         transport: Transport | None = None,
     ) -> None:
-        """`transport`: how requests travel (workers/transport.py); by default aiohttp to
+        """`transport`: how requests travel (workers/feeding/transport.py); by default aiohttp to
         `base_url` with `api_key`, `timeout_s` and `max_connections`."""
         self.model = model
         self.timeout_s = timeout_s

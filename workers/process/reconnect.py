@@ -82,7 +82,7 @@ class HeldRequest(Request):  # type: ignore[misc]
 
     def _on_the_broker(self, what: str, later: Any) -> bool:
         """Wait for a channel to `what` the message on (after a broker blip the task kept
-        running, `workers.reconnect`); False, and the message is left to the broker's
+        running, `workers.process.reconnect`); False, and the message is left to the broker's
         redelivery, when the broker did not come back in time. The consumer's own thread
         (a request revoked or expired before it ran) never waits: it is the one that
         reconnects, so the action is done (`later`) once it has."""

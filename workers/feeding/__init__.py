@@ -1,0 +1,23 @@
+"""The engine path: a worker's prompts on their way into its engine and their answers back.
+
+`Feeder` keeps the engine full (one asyncio loop, one in-flight limiter, the suspect lane for
+prompts that may have killed it); `EngineClient` sends one chat completion and maps every
+answer at the seam, over a `Transport` (aiohttp) that reads the stream as `ChatStream`, which
+the repetition guard watches; `DeadlinePolicy` gives each request its deadline. Code outside
+this room enters through the names below (an import-linter contract holds it so).
+"""
+
+from genfleet.workers.feeding.client import ChatResult, EngineClient, ThinkingSwitch
+from genfleet.workers.feeding.deadline import DeadlinePolicy
+from genfleet.workers.feeding.feeder import Feeder, default_max_inflight
+from genfleet.workers.feeding.repetition import repetition_rule
+
+__all__ = [
+    "ChatResult",
+    "DeadlinePolicy",
+    "EngineClient",
+    "Feeder",
+    "ThinkingSwitch",
+    "default_max_inflight",
+    "repetition_rule",
+]
