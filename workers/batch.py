@@ -44,16 +44,16 @@ from genfleet.common.records import (
     CompletionRecord,
     GenerationParams,
     WorkOrder,
-    decode_jsonl_gz,
     encode_jsonl_gz,
 )
 from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.store import Store
 from genfleet.common.waste import WasteTally
+from genfleet.workers import checkpoint
 from genfleet.workers.feeding import Feeder
 from genfleet.workers.lease import Lease
 from genfleet.workers.observe.live_progress import ProgressTally
-from genfleet.workers.provenance import ensure_current, kept_parts, read_staged
+from genfleet.workers.provenance import ensure_current, read_staged
 
 log = logging.getLogger("genfleet.batch")
 
@@ -121,36 +121,6 @@ class _Collector:
             self.unflushed = rows + self.unflushed
 
 
-def is_result(row: dict[str, Any]) -> bool:
-    """A checkpointed row that stands as the prompt's result: a completion or an error record.
-    An aborted answer stored as a completion (by a worker before aborts were failed tries) is
-    not one: its prompt is sent again."""
-    return bool(row.get("error")) or row.get("finish_reason") != "abort"
-
-
-def load_parts(store: Store, run: str, batch: str) -> tuple[dict[tuple[str, int], Any], int]:
-    """Checkpointed results of an earlier try, by (id, sample), and the next part number."""
-    done: dict[tuple[str, int], Any] = {}
-    count = 0
-    for key in store.list(keys.parts_prefix(run, batch)):
-        data = store.get(key)
-        count += 1
-        if data is None:
-            continue
-        for row in decode_jsonl_gz(data):
-            if is_result(row):
-                done[(row["id"], row.get("sample", 0))] = row
-    return done, count
-
-
-def write_part(store: Store, run: str, batch: str, part: int, rows: list[CompletionRecord]) -> int:
-    """Write a checkpoint part at the first free part number from `part`; returns the next."""
-    data = encode_jsonl_gz(row.to_json() for row in rows)
-    while not store.put_if_absent(keys.part_key(run, batch, part), data):
-        part += 1  # a parallel copy of this batch wrote this number: take the next
-    return part + 1
-
-
 def order_params(store: Store, order: WorkOrder) -> GenerationParams:
     """The order's parameters with the run's response format read back from the store when
     the order names it (and checked against its sha256: another schema is never sent)."""
@@ -214,21 +184,6 @@ def _check_cancelled(
         )
 
 
-def _save_finished(store: Store, order: WorkOrder, part: int, rows: list[CompletionRecord]) -> None:
-    """On a failed try, checkpoint what finished so the retry skips it; best effort.
-
-    When the store itself is what failed, this fails too: the prompts are then simply done
-    again, and the original error (not this one) decides between retry and failed set.
-    """
-    if not rows:
-        return
-    try:
-        ensure_current(store, order)
-        write_part(store, order.run, order.batch, part, rows)
-    except (StoreError, BatchSuperseded) as exc:
-        log.warning("could not checkpoint %s/%s: %s", order.run, order.batch, exc)
-
-
 def execute(
     order: WorkOrder,
     *,
@@ -263,14 +218,15 @@ def execute(
         data = store.get(order.key)
         if data is None:
             raise BatchInputMissing(f"staged input {order.key} is missing from {store.url}")
-        ensure_current(store, order)
+        # The run's staging was checked at admission (workers/admission.py); the writes below
+        # check it again (a run can be deleted and staged anew while its batch runs).
         staged = read_staged(order, data)
         params = order_params(store, order)
         records = staged.records
         answers = old_answers.detach(records)  # --regenerate: never sent, copied to the output
         summary.prompts = len(records)
-        checkpointed, next_part = load_parts(store, order.run, order.batch)
-        previous = kept_parts(staged, checkpointed)
+        checkpointed, next_part = checkpoint.load_parts(store, order.run, order.batch)
+        previous = checkpoint.kept_parts(staged, checkpointed)
         todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
         if answers:  # the longest-expected first: the batch does not end on a long straggler
             longest = old_answers.longest_first([i for i, _ in todo], answers)
@@ -309,7 +265,7 @@ def execute(
             # requests left running would do that work twice and hold in-flight slots of other
             # batches. Only the engine failing or the worker stopping gets here.
             future.cancel()
-            _save_finished(store, order, next_part, collector.take_unflushed())
+            checkpoint.save_finished(store, order, next_part, collector.take_unflushed())
             error = _why(exc, order, len(collector.results), len(todo))
             if error is exc:
                 raise
@@ -374,8 +330,7 @@ def _follow(
             rows = collector.take_unflushed()
             if rows:
                 try:
-                    ensure_current(store, order)
-                    next_part = write_part(store, order.run, order.batch, next_part, rows)
+                    next_part = checkpoint.save(store, order, next_part, rows)
                 except StoreError as exc:
                     collector.give_back_rows(rows)
                     log.warning(

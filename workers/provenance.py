@@ -1,16 +1,18 @@
 """Whether a work order is still the run's, and whether its staged input is what it names.
 
 An order binds itself to one staging of one run (`WorkOrder.staging`, `input_sha256`). Checked
-when the batch starts and again before every write into the run (a checkpoint part, the
-output), because a run can be deleted, and staged anew under its name, while one of its batches
-waits in a worker's prefetch or runs:
+where the order is admitted (`workers.admission.admit`, before the claim) and again before
+every write into the run (a checkpoint part: `workers.checkpoint.save`; the output:
+`workers.batch`), because a run can be deleted, and staged anew under its name, while one of
+its batches waits in a worker's prefetch or runs:
 
 - the run's claim names another staging (or the run has no claim any more): the order is
   superseded (`BatchSuperseded`): acknowledged, never generated, nothing written;
 - the staged input's content is not the order's (`BatchInputMismatch`): the batch is failed
   with that reason, never generated from prompts it was not issued for;
 - a checkpoint row stands as a prompt's result only when it names that staged prompt's digest
-  (`kept_parts`): a checkpoint of other prompts under the same (id, sample) is done again.
+  (`workers.checkpoint.kept_parts`): a checkpoint of other prompts under the same (id,
+  sample) is done again.
 
 Orders of an older genfleet carry neither field and are not checked.
 
@@ -73,16 +75,6 @@ def read_staged(order: WorkOrder, data: bytes) -> StagedInput:
     lines = [line for line in raw.splitlines() if line.strip()]
     records = [PromptRecord.from_json(orjson.loads(line)) for line in lines]
     return StagedInput(records, digests)
-
-
-def kept_parts(staged: StagedInput, rows: dict[tuple[str, int], Any]) -> dict[tuple[str, int], Any]:
-    """The checkpoint rows that answer the staged prompt of their (id, sample)."""
-    digests = staged.digest_of()
-    return {
-        key: row
-        for key, row in rows.items()
-        if key in digests and row.get("prompt_sha256") == digests[key]
-    }
 
 
 def model_refusal(store: Store, run: str, identity: dict[str, Any]) -> str | None:

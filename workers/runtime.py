@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import socket
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +47,7 @@ from genfleet.workers.observe.live_progress import ProgressTally
 from genfleet.workers.observe.liveness import Presence, connection_name
 from genfleet.workers.observe.power_watch import fleet_state
 from genfleet.workers.observe.sampler import Monitor, make_sampler
+from genfleet.workers.process.slots import PrefetchSlots
 
 log = logging.getLogger("genfleet.worker")
 
@@ -102,9 +102,7 @@ class WorkerRuntime:
         # match it (so the run's record is read once per run, not per batch).
         self.model_identity: dict[str, Any] | None = None
         self.model_runs: set[str] = set()
-        self._slots_lock = threading.Lock()
-        self._released = 0
-        self._released_by: set[tuple[str, str]] = set()  # batches whose slot was handed on
+        self.slots = PrefetchSlots(lambda: self.celery_worker)
 
     @property
     def presence_name(self) -> str | None:
@@ -172,7 +170,7 @@ class WorkerRuntime:
                 settings.request_min_tokens_per_s,
                 settings.request_deadline_margin,
             ),
-            on_batch_sent=self._batch_sent,
+            on_batch_sent=self.slots.batch_sent,
         )
         log.info(
             "feeding %s with up to %d requests in flight (engine cap %s)",
@@ -420,48 +418,10 @@ class WorkerRuntime:
         if self.on_exhausted is not None:
             self.on_exhausted(message)
 
-    def release_slot(self) -> bool:
-        """A batch has every prompt in the engine, only stragglers left: let Celery fetch one
-        more batch so the engine never waits for them (True when a slot was released).
-
-        Without this, a worker whose `worker_concurrency` batches all wait on their longest
-        prompt takes nothing new and its engine drains. Bounded by the pool's spare threads;
-        undone by `restore_slot` when the batch ends.
-        """
-        worker = self.celery_worker
-        qos = getattr(getattr(worker, "consumer", None), "qos", None)
-        spare = int(getattr(getattr(worker, "pool", None), "spare_threads", 0) or 0)
-        if qos is None:
-            return False
-        with self._slots_lock:
-            if self._released >= spare:
-                return False
-            self._released += 1
-        qos.increment_eventually(1)
-        return True
-
-    def _batch_sent(self, run: str, batch: str) -> None:
-        """Wired into the feeder at start: every prompt of the batch is in the engine."""
-        if self.release_slot():
-            with self._slots_lock:
-                self._released_by.add((run, batch))
-
     def batch_ended(self, run: str, batch: str) -> None:
-        """The batch's task is over (done, failed or handed back): the slot it handed on, if
-        it did, is taken back."""
-        with self._slots_lock:
-            released = (run, batch) in self._released_by
-            self._released_by.discard((run, batch))
-        if released:
-            self.restore_slot()
-
-    def restore_slot(self) -> None:
-        """The batch that released a slot has ended: take the slot back."""
-        qos = getattr(getattr(self.celery_worker, "consumer", None), "qos", None)
-        with self._slots_lock:
-            self._released -= 1
-        if qos is not None:
-            qos.decrement_eventually(1)
+        """The batch's task is over (done, failed or handed back): the prefetch slot it
+        handed on, if it did, is taken back."""
+        self.slots.batch_ended(run, batch)
 
     def after_batch(self, summary: Any) -> None:
         """After a batch: re-read the engine's accept length and warn loudly if MTP is idle."""
