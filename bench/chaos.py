@@ -1,6 +1,6 @@
 """Goodput under chaos, as a ratio to a fault-free run of the same data on the same fleet.
 
-The fleet and the fault schedule are `tests/faults/chaos.py`'s: a private redis-server (AOF
+The fleet and the fault schedule are `harness/chaos.py`'s: a private redis-server (AOF
 on), moto S3 behind a proxy that can be cut, the control worker and two GPU workers with
 emulator engines; a seeded schedule of worker SIGKILLs, engine SIGKILLs and SIGSTOPs, Redis
 client kills, one Redis restart and S3 outages. The same fleet first runs the data without
@@ -11,7 +11,7 @@ from enqueue to the last output object.
     python bench/chaos.py            # 1,800 prompts, 160 s of faults
     python bench/chaos.py --quick    # the test's soak: 900 prompts, 80 s of faults, seed 4
 
-Every engine keeps a request log (`tests/faults/resends.py`), so the prompts the chaos run sent
+Every engine keeps a request log (`harness/resends.py`), so the prompts the chaos run sent
 to an engine again are printed per fault that caused them. And each GPU worker's engine is
 read twice a second (its process, and `num_running_reqs` from its /metrics): each run prints
 its engine-seconds by how full the engines were, so where the chaos run's time goes shows
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import logging
 import secrets
 import sys
@@ -42,9 +43,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from genfleet.workers.observe.engine_state import engine_state_from_metrics  # noqa: E402
-from tests.faults.chaos import Fleet, Played, fleet, soak_run  # noqa: E402
-from tests.faults.resends import Sends, attribute, log_name  # noqa: E402
-from tests.support import cmdline, engine_pid  # noqa: E402
+from harness.chaos import Fleet, Played, fleet, soak_run  # noqa: E402
+from harness.resends import Sends, attribute, log_name  # noqa: E402
 
 FILLS = ("no engine", "idle", "<=25%", "<=75%", ">75%")
 
@@ -57,6 +57,19 @@ def fill(running: int | None, cap: int) -> str:
     if running == 0:
         return "idle"
     return "<=25%" if 4 * running <= cap else "<=75%" if 4 * running <= 3 * cap else ">75%"
+
+
+def engine_of(worker_pid: int) -> tuple[int, str] | None:
+    """The engine of the worker `worker_pid` (its child that leads a session of its own: the
+    supervisor starts every engine so) as its pid and process state (`R`, `S`, `T` when
+    SIGSTOPped), or None while it has none."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError, ValueError):
+            state, parent, _, session = stat.read_text().rsplit(")", 1)[1].split()[:4]
+            pid = int(stat.parent.name)
+            if int(parent) == worker_pid and int(session) == pid and state != "Z":
+                return pid, state
+    return None
 
 
 class Look(NamedTuple):
@@ -92,19 +105,20 @@ class EngineTimeline(threading.Thread):
                 now = time.monotonic()
                 for worker in list(self.soak.workers):
                     if worker.proc.poll() is None:
-                        state, cap = self._look(engine_pid(worker))
+                        state, cap = self._look(engine_of(worker.proc.pid))
                         self.looks.append(Look(now, worker.hostname, state, cap))
 
-    def _look(self, pid: int | None) -> tuple[str, int]:
-        """What engine `pid` is doing (requests running, "down" when it is gone or not
-        answering, "frozen" when SIGSTOPped) and its cap."""
-        if pid is None:
+    def _look(self, engine: tuple[int, str] | None) -> tuple[str, int]:
+        """What `engine` (its pid and process state) is doing (requests running, "down" when
+        it is gone or not answering, "frozen" when SIGSTOPped) and its cap."""
+        if engine is None:
             return "down", 1
+        pid, process_state = engine
         try:
-            argv = cmdline(pid)
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
             port = int(argv[argv.index(b"--port") + 1])
             cap = int(argv[argv.index(b"--max-running-requests") + 1])
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "T":
+            if process_state == "T":
                 return "frozen", cap
             text = self._http.get(f"http://127.0.0.1:{port}/metrics").text
         except (OSError, ValueError, IndexError, httpx.HTTPError):

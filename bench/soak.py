@@ -1,6 +1,6 @@
 """The long soak: days of wear compressed into one run, against a clean run on the same fleet.
 
-The fleet is `tests/faults/chaos.py`'s (a private redis-server with AOF, moto S3 behind a proxy
+The fleet is `harness/chaos.py`'s (a private redis-server with AOF, moto S3 behind a proxy
 that can be cut, the control worker and two GPU workers with emulator engines). A clean run of
 `--clean-prompts` gives the fleet's pace; then `--prompts` prompts run while a seeded schedule
 breaks things for `--duration-s`: worker SIGKILLs (a new worker takes the place), engine
@@ -11,7 +11,7 @@ one prompt that crashes whichever engine receives it: every engine runs with
 `--emulator-crash-on-prompt`).
 
 Every engine keeps a request log, so each prompt sent again is charged to the fault that made
-it so (`tests/faults/resends.py`): one that hit the worker of the earlier send, else one that
+it so (`harness/resends.py`): one that hit the worker of the earlier send, else one that
 hit the whole fleet, else `unexplained` (two copies of a batch at once).
 
 It prints `goodput_vs_clean` (prompts per second of wall time, chaos over clean), prompts lost
@@ -46,10 +46,10 @@ import orjson
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from tests.faults.chaos import ACTIONS, Fleet, fleet, run_state  # noqa: E402
-from tests.faults.resends import Sends, attribute, log_name  # noqa: E402
-from tests.support import control_app, stage  # noqa: E402
-from tests.support import write_prompts as write_plain  # noqa: E402
+from genfleet.producer.broker import make_client_app, worker_queues  # noqa: E402
+from genfleet.producer.enqueue import enqueue_run, reader_options  # noqa: E402
+from harness.chaos import ACTIONS, Fleet, fleet, run_state  # noqa: E402
+from harness.resends import Sends, attribute, log_name  # noqa: E402
 
 SOAK_ACTIONS = (*ACTIONS, "broker_blip", "kill_producer", "stage_poison")
 BLIP_S = 4.0
@@ -65,7 +65,19 @@ def write_prompts(path: Path, count: int, prefix: str, poison_at: int | None = N
     texts = {i: f"{prefix} question {i}: what is {i} + {i}?" for i in range(count)}
     if poison_at is not None:
         texts[poison_at] = f"{prefix} question {poison_at}: {POISON}"
-    return write_plain(path, count, texts, prefix=prefix)
+    ids = [f"{prefix}{i:05d}" for i in range(count)]
+    rows = [
+        {"id": id_, "messages": [{"role": "user", "content": texts[i]}]}
+        for i, id_ in enumerate(ids)
+    ]
+    path.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+    return ids
+
+
+def stage(soak: Fleet, run: str) -> None:
+    """Enqueue the prompts of `soak.root/RUN.jsonl` as `run`, as `genfleet enqueue` does."""
+    settings = soak.settings()
+    enqueue_run(settings, run, str(soak.root / f"{run}.jsonl"), reader_options(settings))
 
 
 def worker_env(root: Path) -> Any:
@@ -118,7 +130,7 @@ def act(soak: Fleet, action: str, rng: random.Random, extra: Extra) -> None:
     elif action == "stage_poison":
         run = f"poison{len(extra.poisoned)}"
         write_prompts(soak.root / f"{run}.jsonl", STAGED_PROMPTS, f"{run}-", poison_at=POISON_AT)
-        stage(soak.settings(), run, soak.root / f"{run}.jsonl")
+        stage(soak, run)
         extra.poisoned.append(run)
     else:
         soak.act(action, rng)
@@ -190,19 +202,17 @@ def poison_verdict(export: Export, run: str) -> str | None:
 
 def consuming(soak: Fleet) -> tuple[int, int]:
     """(live workers, live workers consuming their queue) at the end."""
-    import redis
-
     live = [w.hostname for w in soak.workers if w.proc.poll() is None]
-    replies: dict[str, Any] = {}
-    for _ in range(5):  # a connection the soak's last fault left broken is tried again
-        try:
-            with control_app(soak.redis.url) as app:
-                inspect = app.control.inspect(destination=live, timeout=2.0)
-                replies = inspect.active_queues() or {}
-            break
-        except (OSError, redis.RedisError):
+    app = make_client_app(soak.settings())
+    try:
+        for _ in range(5):  # a connection the soak's last fault left broken is tried again
+            queues = worker_queues(app, timeout_s=2.0)
+            if queues is not None:
+                break
             time.sleep(1.0)
-    return len(live), sum(1 for name in live if replies.get(name))
+    finally:
+        app.close()
+    return len(live), sum(1 for name in live if (queues or {}).get(name))
 
 
 def play(soak: Fleet, plan: list[tuple[float, str]], seed: int, started: float) -> Extra:
@@ -240,7 +250,7 @@ def main() -> None:
     with fleet(root, extra_env=worker_env(root)) as soak:
         clean_ids = write_prompts(soak.root / "clean.jsonl", args.clean_prompts, prefix="c-")
         started = time.monotonic()
-        stage(soak.settings(), "clean", soak.root / "clean.jsonl")
+        stage(soak, "clean")
         wait_done(soak, ["clean"], 3600.0, started)
         clean_s = time.monotonic() - started
         print(f"clean: {args.clean_prompts} prompts in {clean_s:.1f} s", flush=True)
@@ -248,7 +258,7 @@ def main() -> None:
         sends = Sends(soak.root)
         ids = write_prompts(soak.root / "soak.jsonl", args.prompts, prefix="s-")
         started = time.monotonic()
-        stage(soak.settings(), "soak", soak.root / "soak.jsonl")
+        stage(soak, "soak")
         plan = schedule(args.seed, args.duration_s, args.mean_gap_s, kinds)
         extra = play(soak, plan, args.seed, started)
         wait_done(soak, ["soak"], 3600.0 + args.duration_s, started)

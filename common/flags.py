@@ -83,6 +83,14 @@ FIELDS: dict[str, tuple[str, str]] = {
     "gpus": (ENGINE, "0,1,2,3 or GPU UUIDs; unset: what the worker sees"),
     "tp_size": (ENGINE, "tensor parallelism: GPUs per engine"),
     "mem_fraction_static": (ENGINE, "SGLang's static memory share"),
+    "engine_plan": (
+        ENGINE,
+        "size SGLang's cap, memory split and radix cache from the model and the card "
+        "(hybrid models)",
+    ),
+    "plan_gpu": (ENGINE, "the card the engine plan is for: h100, h200, … or GiB (default: NVML)"),
+    "plan_answer_tokens": (ENGINE, "answer tokens the plan sizes each request's KV for"),
+    "plan_prompt_tokens": (ENGINE, "prompt tokens the plan sizes each request's KV for"),
     "max_running_requests": (ENGINE, "the engine's running-batch cap"),
     "context_length": (ENGINE, "the engine's context window"),
     "reasoning_parser": (ENGINE, "SGLang reasoning parser; unset: the model family's"),

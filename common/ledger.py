@@ -24,14 +24,13 @@ The keys (names and reasons in common/keys.py) and who else may touch them — n
 - kombu's `unacked` hash (and its `unacked_index`): messages delivered and not acknowledged;
   `work_order_of` is the one parser of a kombu message on Redis.
 
-The run's live counters (`counters_key`, the tok/s buckets, the progress copy of
-common/progress.py) are written here too where they move with a batch's state (`done`,
-`progress`). `done`, `progress`, `fail`, `park`, `poison`,
-`clear_failed` and `drop_unacked` send their commands as one MULTI/EXEC pipeline; the others
-are one command, or (`set_queued`, `unlose`, `purge_unacked`) a few in a row. Redis errors
-propagate: what a failure to record means is
-the caller's decision (the task requeues its message, the reaper tries again at its next beat,
-the CLI says so), never this module's.
+The run's live counters (common/counters.py), its tok/s buckets and the progress copy of
+common/progress.py are written in this module's pipelines, by their owners' functions, where
+they move with a batch's state (`done`, `progress`). `done`, `progress`, `fail`, `park`,
+`poison`, `clear_failed` and `drop_unacked` send their commands as one MULTI/EXEC pipeline; the
+others are one command, or (`set_queued`, `unlose`, `purge_unacked`) a few in a row. Redis
+errors propagate: what a failure to record means is the caller's decision (the task requeues
+its message, the reaper tries again at its next beat, the CLI says so), never this module's.
 
 As arq's `Worker.finish_job` is the one writer of a job's keys and `Job` their reader, a module
 that needs a batch's state asks a `Ledger` (a test greps the package for the key names).
@@ -48,7 +47,7 @@ from typing import Any
 
 import orjson
 
-from genfleet.common import keys, progress, throughput
+from genfleet.common import counters, keys, progress, throughput
 from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.redis_conn import RedisCommands, text
 
@@ -258,13 +257,13 @@ class Ledger:
         pipe.srem(keys.queued_key(run), batch)
         pipe.hdel(keys.failed_key(run), batch)
         if tally is not None:
-            counters = keys.counters_key(run)
-            pipe.hincrby(counters, "errors", tally.errors)
-            pipe.hincrby(counters, "completion_tokens", tally.completion_tokens)
-            pipe.hincrby(counters, "reasoning_tokens", tally.reasoning_tokens)
-            for name, value in tally.more.items():
-                pipe.hincrby(counters, name, value)
-            pipe.hset(counters, "last_done_at", tally.done_at)
+            counts = [
+                ("errors", tally.errors),
+                ("completion_tokens", tally.completion_tokens),
+                ("reasoning_tokens", tally.reasoning_tokens),
+                *tally.more.items(),
+            ]
+            counters.add_done(pipe, run, counts, tally.done_at)
             progress.mark_written(pipe, run, batch, prompts)
         else:
             progress.mark_seen(pipe, run, batch, prompts)
@@ -277,8 +276,7 @@ class Ledger:
         GPUs did, a batch delivered twice counts twice; `done` counts what is in the store."""
         pipe = self.client.pipeline()
         for run, (prompts, tokens) in counts.items():
-            pipe.hincrby(keys.counters_key(run), "prompts_generated", prompts)
-            pipe.hincrby(keys.counters_key(run), "tokens_generated", tokens)
+            counters.add_generated(pipe, run, prompts, tokens)
             throughput.add(pipe, run, worker, tokens, now)
         pipe.execute()
 

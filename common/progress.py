@@ -30,20 +30,12 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import keys
+from genfleet.common import counters, keys
 from genfleet.common.manifest import Manifest
 from genfleet.common.redis_conn import RedisPipeline, text
 from genfleet.common.store import Store
 
-PROMPTS_DONE = "prompts_done"  # the counters hash field (keys.counters_key)
-
-# Recomputed server-side so that no worker's HSET + HINCRBY lands between the sum and the set.
-_RESUM = """
-local total = 0
-for _, value in ipairs(redis.call('HVALS', KEYS[1])) do total = total + tonumber(value) end
-redis.call('HSET', KEYS[2], ARGV[1], total)
-return total
-"""
+PROMPTS_DONE = counters.PROMPTS_DONE  # the counters field this copy keeps
 
 _CHUNK = 1000
 
@@ -52,7 +44,7 @@ def mark_written(pipe: RedisPipeline, run: str, batch: str, prompts: int) -> Non
     """Queue, in the pipeline of the worker whose `put_if_absent` wrote the output: the batch
     is done with `prompts` prompts."""
     pipe.hset(keys.done_key(run), batch, prompts)
-    pipe.hincrby(keys.counters_key(run), PROMPTS_DONE, prompts)
+    counters.add_prompts_done(pipe, run, prompts)
 
 
 def mark_seen(pipe: RedisPipeline, run: str, batch: str, prompts: int) -> None:
@@ -77,20 +69,20 @@ def snapshot(client: redis.Redis, run: str) -> Snapshot | None:
     pipe = client.pipeline(transaction=False)
     pipe.hgetall(keys.summary_key(run))
     pipe.hlen(keys.done_key(run))
-    pipe.hgetall(keys.counters_key(run))
+    counters.queue_read(pipe, run)
     raw_summary, done, raw_counters = pipe.execute()
     fields = {text(k): v for k, v in raw_summary.items()}
     if "manifest" not in fields or "reconciled_at" not in fields:
         return None
-    counters = {text(k): text(v) for k, v in raw_counters.items()}
+    found = counters.decode(raw_counters)
     summary = orjson.loads(fields["manifest"])
     return Snapshot(
         run=run,
         summary=summary,
         batches_done=min(int(done), int(summary["batches_total"])),
-        prompts_done=min(int(counters.get(PROMPTS_DONE, 0)), int(summary["prompts_total"])),
+        prompts_done=min(int(found.get(PROMPTS_DONE, 0)), int(summary["prompts_total"])),
         reconciled_at=float(fields["reconciled_at"]),
-        counters=counters,
+        counters=found,
     )
 
 
@@ -184,8 +176,8 @@ def reconcile(
             if not manifest.has_batch(batch := text(raw)):
                 repair.removed.append(batch)
                 client.hdel(done, batch)
-    repair.prompts_done_was = int(client.hget(keys.counters_key(run), PROMPTS_DONE) or 0)
-    repair.prompts_done = int(client.eval(_RESUM, 2, done, keys.counters_key(run), PROMPTS_DONE))
+    repair.prompts_done_was = counters.prompts_done(client, run)
+    repair.prompts_done = counters.recount_prompts_done(client, run, done)
     summary = {
         **manifest.summary(),
         "created_at": manifest.created_at,

@@ -110,6 +110,16 @@ class Settings(BaseSettings):
     # for the repetition guard, rare enough to cost the engine nothing.
     stream_chunk_tokens: int = Field(default=32, ge=1)
     mtp: bool = True
+    # The engine plan (workers/engine/plan.py): SGLang's running-request cap, memory split and
+    # radix cache sized from the checkpoint's config and the card's memory, for hybrid models;
+    # off: the flags as given. `plan_gpu` names the card when none is seen (`h100`, `h200`, a
+    # number of GiB: the plan printed without the GPU) or overrides NVML's figure; the plan
+    # sizes each request's KV for `plan_prompt_tokens` + `plan_answer_tokens` (None:
+    # `max_tokens`). An `mtp` given (flag or environment) is kept; otherwise the plan chooses.
+    engine_plan: bool = True
+    plan_gpu: str | None = None
+    plan_answer_tokens: int | None = Field(default=None, ge=1)
+    plan_prompt_tokens: int = Field(default=256, ge=1)
     speculative_algorithm: str = "EAGLE"
     speculative_num_steps: int = Field(default=3, ge=1)
     speculative_eagle_topk: int = Field(default=1, ge=1)

@@ -14,7 +14,7 @@ from collections.abc import Iterable, Mapping
 
 import redis
 
-from genfleet.common import keys
+from genfleet.common import keys, run_registry
 from genfleet.common.redis_conn import RedisPipeline, text
 
 BUCKET_S = 10.0
@@ -107,10 +107,10 @@ def fleet_tokens_per_s(
     since = since or {}
     points: list[tuple[float, str, int]] = []
     shares = _buckets(now, window_s)
-    for run in client.smembers(keys.runs_key()):
+    for run in run_registry.runs(client):
         pipe = client.pipeline(transaction=False)
         for bucket, _ in shares:
-            pipe.hgetall(keys.throughput_bucket_key(text(run), bucket))
+            pipe.hgetall(keys.throughput_bucket_key(run, bucket))
         for (bucket, share), fields in zip(shares, pipe.execute(), strict=True):
             low = max(bucket * BUCKET_S, now - window_s)
             end = min((bucket + 1) * BUCKET_S, now)

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from genfleet.common import keys
+from genfleet.common import keys, run_registry
 from genfleet.common.errors import ConfigError, InputError, RunMismatch
 from genfleet.common.manifest import BatchEntry, Manifest, ManifestWriter
 from genfleet.common.readers import ReaderOptions, Reject, read_source
@@ -553,7 +553,7 @@ def enqueue_run(
 
     # Enqueueing a cancelled run resumes it: the flag goes before any order is sent.
     uncancelled = bool(client.delete(keys.cancelled_key(run)))
-    client.sadd(keys.runs_key(), run)
+    run_registry.register(client, run)
     if manifest is None:
         if source is None:
             raise InputError(f"run {run!r} has no manifest in {store.url}: give a SOURCE")

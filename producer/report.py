@@ -258,20 +258,18 @@ def _energy(settings: Settings, run: str) -> dict[str, Any] | None:
     text) when Redis cannot be reached: the report itself needs only the store."""
     import redis
 
-    from genfleet.common import keys
-    from genfleet.common.redis_conn import text
+    from genfleet.common import counters
     from genfleet.producer.status import energy_figures
 
     try:
         client = redis.Redis.from_url(
             settings.redis_url.get_secret_value(), socket_connect_timeout=3, socket_timeout=5
         )
-        raw = client.hgetall(keys.counters_key(run))
+        found = counters.read(client, run)
         client.close()
     except redis.RedisError:
         return None
-    counters = {text(k): text(v) for k, v in raw.items()}
-    return energy_figures(counters, settings.gpu_hour_cost)
+    return energy_figures(found, settings.gpu_hour_cost)
 
 
 def waste_table(figures: dict[str, Any] | None) -> Any:

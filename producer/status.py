@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import keys, progress, summaries
+from genfleet.common import findings, fleet_registry, keys, progress, summaries
 from genfleet.common.errors import InputError
 from genfleet.common.ledger import Ledger
 from genfleet.common.redis_conn import text
@@ -219,12 +219,11 @@ def run_waste(counters: dict[str, str]) -> dict[str, Any]:
 
 def read_findings(client: redis.Redis, run: str | None = None, count: int = 200) -> list[Any]:
     """Recent power-watch findings, newest first; with `run`, those about it or fleet-wide."""
-    findings = []
-    for _id, fields in client.xrevrange(keys.findings_key(), count=count) or []:
-        data = orjson.loads((fields or {}).get(b"finding", b"{}"))
-        if run is None or data.get("run") in (None, run):
-            findings.append(data)
-    return findings
+    return [
+        data
+        for data in findings.recent(client, count)
+        if run is None or data.get("run") in (None, run)
+    ]
 
 
 STALL_CAUSES = (
@@ -343,7 +342,7 @@ def stall_facts(
     """What `stall_reason` needs from Redis: workers seen by the power-watch, recent findings,
     the work queue's depth and, given the summaries' TTL, the workers loading their engine
     for `queue`."""
-    seen = {text(k): float(v) for k, v in client.hgetall(keys.workers_key()).items()}
+    seen = fleet_registry.seen(client)
     pipe = client.pipeline()
     for name in keys.broker_queue_keys(queue):
         pipe.llen(name)

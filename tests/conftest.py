@@ -1,4 +1,4 @@
-"""Fixtures only (helpers are in tests/support.py): real Redis, real S3 protocol servers, real
+"""Fixtures only (helpers are in tests/support/): real Redis, real S3 protocol servers, real
 worker processes, and a clean environment for every test.
 
 Redis: one database dedicated to tests and flushed per test. Without Redis, tests that need it
@@ -19,16 +19,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.faults.services import RedisServer
-from tests.support import (
-    TEST_REDIS_URL,
-    BackgroundRun,
-    StartRun,
-    Worker,
-    dummy_aws_credentials,
-    free_port,
-    new_bucket,
-)
+from harness.env import TEST_REDIS_URL, free_port
+from harness.processes import Worker
+from harness.services import RedisServer
+from tests.support.commands import BackgroundRun, StartRun
+from tests.support.s3 import dummy_aws_credentials, new_bucket
 
 # The Celery app in this process (power-watch, top, inspect) talks to the test database too.
 os.environ["GENFLEET_REDIS_URL"] = TEST_REDIS_URL
@@ -38,7 +33,7 @@ def pytest_configure(config: pytest.Config) -> None:
     """In a parallel run each xdist worker gets a TMPDIR of its own, for itself and the
     processes it starts: genfleet's private directory (`$TMPDIR/genfleet-UID`: port locks,
     the local run's lock, engine configs, beat schedules) is then one per worker, as the
-    Redis database is (tests/support.py)."""
+    Redis database is (harness/env.py)."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if not worker:
         return
@@ -165,7 +160,7 @@ def start_worker(tmp_path: Path) -> Iterator[Callable[..., Worker]]:
 @pytest.fixture
 def start_run(tmp_path: Path) -> Iterator[StartRun]:
     """`start_run(redis_url, source)`: `genfleet run SOURCE` in the background, in `tmp_path`
-    (tests/support.py's BackgroundRun); killed at the end if it still runs."""
+    (tests/support/commands.py's BackgroundRun); killed at the end if it still runs."""
     started: list[BackgroundRun] = []
 
     def start(redis_url: str, source: Path) -> BackgroundRun:

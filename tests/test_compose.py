@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
-from tests.support import (
+from harness.env import ROOT
+from tests.support.compose_file import (
     COMPOSE,
-    ROOT,
     argv,
     interpolate,
     load_compose,

@@ -28,15 +28,9 @@ import boto3
 import orjson
 import pytest
 
-from tests.support import (
-    ROOT,
-    argv,
-    interpolate,
-    load_compose,
-    seconds,
-    service_environment,
-    wait_for,
-)
+from harness.env import ROOT
+from harness.waits import wait_for
+from tests.support.compose_file import argv, interpolate, load_compose, seconds, service_environment
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -6,7 +6,10 @@ check (`lint-imports`, run by the test command):
 - nothing is imported under a generic top-level name (`common`, `workers`);
 - the wheel holds `genfleet` and every package folder under it, nothing else;
 - no test or bench module imports a test module or a conftest: what tests share is in
-  tests/support.py (helpers), conftest.py (fixtures, which pytest hands out) and tests/fakes/.
+  tests/support/ (helpers), conftest.py (fixtures, which pytest hands out) and tests/fakes/;
+  the local fleet of real processes that tests and benches both run is harness/;
+- nothing outside tests/ imports tests/: the packages, harness/, bench/ and the rest stand
+  without it.
 """
 
 from __future__ import annotations
@@ -139,4 +142,42 @@ def test_an_import_of_a_test_module_would_be_seen(tmp_path: Path) -> None:
         "bench/b.py: tests.compose.conftest",
         "tests/e2e/test_a.py: tests.e2e.test_b",
         "tests/e2e/test_a.py: tests.e2e.test_c",
+    ]
+
+
+def imports_of_tests(root: Path) -> list[str]:
+    """`path: module` for each import of `tests` (lazy ones included) by a Python file under
+    `root` but outside `root`/tests (hidden folders left out)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        parts = path.relative_to(root).parts
+        if parts[0] == "tests" or any(part.startswith(".") for part in parts):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            else:
+                continue
+            found += [f"{path.relative_to(root)}: {n}" for n in names if n.split(".")[0] == "tests"]
+    return found
+
+
+def test_nothing_outside_tests_imports_tests() -> None:
+    assert imports_of_tests(ROOT) == []
+
+
+def test_an_import_of_tests_from_outside_would_be_seen(tmp_path: Path) -> None:
+    for folder in ("bench", "common", "genfleet", "tests", ".venv"):
+        (tmp_path / folder).mkdir()
+    (tmp_path / "bench" / "b.py").write_text("from tests.support.waits import wait_for\n")
+    (tmp_path / "common" / "c.py").write_text("def f():\n    import tests.fakes.engine, json\n")
+    (tmp_path / "genfleet" / "g.py").write_text("from tests import support\nfrom . import tests\n")
+    (tmp_path / "tests" / "t.py").write_text("from tests.support.core import batch\n")
+    (tmp_path / ".venv" / "v.py").write_text("import tests\n")
+    assert imports_of_tests(tmp_path) == [
+        "bench/b.py: tests.support.waits",
+        "common/c.py: tests.fakes.engine",
+        "genfleet/g.py: tests",
     ]

@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import keys
+from genfleet.common import counters, keys
 from genfleet.common import previous as old_answers
 from genfleet.common.backoff import BOOKKEEPING, OUTPUT_WRITE
 from genfleet.common.errors import (
@@ -233,9 +233,7 @@ def execute(
             todo = [(i, records[i]) for i in longest]
         summary.resumed = len(records) - len(todo)
 
-        _telemetry(
-            "the start time", client.hsetnx, keys.counters_key(order.run), "started_at", time.time()
-        )
+        _telemetry("the start time", counters.mark_started, client, order.run, time.time())
         collector = _Collector()
         future = feeder.run_batch(
             order.run,

@@ -230,15 +230,22 @@ def flower(
 def tune(
     settings: Settings,
     concurrency: Annotated[
-        str, typer.Option(help="requests kept in flight, one window each")
-    ] = "1,4,16,64,128",
+        str | None,
+        typer.Option(
+            help="requests kept in flight, one window each; auto: what a worker keeps for "
+            "the cap the engine enforces",
+            show_default="auto for a sweep of the engine plan, else 1,4,16,64,128",
+        ),
+    ] = None,
     mtp: Annotated[
         str | None,
         typer.Option(
             "--mtp",
             help="engine configurations: on, adaptive (SGLang 0.5.12+), off; NAME:N pins "
-            "--max-running-requests N",
-            show_default="on,on:48,off; off for --engine command",
+            "--max-running-requests N; NAME:plan runs the engine plan's cap, NAME:plan*F F "
+            "times it (each a fresh engine with the plan's memory flags)",
+            show_default="off:plan*0.75,off:plan,off:plan*1.25,on:plan for SGLang with the "
+            "engine plan; on,on:48,off for the emulator; off for --engine command",
         ),
     ] = None,
     duration_s: Annotated[float, typer.Option(help="measured seconds per point")] = 30.0,
@@ -260,8 +267,10 @@ def tune(
         str, typer.Option(help="what the settings file optimises: throughput or energy")
     ] = "throughput",
 ) -> None:
-    """Sweep concurrency x MTP on an engine; print tok/s, watts, J/token; write the best.
+    """Sweep the engine plan (cap, MTP) or concurrency x MTP; print tok/s, watts, J/token;
+    write the best as settings.
 
+    `genfleet tune --model PATH` sweeps the plan's cap at the run's --max-tokens;
     `genfleet tune --model PATH --concurrency 1,4,16 --mtp on,off`, plus any setting below.
     """
     from genfleet.workers.tune.command import run_tune

@@ -11,25 +11,24 @@ import logging
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import orjson
 import redis
 
-from genfleet.common import keys
+from genfleet.common import findings, keys
 from genfleet.common.redis_conn import connect
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
-from genfleet.workers.engine.crashes import CRASH_LOOP_REPEATS, crash_suggestion
-from genfleet.workers.engine.external import ExternalEngine
+from genfleet.workers.engine import local
+from genfleet.workers.engine.crashes import CRASH_LOOP_REPEATS, budget_suggestion, loop_suggestion
 from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.fingerprint import checkpoint_identity
-from genfleet.workers.engine.launch import auth_headers
-from genfleet.workers.engine.ports import pick_port, private_dir
+from genfleet.workers.engine.plan import EnginePlan
+from genfleet.workers.engine.plan import check as plan_check
 from genfleet.workers.engine.supervisor import EngineSupervisor
-from genfleet.workers.engine.watchdog import StallWatchdog, WatchedEngine
+from genfleet.workers.engine.watchdog import StallWatchdog
 from genfleet.workers.feeding import (
     DeadlinePolicy,
     EngineClient,
@@ -89,13 +88,14 @@ class WorkerRuntime:
             hostname,
             interval_s=max(settings.lease_ttl_s / 3, 0.05),
         )
-        self.engine: EngineSupervisor | ExternalEngine | None = None
+        self.engine: local.Engine | None = None
         self.feeder: Feeder | None = None
         self.findings: list[dict[str, Any]] = []
         self.monitor: Monitor | None = None
         self.progress = ProgressTally()  # one pipeline an interval for all running batches
         self.refused: str | None = None  # why the engine refuses this worker, once it does
         self.arch: str | None = None  # the checkpoint's architectures[0], when preflight read it
+        self.plan: EnginePlan | None = None  # the engine plan its SGLang was launched with
         self.watchdog: StallWatchdog | None = None
         self.celery_worker: Any = None  # the WorkController, set by the engine bootstep
         # The checkpoint fingerprint (`engine.fingerprint`), and the runs already found to
@@ -113,31 +113,22 @@ class WorkerRuntime:
         self.presence.start()
         # httpx logs every request at INFO: once a second per worker from the telemetry loop.
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        from genfleet.workers.engine.kinds import with_engine_key
-
-        self.settings = settings = with_engine_key(self.settings)
-        kind = settings.engine_kind
-        if kind == "emulator":
-            log.warning(
-                "ENGINE: the genfleet emulator (no model given): a dry run, outputs are synthetic"
-            )
-        api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
-        if kind == "external":
-            assert settings.engine_url is not None
-            external = ExternalEngine(settings.engine_url, settings.engine_health_path, api_key)
-            info = external.start(timeout_s=min(settings.startup_timeout_s, 120.0))
-            engine: EngineSupervisor | ExternalEngine = external
-        else:
-            engine = self._supervisor()
-            self.engine = engine
-            info = engine.start()
-        self.engine = engine
+        hooks = local.Hooks(self._engine_died, self._engine_exhausted, self._engine_recovered)
+        made = local.make(self.settings, self.hostname, hooks)
+        self.settings = settings = made.settings
+        self.arch, self.plan = made.arch, made.plan
+        self.engine = engine = made.engine  # before it starts: its hooks read it
+        info = local.start(engine, settings)
+        if self.plan is not None:
+            cut = plan_check(self.plan, info, enforced_cap(info))
+            if cut is not None:
+                self._finding("engine_plan_cut", self.plan.to_json(), cut, "underused")
         # Sized from the cap the engine enforces, which may be below the configured one.
         cap = enforced_cap(info) or settings.max_running_requests
         max_inflight = settings.max_inflight or default_max_inflight(cap)
         model = settings.served_model_name or info.get("served_model_name") or "default"
         identity = {
-            "kind": kind,
+            "kind": settings.engine_kind,
             "worker": self.hostname,
             "gpus": settings.gpus,
             "url": engine.base_url,
@@ -149,7 +140,8 @@ class WorkerRuntime:
         thinking = ThinkingSwitch(choice.thinking_key, choice.thinking_default)
         log.info("%s", choice.describe().removeprefix("# "))
         self.model_identity = checkpoint_identity(settings, choice)
-        self.feeder = Feeder(
+        api_key = local.api_key(settings)
+        self.feeder = feeder = Feeder(
             lambda: EngineClient(
                 base_url,
                 model=str(model),
@@ -158,6 +150,7 @@ class WorkerRuntime:
                 max_connections=max_inflight + 8,
                 thinking=thinking,
                 repetition=repetition_rule(settings),
+                stream_chunk_tokens=settings.stream_chunk_tokens,
             ),
             engine,
             max_inflight,
@@ -190,25 +183,13 @@ class WorkerRuntime:
             waste=lambda: self.feeder.waste.to_counters() if self.feeder else {},
         )
         self.monitor.start()
-        self._start_watchdog(api_key)
-
-    def _start_watchdog(self, api_key: str | None) -> None:
-        settings, engine, feeder = self.settings, self.engine, self.feeder
-        if not settings.engine_stall_timeout_s or engine is None or feeder is None:
-            return
-        health = settings.engine_health_path
-        if settings.engine_kind in ("sglang", "emulator"):
-            health = "/health_generate"  # SGLang generates one token for it
-        watched = WatchedEngine(
-            base_url=engine.base_url,
-            health_path=health,
-            headers=auth_headers(api_key),
-            inflight=lambda: feeder.inflight,
-            completions=lambda: feeder.tokens_total,
-            ready=lambda: engine.state == "ready",
+        self.watchdog = local.watchdog(
+            settings,
+            engine,
+            lambda: feeder.inflight,
+            lambda: feeder.streamed_tokens_total,
+            self.on_stall,
         )
-        self.watchdog = StallWatchdog(watched, settings.engine_stall_timeout_s, self.on_stall)
-        self.watchdog.start()
 
     def on_stall(self, figures: dict[str, Any]) -> None:
         """The engine is alive but produced nothing: kill and restart ours; stop consuming
@@ -261,11 +242,7 @@ class WorkerRuntime:
         alarm = self.engine_alarm()
         crash = alarm["crash"] if alarm is not None else None
         if crash and crash["loop"] and crash["repeats"] == CRASH_LOOP_REPEATS:
-            suggestion = (
-                f"crash loop, the same error {crash['repeats']} times: {crash['error']} — "
-                f"{crash_suggestion(crash)}"
-            )
-            self._finding("crash_loop", alarm or {}, suggestion, "underused")
+            self._finding("crash_loop", alarm or {}, loop_suggestion(crash), "underused")
         self._publish_alarm(alarm)
 
     def _engine_exhausted(self, message: str) -> None:
@@ -273,14 +250,7 @@ class WorkerRuntime:
         the findings and the alarms key, for the cool-down."""
         alarm = self.engine_alarm()
         if alarm is not None:
-            crash = alarm["crash"] or {}
-            suggestion = (
-                f"restart budget spent ({alarm['restarts_in_window']} restarts in "
-                f"{alarm['restart_window_s']:.0f} s); last error: "
-                f"{crash.get('error') or alarm['last_error']} — {crash_suggestion(crash)}; "
-                f"the worker takes work again in {alarm['cooldown_left_s'] or 0:.0f} s"
-            )
-            self._finding("restart_budget_spent", alarm, suggestion, "underused")
+            self._finding("restart_budget_spent", alarm, budget_suggestion(alarm), "underused")
         self._publish_alarm(alarm)
         if self.on_exhausted is not None:
             self.on_exhausted(message)
@@ -328,48 +298,16 @@ class WorkerRuntime:
         self.findings.append(finding)
         del self.findings[:-50]
         try:
-            self.redis.xadd(
-                keys.findings_key(),
-                {"finding": orjson.dumps(finding)},
-                maxlen=self.settings.findings_maxlen,
-                approximate=True,
-            )
+            findings.record(self.redis, finding, self.settings.findings_maxlen)
         except redis.RedisError as exc:
             log.warning("could not record the %s finding: %s", cause, exc)
-
-    def _supervisor(self) -> EngineSupervisor:
-        from genfleet.workers.engine.kinds import engine_launch
-        from genfleet.workers.engine.preflight import preflight
-
-        settings = self.settings
-        if settings.engine_kind == "sglang":
-            report = preflight(settings)
-            self.arch = report.arch
-        port = pick_port(settings.engine_host, settings.port)
-        launch = engine_launch(settings, port, arch=self.arch)
-        assert launch is not None
-        log_dir = Path(settings.log_dir) if settings.log_dir else private_dir("logs")
-        safe_host = self.hostname.replace("@", "_").replace("/", "_")
-        return EngineSupervisor(
-            launch,
-            gpus=settings.gpus,
-            log_path=log_dir / f"engine-{safe_host}-{port}.log",
-            startup_timeout_s=settings.startup_timeout_s,
-            stop_timeout_s=settings.stop_timeout_s,
-            restart_budget=settings.restart_budget,
-            restart_backoff_s=settings.restart_backoff_s,
-            on_exhausted=self._engine_exhausted,
-            restart_window_s=settings.restart_window_s,
-            restart_cooldown_s=settings.restart_cooldown_s,
-            on_recovered=self._engine_recovered,
-            on_death=self._engine_died,
-        )
 
     def engine_state(self) -> EngineState:
         """What the engine and the client are doing now (no HTTP: the supervisor's view)."""
         engine = self.engine
         feeder = self.feeder
         supervised = engine if isinstance(engine, EngineSupervisor) else None
+        plan = self.plan if self.plan is not None and self.plan.planned else None
         return EngineState.observe(
             engine.state if engine else "stopped",
             engine.server_info if engine else {},
@@ -379,11 +317,15 @@ class WorkerRuntime:
             waiting=feeder.waiting if feeder else 0,
             budget=supervised.budget() if supervised else None,
             crash=supervised.crash if supervised else None,
+            plan_cap=plan.max_running_requests if plan else None,
+            plan_fix=plan.fix if plan else None,
+            mtp_planned_off=bool(plan and not plan.mtp),
         )
 
     def tokens_total(self) -> int:
-        """Completion tokens this worker's engine generated so far (the feeder's count)."""
-        return self.feeder.tokens_total if self.feeder else 0
+        """Tokens this worker's engine generated so far, counted as they stream (the feeder's
+        count): a long answer is GPU work from its first token, not from its end."""
+        return self.feeder.streamed_tokens_total if self.feeder else 0
 
     def report(self) -> dict[str, Any]:
         """The recent GPU + engine window (the `gpu_report` inspect command's reply)."""

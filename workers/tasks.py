@@ -22,7 +22,7 @@ import redis
 from celery import Task
 from celery.exceptions import Reject, Retry
 
-from genfleet.common import keys
+from genfleet.common import counters, keys
 from genfleet.common.backoff import BATCH_RETRY
 from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.errors import BatchFailed
@@ -165,15 +165,9 @@ def _count_energy(client: RedisCommands, work: WorkOrder, summary: Any) -> None:
     """Add the batch's energy and GPU time to the run (`status` and `report` show them);
     best effort: a lost counter must not fail a batch whose output is written."""
     try:
-        pipe = client.pipeline()
-        counters = keys.counters_key(work.run)
-        pipe.hincrbyfloat(counters, "gpu_s", summary.gpu_s)
-        pipe.hincrby(counters, "energy_tokens", summary.generated_tokens)
-        if summary.energy_j is not None:
-            pipe.hincrbyfloat(counters, "energy_j", summary.energy_j)
-            pipe.hincrby(counters, "energy_batches", 1)
-            pipe.hincrby(counters, "energy_batch_tokens", summary.generated_tokens)
-        pipe.execute()
+        counters.add_energy(
+            client, work.run, summary.gpu_s, summary.generated_tokens, summary.energy_j
+        )
     except redis.RedisError:
         log.warning("could not count the energy of %s/%s", work.run, work.batch)
 

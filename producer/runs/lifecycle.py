@@ -18,7 +18,7 @@ from typing import Any
 
 import redis
 
-from genfleet.common import keys
+from genfleet.common import keys, run_registry
 from genfleet.common.errors import GenfleetError, InputError
 from genfleet.common.ledger import Ledger
 from genfleet.common.manifest import Manifest, current_staging
@@ -193,7 +193,7 @@ def _delete_redis(client: redis.Redis, run: str) -> int:
         if batch:
             count += int(client.delete(*batch))
     count += Ledger(client).forget_running(run)
-    count += int(client.srem(keys.runs_key(), run))
+    count += run_registry.retire(client, run)
     return count
 
 

@@ -16,7 +16,7 @@ from genfleet.common.backoff import (
     PROMPT_RETRY,
     Backoff,
 )
-from tests.support import ROOT
+from harness.env import ROOT
 
 
 @pytest.mark.parametrize(

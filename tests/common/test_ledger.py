@@ -18,7 +18,7 @@ from genfleet.common.ledger import Ledger, Tally, running_field, work_order_of
 from genfleet.common.records import GenerationParams, WorkOrder
 from genfleet.common.settings import Settings
 from genfleet.producer.broker import make_client_app, send_orders
-from tests.support import ROOT
+from harness.env import ROOT
 
 RUN, OTHER = "r", "other"
 B0, B1, B2 = (keys.batch_id(i) for i in range(3))

@@ -20,7 +20,7 @@ from genfleet.common.manifest import (
 )
 from genfleet.common.records import GenerationParams
 from tests.fakes.memory_store import MemoryStore
-from tests.support import STAGING_ID
+from tests.support.stored_runs import STAGING_ID
 
 RUN = "shards"
 FIELDS: dict[str, Any] = {

@@ -24,7 +24,7 @@ from genfleet.producer.runs.lifecycle import list_runs
 from genfleet.producer.status import FAILED_SHOWN, run_status
 from genfleet.workers.control import progress_repair as reconcile
 from tests.fakes.memory_store import MemoryStore
-from tests.support import STAGING_ID
+from tests.support.stored_runs import STAGING_ID
 
 pytestmark = pytest.mark.integration
 

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import redis
 
-from tests.support import wait_for
+from harness.waits import wait_for
 
 
 def test_set_with_px_expires(db: Any) -> None:

@@ -10,9 +10,9 @@ import pytest
 
 from genfleet.common.errors import ConfigError, StoreError
 from genfleet.common.store import FileStore, S3Store, Store, open_store
+from harness.services import FlakyProxy
 from tests.fakes.memory_store import MemoryStore
-from tests.faults.services import FlakyProxy
-from tests.support import new_bucket
+from tests.support.s3 import new_bucket
 
 
 @pytest.fixture(params=["file", "moto", "seaweedfs", "memory"])

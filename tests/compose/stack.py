@@ -11,8 +11,9 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+from harness.env import ROOT, free_port
+from harness.waits import wait_for
 from tests.compose.dockerhost import docker_env, log, run
-from tests.support import ROOT, free_port, wait_for
 
 PRODUCER_UID = 1000  # HOST_UID/HOST_GID: the slim image's own user owns the data folder
 

@@ -23,9 +23,9 @@ from typing import Any
 
 import pytest
 
+from harness.waits import wait_for
 from tests.compose.dockerhost import timed
 from tests.compose.stack import PRODUCER_UID, Stack
-from tests.support import wait_for
 
 pytestmark = [pytest.mark.compose, pytest.mark.timeout(900)]
 

@@ -21,7 +21,9 @@ from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.export import export_run
 from genfleet.producer.status import run_status
-from tests.support import Worker, base_env, wait_for
+from harness.env import base_env
+from harness.processes import Worker
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -17,7 +17,10 @@ import redis
 
 from genfleet.common import keys
 from genfleet.common.settings import Settings
-from tests.support import Worker, base_env, export_rows, lines, stage, wait_run_ended
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import export_rows, stage, wait_run_ended
+from harness.sources import lines
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

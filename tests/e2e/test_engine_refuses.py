@@ -19,7 +19,10 @@ from genfleet.common import keys
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.producer.enqueue import enqueue_run, reader_options
-from tests.support import Worker, base_env, consuming, wait_for
+from harness.control import consuming
+from harness.env import base_env
+from harness.processes import Worker
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -22,7 +22,11 @@ from genfleet.common.store import Store, open_store
 from genfleet.producer.broker import make_client_app
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.runs.lifecycle import delete_run
-from tests.support import Worker, base_env, wait_for, wait_run_done, write_prompts
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import wait_run_done
+from harness.sources import write_prompts
+from harness.waits import wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -9,15 +9,10 @@ import orjson
 import pytest
 import redis
 
-from tests.support import (
-    ROOT,
-    StartRun,
-    base_env,
-    free_port,
-    genfleet,
-    processes_with_env,
-    write_prompts,
-)
+from harness.env import ROOT, base_env, free_port
+from harness.processes import processes_with_env
+from harness.sources import write_prompts
+from tests.support.commands import StartRun, genfleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -18,7 +18,12 @@ from genfleet.common import keys
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
-from tests.support import Worker, base_env, consuming, outputs, wait_for, write_prompts
+from harness.control import consuming
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import outputs
+from harness.sources import write_prompts
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

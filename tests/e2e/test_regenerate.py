@@ -11,7 +11,9 @@ import orjson
 import pyarrow.parquet as pq
 import pytest
 
-from tests.support import ROOT, base_env, genfleet, invoke, write_prompt_lines
+from harness.env import ROOT, base_env
+from harness.sources import write_prompt_lines
+from tests.support.commands import genfleet, invoke
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

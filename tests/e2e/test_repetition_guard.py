@@ -25,7 +25,11 @@ from genfleet.workers.engine.emulator.sim.text import (
     draw_text_kind,
     prompt_seed,
 )
-from tests.support import Worker, base_env, export_rows, lines, stage, wait_for, wait_run_ended
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import export_rows, stage, wait_run_ended
+from harness.sources import lines
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

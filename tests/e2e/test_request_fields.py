@@ -16,7 +16,10 @@ import redis
 from genfleet.common.manifest import Manifest
 from genfleet.common.store import open_store
 from genfleet.producer.status import run_status
-from tests.support import Worker, base_env, invoke, wait_for
+from harness.env import base_env
+from harness.processes import Worker
+from harness.waits import wait_for
+from tests.support.commands import invoke
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

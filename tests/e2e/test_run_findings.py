@@ -23,7 +23,10 @@ from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import run_status
 from genfleet.workers.observe.power_watch import run_power_watch
-from tests.support import ROOT, Worker, base_env, free_port, genfleet, wait_for
+from harness.env import ROOT, base_env, free_port
+from harness.processes import Worker
+from harness.waits import wait_for
+from tests.support.commands import genfleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -13,7 +13,9 @@ from typer.testing import CliRunner
 
 from genfleet.cli import app
 from genfleet.common import keys
-from tests.support import base_env, genfleet, invoke, write_prompt_lines
+from harness.env import base_env
+from harness.sources import write_prompt_lines
+from tests.support.commands import genfleet, invoke
 
 pytestmark = pytest.mark.integration
 

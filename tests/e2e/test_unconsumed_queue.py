@@ -16,7 +16,10 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.commands import queue_check, watch_run
 from genfleet.producer.status import stall_reason, unconsumed_queue
-from tests.support import Worker, base_env, invoke, wait_for
+from harness.env import base_env
+from harness.processes import Worker
+from harness.waits import wait_for
+from tests.support.commands import invoke
 
 pytestmark = pytest.mark.integration
 

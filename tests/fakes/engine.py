@@ -68,6 +68,7 @@ class FakeChat:
         params: GenerationParams,
         timeout_s: float | None = None,
         on_begun: Callable[[], None] | None = None,
+        on_tokens: Callable[[int], None] | None = None,
     ) -> ChatResult:
         with self._lock:
             self.calls[record.id] += 1
@@ -178,6 +179,7 @@ class CrashingEngine:
         params: GenerationParams,
         timeout_s: float | None = None,
         on_begun: Callable[[], None] | None = None,
+        on_tokens: Callable[[int], None] | None = None,
     ) -> ChatResult:
         self.sent[record.id] += 1
         self.events.append((time.monotonic(), "sent", record.id))

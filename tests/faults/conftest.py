@@ -1,6 +1,6 @@
 """Fixtures for the fault suite: services of each test's own, closed at teardown.
 
-See tests/faults/services.py for what each one is and how it fails.
+See harness/services.py for what each one is and how it fails.
 """
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from harness.env import free_port
+from harness.services import FlakyProxy, FlakyS3
 from tests.fakes.http_engine import PoisonEngine
-from tests.faults.services import FlakyProxy, FlakyS3
-from tests.support import free_port
 
 
 @pytest.fixture

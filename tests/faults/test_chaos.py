@@ -1,6 +1,6 @@
 """The chaos soak as a test: a seeded schedule of worker and engine kills, frozen engines,
 Redis client kills, a Redis restart and S3 outages on a two-worker fleet; the run finishes
-by itself, every prompt exactly once, no batch parked (see tests/faults/chaos.py)."""
+by itself, every prompt exactly once, no batch parked (see harness/chaos.py)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.chaos import ACTIONS, Played, fleet, schedule, soak_run
-from tests.faults.resends import Send, attribute
+from harness.chaos import ACTIONS, Played, fleet, schedule, soak_run
+from harness.resends import Send, attribute
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

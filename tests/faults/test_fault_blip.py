@@ -22,20 +22,14 @@ import redis
 
 from genfleet.common import keys
 from genfleet.common.ledger import work_order_of
-from tests.faults.services import RedisServer
-from tests.support import (
-    Worker,
-    answering,
-    assert_exactly_once,
-    base_env,
-    fault_settings,
-    free_port,
-    open_run_store,
-    stage,
-    wait_for,
-    wait_run_done,
-    write_prompts,
-)
+from harness.assertions import assert_exactly_once
+from harness.control import answering
+from harness.env import base_env, free_port
+from harness.processes import Worker
+from harness.runs import fault_settings, open_run_store, stage, wait_run_done
+from harness.services import RedisServer
+from harness.sources import write_prompts
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

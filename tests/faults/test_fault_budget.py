@@ -15,16 +15,12 @@ from pydantic import SecretStr
 
 from genfleet.common.settings import Settings
 from genfleet.producer.status import read_findings, run_status
-from tests.support import (
-    Worker,
-    assert_exactly_once,
-    base_env,
-    fault_settings,
-    open_run_store,
-    stage,
-    wait_for,
-    write_prompts,
-)
+from harness.assertions import assert_exactly_once
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import fault_settings, open_run_store, stage
+from harness.sources import write_prompts
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

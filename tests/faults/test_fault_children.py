@@ -14,21 +14,12 @@ import redis
 
 from genfleet.common import keys
 from genfleet.workers.process.children import restart_delay_s
-from tests.support import (
-    Worker,
-    assert_exactly_once,
-    base_env,
-    child_pids,
-    cmdline,
-    fault_settings,
-    free_port,
-    open_run_store,
-    pid_alive,
-    stage,
-    wait_for,
-    wait_run_done,
-    write_prompts,
-)
+from harness.assertions import assert_exactly_once
+from harness.env import base_env, free_port
+from harness.processes import Worker, child_pids, cmdline, pid_alive
+from harness.runs import fault_settings, open_run_store, stage, wait_run_done
+from harness.sources import write_prompts
+from harness.waits import wait_for
 
 
 @pytest.mark.parametrize(

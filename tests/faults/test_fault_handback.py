@@ -21,14 +21,12 @@ from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.store import open_store
 from genfleet.producer.broker import orders_in_broker
-from tests.faults.services import RedisServer
-from tests.support import (
-    Worker,
-    base_env,
-    control_app,
-    stage_other_model_run,
-    wait_for,
-)
+from harness.control import control_app
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import stage_other_model_run
+from harness.services import RedisServer
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

@@ -18,19 +18,14 @@ from celery import Celery
 from genfleet.common import keys
 from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.settings import Settings
+from harness.assertions import assert_exactly_once
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import fault_settings, open_run_store, stage, wait_run_done
+from harness.sources import write_prompts
+from harness.waits import wait_for
 from tests.fakes.http_engine import POISON, PoisonEngine
-from tests.support import (
-    Worker,
-    assert_exactly_once,
-    base_env,
-    fault_settings,
-    invoke,
-    open_run_store,
-    stage,
-    wait_for,
-    wait_run_done,
-    write_prompts,
-)
+from tests.support.commands import invoke
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

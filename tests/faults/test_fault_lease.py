@@ -13,19 +13,13 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from tests.faults.services import FlakyS3
-from tests.support import (
-    Worker,
-    assert_exactly_once,
-    free_port,
-    leases_of,
-    outputs,
-    stage,
-    wait_batch_running,
-    wait_for,
-    wait_run_done,
-    write_prompts,
-)
+from harness.assertions import assert_exactly_once
+from harness.env import free_port
+from harness.processes import Worker
+from harness.runs import leases_of, outputs, stage, wait_batch_running, wait_run_done
+from harness.services import FlakyS3
+from harness.sources import write_prompts
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

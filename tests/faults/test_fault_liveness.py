@@ -14,22 +14,21 @@ import pytest
 import redis
 
 from genfleet.common.ledger import Ledger
-from tests.faults.services import FlakyS3
-from tests.support import (
-    Worker,
-    assert_exactly_once,
-    base_env,
+from harness.assertions import assert_exactly_once
+from harness.env import base_env, free_port
+from harness.processes import Worker
+from harness.runs import (
     fault_settings,
-    free_port,
     leases_of,
     open_run_store,
     outputs,
     reaped,
     stage,
-    wait_for,
     wait_run_done,
-    write_prompts,
 )
+from harness.services import FlakyS3
+from harness.sources import write_prompts
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.faults.services import RedisServer
-from tests.support import StartRun, write_prompts
+from harness.services import RedisServer
+from harness.sources import write_prompts
+from tests.support.commands import StartRun
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

@@ -14,19 +14,12 @@ import redis
 from genfleet.common import keys
 from genfleet.common.redis_conn import text
 from genfleet.producer import commands
-from tests.support import (
-    Worker,
-    assert_exactly_once,
-    base_env,
-    fault_settings,
-    free_port,
-    open_run_store,
-    outputs,
-    stage,
-    wait_for,
-    wait_run_done,
-    write_prompts,
-)
+from harness.assertions import assert_exactly_once
+from harness.env import base_env, free_port
+from harness.processes import Worker
+from harness.runs import fault_settings, open_run_store, outputs, stage, wait_run_done
+from harness.sources import write_prompts
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

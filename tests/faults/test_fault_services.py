@@ -18,21 +18,13 @@ import redis
 from typer.testing import CliRunner
 
 from genfleet.common import keys
-from tests.faults.services import FlakyS3, RedisServer
-from tests.support import (
-    Worker,
-    assert_counters_backed,
-    assert_exactly_once,
-    base_env,
-    fault_settings,
-    free_port,
-    open_run_store,
-    outputs,
-    stage,
-    wait_for,
-    wait_run_done,
-    write_prompts,
-)
+from harness.assertions import assert_counters_backed, assert_exactly_once
+from harness.env import base_env, free_port
+from harness.processes import Worker
+from harness.runs import fault_settings, open_run_store, outputs, stage, wait_run_done
+from harness.services import FlakyS3, RedisServer
+from harness.sources import write_prompts
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

@@ -19,17 +19,12 @@ from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.producer.status import run_status
 from genfleet.workers.observe.power_watch import queue_depth
-from tests.support import (
-    Worker,
-    assert_exactly_once,
-    base_env,
-    fault_settings,
-    open_run_store,
-    stage,
-    wait_for,
-    wait_run_done,
-    write_prompts,
-)
+from harness.assertions import assert_exactly_once
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import fault_settings, open_run_store, stage, wait_run_done
+from harness.sources import write_prompts
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

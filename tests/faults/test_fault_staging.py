@@ -20,18 +20,12 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from tests.support import (
-    ROOT,
-    Worker,
-    assert_exactly_once,
-    base_env,
-    fault_settings,
-    open_run_store,
-    wait_batch_running,
-    wait_for,
-    wait_run_done,
-    write_prompts,
-)
+from harness.assertions import assert_exactly_once
+from harness.env import ROOT, base_env
+from harness.processes import Worker
+from harness.runs import fault_settings, open_run_store, wait_batch_running, wait_run_done
+from harness.sources import write_prompts
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

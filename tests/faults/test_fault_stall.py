@@ -17,24 +17,21 @@ import pytest
 import redis
 
 from genfleet.common import keys
-from tests.support import (
-    Worker,
-    assert_exactly_once,
-    base_env,
-    engine_pid,
-    engine_report,
+from harness.assertions import assert_exactly_once
+from harness.control import engine_report
+from harness.env import base_env, free_port
+from harness.processes import Worker, engine_pid, pid_alive
+from harness.runs import (
     fault_settings,
-    free_port,
     leases_of,
     open_run_store,
     outputs,
-    pid_alive,
     stage,
     wait_batch_running,
-    wait_for,
     wait_run_done,
-    write_prompts,
 )
+from harness.sources import write_prompts
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support import Bucket
+from tests.support.s3 import Bucket
 
 
 @pytest.fixture

@@ -24,7 +24,14 @@ from genfleet.common.store import Store, open_store
 from genfleet.producer import export as export_module
 from genfleet.producer.enqueue import stage
 from genfleet.producer.export import OutputMismatch, RunIncomplete, export_run
-from tests.support import completion, finish, line_sha256s, prompts, read_jsonl, stage_prompts
+from tests.support.stored_runs import (
+    completion,
+    finish,
+    line_sha256s,
+    prompts,
+    read_jsonl,
+    stage_prompts,
+)
 
 RUN = "run-1"
 

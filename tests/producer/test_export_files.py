@@ -20,7 +20,8 @@ from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.export import export_run, shard_name
-from tests.support import finish, new_bucket, prompts, read_jsonl, stage_prompts
+from tests.support.s3 import new_bucket
+from tests.support.stored_runs import finish, prompts, read_jsonl, stage_prompts
 
 RUN = "run-1"
 

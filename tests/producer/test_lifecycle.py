@@ -18,15 +18,12 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.runs.lifecycle import running_batches
 from genfleet.producer.status import run_status
-from tests.support import (
-    Worker,
-    assert_exactly_once,
-    base_env,
-    outputs,
-    wait_for,
-    wait_run_done,
-    write_prompts,
-)
+from harness.assertions import assert_exactly_once
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import outputs, wait_run_done
+from harness.sources import write_prompts
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -20,7 +20,7 @@ from genfleet.producer.enqueue import enqueue_missing, enqueue_run, reader_optio
 from genfleet.producer.export import export_run, scan_store
 from genfleet.producer.status import run_status
 from tests.fakes.memory_store import MemoryStore
-from tests.support import STAGING_ID, finish, prompts, stage_prompts
+from tests.support.stored_runs import STAGING_ID, finish, prompts, stage_prompts
 
 pytestmark = pytest.mark.integration
 

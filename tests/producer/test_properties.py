@@ -17,7 +17,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.batching import expected_tokens, make_batches
 from genfleet.producer.export import export_run
-from tests.support import STAGING_ID
+from tests.support.stored_runs import STAGING_ID
 
 RUN = "prop"
 MAX_TOKENS = 100

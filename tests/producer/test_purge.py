@@ -19,8 +19,9 @@ from genfleet.common.ledger import work_order_of
 from genfleet.common.records import WorkOrder
 from genfleet.common.settings import Settings
 from genfleet.producer.broker import make_client_app, purge_orders, send_orders
-from tests.faults.services import RedisServer
-from tests.support import core_order, free_port
+from harness.env import free_port
+from harness.services import RedisServer
+from tests.support.core import core_order
 
 pytestmark = pytest.mark.integration
 

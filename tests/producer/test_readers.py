@@ -13,7 +13,7 @@ import pytest
 
 from genfleet.common.errors import InputError
 from genfleet.common.readers import ReaderOptions, detect_format, read_source
-from tests.support import corrupt_parquet, lines, save_dataset, split
+from harness.sources import corrupt_parquet, lines, save_dataset, split
 
 
 def user(text: str) -> list[dict[str, str]]:

@@ -16,7 +16,8 @@ import zstandard
 
 from genfleet.common.readers import ReaderOptions, detect_format, read_source
 from genfleet.common.readers.fields import REGENERATE_HINT, split_think
-from tests.support import Bucket, lines, save_dataset, split
+from harness.sources import lines, save_dataset, split
+from tests.support.s3 import Bucket
 
 
 def sharegpt(*turns: tuple[str, str]) -> dict[str, Any]:

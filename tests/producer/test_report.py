@@ -17,7 +17,7 @@ from genfleet.common.records import GenerationParams, encode_jsonl_gz
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.report import build_report, distribution, render_report
-from tests.support import STAGING_ID
+from tests.support.stored_runs import STAGING_ID
 
 RUN = "report-run"
 

@@ -26,7 +26,8 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.status import run_status
-from tests.support import Bucket, corrupt_parquet, new_bucket
+from harness.sources import corrupt_parquet
+from tests.support.s3 import Bucket, new_bucket
 
 pytestmark = pytest.mark.integration
 

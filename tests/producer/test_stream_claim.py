@@ -13,7 +13,7 @@ from genfleet.common.errors import RunMismatch
 from genfleet.common.routing import ModelRef
 from genfleet.common.store import open_store
 from genfleet.producer.runs.identity import claim_run, is_stream
-from tests.support import PARAMS
+from tests.support.core import PARAMS
 
 REF = ModelRef("emulator", "emulator")
 

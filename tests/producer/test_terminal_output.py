@@ -10,7 +10,7 @@ import pytest
 
 from genfleet.producer.commands import status_line
 from genfleet.producer.console import format_eta, plural
-from tests.support import genfleet
+from tests.support.commands import genfleet
 
 
 @pytest.mark.integration

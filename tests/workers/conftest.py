@@ -14,7 +14,7 @@ from genfleet.workers.context import BatchTask
 from genfleet.workers.feeding.feeder import Feeder
 from tests.fakes.engine import FakeChat, FakeEngine
 from tests.fakes.runtime import FakeRuntime
-from tests.support import MakeFeeder, MakeRuntime
+from tests.support.core import MakeFeeder, MakeRuntime
 
 
 @pytest.fixture

@@ -29,7 +29,7 @@ from genfleet.common.records import (
 )
 from genfleet.common.store import FileStore
 from genfleet.workers.batch import execute
-from tests.support import PARAMS
+from tests.support.core import PARAMS
 
 pytestmark = pytest.mark.integration
 

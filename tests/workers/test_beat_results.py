@@ -16,7 +16,9 @@ from genfleet.common.celery_config import (
     REAPER_TASK,
     RECONCILE_TASK,
 )
-from tests.support import Worker, base_env, free_port, wait_for
+from harness.env import base_env, free_port
+from harness.processes import Worker
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -26,7 +26,9 @@ from genfleet.common.errors import (
     RequestTimedOut,
 )
 from genfleet.common.records import GenerationParams, PromptRecord
+from genfleet.common.settings import Settings
 from genfleet.workers.feeding.client import (
+    STREAM_CHUNK_TOKENS,
     ChatResult,
     EngineClient,
     ThinkingSwitch,
@@ -35,8 +37,9 @@ from genfleet.workers.feeding.client import (
     request_body,
     retry_after_s,
 )
+from genfleet.workers.feeding.stream import ChatStream
+from harness.env import free_port
 from tests.fakes.transport import CUT, Answer, Cut, Events, ScriptedTransport, Whole, encoded
-from tests.support import free_port
 
 PARAMS = GenerationParams(max_tokens=64, temperature=0.6, top_p=0.95, thinking=True)
 RECORD = PromptRecord("p1", [{"role": "user", "content": "hi"}])
@@ -141,6 +144,7 @@ def ask(
     record: PromptRecord = RECORD,
     delay_s: float = 0.0,
     on_begun: Callable[[], None] | None = None,
+    on_tokens: Callable[[int], None] | None = None,
     **client_args: Any,
 ) -> Answered:
     """One `chat` of `record` by a client whose engine answers `answers`, over `wire`."""
@@ -151,7 +155,7 @@ def ask(
 
         async def local() -> ChatResult:
             try:
-                return await client.chat(record, PARAMS, None, on_begun)
+                return await client.chat(record, PARAMS, None, on_begun, on_tokens)
             finally:
                 await client.aclose()
 
@@ -165,7 +169,7 @@ def ask(
         async with serving(engine) as url:
             client = EngineClient(url, model="m", api_key="k", **client_args)
             try:
-                result = await client.chat(record, PARAMS, None, on_begun)
+                result = await client.chat(record, PARAMS, None, on_begun, on_tokens)
                 for _ in range(500):  # a stream's handler ends once it sees the client go
                     if len(engine.closed_early) >= streams:
                         break
@@ -586,3 +590,76 @@ def test_a_stream_recorded_from_real_sglang_is_assembled(wire: str) -> None:
         usage["reasoning_tokens"],
     )
     assert result.request_id == chunks[0]["id"]
+
+
+def used(tokens: int) -> dict[str, int]:
+    """A chunk's usage so far (`stream_options.continuous_usage_stats`)."""
+    return {"prompt_tokens": 5, "completion_tokens": tokens}
+
+
+ROLE = chunk({"role": "assistant", "content": "", "reasoning_content": None})
+# name, chunks, tokens a chunk without usage counts → (each count change, streamed in all)
+STREAM_COUNTS: list[tuple[str, list[Any], int, tuple[list[int], int]]] = [
+    ("usage on every chunk: its count, exact",
+     [ROLE, chunk({"reasoning_content": "ab"}, usage=used(3)),
+      chunk({"content": "cd"}, usage=used(7)), chunk({}, "stop"),
+      chunk(choices=[], usage=used(7))], 4, ([3, 4], 7)),
+    ("no usage until the end: chunk size, then set right",
+     [ROLE, chunk({"reasoning_content": "ab"}), chunk({"content": "cd"}),
+      chunk({"content": "e"}), chunk({}, "stop"), chunk(choices=[], usage=used(10))], 4,
+     ([4, 4, 4, -2], 10)),
+    ("an estimate short of the count is raised", [chunk({"content": "ab"}),
+     chunk(choices=[], usage=used(9))], 4, ([4, 5], 9)),
+    ("the role chunk and the finish chunk count nothing", [ROLE, chunk({}, "stop")], 4,
+     ([], 0)),
+    ("a stream cut before its usage keeps its estimate",
+     [ROLE, chunk({"content": "ab"}), chunk({"content": "cd"})], 32, ([32, 32], 64)),
+    ("an error chunk counts nothing", [chunk({"content": "ab"}, usage=used(2)),
+     {"error": {"message": "x", "code": 500}}], 4, ([2], 2)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("chunks", "chunk_tokens", "expected"),
+    [c[1:] for c in STREAM_COUNTS],
+    ids=[c[0] for c in STREAM_COUNTS],
+)
+def test_tokens_are_counted_as_they_stream(
+    chunks: list[Any], chunk_tokens: int, expected: tuple[list[int], int]
+) -> None:
+    changes: list[int] = []
+    stream = ChatStream(None, on_tokens=changes.append, chunk_tokens=chunk_tokens)
+    for event in chunks:
+        stream.feed(b"data: " + encoded(event))
+    assert (changes, stream.streamed_tokens) == expected
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_the_client_reports_streamed_tokens_and_their_correction(wire: str) -> None:
+    """Over either wire, a chunk without usage counts the engine's stream interval; the usage
+    chunk sets the count right, so the changes add up to the answer's exact count."""
+    lines = [ROLE, chunk({"content": "ab"}), chunk({"content": "cd"}), chunk({}, "stop"),
+             chunk(choices=[], usage=used(13)), b"[DONE]"]  # fmt: skip
+    changes: list[int] = []
+    result = ask(wire, [Events(lines)], on_tokens=changes.append, stream_chunk_tokens=8).result
+    assert changes == [8, 8, -3]
+    assert sum(changes) == result.usage.completion_tokens == 13
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_a_real_sglang_stream_counts_to_its_usage(wire: str) -> None:
+    """SGLang 0.5.15's recorded stream (`--stream-interval 1`, no usage per chunk): one token
+    a chunk while it streams, set right to its usage at the end."""
+    payloads = [
+        line[len(b"data: ") :]
+        for line in GOLDEN_STREAM.read_bytes().splitlines()
+        if line.startswith(b"data: ")
+    ]
+    changes: list[int] = []
+    result = ask(wire, [Events(payloads)], on_tokens=changes.append, stream_chunk_tokens=1).result
+    assert sum(changes) == result.usage.completion_tokens == 48
+    assert all(n == 1 for n in changes[:-1])
+
+
+def test_the_client_s_chunk_size_is_the_engine_s_default_stream_interval() -> None:
+    assert STREAM_CHUNK_TOKENS == Settings().stream_chunk_tokens

@@ -28,20 +28,19 @@ from genfleet.common.records import (
 from genfleet.common.routing import ModelRef
 from genfleet.producer.runs.identity import claim_run
 from genfleet.workers.batch import BatchInputMissing, BatchInterrupted
+from harness.waits import meanwhile, wait_for
 from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
-from tests.support import (
+from tests.support.core import (
     BATCH,
     PARAMS,
     RUN,
     MakeFeeder,
     core_order,
     execute_batch,
-    meanwhile,
     output_rows,
     stage_batch,
-    wait_for,
 )
 
 

@@ -18,20 +18,19 @@ from genfleet.common.ledger import Ledger, running_field
 from genfleet.workers import tasks as tasks_module
 from genfleet.workers.control.reaper import reap
 from genfleet.workers.tasks import BatchFailed, generate_batch
+from harness.waits import meanwhile, wait_for
 from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
-from tests.support import (
+from tests.support.core import (
     BATCH,
     NOW,
     RUN,
     TTL_S,
     MakeRuntime,
     batch_state,
-    meanwhile,
     running_order,
     stage_task,
-    wait_for,
 )
 
 

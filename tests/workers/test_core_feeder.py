@@ -7,6 +7,7 @@ future's outcome) and what the fake engine saw (calls, requests in flight, cance
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -17,14 +18,17 @@ import pytest
 from genfleet.common.errors import (
     BatchTerminated,
     EngineDown,
+    RequestFailed,
     RequestRejected,
     RestartBudgetExhausted,
 )
-from genfleet.common.records import CompletionRecord, PromptRecord
+from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
 from genfleet.workers.feeding import feeder as feeder_module
+from genfleet.workers.feeding.client import ChatResult
 from genfleet.workers.feeding.feeder import Feeder, default_max_inflight, retry_backoff_s
-from tests.fakes.engine import CrashingEngine, FakeChat, FakeEngine
-from tests.support import PARAMS, wait_for
+from harness.waits import wait_for
+from tests.fakes.engine import CrashingEngine, FakeChat, FakeEngine, answer
+from tests.support.core import PARAMS
 
 IDENTITY = {"kind": "fake", "worker": "w@test"}
 
@@ -406,3 +410,79 @@ def test_a_suspect_is_not_blamed_for_a_crash_while_fresh_prompts_arrive_beside_i
     begun_at = next(t for t, kind, name in engine.events if kind == "begun" and name == "x0")
     beside = [n for t, kind, n in engine.events if kind == "sent" and sent_at < t < begun_at]
     assert beside == []
+
+
+class StreamingChat(FakeChat):
+    """A chat client that streams its answers as SGLang's do: `chunks` estimated token counts
+    through `on_tokens`, held after the first until `gate` opens (prompts in `held`; all
+    when None), then its exact `tokens`, or the prompt's `failures` entry, raised after what
+    it streamed. A call without `on_tokens` (the feeder's canary) streams nothing."""
+
+    def __init__(
+        self,
+        chunks: list[int],
+        gate: threading.Event,
+        *,
+        held: set[str] | None = None,
+        failures: dict[str, BaseException] | None = None,
+        tokens: int = 7,
+    ) -> None:
+        super().__init__(tokens=tokens)
+        self.chunks = chunks
+        self.hold = gate
+        self.held = held
+        self.failing = failures or {}
+
+    async def chat(
+        self,
+        record: PromptRecord,
+        params: GenerationParams,
+        timeout_s: float | None = None,
+        on_begun: Callable[[], None] | None = None,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> ChatResult:
+        for i, n in enumerate(self.chunks):
+            if on_tokens is None:
+                break
+            on_tokens(n)
+            if i == 0 and on_begun is not None:
+                on_begun()
+            while i == 0 and (self.held is None or record.id in self.held):
+                if self.hold.is_set():
+                    break
+                await asyncio.sleep(0.002)
+        if record.id in self.failing:
+            raise self.failing[record.id]
+        return answer(record, self.tokens)
+
+
+def test_tokens_count_as_they_stream_and_settle_to_the_exact_count(
+    make_feeder: Callable[..., Feeder],
+) -> None:
+    """Mid-answer the streamed count holds what streamed while the finished count reads 0; at
+    the end an estimate's overshoot (the last chunk was short) is set right."""
+    gate = threading.Event()
+    chat = StreamingChat([32, 32, 32], gate, tokens=90)  # 96 estimated, 90 generated
+    feeder = make_feeder(chat)
+    future, collected = run(feeder, prompts(3))
+    wait_for(lambda: feeder.streamed_tokens_total == 3 * 32, 10, "the first chunks")
+    assert feeder.tokens_total == 0
+    gate.set()
+    future.result(timeout=10)
+    assert [collected.records[i].usage.completion_tokens for i in range(3)] == [90] * 3
+    assert feeder.streamed_tokens_total == feeder.tokens_total == 3 * 90
+
+
+def test_a_failed_answer_keeps_the_tokens_it_streamed(make_feeder: Callable[..., Feeder]) -> None:
+    """An aborted answer's tokens were generated: they stay in the streamed count, not in the
+    finished one."""
+    gate = threading.Event()
+    abort = RequestFailed(200, "abort", "aborted after 64 tokens", tokens=64)
+    chat = StreamingChat([32, 32], gate, held={"p0"}, failures={"p0": abort}, tokens=7)
+    feeder = make_feeder(chat, retries=0)
+    future, collected = run(feeder, prompts(2))
+    wait_for(lambda: 1 in collected.records, 10, "the answer that succeeds")
+    gate.set()  # p0 fails once another prompt succeeded: its error record
+    future.result(timeout=10)
+    assert collected.records[0].error is not None and collected.records[1].error is None
+    assert (feeder.streamed_tokens_total, feeder.tokens_total) == (64 + 7, 7)

@@ -7,7 +7,7 @@ from genfleet.common.records import PromptRecord, WorkOrder, encode_jsonl_gz
 from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
-from tests.support import MakeFeeder, core_order, execute_batch, output_rows
+from tests.support.core import MakeFeeder, core_order, execute_batch, output_rows
 
 # (id, old answer's content or None): hints of 3, 1, none, 250 and 25 tokens
 OLD = [("a", "x" * 12), ("b", "OK."), ("c", None), ("d", "y" * 1000), ("e", "z" * 100)]

@@ -31,10 +31,11 @@ from genfleet.workers.control.reaper import reap
 from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.fingerprint import checkpoint_identity
 from genfleet.workers.tasks import BatchFailed, generate_batch
+from harness.waits import meanwhile, wait_for
 from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
-from tests.support import (
+from tests.support.core import (
     BATCH,
     NOW,
     PARAMS,
@@ -42,10 +43,8 @@ from tests.support import (
     TTL_S,
     MakeRuntime,
     batch_state,
-    meanwhile,
     running_order,
     stage_task,
-    wait_for,
 )
 
 

@@ -15,7 +15,10 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.status import energy_figures, run_status
 from genfleet.workers.observe.sampler import batch_share
-from tests.support import Worker, base_env, genfleet, stage_questions, wait_run_done
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import stage_questions, wait_run_done
+from tests.support.commands import genfleet
 
 # name, (energy before, after), engine tokens, batch tokens, seconds, GPUs → (J, GPU-s)
 SHARES = [

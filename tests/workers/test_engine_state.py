@@ -3,6 +3,7 @@ the telemetry loop (with the engine's /metrics on top) into the window a worker 
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import pytest
@@ -12,9 +13,13 @@ from genfleet.workers.observe.engine_state import (
     EngineState,
     accept_length_from_server_info,
     accept_length_judges_mtp,
+    cap_limit,
+    engine_state_from_server_info,
+    is_hybrid,
 )
 from genfleet.workers.observe.sampler import Monitor
 from genfleet.workers.observe.telemetry import GpuSample
+from tests.support.golden import server_info as golden
 
 INFO = {
     "speculative_algorithm": "EAGLE",
@@ -132,3 +137,103 @@ def test_adaptive_accept_length_is_judged_only_where_sglang_always_drafts(
     state = EngineState.observe("ready", info)
     assert state.speculative_adaptive is adaptive
     assert accept_length_judges_mtp(state.speculative_adaptive, running) is judged
+
+
+def synthetic(
+    configured: int | None, per_dp: int | None, dp: int = 1, **top: Any
+) -> dict[str, Any]:
+    state = {} if per_dp is None else {"effective_max_running_requests_per_dp": per_dp}
+    return {"max_running_requests": configured, "dp_size": dp, "internal_states": [state], **top}
+
+
+# name, /server_info, expected (enforced cap, configured cap, cap_limit)
+CAP_LIMITS: list[tuple[str, dict[str, Any], tuple[int | None, int | None, str | None]]] = [
+    ("recorded: as configured", golden(), (4, 4, "configured")),
+    ("recorded under load", golden("server_info_busy.json"), (4, 4, "configured")),
+    ("256 cut to 12 by the state pool", golden(configured=256, per_dp=12), (12, 256, "state_pool")),
+    ("256 cut to 12 on a model without a state pool",
+     golden(configured=256, per_dp=12, mamba=None), (12, 256, "kv")),
+    ("none configured: SGLang sized it from its KV cache", synthetic(None, 300), (300, None, "kv")),
+    ("none configured on a hybrid model", golden(configured=None, per_dp=40),
+     (40, None, "state_pool")),
+    ("a state pool size passed at top level", synthetic(256, 12, max_mamba_cache_size=12),
+     (12, 256, "state_pool")),
+    ("DP 3: 256 split 85 a rank is no cut", synthetic(256, 85, dp=3), (255, 256, "configured")),
+    ("DP 2: 40 a rank of 256 is", synthetic(256, 40, dp=2), (80, 256, "kv")),
+    ("an older engine: no enforced figure", synthetic(64, None), (64, 64, "configured")),
+    ("not SGLang", {}, (None, None, None)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("info", "expected"), [c[1:] for c in CAP_LIMITS], ids=[c[0] for c in CAP_LIMITS]
+)
+def test_what_caps_the_engine_is_read_from_server_info(
+    info: dict[str, Any], expected: tuple[int | None, int | None, str | None]
+) -> None:
+    fields = engine_state_from_server_info(info)
+    got = (
+        fields.get("max_running_requests"),
+        fields.get("configured_max_running_requests"),
+        fields.get("cap_limit"),
+    )
+    assert got == expected
+    assert cap_limit(info) == expected[2]
+    state = EngineState.observe("ready", info)
+    assert (state.max_running_requests, state.configured_max_running_requests) == expected[:2]
+    assert state.cap_limit == expected[2]
+
+
+def test_the_recorded_hybrid_model_has_a_state_pool() -> None:
+    assert is_hybrid(golden()) and is_hybrid(golden("server_info_busy.json"))
+    assert not is_hybrid(golden(mamba=None)) and not is_hybrid({})
+
+
+def test_the_runtime_s_plan_travels_with_the_state() -> None:
+    state = EngineState.observe(
+        "ready",
+        golden(configured=256, per_dp=12),
+        plan_cap=48,
+        plan_fix="--disable-radix-cache --max-running-requests 48",
+        mtp_planned_off=True,
+    )
+    assert (state.plan_cap, state.plan_fix, state.mtp_planned_off) == (
+        48,
+        "--disable-radix-cache --max-running-requests 48",
+        True,
+    )
+    assert EngineState.from_json(json.loads(json.dumps(state.to_json()))) == state
+    plain = EngineState.observe("ready", INFO)
+    assert (plain.plan_cap, plain.plan_fix, plain.mtp_planned_off) == (None, None, False)
+
+
+@pytest.mark.parametrize(
+    ("counts", "window_tokens"),
+    [
+        ([100, 200, 300], 300),
+        ([96, 90, 150], 150),  # an estimate set right at an answer's end, then more streamed
+        ([64, 60, 60], 64),  # set right with nothing after it: what rose, once
+    ],
+)
+def test_the_window_takes_the_streamed_count_where_it_rises(
+    counts: list[int], window_tokens: int
+) -> None:
+    now = [1000.0]
+    tokens = [0]
+    monitor = Monitor(
+        Settings(enable_metrics=False),
+        "w@test",
+        OneGpu(),
+        lambda: EngineState(up=True),
+        lambda: tokens[0],
+        None,
+        clock=lambda: now[0],
+    )
+    try:
+        for count in counts:
+            now[0] += 1
+            tokens[0] = count
+            monitor.tick()
+    finally:
+        monitor.stop()
+    assert monitor.report()["tokens"] == window_tokens

@@ -15,10 +15,11 @@ from genfleet.common.errors import EngineConfigError, EngineDown
 from genfleet.common.records import CompletionRecord, PromptRecord
 from genfleet.workers.feeding.client import EngineClient
 from genfleet.workers.feeding.deadline import DeadlinePolicy
-from genfleet.workers.feeding.feeder import Feeder, InflightLimiter
+from genfleet.workers.feeding.feeder import Feeder
+from genfleet.workers.feeding.limiter import InflightLimiter
 from tests.fakes.engine import FakeEngine
 from tests.fakes.http_engine import Script, ScriptedEngine, error, ok
-from tests.support import THINKING_PARAMS
+from tests.support.core import THINKING_PARAMS
 
 
 @pytest.fixture

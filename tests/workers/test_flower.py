@@ -23,7 +23,10 @@ import httpx
 import pytest
 
 from genfleet.common.settings import Settings
-from tests.support import ROOT, Worker, base_env, free_port, stage_questions, wait_for
+from harness.env import ROOT, base_env, free_port
+from harness.processes import Worker
+from harness.runs import stage_questions
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ROOT
+from harness.env import ROOT
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration, pytest.mark.slow]
 

@@ -145,6 +145,39 @@ def finding(cause: str, **numbers: Any) -> dict[str, Any]:
             "gpu@vm GPU-8f3a2b1c…: 20 % of 700 W, engine_capped — raise --max-running-requests",
         ),
         (
+            finding(
+                "engine_capped",
+                cap_limit="configured",
+                running=48,
+                max_running_requests=48,
+                cap_fix="raise --max-running-requests to 64",
+            ),
+            "gpu@vm GPU-8f3a2b1c…: 20 % of 700 W, engine_capped — raise --max-running-requests "
+            "to 64",
+        ),
+        (
+            finding(
+                "engine_capped",
+                cap_limit="state_pool",
+                running=12,
+                max_running_requests=12,
+                cap_fix="--disable-radix-cache --max-running-requests 48",
+            ),
+            "gpu@vm GPU-8f3a2b1c…: 20 % of 700 W, engine_capped — the recurrent-state pool caps "
+            "it at 12: --disable-radix-cache --max-running-requests 48",
+        ),
+        (
+            finding(
+                "engine_capped",
+                cap_limit="kv",
+                running=30,
+                max_running_requests=48,
+                cap_fix="shorter answers",
+            ),
+            "gpu@vm GPU-8f3a2b1c…: 20 % of 700 W, engine_capped — the KV cache admits no more: "
+            "shorter answers",
+        ),
+        (
             finding("mtp_ineffective", accept_length=1.01),
             "gpu@vm GPU-8f3a2b1c…: 20 % of 700 W, accept 1.01, mtp_ineffective — check the "
             "checkpoints MTP weights (genfleet preflight)",

@@ -5,7 +5,7 @@ from __future__ import annotations
 import redis
 
 from genfleet.workers.lease import Lease
-from tests.support import wait_for
+from harness.waits import wait_for
 
 
 def test_lease_outlives_its_ttl_while_held_and_is_gone_after(redis_client: redis.Redis) -> None:

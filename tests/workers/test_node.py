@@ -17,7 +17,10 @@ import pytest
 from genfleet.workers.observe.diagnosis import FleetState
 from genfleet.workers.observe.node import node_rows
 from genfleet.workers.observe.sampler import mark_processes
-from tests.support import Worker, base_env, genfleet, wait_for
+from harness.env import base_env
+from harness.processes import Worker
+from harness.waits import wait_for
+from tests.support.commands import genfleet
 
 NOW = 1_760_000_000.0
 

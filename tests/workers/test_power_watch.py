@@ -14,6 +14,7 @@ import pytest
 
 from genfleet.workers.observe.diagnosis import (
     CAUSES,
+    EngineRoom,
     Finding,
     FleetState,
     dedupe,
@@ -26,6 +27,7 @@ from genfleet.workers.observe.engine_state import (
     engine_state_from_server_info,
 )
 from genfleet.workers.observe.telemetry import GpuSample, TelemetryWindow
+from tests.support.golden import server_info as golden
 
 NOW = 1_760_000_000.0
 WINDOW_S = 60.0
@@ -120,9 +122,26 @@ CASES: list[tuple[str, float, float, dict[str, Any], int, tuple[str, str | None]
         "400 W of 600 W, MTP off",
         400,
         600,
-        {"speculative_algorithm": None, "accept_length": None},
+        {"speculative_algorithm": None, "accept_length": None, **FEW_INFLIGHT},
         5,
         ("underused", "mtp_off"),
+    ),
+    (
+        "400 W of 600 W, MTP off, at its cap with work queued inside: the cap, not MTP",
+        400,
+        600,
+        {"speculative_algorithm": None, "accept_length": None},
+        5,
+        ("underused", "engine_capped"),
+    ),
+    (
+        "MTP off as the engine plan chose: not blamed",
+        400,
+        600,
+        {"speculative_algorithm": None, "accept_length": None, "mtp_planned_off": True,
+         **FEW_INFLIGHT},
+        5,
+        ("underused", "client_limited"),
     ),
     ("idle, nothing waits", 79, 700, IDLE_ENGINE, 0, ("idle", None)),
     ("tail of a run: queue empty, staging done", 79, 700, FEW_INFLIGHT, 0, ("draining", None)),
@@ -231,12 +250,52 @@ CASES: list[tuple[str, float, float, dict[str, Any], int, tuple[str, str | None]
         ("underused", "engine_capped"),
     ),
     (
-        "engine full, nothing queued inside: the limiter",
+        "engine at its cap, nothing queued inside, more in flight: the cap, not the limiter",
         420,
         700,
         {"running": 48, "queued": 0},
         5,
+        ("underused", "engine_capped"),
+    ),
+    (
+        "engine at its cap, as many in flight, orders queued: the cap",
+        420,
+        700,
+        {"running": 48, "queued": 0, "inflight": 48, "inflight_cap": 48},
+        5,
+        ("underused", "engine_capped"),
+    ),
+    (
+        "engine has room, limiter full: the limiter",
+        420,
+        700,
+        {"running": 40, "queued": 0, "inflight": 40, "inflight_cap": 40},
+        0,
         ("underused", "client_limited"),
+    ),
+    (
+        "engine has room, orders queued: the limiter",
+        420,
+        700,
+        {"running": 20, "queued": 0, "inflight": 20, "inflight_cap": 64},
+        5,
+        ("underused", "client_limited"),
+    ),
+    (
+        "engine has room, its queue not reported: the limiter",
+        420,
+        700,
+        {"running": 20, "queued": None, "inflight": 64, "inflight_cap": 64},
+        5,
+        ("underused", "client_limited"),
+    ),
+    (
+        "limiter full, requests queued below the engine's cap: the KV cache, not the limiter",
+        420,
+        700,
+        {"running": 30, "queued": 9},
+        5,
+        ("underused", "engine_capped"),
     ),
     (
         "engine capped beats starved",
@@ -504,6 +563,151 @@ def test_engine_capped_fires_at_the_enforced_cap_below_the_configured_one() -> N
     (finding,) = diagnose(samples, fleet(5), NOW)
     assert finding.cause == "engine_capped"
     assert finding.numbers["max_running_requests"] == 40
+    assert finding.numbers["configured_max_running_requests"] == 256
+    assert finding.numbers["cap_limit"] == "kv"  # no state pool in that /server_info
+
+
+# The measurement this models: SGLang on an H100 cut the configured 256 to 12 running
+# requests (the recurrent-state pool of a 27B hybrid model), 5–9 requests queued inside it,
+# the worker's limiter full, MTP off, 68.6 % of the power limit.
+STATE_POOL_12: dict[str, Any] = {
+    "running": 12,
+    "max_running_requests": 12,
+    "configured_max_running_requests": 256,
+    "cap_limit": "state_pool",
+    "queued": 7,
+    "inflight": 19,
+    "inflight_cap": 19,
+    "speculative_algorithm": None,
+    "accept_length": None,
+}
+PLAN_FIX = "--disable-radix-cache --max-running-requests 48"
+KV_40 = {**STATE_POOL_12, "cap_limit": "kv", "running": 40, "max_running_requests": 40}
+CONFIGURED_48 = {**STATE_POOL_12, "cap_limit": "configured", "running": 48,
+                 "max_running_requests": 48, "configured_max_running_requests": 48}  # fmt: skip
+
+# name, W of 700, engine overrides, queue depth, expected (verdict, cause, cap_limit), words
+# the suggestion holds, words it must not hold
+CAPPED: list[tuple[str, float, dict[str, Any], int, tuple[str, str | None, str | None],
+                   list[str], list[str]]] = [
+    ("cap 12 by the state pool, 7 queued, 68.6 %: the pool, not MTP or the limiter", 480,
+     STATE_POOL_12, 5, ("underused", "engine_capped", "state_pool"),
+     ["recurrent-state pool limits the engine to 12 running requests (256 configured)",
+      "7 queued inside it", "--disable-radix-cache", "--mamba-full-memory-ratio"],
+     ["the plan expects"]),
+    ("the same with its queue empty: its limiter still waits", 480, STATE_POOL_12, 0,
+     ("underused", "engine_capped", "state_pool"), ["7 queued inside it"], []),
+    ("at the plan's cap: the best this card does", 480, {**STATE_POOL_12, "plan_cap": 12}, 5,
+     ("ok", None, None), [], []),
+    ("above the plan's cap", 300, {**STATE_POOL_12, "plan_cap": 8}, 5, ("ok", None, None), [],
+     []),
+    ("below the plan's cap: the plan's fix", 480,
+     {**STATE_POOL_12, "plan_cap": 48, "plan_fix": PLAN_FIX}, 5,
+     ("underused", "engine_capped", "state_pool"),
+     [PLAN_FIX, "the plan expects 48 on this card"], ["--mamba-full-memory-ratio"]),
+    ("below the plan's cap, no plan fix: the pool's", 480, {**STATE_POOL_12, "plan_cap": 48}, 5,
+     ("underused", "engine_capped", "state_pool"),
+     ["--mamba-full-memory-ratio", "the plan expects 48"], []),
+    ("cut to 40 by the KV cache", 480, KV_40, 5, ("underused", "engine_capped", "kv"),
+     ["KV cache holds only 40 running requests", "--kv-cache-dtype fp8_e4m3",
+      "--mem-fraction-static"], []),
+    ("as configured, the plan expects more", 480, {**CONFIGURED_48, "plan_cap": 64}, 5,
+     ("underused", "engine_capped", "configured"), ["raise --max-running-requests to 64"], []),
+    ("as configured, the plan's fix", 480,
+     {**CONFIGURED_48, "plan_cap": 64, "plan_fix": "--max-running-requests 64"}, 5,
+     ("underused", "engine_capped", "configured"), ["--max-running-requests 64"], []),
+    ("as configured, no plan", 480, CONFIGURED_48, 5,
+     ("underused", "engine_capped", "configured"), ["raise --max-running-requests"], [" to "]),
+    ("queued below its cap: the KV cache admits no more", 480,
+     {**CONFIGURED_48, "running": 30, "queued": 9, "plan_cap": 48}, 5,
+     ("underused", "engine_capped", "kv"),
+     ["admits no more: 30 running, below the engine's cap of 48, 9 queued inside it",
+      "--kv-cache-dtype fp8_e4m3"], ["the plan expects"]),
+    ("at good power the cap is no finding", 600, STATE_POOL_12, 5, ("ok", None, None), [], []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("power_w", "engine", "queue_depth", "expected", "says", "never"),
+    [c[1:] for c in CAPPED],
+    ids=[c[0] for c in CAPPED],
+)
+def test_engine_capped_names_what_caps_it_and_its_fix(
+    power_w: float,
+    engine: dict[str, Any],
+    queue_depth: int,
+    expected: tuple[str, str | None, str | None],
+    says: list[str],
+    never: list[str],
+) -> None:
+    samples = {"w1": recorded(power_w, **engine)}
+    (row,) = verdicts(samples, fleet(queue_depth), NOW)
+    findings = diagnose(samples, fleet(queue_depth), NOW)
+    assert (row["verdict"], row["cause"]) == expected[:2]
+    if expected[1] is None:
+        assert findings == []
+        return
+    (finding,) = findings
+    assert finding.numbers["cap_limit"] == expected[2]
+    assert finding.numbers["configured_max_running_requests"] == engine.get(
+        "configured_max_running_requests"
+    )
+    assert finding.numbers["plan_cap"] == engine.get("plan_cap")
+    # the cap is the limit: neither MTP nor the worker's limiter is blamed beside it
+    assert not {"mtp_off", "client_limited"} & set(finding.numbers["other_causes"])
+    for words in says:
+        assert words in finding.suggestion
+    for words in never:
+        assert words not in finding.suggestion
+    assert "\n" not in finding.suggestion
+
+
+# name, engine figures, the client wants to send more → (full, capped, below_cap, room, at_plan)
+ROOMS: list[tuple[str, dict[str, Any], bool, tuple[bool, bool, bool, bool, bool]]] = [
+    ("below its cap, nothing queued", {"running": 20, "max_running_requests": 48, "queued": 0},
+     True, (False, False, False, True, False)),
+    ("at its cap, requests queued inside", {"running": 48, "max_running_requests": 48,
+     "queued": 3}, False, (True, True, False, False, False)),
+    ("at its cap, more in flight than running", {"running": 48, "max_running_requests": 48,
+     "queued": 0, "inflight": 60}, False, (True, True, False, False, False)),
+    ("at its cap, the client would send more", {"running": 48, "max_running_requests": 48,
+     "queued": 0, "inflight": 48}, True, (True, True, False, False, False)),
+    ("at its cap, nothing waits", {"running": 48, "max_running_requests": 48, "queued": 0,
+     "inflight": 48}, False, (True, False, False, False, False)),
+    ("queuing below its cap", {"running": 30, "max_running_requests": 48, "queued": 9}, True,
+     (False, True, True, False, False)),
+    ("its queue not reported", {"running": 30, "max_running_requests": 48, "queued": None},
+     True, (False, False, False, True, False)),
+    ("nothing reported", {}, True, (False, False, False, True, False)),
+    ("at the plan's cap", {"running": 12, "max_running_requests": 12, "queued": 7,
+     "plan_cap": 12}, True, (True, True, False, False, True)),
+    ("at a cap below the plan's", {"running": 12, "max_running_requests": 12, "queued": 7,
+     "plan_cap": 48}, True, (True, True, False, False, False)),
+    ("below the plan's cap with room", {"running": 5, "max_running_requests": 12,
+     "queued": 0, "plan_cap": 12}, True, (False, False, False, True, False)),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("engine", "wants_more", "expected"), [c[1:] for c in ROOMS], ids=[c[0] for c in ROOMS]
+)
+def test_where_the_engine_stands_against_its_cap(
+    engine: dict[str, Any], wants_more: bool, expected: tuple[bool, bool, bool, bool, bool]
+) -> None:
+    room = EngineRoom.of(engine, wants_more)
+    assert (room.full, room.capped, room.below_cap, room.room, room.at_plan) == expected
+
+
+def test_the_measured_state_pool_cap_from_server_info() -> None:
+    """/server_info as SGLang 0.5.15 recorded it, the cap cut from 256 to 12."""
+    info = engine_state_from_server_info(golden(configured=256, per_dp=12))
+    engine = {**info, "running": 12, "queued": 7, "inflight": 19, "inflight_cap": 19,
+              "speculative_algorithm": None, "accept_length": None}  # fmt: skip
+    (finding,) = diagnose({"w1": recorded(480, **engine)}, fleet(5), NOW)
+    assert finding.cause == "engine_capped"
+    assert finding.numbers["cap_limit"] == "state_pool"
+    assert (finding.numbers["max_running_requests"], finding.numbers["queued"]) == (12, 7)
+    assert finding.numbers["other_causes"] == []
 
 
 # name, this GPU's engine, run-a staging since (s before NOW), the other worker's unsent

@@ -17,7 +17,10 @@ import redis
 from genfleet.common import keys
 from genfleet.common.settings import Settings
 from genfleet.workers.observe.power_watch import run_power_watch
-from tests.support import Worker, base_env, stage_questions, wait_for
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import stage_questions
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ import pytest
 import redis
 from pydantic import SecretStr
 
-from genfleet.common import keys
+from genfleet.common import keys, summaries
 from genfleet.common.settings import Settings
 from genfleet.workers.observe import pushed
 from genfleet.workers.observe.power_watch import watch_pass
@@ -75,6 +75,6 @@ def test_a_worker_whose_engine_is_starting_is_a_starting_node_not_a_sample(
     settings = Settings(redis_url=SecretStr(redis_url))
     pushed.push(redis_client, "w1@n2", {"worker": "w1@n2", "ok": False, "node": "n2"})
 
-    found = pushed.read(redis_client, settings.summary_ttl_s)
+    found = summaries.read(redis_client, settings.summary_ttl_s)
 
     assert found.samples == {} and found.starting_nodes == {"n2"} and found.silent_s == {}

@@ -40,22 +40,15 @@ from genfleet.common.settings import Settings
 from genfleet.producer.status import read_findings, run_status
 from genfleet.workers.engine.kinds import engine_launch
 from genfleet.workers.engine.supervisor import EngineSupervisor
-from tests.faults.services import RedisServer
-from tests.support import (
-    ROOT,
-    Worker,
-    assert_exactly_once,
-    base_env,
-    fault_settings,
-    free_port,
-    genfleet,
-    live_children,
-    open_run_store,
-    pid_alive,
-    stage,
-    wait_for,
-    write_prompts,
-)
+from genfleet.workers.observe.engine_state import enforced_cap
+from harness.assertions import assert_exactly_once
+from harness.env import ROOT, base_env, free_port
+from harness.processes import Worker, live_children, pid_alive
+from harness.runs import fault_settings, open_run_store, stage
+from harness.services import RedisServer
+from harness.sources import write_prompts
+from harness.waits import wait_for
+from tests.support.commands import genfleet
 
 MODELS = Path(os.environ.get("GENFLEET_GPU_MODELS", "/tmp/m"))
 Q35, Q35_NOMTP, DENSE = MODELS / "q35", MODELS / "q35_nomtp", MODELS / "dense"
@@ -123,10 +116,27 @@ class Stack:
         found = read_findings(self.client)
         return [f for f in found if cause in (f.get("cause"), f.get("verdict"))]
 
-    def run(self, run: str, count: int, tmp_path: Path) -> list[str]:
+    def run(self, run: str, count: int, tmp_path: Path, max_tokens: int | None = None) -> list[str]:
         ids = write_prompts(tmp_path / f"{run}.jsonl", count, prefix=f"{run}-")
-        stage(self.settings, run, tmp_path / f"{run}.jsonl")
+        settings = self.settings
+        if max_tokens is not None:
+            settings = settings.model_copy(update={"max_tokens": max_tokens})
+        stage(settings, run, tmp_path / f"{run}.jsonl")
         return ids
+
+    def running(self) -> float:
+        """Requests running inside the engine now (`sglang:num_running_reqs`)."""
+        text = httpx.get(f"{self.engine_url}/metrics", timeout=10).text
+        lines = [line for line in text.splitlines() if line.startswith("sglang:num_running_reqs{")]
+        return sum(float(line.rsplit(" ", 1)[1]) for line in lines)
+
+    def in_flight(self, run: str, ids: list[str]) -> float:
+        """Wait until the run has requests running in the engine and prompts not done; the
+        number running. Long answers (random weights run to max_tokens) keep them there."""
+        wait_for(lambda: self.running() >= 4, 180, "requests running in the engine", 0.2)
+        running = self.running()
+        assert self.progress(run)["prompts_done"] < len(ids), "the run ended before the fault"
+        return running
 
     def progress(self, run: str) -> dict[str, Any]:
         return run_status(open_run_store(self.settings), self.client, run)
@@ -171,7 +181,10 @@ def worker_stack(tmp: Path, model: Path, hostname: str, port: int, **extra: str)
 @pytest.fixture(scope="module")
 def mtp_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("mtp")
-    with worker_stack(tmp, Q35, "gpu0@h200", 30200, GENFLEET_ENGINE_STALL_TIMEOUT_S="20") as s:
+    # MTP given: the engine plan keeps it (it would choose by its estimate otherwise).
+    with worker_stack(
+        tmp, Q35, "gpu0@h200", 30200, GENFLEET_ENGINE_STALL_TIMEOUT_S="20", GENFLEET_MTP="true"
+    ) as s:
         yield s
 
 
@@ -288,6 +301,9 @@ def test_accept_length_and_cap_read_from_the_real_engine(mtp_stack: Stack) -> No
     info = info.json()
     assert info["speculative_algorithm"] == "EAGLE"
     assert info["max_running_requests"] == 256
+    # The engine plan's cap is what the engine enforces (a cut plan would be a finding).
+    assert enforced_cap(info) == 256 and info["disable_radix_cache"] is True
+    assert mtp_stack.findings("engine_plan_cut") == []
     state = info["internal_states"][0]
     assert 1.0 <= state["avg_spec_accept_length"] < 1.2  # random draft weights
     metrics = httpx.get(f"{mtp_stack.engine_url}/metrics", headers=mtp_stack.auth, timeout=30).text
@@ -345,8 +361,9 @@ def test_streamed_chat_shapes(mtp_stack: Stack) -> None:
 
 def test_stall_watchdog_replaces_a_frozen_scheduler(mtp_stack: Stack, tmp_path: Path) -> None:
     frozen = mtp_stack.engine_pid()
-    ids = mtp_stack.run("stall", 200, tmp_path)
-    wait_for(lambda: mtp_stack.progress("stall")["prompts_done"] > 0, 120, "first batch", 0.5)
+    # Answers of 2,048 tokens: the freeze lands with requests in flight, not after the run.
+    ids = mtp_stack.run("stall", 200, tmp_path, max_tokens=2048)
+    assert mtp_stack.in_flight("stall", ids) > 0
     os.killpg(os.getpgid(frozen), signal.SIGSTOP)
     try:
         wait_for(lambda: bool(mtp_stack.findings("engine_stalled")), 120, "engine_stalled", 0.5)
@@ -364,8 +381,8 @@ def test_engine_killed_mid_batch_is_restarted_and_its_prompts_done_once(
     mtp_stack: Stack, tmp_path: Path
 ) -> None:
     killed = mtp_stack.engine_pid()
-    ids = mtp_stack.run("kill", 200, tmp_path)
-    wait_for(lambda: mtp_stack.progress("kill")["prompts_done"] > 0, 120, "first batch", 0.5)
+    ids = mtp_stack.run("kill", 200, tmp_path, max_tokens=2048)
+    assert mtp_stack.in_flight("kill", ids) > 0
     os.killpg(os.getpgid(killed), signal.SIGKILL)
     wait_for(lambda: mtp_stack.progress("kill")["state"] == "done", 420, "run kill", 1.0)
     assert mtp_stack.engine_pid() != killed

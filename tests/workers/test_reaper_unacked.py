@@ -15,9 +15,10 @@ from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.ledger import UNACKED_PAGE, running_field
 from genfleet.common.records import WorkOrder
 from genfleet.workers.control.reaper import reap
+from harness.services import RedisServer
 from tests.fakes.memory_store import MemoryStore
-from tests.faults.services import RedisServer
-from tests.support import PARAMS, CommandLog
+from tests.support.command_log import CommandLog
+from tests.support.core import PARAMS
 
 pytestmark = pytest.mark.integration
 

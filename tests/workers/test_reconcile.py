@@ -14,21 +14,14 @@ from genfleet.common import keys
 from genfleet.common.ledger import Ledger, work_order_of
 from genfleet.common.records import WorkOrder
 from genfleet.workers.control.lost_orders import RunOrders, reconcile, reconcile_orders
+from harness.assertions import assert_exactly_once
+from harness.env import base_env, free_port
+from harness.processes import Worker
+from harness.runs import fault_settings, stage, wait_run_done
+from harness.sources import write_prompts
 from tests.fakes.memory_store import MemoryStore
-from tests.support import (
-    STAGING_ID,
-    Worker,
-    assert_exactly_once,
-    base_env,
-    fault_settings,
-    free_port,
-    genfleet,
-    prompts,
-    stage,
-    stage_prompts,
-    wait_run_done,
-    write_prompts,
-)
+from tests.support.commands import genfleet
+from tests.support.stored_runs import STAGING_ID, prompts, stage_prompts
 
 LEASE_S = 60.0
 

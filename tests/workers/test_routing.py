@@ -15,16 +15,13 @@ from genfleet.common.store import open_store
 from genfleet.producer.broker import orders_in_broker
 from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.workers.admission import decide, deleted_staging
-from tests.support import (
-    Worker,
-    assert_exactly_once,
-    base_env,
-    genfleet,
-    stage_other_model_run,
-    wait_for,
-    wait_run_done,
-    write_prompts,
-)
+from harness.assertions import assert_exactly_once
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import stage_other_model_run, wait_run_done
+from harness.sources import write_prompts
+from harness.waits import wait_for
+from tests.support.commands import genfleet
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,11 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.status import run_status
 from genfleet.workers.feeding.feeder import Feeder
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import stage_questions, wait_run_done
+from harness.waits import wait_for
 from tests.fakes.engine import FakeEngine
-from tests.support import Worker, base_env, stage_questions, wait_for, wait_run_done
 
 
 class SlowClient:
@@ -40,6 +43,7 @@ class SlowClient:
         params: GenerationParams,
         timeout_s: float | None = None,
         on_begun: object = None,
+        on_tokens: object = None,
     ) -> object:
         await self.release.wait()
         raise asyncio.CancelledError  # never reached in this test: the batch is cancelled

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from genfleet.workers.feeding.feeder import SuspectLane
+from genfleet.workers.feeding.suspects import SuspectLane
 
 
 async def settle() -> None:

@@ -436,6 +436,8 @@ def test_engine_state_from_server_info() -> None:
     assert engine_state_from_server_info(info) == {
         "speculative_algorithm": "EAGLE",
         "max_running_requests": 48,
+        "configured_max_running_requests": 48,
+        "cap_limit": "configured",
         "accept_length": 2.61,
     }
     off = {
@@ -448,6 +450,7 @@ def test_engine_state_from_server_info() -> None:
     assert engine_state_from_server_info(off) == {
         "speculative_algorithm": None,
         "max_running_requests": 512,
+        "cap_limit": "kv",  # none configured: SGLang sized it from its KV cache
     }
 
 

@@ -15,15 +15,12 @@ import redis
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.status import run_status
-from tests.support import (
-    Worker,
-    base_env,
-    genfleet,
-    stage_questions,
-    wait_for,
-    wait_run_done,
-    worker_report,
-)
+from harness.control import worker_report
+from harness.env import base_env
+from harness.processes import Worker
+from harness.runs import stage_questions, wait_run_done
+from harness.waits import wait_for
+from tests.support.commands import genfleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

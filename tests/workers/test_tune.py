@@ -17,9 +17,12 @@ from pathlib import Path
 
 import pytest
 
+from genfleet.common.errors import GenfleetError
 from genfleet.common.settings import Settings
 from genfleet.workers.cli import parse_tune_args as parse_args
+from genfleet.workers.tune.command import start_engine
 from genfleet.workers.tune.plan import (
+    AUTO_CONCURRENCY,
     Point,
     TuneConfig,
     best,
@@ -31,7 +34,7 @@ from genfleet.workers.tune.plan import (
     tokens_in_window,
     verdict_text,
 )
-from tests.support import ROOT, engine_port_base
+from harness.env import ROOT, engine_port_base
 
 
 def point(config: str, c: int, tps: float, power: float | None = 350.0, **kw: object) -> Point:
@@ -79,13 +82,20 @@ def test_parse_concurrency_refuses(text: str) -> None:
         ("OFF:128, on", ["off:128", "on"]),
         ("on,on", ["on"]),
         ("on,Adaptive,adaptive:64,off", ["on", "adaptive", "adaptive:64", "off"]),
+        (
+            "off:plan*0.75,off:PLAN,off:plan*1.25,on:plan",
+            ["off:plan*0.75", "off:plan", "off:plan*1.25", "on:plan"],
+        ),
+        ("off:plan*1", ["off:plan"]),
     ],
 )
 def test_parse_configs(text: str, labels: list[str]) -> None:
     assert [c.label for c in parse_configs(text)] == labels
 
 
-@pytest.mark.parametrize("text", ["", "maybe", "on:0", "on:x"])
+@pytest.mark.parametrize(
+    "text", ["", "maybe", "on:0", "on:x", "off:plan*0", "off:plan*x", "off:plan*99", "off:plans"]
+)
 def test_parse_configs_refuses(text: str) -> None:
     with pytest.raises(ValueError, match="--mtp"):
         parse_configs(text)
@@ -94,6 +104,31 @@ def test_parse_configs_refuses(text: str) -> None:
 def test_config_cap() -> None:
     assert parse_configs("on:48")[0] == TuneConfig(mtp=True, max_running_requests=48)
     assert parse_configs("adaptive")[0] == TuneConfig(mtp=True, adaptive=True)
+    planned = parse_configs("off:plan*1.25")[0]
+    assert planned == TuneConfig(mtp=False, plan_scale=1.25)
+    assert planned.planned_cap(94) == 118 and TuneConfig(False, plan_scale=0.01).planned_cap(5) == 1
+
+
+def test_the_default_sweep_of_sglang_is_the_engine_plan() -> None:
+    options, _ = parse_args(["--engine", "sglang", "--model", "/m"])
+    assert [c.label for c in options.configs] == [
+        "off:plan*0.75",
+        "off:plan",
+        "off:plan*1.25",
+        "on:plan",
+    ]
+    assert options.concurrency == [AUTO_CONCURRENCY]
+    options, _ = parse_args(["--engine", "sglang", "--model", "/m", "--no-engine-plan"])
+    assert [c.label for c in options.configs] == ["on", "on:48", "off"]
+    assert options.concurrency == [1, 4, 16, 64, 128]
+    options, _ = parse_args(["--engine", "emulator", "--concurrency", "auto,8"])
+    assert options.concurrency == [AUTO_CONCURRENCY, 8]
+
+
+def test_a_plan_point_without_a_plan_is_refused_before_any_engine_starts() -> None:
+    settings = Settings(engine="emulator")
+    with pytest.raises(GenfleetError, match="no engine plan"):
+        start_engine(settings, TuneConfig(mtp=False, plan_scale=1.0))
 
 
 @pytest.mark.parametrize(

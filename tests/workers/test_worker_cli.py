@@ -19,7 +19,11 @@ from genfleet.producer.enqueue import enqueue_run, reader_options
 from genfleet.producer.export import export_run
 from genfleet.producer.status import run_status
 from genfleet.workers.engine.ports import port_is_free
-from tests.support import ROOT, Worker, answering, base_env, free_port, genfleet, wait_for
+from harness.control import answering
+from harness.env import ROOT, base_env, free_port
+from harness.processes import Worker
+from harness.waits import wait_for
+from tests.support.commands import genfleet
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -310,7 +314,7 @@ def test_engines_get_a_key_and_logs_and_schedules_stay_private_by_default(
 
     import httpx
 
-    from tests.support import engine_pid
+    from harness.processes import engine_pid
 
     store = (tmp_path / "store").as_uri()
     port = free_port()

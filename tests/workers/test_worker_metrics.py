@@ -11,7 +11,9 @@ import pytest
 
 from genfleet.common.settings import Settings
 from genfleet.producer.enqueue import enqueue_run, reader_options
-from tests.support import Worker, base_env, free_port, wait_for
+from harness.env import base_env, free_port
+from harness.processes import Worker
+from harness.waits import wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

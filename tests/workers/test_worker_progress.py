@@ -14,11 +14,12 @@ from genfleet.common.records import PromptRecord, WorkOrder, encode_jsonl_gz
 from genfleet.workers.batch import execute
 from genfleet.workers.feeding.feeder import Feeder
 from genfleet.workers.observe.live_progress import ProgressTally
+from harness.services import RedisServer
 from tests.fakes.engine import FakeChat, FakeEngine
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
-from tests.faults.services import RedisServer
-from tests.support import PARAMS, CommandLog
+from tests.support.command_log import CommandLog
+from tests.support.core import PARAMS
 
 WORKER = "w@test"
 

@@ -27,7 +27,7 @@ from typing import Any
 
 import redis
 
-from genfleet.common import keys
+from genfleet.common import keys, run_registry
 from genfleet.common.errors import GenfleetError
 from genfleet.common.ledger import Ledger, work_order_of
 from genfleet.common.manifest import Manifest
@@ -126,7 +126,7 @@ def reconcile_orders(
     batches taken off the queued set. Returns what it did, by `run/batch`."""
     now = time.time() if now is None else now
     found: dict[str, Any] = {"resent": [], "finished": [], "ts": now}
-    runs = sorted(text(r) for r in client.smembers(keys.runs_key()))
+    runs = run_registry.runs(client)
     ledger = Ledger(client)
     queued = {run: ledger.queued(run) for run in runs}
     queued = {run: batches for run, batches in queued.items() if batches}

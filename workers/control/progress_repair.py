@@ -13,10 +13,9 @@ from dataclasses import dataclass, field
 
 import redis
 
-from genfleet.common import keys, progress
+from genfleet.common import keys, progress, run_registry
 from genfleet.common.errors import GenfleetError
 from genfleet.common.ledger import Ledger
-from genfleet.common.redis_conn import text
 from genfleet.common.store import Store
 
 log = logging.getLogger("genfleet.reconcile")
@@ -25,7 +24,7 @@ log = logging.getLogger("genfleet.reconcile")
 @dataclass
 class Pass:
     """What one reconcile pass did: the repairs that changed something, and the runs it took
-    out of the registry (`keys.runs_key`) because they are complete."""
+    out of the registry (common/run_registry.py) because they are complete."""
 
     repairs: list[progress.Repair] = field(default_factory=list)
     retired: list[str] = field(default_factory=list)
@@ -42,12 +41,11 @@ def reconcile_runs(store: Store, client: redis.Redis, now: float | None = None) 
     resume) puts it back; `genfleet runs` lists runs from the store, not from here."""
     done = Pass()
     ledger = Ledger(client)
-    for member in sorted(client.smembers(keys.runs_key())):
-        run = text(member)
+    for run in run_registry.runs(client):
         snap = progress.snapshot(client, run)
         if snap is not None and snap.batches_done >= int(snap.summary["batches_total"]):
             if not ledger.queued_count(run) and not client.exists(keys.staging_key(run)):
-                client.srem(keys.runs_key(), run)
+                run_registry.retire(client, run)
                 done.retired.append(run)
             continue
         try:

@@ -133,3 +133,23 @@ def restart_allowed(restarts: Iterable[float], now: float, budget: int, window_s
     unrelated crashes over two weeks never retire a worker."""
     recent = sum(1 for ts in restarts if now - ts < window_s)
     return recent < budget
+
+
+def loop_suggestion(crash: dict[str, Any]) -> str:
+    """What a crash loop's finding says (`crash`: a `crash_report`)."""
+    return (
+        f"crash loop, the same error {crash['repeats']} times: {crash['error']} — "
+        f"{crash_suggestion(crash)}"
+    )
+
+
+def budget_suggestion(alarm: dict[str, Any]) -> str:
+    """What a spent restart budget's finding says (`alarm`: the runtime's engine alarm: the
+    supervisor's budget figures, its crash report, its last error)."""
+    crash = alarm["crash"] or {}
+    return (
+        f"restart budget spent ({alarm['restarts_in_window']} restarts in "
+        f"{alarm['restart_window_s']:.0f} s); last error: "
+        f"{crash.get('error') or alarm['last_error']} — {crash_suggestion(crash)}; "
+        f"the worker takes work again in {alarm['cooldown_left_s'] or 0:.0f} s"
+    )

@@ -16,14 +16,17 @@ import shlex
 import string
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 from pydantic import SecretStr
 
-from genfleet.common.errors import ConfigError
+from genfleet.common.errors import ConfigError, PreflightError
 from genfleet.common.settings import Settings
+from genfleet.workers.engine import plan as engine_plan_rules
 from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.launch import EngineLaunch
-from genfleet.workers.engine.preflight import checkpoint_arch
+from genfleet.workers.engine.plan import EnginePlan, ModelShape
+from genfleet.workers.engine.preflight import checkpoint_arch, read_config
 from genfleet.workers.engine.sglang_argv import (
     LOOPBACK,
     NEWEST_SGLANG,
@@ -36,15 +39,18 @@ EMULATED_MODEL = "genfleet/emulated"
 COMMAND_PLACEHOLDERS = ("model", "port", "host")
 
 
-def engine_launch(settings: Settings, port: int, arch: str | None = None) -> EngineLaunch | None:
+def engine_launch(
+    settings: Settings, port: int, arch: str | None = None, plan: EnginePlan | None = None
+) -> EngineLaunch | None:
     """What to spawn for this worker's engine on loopback `port`; None for an external engine.
 
     `arch` is the checkpoint's `architectures[0]` (see `preflight.checkpoint_arch`); it only
-    matters to SGLang's mamba flags.
+    matters to SGLang's mamba flags. `plan`: SGLang's engine plan (`planned`), whose MTP choice
+    `settings` already holds.
     """
     kind = settings.engine_kind
     if kind == "sglang":
-        return sglang_launch(settings, port, arch=arch)
+        return sglang_launch(settings, port, arch=arch, plan=plan)
     if kind == "emulator":
         return emulator_launch(settings, port, arch)
     if kind == "command":
@@ -141,21 +147,76 @@ def placeholders(word: str) -> list[str]:
     return [field for _, field, _, _ in parsed if field is not None]
 
 
+def planned(settings: Settings, arch: str | None) -> tuple[Settings, EnginePlan | None]:
+    """The engine plan for this worker's SGLang, and `settings` with its MTP choice; (settings,
+    None) where no plan applies (`--no-engine-plan`, another engine kind). The card's memory is
+    `--plan-gpu`'s, else NVML's. ConfigError where the model cannot run on the card."""
+    if settings.engine_kind != "sglang" or not settings.engine_plan:
+        return settings, None
+    shape = model_shape(settings.model)
+    # CUDA graphs with MTP, unless genfleet's crash workaround would turn them off then.
+    with_mtp = settings.model_copy(update={"mtp": True})
+    graphs = not crash_workaround(with_mtp, settings.model_architecture or arch)[0]
+    memory = card_memory_gib(settings)
+    plan = engine_plan_rules.make_plan(
+        shape, engine_plan_rules.inputs_of(settings, memory, mtp_graphs=graphs)
+    )
+    return settings.model_copy(update={"mtp": plan.mtp}), plan
+
+
+def model_shape(model: str | None) -> ModelShape | None:
+    """The shape of a local checkpoint (weights measured from its safetensors files, else
+    estimated from config.json); None for a hub id or an unreadable config."""
+    if not model:
+        return None
+    path = Path(model).expanduser()
+    try:
+        config = read_config(path)
+    except PreflightError:
+        return None
+    weights = sum(f.stat().st_size for f in path.glob("*.safetensors")) or None
+    try:
+        return ModelShape.from_config(config, weights)
+    except ConfigError:
+        return None
+
+
+def card_memory_gib(settings: Settings) -> float | None:
+    """The memory of one of this worker's GPUs: `--plan-gpu` (a card's name or GiB), else
+    NVML's total of its first GPU; None when neither is there."""
+    if settings.plan_gpu:
+        return engine_plan_rules.card_memory_gib(settings.plan_gpu)
+    from genfleet.workers.observe.telemetry import NvmlSampler
+
+    gpus = [g.strip() for g in settings.gpus.split(",")] if settings.gpus else None
+    sampler = NvmlSampler(gpus)
+    try:
+        totals = [s.memory_total_mib for s in sampler.sample() if s.memory_total_mib]
+    finally:
+        sampler.close()
+    return min(totals) / 1024 if totals else None
+
+
 def print_engine_command(settings: Settings, port: int | None = None) -> str:
     """The exact command and added environment `genfleet worker` would launch, key masked,
-    and a comment line naming the model family, reasoning parser and thinking switch.
+    a comment line naming the model family, reasoning parser and thinking switch, and the
+    engine plan: each flag it chose and why.
 
     Reads the architecture from a local checkpoint as the worker does; `port` defaults to the
-    configured one (a worker per GPU group adds its offset).
+    configured one (a worker per GPU group adds its offset). `--plan-gpu h100` plans for a
+    card without one.
     """
     if settings.engine_kind == "external":
         return f"# external engine at {settings.engine_url}: genfleet launches nothing"
     chosen = settings.port if port is None else port
     arch = checkpoint_arch(settings.model)
-    launch = engine_launch(settings, chosen, arch)
+    settings, plan = planned(settings, arch)
+    launch = engine_launch(settings, chosen, arch, plan)
     if launch is None:
         return f"# {settings.engine_kind} engine: genfleet launches nothing"
     text = f"{launch.describe()}\n{choose(settings, arch).describe()}"
+    if plan is not None:
+        text += f"\n{plan.describe()}"
     if settings.engine_kind == "sglang":
         _, why = crash_workaround(settings, arch)
         if why:

@@ -46,6 +46,7 @@ from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
 from genfleet.workers.engine.families import HYBRID_ARCHS, choose
 from genfleet.workers.engine.launch import EngineLaunch
+from genfleet.workers.engine.plan import DEFAULT_MAX_RUNNING_REQUESTS, EnginePlan
 
 OLDEST_SGLANG = "0.5.11"
 NEWEST_SGLANG = "0.5.23"
@@ -65,10 +66,8 @@ ADAPTIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 LOOPBACK = "127.0.0.1"
 
 # With speculative decoding and no --max-running-requests, SGLang silently caps the running
-# batch at 48 (`speculative_hook.py::_handle_eagle_family`), which starves a saturating client.
-# The builder therefore always passes the flag; 256 keeps an H200 busy with MTP on.
-DEFAULT_MAX_RUNNING_REQUESTS = 256
-
+# batch at 48 (`speculative_hook.py::_handle_eagle_family`), which starves a saturating client:
+# the builder always passes the flag, the plan's cap or DEFAULT_MAX_RUNNING_REQUESTS (plan.py).
 SGLANG_PROGRAM = ["sglang", "serve"]
 LEGACY_PROGRAM = [sys.executable, "-m", "sglang.launch_server"]
 
@@ -79,6 +78,7 @@ def sglang_launch(
     version: str | None = None,
     program: list[str] | None = None,
     arch: str | None = None,
+    plan: EnginePlan | None = None,
 ) -> EngineLaunch:
     """SGLang's argv and added environment for these settings, on 127.0.0.1:`port`.
 
@@ -89,7 +89,9 @@ def sglang_launch(
     (None: unknown, SGLang's `auto`) and the reasoning parser (`families.choose`). Before
     0.5.14 an unknown architecture with MTP on is refused: a Qwen hybrid model would fail at
     start without the flags only the architecture can decide.
-    `program` replaces the entry point (the emulator takes the same flags).
+    `program` replaces the entry point (the emulator takes the same flags). `plan` (the
+    engine plan, `plan.make_plan`) gives the cap and memory flags where it planned; its MTP
+    choice is already in `settings.mtp`.
 
     Examples:
         sglang_launch(Settings(model="/m/Qwen3.6-27B"), 30001, "0.5.23",
@@ -119,13 +121,17 @@ def sglang_launch(
             f"SGLang rejects a served model name with ':' ({served!r}): set --served-model-name"
         )
     max_running = settings.max_running_requests or DEFAULT_MAX_RUNNING_REQUESTS
+    planned = plan is not None and plan.planned
 
     argv = list(program) if program is not None else default_program(release)
     argv += ["--model-path", settings.model, "--served-model-name", served]
     argv += ["--tp-size", str(settings.tp_size), "--host", LOOPBACK, "--port", str(port)]
     if settings.mem_fraction_static is not None:
         argv += ["--mem-fraction-static", str(settings.mem_fraction_static)]
-    argv += ["--max-running-requests", str(max_running)]
+    if plan is not None and planned:
+        argv += plan.argv()
+    else:
+        argv += ["--max-running-requests", str(max_running)]
     # Chunks every few dozen tokens, for the repetition guard (every release has the flag).
     argv += ["--stream-interval", str(settings.stream_chunk_tokens)]
     if settings.context_length is not None:
@@ -137,7 +143,7 @@ def sglang_launch(
     if settings.trust_remote_code:
         argv.append("--trust-remote-code")
     argv += speculative_args(settings, release)
-    argv += mamba_args(settings, release, arch)
+    argv += mamba_args(settings, release, arch, radix="--disable-radix-cache" not in argv)
     if settings.attention_backend:
         argv += ["--attention-backend", settings.attention_backend]
     argv += crash_workaround(settings, arch)[0]
@@ -257,15 +263,18 @@ def check_adaptive(settings: Settings, release: tuple[int, ...]) -> None:
         )
 
 
-def mamba_args(settings: Settings, release: tuple[int, ...], arch: str | None) -> list[str]:
+def mamba_args(
+    settings: Settings, release: tuple[int, ...], arch: str | None, radix: bool = True
+) -> list[str]:
     """The mamba cache flag, spelled for the release.
 
     An explicit `mamba_cache_strategy` is always passed. Otherwise only MTP on a Qwen hybrid
-    arch gets `extra_buffer` (what the cookbooks pass, and what old releases need for spec
-    decoding with radix cache); everything else is left to SGLang's `auto`.
+    arch with the radix cache on gets `extra_buffer` (what the cookbooks pass, and what old
+    releases need for spec decoding with radix cache); everything else is left to SGLang's
+    `auto` (the strategy is the radix cache's: without one there is none to choose).
     """
     strategy = settings.mamba_cache_strategy
-    if strategy is None and settings.mtp and arch in HYBRID_ARCHS:
+    if strategy is None and radix and settings.mtp and arch in HYBRID_ARCHS:
         strategy = "extra_buffer"
     if strategy is None:
         return []

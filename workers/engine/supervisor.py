@@ -88,7 +88,7 @@ class EngineSupervisor:
         self.restarts = 0  # since the worker started (a figure; the budget is a rate)
         self.exits = 0  # unexpected exits, stalls killed included
         # Exits no known engine crash explains: a prompt in flight may have caused them (the
-        # feeder counts them per prompt; see feeder.SuspectLane).
+        # feeder counts them per prompt; see feeding.suspects).
         self.deaths = 0
         # Of those, the exits the engine made itself with an error line (not a kill: neither
         # the watchdog's nor a signal from outside): what a prompt's crash looks like, and the

@@ -51,6 +51,9 @@ from genfleet.workers.feeding.transport import AiohttpTransport, Transport
 
 # The longest Retry-After honoured: a server asking for more is waited on in steps of this.
 MAX_RETRY_AFTER_S = 60.0
+# Tokens per streamed chunk, where a chunk does not say: the `--stream-interval` genfleet
+# starts SGLang with by default (the setting `stream_chunk_tokens`).
+STREAM_CHUNK_TOKENS = 32
 
 
 @dataclass(slots=True)
@@ -328,10 +331,13 @@ class EngineClient:
         thinking: ThinkingSwitch | None = None,
         repetition: RepetitionRule | None = DEFAULT_RULE,
         transport: Transport | None = None,
+        stream_chunk_tokens: int = STREAM_CHUNK_TOKENS,
     ) -> None:
         """`transport`: how requests travel (workers/feeding/transport.py); by default aiohttp to
-        `base_url` with `api_key`, `timeout_s` and `max_connections`."""
+        `base_url` with `api_key`, `timeout_s` and `max_connections`. `stream_chunk_tokens`:
+        the engine's `--stream-interval`, the tokens a streamed chunk without usage counts."""
         self.model = model
+        self.stream_chunk_tokens = stream_chunk_tokens
         self.timeout_s = timeout_s
         self.thinking = thinking or ThinkingSwitch()
         self.repetition = repetition  # None: the guard is off, answers still stream
@@ -347,12 +353,14 @@ class EngineClient:
         params: GenerationParams,
         timeout_s: float | None = None,
         on_begun: Callable[[], None] | None = None,
+        on_tokens: Callable[[int], None] | None = None,
     ) -> ChatResult:
         """One completion, streamed (the guard watching it); `timeout_s` is this request's
-        deadline (default the client's); `on_begun()` fires at its first output text."""
+        deadline (default the client's); `on_begun()` fires at its first output text;
+        `on_tokens(n)` as its tokens stream (`ChatStream`: an estimate until a usage figure)."""
         fields = streamed_body(request_body(record, params, self.model, self.thinking))
         body = orjson.dumps(fields)
-        stream = ChatStream(self.repetition, on_begun)
+        stream = ChatStream(self.repetition, on_begun, on_tokens, self.stream_chunk_tokens)
         started = time.monotonic()
         try:
             status, payload, retry_after = await self._transport.stream(body, stream, timeout_s)

@@ -37,12 +37,10 @@ What each answer does to a prompt (the client maps HTTP to these errors):
 from __future__ import annotations
 
 import asyncio
-import heapq
-import itertools
+import enum
 import logging
 import threading
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -63,6 +61,8 @@ from genfleet.common.records import CompletionRecord, GenerationParams, PromptRe
 from genfleet.common.waste import WasteTally
 from genfleet.workers.feeding.client import ChatResult
 from genfleet.workers.feeding.deadline import DeadlinePolicy, SequencePace, max_tokens_of
+from genfleet.workers.feeding.limiter import InflightLimiter
+from genfleet.workers.feeding.suspects import SuspectLane
 
 log = logging.getLogger("genfleet.feeder")
 T = TypeVar("T")
@@ -110,8 +110,11 @@ class ChatClient(Protocol):
         params: GenerationParams,
         timeout_s: float | None = None,
         on_begun: Callable[[], None] | None = None,
+        on_tokens: Callable[[int], None] | None = None,
     ) -> ChatResult:
-        """`on_begun()` fires at the answer's first output text (none may come)."""
+        """`on_begun()` fires at the answer's first output text (none may come); `on_tokens(n)`
+        as its tokens stream (n < 0 corrects an estimate); a client that does not stream
+        need not call it."""
         ...
 
     async def aclose(self) -> None: ...
@@ -137,174 +140,23 @@ def busy_delay_s(retry_after_s: float | None, refusals: int) -> float:
     return BUSY.delay_s(refusals)
 
 
-class InflightLimiter:
-    """FIFO slots for requests in flight, at most `size` at once (all on one event loop).
+class Arrival(enum.Enum):
+    """Where a prompt's last send stands against its arrival in the engine."""
 
-    Backpressure halves `size` (at most once per `shrink_spacing_s`, so one burst of 429s
-    counts once); after `recover_s` without backpressure each completion gives one slot
-    back, up to `max_size`. `now` is a parameter so the rule is tested without a clock.
-
-        limiter = InflightLimiter(320)
-        async with limiter: ...          # one request
-        limiter.shrink(now)              # a 429: 160 slots for a while
-        limiter.completed(now)           # recover_s later: 161, 162, ... back to 320
-    """
-
-    def __init__(
-        self, max_size: int, *, recover_s: float = 10.0, shrink_spacing_s: float = 1.0
-    ) -> None:
-        self.max_size = max_size
-        self.size = max_size
-        self.held = 0
-        self.recover_s = recover_s
-        self.shrink_spacing_s = shrink_spacing_s
-        self.shrunk_at = -float("inf")
-        self._waiters: deque[asyncio.Future[None]] = deque()
-
-    async def acquire(self) -> None:
-        if self.held < self.size and not self._waiters:
-            self.held += 1
-            return
-        waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._waiters.append(waiter)
-        try:
-            await waiter
-        except asyncio.CancelledError:
-            if waiter.done() and not waiter.cancelled():
-                self.release()  # the slot was granted as the task was cancelled
-            else:
-                self._waiters.remove(waiter)
-            raise
-
-    def release(self) -> None:
-        self.held -= 1
-        self._wake()
-
-    def _wake(self) -> None:
-        while self._waiters and self.held < self.size:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                self.held += 1
-                waiter.set_result(None)
-
-    def shrink(self, now: float) -> None:
-        """The engine pushed back: halve the slots (never below one)."""
-        if now - self.shrunk_at < self.shrink_spacing_s:
-            return
-        self.shrunk_at = now
-        self.size = max(1, self.size // 2)
-
-    def completed(self, now: float) -> None:
-        """A request finished: once the engine has stopped pushing back, grow by one slot."""
-        if self.size < self.max_size and now - self.shrunk_at >= self.recover_s:
-            self.size += 1
-            self._wake()
-
-    async def __aenter__(self) -> None:
-        if self.held < self.size and not self._waiters:  # the common case, without a coroutine
-            self.held += 1
-            return
-        await self.acquire()
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
+    UNSENT = "unsent"  # never held a limiter slot: counted in Feeder.waiting
+    READY = "ready"  # holds (or held) a slot; this send is not in the engine yet
+    ARRIVING = "arriving"  # in the engine with no output yet: counted in Feeder._arriving
+    BEGUN = "begun"  # its answer began (output streamed): past its arrival
+    ENDED = "ended"  # it ended (or failed) with no output
 
 
-class SuspectLane:
-    """Prompts that were arriving when the engine died (no output yet) go back through here.
+class Lane(enum.Enum):
+    """What a suspect holds of the `SuspectLane` (kept past a failed send until `_down` has
+    seen the engine back)."""
 
-    Most of them are innocent, so the lane opens step by step: one suspect at a time, twice
-    as many after each one that succeeds or survives its arrival (still in the engine
-    `SUSPECT_PROBE_S` after it was sent, the engine alive: a prompt that kills the engine
-    does so as it arrives), one again after a death. Waiting for completions instead kept the
-    engine nearly empty for as long as a few completions take — minutes for long thinking
-    ones — after every restart. A prompt in flight at two deaths goes alone (`solo`: no
-    other suspect enters until it survived its arrival or ended), first; while it does,
-    `calm` is clear and no fresh prompt is sent either (`Feeder._slot`), so that a crash in
-    its arrival is its own, not a fresh poison's beside it. Suspects are ranked by deaths
-    seen, then by how late they were sent before the death (a prompt that kills the engine
-    on arrival is the last one sent). All on the feeder's loop.
-
-        lane = SuspectLane()
-        await lane.enter((-deaths, -sent_at), solo=deaths >= 2)
-        lane.survived(exclusive=deaths >= 2)  # it outlived its arrival: the lane widens
-        lane.leave(ok=True, exclusive=False)  # it succeeded: the lane widens
-        lane.died()                           # the engine died: one at a time again
-    """
-
-    MAX_WIDTH = 64
-
-    def __init__(self) -> None:
-        self.width = 1
-        self.held = 0
-        self.solo = False  # a solo suspect is in the engine: nobody else enters
-        self.calm = asyncio.Event()  # set while no solo holds the lane: fresh prompts may go
-        self.calm.set()
-        self._order = itertools.count()
-        self._waiting: list[tuple[tuple[float, float], int, bool, asyncio.Future[None]]] = []
-
-    def _grantable(self, solo: bool) -> bool:
-        if self.solo:
-            return False
-        return self.held == 0 if solo else self.held < self.width
-
-    def _grant(self, solo: bool) -> None:
-        self.held += 1
-        self.solo = solo
-        if solo:
-            self.calm.clear()
-
-    def _unsolo(self) -> None:
-        self.solo = False
-        self.calm.set()
-
-    async def enter(self, rank: tuple[float, float], solo: bool) -> None:
-        """Wait for this suspect's turn. Whether it is alone is read at a death (`held`), not
-        at entry: one that entered alone may be joined later."""
-        if not self._waiting and self._grantable(solo):
-            self._grant(solo)
-            return
-        turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        heapq.heappush(self._waiting, (rank, next(self._order), solo, turn))
-        try:
-            await turn
-        except asyncio.CancelledError:
-            if turn.done() and not turn.cancelled():
-                self.leave(ok=False, exclusive=solo)  # granted as it was cancelled
-            raise
-
-    def leave(self, ok: bool, exclusive: bool = True) -> None:
-        """A suspect is out of the engine (`ok`: it succeeded); `exclusive`: it still held the
-        lane alone as a solo (not yet released by `survived`)."""
-        self.held -= 1
-        if exclusive:
-            self._unsolo()
-        if ok:
-            self.width = min(self.width * 2, self.MAX_WIDTH)
-        self._wake()
-
-    def survived(self, exclusive: bool) -> None:
-        """A suspect outlived its arrival in the engine: widen as a success would, and a solo
-        lets the next suspects in (its slot stays held until it ends)."""
-        if exclusive:
-            self._unsolo()
-        self.width = min(self.width * 2, self.MAX_WIDTH)
-        self._wake()
-
-    def died(self) -> None:
-        self.width = 1
-
-    def _wake(self) -> None:
-        while self._waiting:
-            _rank, _n, solo, turn = self._waiting[0]
-            if turn.done():
-                heapq.heappop(self._waiting)
-                continue
-            if not self._grantable(solo):
-                return
-            heapq.heappop(self._waiting)
-            self._grant(solo)
-            turn.set_result(None)
+    OUT = "out"
+    SHARED = "shared"  # one of the lane's slots
+    SOLO = "solo"  # the lane alone, fresh prompts held back, until it survives its arrival
 
 
 @dataclass
@@ -315,23 +167,40 @@ class _Tries:
     refusals: int = 0  # backpressure answers in a row
     busy_since: float | None = None
     failing_since: float | None = None
-    waiting: bool = True  # counted in Feeder.waiting until it first holds a limiter slot
+    arrival: Arrival = Arrival.UNSENT  # of its last send
+    lane: Lane = Lane.OUT
     sent_at: float = 0.0
+    send_no: int = 0  # its last send's number (`Feeder._sends`)
     deaths_at_send: int = 0
     crashes_at_send: int = 0
     deaths: int = 0  # engine deaths while it was in flight
     crashes: int = 0  # of those, the engine's own crashes (`EngineHandle.crashes`)
     first_death_s: float | None = None
-    alone: bool = False  # its last send failed arriving, with no other prompt arriving
-    in_lane: bool = False  # it holds its lane slot until the engine it failed on is back
-    exclusive: bool = False  # a solo suspect that holds the lane alone (not yet survived)
-    survived: bool = False  # its last send outlived its arrival (`Feeder._probe`)
-    send_no: int = 0  # its last send's number (`Feeder._sends`)
-    arriving: bool = False  # its last send has no output yet (counted in Feeder._arriving)
-    begun: bool = False  # its last send's answer had begun (output streamed)
-    overlapped: bool = False  # another prompt was arriving during its last send's arrival
-    answered: bool = False  # its last send broke after its answer had begun: past arrival
+    # Facts of its last send, each read on its own: another prompt was arriving during its
+    # arrival; it outlived its arrival (`Feeder._probe`); it failed arriving with no other
+    # suspect in the engine (read by `_down`, set when it fails).
+    overlapped: bool = False
+    survived: bool = False
+    alone: bool = False
     spent: int = 0  # tokens the engine generated in tries that failed (an abort's)
+
+
+class _Streamed:
+    """One try's tokens as they stream, added to the feeder's `streamed_tokens_total`; at
+    the answer's end the total is set right to its exact count (`settle`)."""
+
+    __slots__ = ("feeder", "tokens")
+
+    def __init__(self, feeder: Feeder) -> None:
+        self.feeder = feeder
+        self.tokens = 0
+
+    def add(self, n: int) -> None:
+        self.tokens += n
+        self.feeder.streamed_tokens_total += n
+
+    def settle(self, completion_tokens: int) -> None:
+        self.add(completion_tokens - self.tokens)
 
 
 class Feeder:
@@ -366,7 +235,11 @@ class Feeder:
         self.on_batch_sent = on_batch_sent
         self.inflight = 0
         self.waiting = 0  # prompts submitted that do not hold a limiter slot yet
-        self.tokens_total = 0
+        self.tokens_total = 0  # completion tokens of finished answers
+        # Tokens as they stream, answers in flight included: each answer's exact count once it
+        # ends, what it streamed when it fails (those were generated). The rate of a window
+        # shorter than the answers reads from this, not from `tokens_total`.
+        self.streamed_tokens_total = 0
         self.busy_total = 0  # answers that were backpressure (429, queue full)
         self.failed_tries_total = 0  # aborts, 5xx: tries sent again
         self.waste = WasteTally()  # where this worker's tokens went (common/waste.py)
@@ -558,18 +431,18 @@ class Feeder:
         if suspect:
             rank = (-float(tries.deaths), -tries.sent_at)
             await self._lane.enter(rank, solo=tries.deaths >= 2)
-            tries.exclusive = tries.deaths >= 2
+            tries.lane = Lane.SOLO if tries.deaths >= 2 else Lane.SHARED
         ok = False
         try:
             await self._slot(suspect)
             try:
-                if tries.waiting:
-                    tries.waiting = False
+                if tries.arrival is Arrival.UNSENT:
+                    tries.arrival = Arrival.READY
                     self.waiting -= 1
                     unsent[0] -= 1
                     if unsent[0] == 0:
                         on_sent()
-                if tries.exclusive:
+                if tries.lane is Lane.SOLO:
                     await self._quiet()
                 if not self._engine.alive():  # dead, its exit not seen yet: never sent
                     raise EngineUnreachable("the engine process is not running")
@@ -580,10 +453,16 @@ class Feeder:
                 tries.survived = False
                 self._arrive(tries)
                 probe = self._probe(tries) if suspect else None
+                streamed = _Streamed(self)
                 try:
                     result = await self._client.chat(
-                        record, params, timeout_s, lambda: self._arrived(tries, True, suspect)
+                        record,
+                        params,
+                        timeout_s,
+                        lambda: self._arrived(tries, True, suspect),
+                        on_tokens=streamed.add,
                     )
+                    streamed.settle(result.usage.completion_tokens)
                 finally:
                     self.inflight -= 1
                     self._arrived(tries, False, suspect)
@@ -594,7 +473,6 @@ class Feeder:
             ok = True
             return result
         except EngineDown as exc:
-            tries.answered = isinstance(exc, AnswerInterrupted)
             if suspect and not isinstance(exc, RequestTimedOut):
                 # Alone if no other suspect is in the engine as it fails: the others in flight
                 # at the same death still hold their slots (they leave in `_down`, once the
@@ -606,13 +484,17 @@ class Feeder:
                 # arriving at any moment of its arrival: a prompt that kills the engine does
                 # so as it arrives, so a death after its first output, or beside another
                 # arrival (a fresh poison sent at the same moment), may not be its own.
-                tries.alone = self._lane.held == 1 and not tries.begun and not tries.overlapped
-                tries.in_lane, suspect = True, False
+                tries.alone = (
+                    self._lane.held == 1
+                    and tries.arrival is not Arrival.BEGUN
+                    and not tries.overlapped
+                )
+                suspect = False  # it keeps its lane slot until `_down`
             raise
         finally:
             if suspect:
-                self._lane.leave(ok, tries.exclusive)
-                tries.exclusive = False
+                self._lane.leave(ok, tries.lane is Lane.SOLO)
+                tries.lane = Lane.OUT
 
     async def _slot(self, suspect: bool) -> None:
         """A limiter slot. A fresh prompt waits while a solo suspect holds the lane (`calm`
@@ -640,20 +522,19 @@ class Feeder:
         self._sends += 1
         tries.send_no = self._sends
         tries.overlapped = self._arriving > 0
-        tries.arriving, tries.begun = True, False
+        tries.arrival = Arrival.ARRIVING
         self._arriving += 1
 
     def _arrived(self, tries: _Tries, begun: bool, suspect: bool) -> None:
         """A send's arrival ended: its first output (`begun`; a suspect then survived, as
         `_probe` would say later), or its end with none. Sends after its own overlapped it."""
-        if not tries.arriving:
+        if tries.arrival is not Arrival.ARRIVING:
             return
-        tries.arriving = False
+        tries.arrival = Arrival.BEGUN if begun else Arrival.ENDED
         tries.overlapped = tries.overlapped or self._sends != tries.send_no
         self._arriving -= 1
         if not self._arriving:
             self._none_arriving.set()
-        tries.begun = begun
         if begun and suspect and self._engine.deaths == tries.deaths_at_send:
             self._survive(tries)
 
@@ -661,8 +542,9 @@ class Feeder:
         if tries.survived:
             return
         tries.survived = True
-        self._lane.survived(tries.exclusive)
-        tries.exclusive = False
+        self._lane.survived(tries.lane is Lane.SOLO)
+        if tries.lane is Lane.SOLO:
+            tries.lane = Lane.SHARED  # its slot stays held until it ends
 
     def _probe(self, tries: _Tries) -> asyncio.TimerHandle:
         """A suspect was sent: if it is still in flight `SUSPECT_PROBE_S` later and the engine
@@ -672,7 +554,7 @@ class Feeder:
         deaths = tries.deaths_at_send
 
         def passed() -> None:
-            if tries.exclusive:
+            if tries.lane is Lane.SOLO:
                 return
             if self._engine.deaths == deaths and self._engine.alive():
                 self._survive(tries)
@@ -728,13 +610,12 @@ class Feeder:
         """The engine went down: wait until it is back, count the death if the prompt was in
         flight at it, and blame the prompt (its error record) when the engine died again
         with it alone among suspects while other prompts succeeded."""
-        held, tries.in_lane = tries.in_lane, False
         try:
             return await self._down_counted(run, batch, record, exc, tries)
         finally:
-            if held:
-                self._lane.leave(ok=False, exclusive=tries.exclusive)
-                tries.exclusive = False
+            if tries.lane is not Lane.OUT:
+                self._lane.leave(ok=False, exclusive=tries.lane is Lane.SOLO)
+                tries.lane = Lane.OUT
 
     async def _down_counted(
         self, run: str, batch: str, record: PromptRecord, exc: EngineDown, tries: _Tries
@@ -751,7 +632,7 @@ class Feeder:
         reached = not isinstance(exc, EngineUnreachable)  # else never in flight
         if reached and self._engine.deaths > tries.deaths_at_send:
             self._lane.died()
-            if tries.answered:
+            if isinstance(exc, AnswerInterrupted):
                 # Its answer had begun: past its arrival, so not the cause of this death, nor
                 # of any before (it would have killed the engine arriving again). It goes
                 # back at once, not through the lane: after a restart most of what was in

@@ -9,6 +9,12 @@ error after the stream started is an in-stream `data: {"error": {…}}` on the H
 The repetition guard watches the reasoning and the content as they grow; when either ends in
 a loop, `feed` says stop and the client closes the stream (SGLang aborts a request whose
 client went away). What was generated is kept, with `finish_reason "repetition"`.
+
+The tokens of an answer are counted as they stream, not when it ends, so that a worker's
+tokens per second hold over a window shorter than its answers (`on_tokens`): a chunk that
+carries the usage so far counts up to its `completion_tokens` (exact, and a correction of
+earlier estimates), one that carries text without it counts `chunk_tokens` (SGLang sends a
+chunk every `--stream-interval` tokens).
 """
 
 from __future__ import annotations
@@ -41,14 +47,24 @@ class ChatStream:
         "loop",
         "loop_field",
         "on_begun",
+        "on_tokens",
+        "chunk_tokens",
+        "streamed_tokens",
         "_guards",
     )
 
     def __init__(
-        self, rule: RepetitionRule | None, on_begun: Callable[[], None] | None = None
+        self,
+        rule: RepetitionRule | None,
+        on_begun: Callable[[], None] | None = None,
+        on_tokens: Callable[[int], None] | None = None,
+        chunk_tokens: int = 1,
     ) -> None:
         """`on_begun()` fires once, at the first reasoning or content text: the prompt is past
-        its arrival (prefill and first steps run), which the feeder's crash blame needs."""
+        its arrival (prefill and first steps run), which the feeder's crash blame needs.
+        `on_tokens(n)` fires at each chunk that moves the count of tokens streamed so far
+        (`streamed_tokens`), with the change; `n` is negative where a usage figure corrects
+        an estimate of `chunk_tokens` per chunk."""
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.finish_reason: str | None = None
@@ -61,6 +77,9 @@ class ChatStream:
         self.loop: Loop | None = None
         self.loop_field: str | None = None
         self.on_begun = on_begun
+        self.on_tokens = on_tokens
+        self.chunk_tokens = chunk_tokens
+        self.streamed_tokens = 0
         self._guards = (
             (RepetitionDetector(rule), RepetitionDetector(rule)) if rule is not None else None
         )
@@ -88,10 +107,30 @@ class ChatStream:
         usage = chunk.get("usage")
         if usage:
             self.usage = usage
+        stop = text = False
         for choice in chunk.get("choices") or ():
-            if choice.get("index", 0) == 0 and self._choice(choice):
-                return True
-        return False
+            if choice.get("index", 0) == 0:
+                delta = choice.get("delta") or {}
+                text = bool(delta.get("reasoning_content") or delta.get("content"))
+                stop = self._choice(choice)
+                break
+        self._count(usage, text)
+        return stop
+
+    def _count(self, usage: Any, text: bool) -> None:
+        """Move `streamed_tokens` by one chunk: to its usage's `completion_tokens` where it
+        has one, else by `chunk_tokens` where it brought text."""
+        so_far = usage.get("completion_tokens") if isinstance(usage, dict) else None
+        if isinstance(so_far, int) and not isinstance(so_far, bool):
+            change = so_far - self.streamed_tokens
+        elif text:
+            change = self.chunk_tokens
+        else:
+            return
+        if change:
+            self.streamed_tokens += change
+            if self.on_tokens is not None:
+                self.on_tokens(change)
 
     def _choice(self, choice: dict[str, Any]) -> bool:
         delta = choice.get("delta") or {}

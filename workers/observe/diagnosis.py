@@ -15,10 +15,19 @@ in flight). The cause is the first that applies, in this order:
     restart_budget_spent  the engine's restart budget (a rate) is spent: the worker takes no
                      work until its cool-down ends; a finding whether or not work waits
     engine_down      the engine is down or restarting, now or during the window
-    mtp_off          speculative decoding is off (speculative_algorithm is None)
+    mtp_off          speculative decoding is off (speculative_algorithm is None), though the
+                     engine plan did not turn it off for this card (`mtp_planned_off`); never
+                     where engine_capped applies: drafts do not raise the engine's cap
     mtp_ineffective  accept length below min_accept_length: MTP weights likely missing
-    engine_capped    the engine runs max_running_requests with requests queued inside it
-    client_limited   work orders wait in the queue but this worker feeds too little
+    engine_capped    the engine holds work it does not run: it runs its enforced cap with work
+                     waiting for it (queued inside it, more in flight than running, or more
+                     the client would send), or it queues requests below its cap (its KV cache
+                     admits no more). The finding names what set the cap (`cap_limit`:
+                     "configured", "state_pool" — the recurrent-state pool of a hybrid model —
+                     or "kv") and the fix: the engine plan's flags (`plan_fix`) when the cap is
+                     below the plan's (`plan_cap`), else that limit's usual fix
+    client_limited   work waits for this GPU (orders in the queue, or its worker's limiter
+                     full) while the engine has room: below its cap, nothing queued inside it
     unbalanced       the queue is empty while another worker holds prompts it has not sent
                      yet (reserved batches): the work sits on one GPU while this one idles
     starved          the queue is empty while a run is still staging: the producer is slower
@@ -31,8 +40,13 @@ the first batch arrives is not blamed on the producer. Likewise a GPU whose work
 nothing to send at some point of the window (`idle_in_window`: work began inside it) is
 `starting`, not blamed on MTP or feeding; the next full window judges it.
 
-MTP off is blamed whenever spec is off, even when feeding is also short: the other causes
-that apply are listed in `numbers["other_causes"]`. An accept length below the minimum is a
+A GPU whose engine runs its cap, the cap at or above the one the engine plan expects of this
+card (`plan_cap`), is "ok" whatever its power: memory-bound decode at the plan's best batch
+draws what it draws, and no knob of the worker raises it. Below the plan's cap it is
+underused, `engine_capped`, with the plan's fix.
+
+MTP off is blamed when spec is off even where feeding is also short: the other causes that
+apply are listed in `numbers["other_causes"]`. An accept length below the minimum is a
 finding even when power is fine (verdict "mtp_ineffective"): the checkpoint lacks its MTP
 weights and SGLang does not say so. Underused with no work waiting is "idle", not a finding.
 An expected worker with no summary, or a stale one, is `worker_unresponsive` (a silent one's
@@ -157,10 +171,7 @@ _SUGGESTIONS = {
         "accept length {accept_length:.2f} < {min_accept_length}: the checkpoint likely lacks its "
         "MTP weights; check its safetensors index for MTP tensors"
     ),
-    "engine_capped": (
-        "engine at max_running_requests={max_running_requests} with {queued} queued inside it: "
-        "raise --max-running-requests"
-    ),
+    "engine_capped": "{cap_what}: {cap_fix}",
     "client_limited": (
         "work waits ({waiting}) while {inflight}/{inflight_cap} requests are "
         "in flight: raise --max-inflight (or --worker-concurrency)"
@@ -177,40 +188,142 @@ _SUGGESTIONS = {
 }
 
 
+@dataclass(frozen=True)
+class EngineRoom:
+    """Where an engine stands against its running-request cap, from its `EngineState` JSON
+    and whether the client wants to send more (orders queued, or its limiter full).
+
+    `full`: it runs its enforced cap. `capped`: it holds work it does not run, so the engine,
+    not the client, is what limits it: at its cap with work waiting for it (queued inside
+    it, more in flight than running, or the client wanting to send more), or below its cap
+    with requests queued inside it (`below_cap`: its KV cache admits no more). `room`: it
+    would run more than it is given (below its cap, nothing queued inside); an engine that
+    reports neither figure is taken to have room, as the client cannot tell otherwise.
+    `at_plan`: full at a cap at or above the plan's for this card: the best it can do.
+    """
+
+    full: bool
+    capped: bool
+    below_cap: bool
+    room: bool
+    at_plan: bool
+
+    @classmethod
+    def of(cls, engine: Mapping[str, Any], wants_more: bool) -> EngineRoom:
+        running, cap = engine.get("running"), engine.get("max_running_requests")
+        queued = engine.get("queued") or 0
+        inflight = engine.get("inflight") or 0
+        full = running is not None and cap is not None and running >= cap
+        held = full and (queued > 0 or inflight > (running or 0) or wants_more)
+        below = not full and queued > 0
+        plan = engine.get("plan_cap")
+        return cls(
+            full=full,
+            capped=held or below,
+            below_cap=below,
+            room=not full and queued == 0,
+            at_plan=full and plan is not None and cap is not None and cap >= plan,
+        )
+
+
+def _wants_more(engine: Mapping[str, Any], fleet: FleetState) -> bool:
+    """Work waits for this GPU on the client's side: orders in the queue, or its own limiter
+    full (its batches are reserved, so the queue can look empty meanwhile)."""
+    inflight, limit = engine.get("inflight") or 0, engine.get("inflight_cap") or 0
+    return fleet.queue_depth > 0 or bool(limit and inflight >= limit)
+
+
 def _causes(
     engine: Mapping[str, Any], down: bool, fleet: FleetState, min_accept_length: float, idle: str
 ) -> list[str]:
     """Every cause of underuse that applies, in precedence order; the last is `idle`, why the
-    GPU lacks work when the client is not what holds it back (see `_idle_cause`)."""
+    GPU lacks work when the client wants to send nothing more (see `_idle_cause`)."""
     found = []
     alarm = engine_alarm(engine)
     if alarm is not None:
         found.append(alarm)
     if down:
         found.append("engine_down")
+    wants_more = _wants_more(engine, fleet)
+    room = EngineRoom.of(engine, wants_more)
     # An engine without /server_info (a generic command) cannot say whether MTP is on:
-    # blaming MTP there would send the operator after the wrong knob.
-    if engine.get("spec_reported", True) and not engine.get("speculative_algorithm"):
+    # blaming MTP there would send the operator after the wrong knob. Nor is it to blame
+    # where the engine's cap limits it (drafts do not raise the cap), or where the engine
+    # plan turned MTP off for this card.
+    if (
+        engine.get("spec_reported", True)
+        and not engine.get("speculative_algorithm")
+        and not engine.get("mtp_planned_off")
+        and not room.capped
+    ):
         found.append("mtp_off")
     accept = engine.get("accept_length")
-    running, cap = engine.get("running"), engine.get("max_running_requests")
     if (
         engine.get("speculative_algorithm")
         and accept is not None
         and accept < min_accept_length
-        and accept_length_judges_mtp(bool(engine.get("speculative_adaptive")), running)
+        and accept_length_judges_mtp(
+            bool(engine.get("speculative_adaptive")), engine.get("running")
+        )
     ):
         found.append("mtp_ineffective")
-    if running is not None and cap is not None and running >= cap and (engine.get("queued") or 0):
+    if room.capped:
         found.append("engine_capped")
-    # Work waits for this GPU while the client holds back: orders in the queue, or its own
-    # limiter full (its batches are reserved, so the queue can look empty meanwhile).
-    inflight, limit = engine.get("inflight") or 0, engine.get("inflight_cap") or 0
-    if fleet.queue_depth > 0 or (limit and inflight >= limit):
-        found.append("client_limited")
-    else:
+    if not wants_more:
         found.append(idle)
+    elif room.room:
+        found.append("client_limited")
     return found
+
+
+_STATE_POOL_FIX = (
+    "--disable-radix-cache with a --max-running-requests that fits, or a larger "
+    "--mamba-full-memory-ratio"
+)
+_KV_FIX = (
+    "shorter answers (a lower max_tokens), an fp8 KV cache (--kv-cache-dtype fp8_e4m3) or a "
+    "larger --mem-fraction-static"
+)
+
+
+def _capped_advice(
+    engine: Mapping[str, Any], room: EngineRoom, fleet: FleetState
+) -> dict[str, Any]:
+    """What caps a capped engine and its fix, for the `engine_capped` finding: `cap_limit`
+    (the engine's, or "kv" when it queues below its cap), `cap_what` (the limit in words,
+    with what waits for it) and `cap_fix` (the plan's flags when the cap is below the plan's,
+    else the usual fix for that limit)."""
+    cap = engine.get("max_running_requests")
+    running, queued = engine.get("running"), engine.get("queued") or 0
+    configured, plan = engine.get("configured_max_running_requests"), engine.get("plan_cap")
+    limit = "kv" if room.below_cap else engine.get("cap_limit") or "configured"
+    inflight = engine.get("inflight") or 0
+    if queued:
+        waits = f"{queued} queued inside it"
+    elif inflight > (running or 0):
+        waits = f"{inflight - (running or 0)} more in flight"
+    else:
+        waits = waiting_work(fleet.queue_depth, engine.get("active_batches") or 0)
+    of = f" ({configured} configured)" if configured and configured != cap else ""
+    short = plan is not None and cap is not None and cap < plan
+    expects = f"; the plan expects {plan} on this card" if short else ""
+    if room.below_cap:
+        now = f"{running} running, " if running is not None else ""
+        what = f"the KV cache admits no more: {now}below the engine's cap of {cap}, {waits}"
+        return {"cap_limit": limit, "cap_what": what, "cap_fix": _KV_FIX}
+    if limit == "state_pool":
+        what = f"the recurrent-state pool limits the engine to {cap} running requests{of}"
+        fix = _STATE_POOL_FIX
+    elif limit == "kv":
+        what = f"the KV cache holds only {cap} running requests' tokens{of}"
+        fix = _KV_FIX
+    else:
+        what = f"the engine runs its max_running_requests={cap}"
+        fix = "raise --max-running-requests" + (f" to {plan}" if short else "")
+    plan_fix = engine.get("plan_fix")
+    if plan_fix and (plan is None or short):
+        fix = str(plan_fix)
+    return {"cap_limit": limit, "cap_what": f"{what}, {waits}{expects}", "cap_fix": fix}
 
 
 def engine_alarm(engine: Mapping[str, Any]) -> str | None:
@@ -287,6 +400,31 @@ def _run_of(engine: Mapping[str, Any], fleet: FleetState) -> str | None:
     return pending[0] if not runs and len(pending) == 1 else None
 
 
+def _low_power_verdict(
+    causes: list[str],
+    room: EngineRoom,
+    waits: bool,
+    summary: Mapping[str, Any],
+    fleet: FleetState,
+) -> tuple[str, str | None]:
+    """The verdict and cause of a GPU below the power threshold whose engine is up: why its
+    power is low decides whether that is a finding."""
+    if not waits:
+        ending = any(n > 0 for n in fleet.pending_batches.values())
+        return ("draining" if ending else "idle"), None
+    if room.at_plan:
+        # At the cap the engine plan expects of this card: memory-bound decode at its best
+        # batch draws what it draws; no knob of this worker would raise it.
+        return "ok", None
+    if causes[-1] == "draining" and "engine_capped" not in causes:
+        # The run's last batches finish: low power says nothing about MTP or feeding.
+        return "draining", None
+    if summary.get("idle_in_window") and causes[0] in _FEEDING:
+        # Work began inside the window: its mean still holds the idle time before it.
+        return "starting", None
+    return "underused", causes[0]
+
+
 def _judge_gpu(
     worker: str,
     summary: Mapping[str, Any],
@@ -317,6 +455,10 @@ def _judge_gpu(
         "running": engine.get("running"),
         "queued": engine.get("queued"),
         "max_running_requests": engine.get("max_running_requests"),
+        "configured_max_running_requests": engine.get("configured_max_running_requests"),
+        "cap_limit": engine.get("cap_limit"),
+        "plan_cap": engine.get("plan_cap"),
+        "plan_fix": engine.get("plan_fix"),
         "speculative_algorithm": engine.get("speculative_algorithm"),
         "accept_length": accept,
         "min_accept_length": min_accept_length,
@@ -330,6 +472,12 @@ def _judge_gpu(
     if alarm is not None:
         numbers.update(_alarm_numbers(engine))
     causes = _causes(engine, down, fleet, min_accept_length, idle)
+    room = EngineRoom.of(engine, _wants_more(engine, fleet))
+    capped: dict[str, Any] = {}
+    if "engine_capped" in causes:
+        capped = _capped_advice(engine, room, fleet)
+        numbers.update(cap_limit=capped["cap_limit"], cap_fix=capped["cap_fix"])
+    low = power is not None and limit is not None and power < threshold * limit
     if alarm is not None:
         # Not a matter of power: the engine cannot serve until someone (or the cool-down)
         # acts, whether or not work waits right now.
@@ -338,17 +486,8 @@ def _judge_gpu(
         verdict, cause = "underused", "engine_down"
     elif power is None or not limit:
         verdict, cause = "unknown", None
-    elif power < threshold * limit and not waits:
-        ending = any(n > 0 for n in fleet.pending_batches.values())
-        verdict, cause = ("draining" if ending else "idle"), None
-    elif power < threshold * limit and causes[-1] == "draining" and causes[0] != "engine_capped":
-        # The run's last batches finish: low power says nothing about MTP or feeding.
-        verdict, cause = "draining", None
-    elif power < threshold * limit and summary.get("idle_in_window") and causes[0] in _FEEDING:
-        # Work began inside the window: its mean still holds the idle time before it.
-        verdict, cause = "starting", None
-    elif power < threshold * limit:
-        verdict, cause = "underused", causes[0]
+    elif low:
+        verdict, cause = _low_power_verdict(causes, room, waits, summary, fleet)
     else:
         verdict, cause = "ok", None
     if cause is None and "mtp_ineffective" in causes:
@@ -372,7 +511,8 @@ def _judge_gpu(
     if cause is None:
         return row, None
     suggestion = _SUGGESTIONS[cause].format(
-        **numbers, waiting=waiting_work(fleet.queue_depth, numbers["active_batches"] or 0)
+        **{**numbers, **capped},
+        waiting=waiting_work(fleet.queue_depth, numbers["active_batches"] or 0),
     )
     if alarm is not None:
         row["why"] = suggestion  # `top` prints it under the table: the error and the fix

@@ -29,7 +29,14 @@ class EngineState:
     restarts: int = 0  # engine restarts since the worker started (the supervisor's budget use)
     inflight: int = 0
     inflight_cap: int = 0
-    max_running_requests: int | None = None
+    max_running_requests: int | None = None  # the cap the engine enforces (`enforced_cap`)
+    configured_max_running_requests: int | None = None  # the cap it was started with
+    cap_limit: str | None = None  # what sets the enforced cap: see `cap_limit`
+    # The engine plan of the worker's runtime for this card: the running-request cap it
+    # expects, the flags that would reach it (a short text), and whether it chose MTP off.
+    plan_cap: int | None = None
+    plan_fix: str | None = None
+    mtp_planned_off: bool = False
     running: int | None = None
     queued: int | None = None
     speculative_algorithm: str | None = None
@@ -60,11 +67,16 @@ class EngineState:
         waiting: int = 0,
         budget: Mapping[str, Any] | None = None,
         crash: Mapping[str, Any] | None = None,
+        plan_cap: int | None = None,
+        plan_fix: str | None = None,
+        mtp_planned_off: bool = False,
     ) -> EngineState:
         """The state of an engine in `lifecycle` (the supervisor's `state`: stopped, starting,
         ready, restarting, exhausted) whose last /server_info was `server_info`, with the
         client's limiter, its restart `budget` (`EngineSupervisor.budget()`) and `crash`
-        report; no HTTP, so it is cheap to read every second."""
+        report, and what the engine plan expects of this card (`plan_cap`, `plan_fix`,
+        `mtp_planned_off`: the diagnosis judges the engine against them); no HTTP, so it is
+        cheap to read every second."""
         figures = budget or {}
         return cls(
             up=lifecycle == "ready",
@@ -79,6 +91,9 @@ class EngineState:
             inflight=inflight,
             inflight_cap=inflight_cap,
             waiting=waiting,
+            plan_cap=plan_cap,
+            plan_fix=plan_fix,
+            mtp_planned_off=mtp_planned_off,
             spec_reported=bool(server_info),
             **engine_state_from_server_info(server_info),
         )
@@ -134,6 +149,22 @@ def engine_state_from_metrics(text: str) -> dict[str, Any]:
     return out
 
 
+def _positive_int(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else None
+
+
+def _first_state(info: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`internal_states[0]` of a `/server_info` (the scheduler of DP rank 0), {} when absent."""
+    states = info.get("internal_states")
+    if isinstance(states, list) and states and isinstance(states[0], Mapping):
+        return states[0]
+    return {}
+
+
+def _dp_size(info: Mapping[str, Any]) -> int:
+    return _positive_int(info.get("dp_size")) or 1
+
+
 def enforced_cap(info: Mapping[str, Any]) -> int | None:
     """The running-request cap the engine enforces, from its `/server_info`.
 
@@ -146,23 +177,57 @@ def enforced_cap(info: Mapping[str, Any]) -> int | None:
                       "internal_states": [{"effective_max_running_requests_per_dp": 40}] * 2})
         # 80
     """
-    states = info.get("internal_states")
-    if isinstance(states, list) and states and isinstance(states[0], Mapping):
-        per_dp = states[0].get("effective_max_running_requests_per_dp")
-        if isinstance(per_dp, int) and not isinstance(per_dp, bool) and per_dp > 0:
-            dp = info.get("dp_size")
-            return per_dp * (dp if isinstance(dp, int) and dp > 0 else 1)
-    cap = info.get("max_running_requests")
-    return cap if isinstance(cap, int) and not isinstance(cap, bool) and cap > 0 else None
+    per_dp = _positive_int(_first_state(info).get("effective_max_running_requests_per_dp"))
+    if per_dp is not None:
+        return per_dp * _dp_size(info)
+    return _positive_int(info.get("max_running_requests"))
+
+
+def is_hybrid(info: Mapping[str, Any]) -> bool:
+    """Whether the engine serves a hybrid model (linear attention with a recurrent state per
+    request, as Qwen3.5/3.6): SGLang sizes a mamba state pool for it and reports its size as
+    `max_mamba_cache_size` in `internal_states[0]` (the scheduler's own args; the top-level
+    copy holds only what was passed, null by default), None for other models."""
+    return any(
+        _positive_int(where.get("max_mamba_cache_size")) is not None
+        for where in (_first_state(info), info)
+    )
+
+
+def cap_limit(info: Mapping[str, Any]) -> str | None:
+    """What sets the running-request cap the engine enforces, from its `/server_info`:
+
+    - "configured": the enforced cap is the configured `max_running_requests` (top level);
+    - "state_pool": it is lower, and the model is hybrid: the recurrent-state (mamba) pool
+      holds that many requests' states;
+    - "kv": it is lower (or SGLang chose it, none being configured) on a model without one:
+      the KV cache holds that many requests' tokens.
+
+    None when the engine reports no cap. With data parallelism the configured cap is split
+    over the ranks (`configured // dp_size` each), so a remainder is no cut.
+
+        cap_limit({"max_running_requests": 256,
+                   "internal_states": [{"effective_max_running_requests_per_dp": 12,
+                                        "max_mamba_cache_size": 7299}]})  # "state_pool"
+    """
+    enforced = enforced_cap(info)
+    if enforced is None:
+        return None
+    configured = _positive_int(info.get("max_running_requests"))
+    dp = _dp_size(info)
+    if configured is not None and enforced // dp >= configured // dp:
+        return "configured"
+    return "state_pool" if is_hybrid(info) else "kv"
 
 
 def engine_state_from_server_info(info: Mapping[str, Any]) -> dict[str, Any]:
     """EngineState fields from SGLang's `/server_info` (read after warm-up, and now and then).
 
     `speculative_algorithm` is always returned (None means spec is off); `max_running_requests`
-    is the cap the engine enforces (`enforced_cap`), which may be below the configured one;
-    `accept_length` is `internal_states[0].avg_spec_accept_length`, present only once decoding
-    under spec happened.
+    is the cap the engine enforces (`enforced_cap`), which may be below the configured one
+    (`configured_max_running_requests`, the top-level figure), and `cap_limit` says what
+    set it; `accept_length` is `internal_states[0].avg_spec_accept_length`, present only once
+    decoding under spec happened.
     """
     out: dict[str, Any] = {"speculative_algorithm": info.get("speculative_algorithm") or None}
     if info.get("speculative_adaptive"):
@@ -170,6 +235,10 @@ def engine_state_from_server_info(info: Mapping[str, Any]) -> dict[str, Any]:
     cap = enforced_cap(info)
     if cap is not None:
         out["max_running_requests"] = cap
+        out["cap_limit"] = cap_limit(info)
+    configured = _positive_int(info.get("max_running_requests"))
+    if configured is not None:
+        out["configured_max_running_requests"] = configured
     accept = accept_length_from_server_info(info)
     if accept is not None:
         out["accept_length"] = accept

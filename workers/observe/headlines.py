@@ -155,6 +155,8 @@ def finding_line(finding: Mapping[str, Any]) -> str:
     if cause in ("crash_loop", "restart_budget_spent"):
         return _clean(f"{who}: {engine_alarm_line(cause, numbers)}")
     fix = FIXES.get(cause, "")
+    if cause == "engine_capped" and numbers.get("cap_fix"):
+        fix = capped_fix(numbers)
     if cause == "client_limited" and not numbers.get("queue_depth"):
         # The queue reads 0 because this worker reserved the batches: say what waits.
         batches = int(numbers.get("active_batches") or 0)
@@ -165,6 +167,23 @@ def finding_line(finding: Mapping[str, Any]) -> str:
         )
     facts.append(f"{cause} — {fix}" if fix else cause)
     return _clean(f"{who}: {', '.join(facts)}")
+
+
+_CAP_WORDS = {"state_pool": "the recurrent-state pool", "kv": "the KV cache"}
+
+
+def capped_fix(numbers: Mapping[str, Any]) -> str:
+    """The short fix of an `engine_capped` finding, naming what caps the engine:
+    `the recurrent-state pool caps it at 12: --disable-radix-cache …`, `the KV cache admits
+    no more: …` (it queues below its cap), `raise --max-running-requests to 48`."""
+    limit, fix = numbers.get("cap_limit"), str(numbers.get("cap_fix") or FIXES["engine_capped"])
+    words = _CAP_WORDS.get(str(limit))
+    if words is None:
+        return fix
+    running, cap = numbers.get("running"), numbers.get("max_running_requests")
+    if running is not None and cap is not None and running < cap:
+        return f"{words} admits no more: {fix}"
+    return f"{words} caps it at {cap}: {fix}"
 
 
 def engine_alarm_line(cause: str, numbers: Mapping[str, Any]) -> str:

@@ -16,7 +16,8 @@ import orjson
 import redis
 from celery import Celery
 
-from genfleet.common import keys
+from genfleet.common import fleet_registry, keys, run_registry, summaries
+from genfleet.common.findings import record as record_finding
 from genfleet.common.ledger import Ledger
 from genfleet.common.redis_conn import connect, text
 from genfleet.common.settings import Settings
@@ -41,15 +42,14 @@ def fleet_state(client: redis.Redis, settings: Settings, now: float) -> FleetSta
     """Queue depth, batches waiting per run, and the workers seen in the last ten minutes."""
     pending: dict[str, int] = {}
     staging: dict[str, float] = {}
-    for member in client.smembers(keys.runs_key()):
-        run = text(member)
+    for run in run_registry.runs(client):
         count = Ledger(client).queued_count(run)
         if count:
             pending[run] = count
         since = client.get(keys.staging_key(run))
         if since is not None:
             staging[run] = float(since)
-    seen = {text(k): float(v) for k, v in client.hgetall(keys.workers_key()).items()}
+    seen = fleet_registry.seen(client)
     expected = frozenset(w for w, ts in seen.items() if now - ts < FORGET_WORKER_S)
     queues = {text(name) for name in client.smembers(keys.work_queues_key())}
     return FleetState(
@@ -65,14 +65,13 @@ def snapshot(
 ) -> tuple[dict[str, dict[str, Any]], FleetState]:
     """Every worker's pushed summary and the fleet's queue state. The workers expected are
     those the registry holds (heard within FORGET_S); a silent one is expected, unsampled."""
-    found = pushed.read(client, settings.summary_ttl_s)
+    found = summaries.read(client, settings.summary_ttl_s)
+    pushed.prune(client, found)
     pipe = client.pipeline()
-    if found.samples:
-        pipe.hset(keys.workers_key(), mapping={w: now for w in found.samples})
-    seen = {text(k): float(v) for k, v in client.hgetall(keys.workers_key()).items()}
+    fleet_registry.heard(pipe, found.samples, now)
+    seen = fleet_registry.seen(client)  # before this beat's stamps: they are in `pipe`
     forgotten = [w for w, ts in seen.items() if now - ts >= FORGET_WORKER_S]
-    if forgotten:
-        pipe.hdel(keys.workers_key(), *forgotten)  # seen by this beat's clock only
+    fleet_registry.forget(pipe, forgotten)  # seen by this beat's clock only
     pipe.execute()
     fleet = fleet_state(client, settings, now)
     return found.samples, replace(
@@ -112,12 +111,7 @@ def watch_pass(client: redis.Redis, settings: Settings, now: float) -> dict[str,
             finding.suggestion,
             orjson.dumps(finding.numbers).decode(),
         )
-        pipe.xadd(
-            keys.findings_key(),
-            {"finding": orjson.dumps(data)},
-            maxlen=settings.findings_maxlen,
-            approximate=True,
-        )
+        record_finding(pipe, data, settings.findings_maxlen)
     found = [f.to_json() for f in findings]
     report = {
         "summary": watch_headlines(rows, found),  # first: what Flower shows

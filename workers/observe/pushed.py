@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import keys, summaries
+from genfleet.common import fleet_registry, keys
 from genfleet.common.summaries import FORGET_S, Pushed
 
 log = logging.getLogger("genfleet.pushed")
@@ -62,17 +62,16 @@ def withdraw(client: redis.Redis, worker: str) -> None:
     pipe.execute()
 
 
-def read(client: redis.Redis, ttl_s: float, forget_s: float = FORGET_S) -> Pushed:
-    """Every worker's last push (`common.summaries.read`); prunes those silent for
-    `forget_s` from both keys and the registry (the power-watch is their one pruner)."""
-    found = summaries.read(client, ttl_s, forget_s)
-    if found.pruned:
-        pipe = client.pipeline()
-        pipe.zrem(keys.pushed_key(), *found.pruned)
-        pipe.hdel(keys.summaries_key(), *found.pruned)
-        pipe.hdel(keys.workers_key(), *found.pruned)
-        pipe.execute()
-    return found
+def prune(client: redis.Redis, found: Pushed) -> None:
+    """Forget the workers `common.summaries.read` found silent for its `forget_s`: from both
+    keys and the fleet registry. The power-watch is their one pruner, once a beat."""
+    if not found.pruned:
+        return
+    pipe = client.pipeline()
+    pipe.zrem(keys.pushed_key(), *found.pruned)
+    pipe.hdel(keys.summaries_key(), *found.pruned)
+    fleet_registry.forget(pipe, found.pruned)
+    pipe.execute()
 
 
 class Pusher:

@@ -42,7 +42,14 @@ def make_sampler(settings: Settings, base_url: str | None) -> Sampler:
 
 
 class Monitor:
-    """Runs on its own daemon thread; `report()` is safe from any thread."""
+    """Runs on its own daemon thread; `report()` is safe from any thread.
+
+    `tokens_total()` is the count of tokens the engine generated so far that the window's
+    tokens/s and J/token are read from: the feeder's `streamed_tokens_total` (tokens as they
+    stream), so that answers longer than the window still count while they run. That count
+    may step back a little where an answer's exact usage corrects its estimate; the window
+    only takes what rises above the highest count seen, so a correction is never counted twice.
+    """
 
     def __init__(
         self,
@@ -128,7 +135,7 @@ class Monitor:
         tokens = self._tokens_total()
         if tokens > self._tokens_seen:
             self.window.add_tokens(tokens - self._tokens_seen, now)
-        self._tokens_seen = tokens
+            self._tokens_seen = tokens
         if self.exporter is not None:
             summary = self.window.summary(now)
             self.exporter.update(summary, state, self._findings(summary, now))

@@ -346,7 +346,8 @@ class TelemetryWindow:
             self._seen(ts)
 
     def add_tokens(self, n: int, ts: float) -> None:
-        """Count `n` generated tokens at `ts` (a finished request or a checkpoint's delta)."""
+        """Count `n` tokens generated up to `ts` (the Monitor adds what streamed since its
+        last sample, answers in flight included)."""
         with self._lock:
             self._tokens.append((ts, n))
             self._tokens_total += n

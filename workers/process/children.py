@@ -117,10 +117,9 @@ class ChildWorkers:
 
 def report_restart(settings: Any, child: Child, code: int) -> None:
     """A `worker_restarted` finding in the findings stream (and `genfleet findings`)."""
-    import orjson
     import redis
 
-    from genfleet.common import keys
+    from genfleet.common import findings
     from genfleet.common.redis_conn import connect
 
     finding = {
@@ -135,12 +134,7 @@ def report_restart(settings: Any, child: Child, code: int) -> None:
     }
     try:
         client = connect(settings, check=False, timeout_s=5.0)
-        client.xadd(
-            keys.findings_key(),
-            {"finding": orjson.dumps(finding)},
-            maxlen=settings.findings_maxlen,
-            approximate=True,
-        )
+        findings.record(client, finding, settings.findings_maxlen)
         client.close()
     except redis.RedisError as exc:
         log.warning("could not record the restart of %s: %s", child.label, exc)

@@ -45,16 +45,17 @@ from genfleet.common.flags import fail
 from genfleet.common.records import GenerationParams, PromptRecord
 from genfleet.common.settings import Settings
 from genfleet.workers.engine.families import choose
-from genfleet.workers.engine.kinds import engine_launch, with_engine_key
+from genfleet.workers.engine.kinds import engine_launch, planned, with_engine_key
+from genfleet.workers.engine.plan import DEFAULT_MAX_RUNNING_REQUESTS
 from genfleet.workers.engine.ports import pick_port, private_dir
 from genfleet.workers.engine.preflight import checkpoint_arch
-from genfleet.workers.engine.sglang_argv import DEFAULT_MAX_RUNNING_REQUESTS
 from genfleet.workers.engine.supervisor import EngineSupervisor
-from genfleet.workers.feeding import EngineClient, ThinkingSwitch
+from genfleet.workers.feeding import EngineClient, ThinkingSwitch, default_max_inflight
 from genfleet.workers.observe.engine_state import enforced_cap
 from genfleet.workers.observe.sampler import make_sampler
 from genfleet.workers.tune.measure import EngineReader, Load, judge, measure
 from genfleet.workers.tune.plan import (
+    AUTO_CONCURRENCY,
     Options,
     Point,
     TuneConfig,
@@ -115,7 +116,8 @@ def load_prompts(dataset: str | None, settings: Settings, limit: int = 5000) -> 
 
 
 def start_engine(settings: Settings, config: TuneConfig) -> tuple[EngineSupervisor, Settings]:
-    """The engine of one configuration, started through the worker's supervisor."""
+    """The engine of one configuration, started through the worker's supervisor, with the
+    engine plan the worker would launch it with (its cap pinned where the point says)."""
     update: dict[str, Any] = {"mtp": config.mtp, "speculative_adaptive": config.adaptive}
     if config.max_running_requests is not None:
         update["max_running_requests"] = config.max_running_requests
@@ -125,8 +127,16 @@ def start_engine(settings: Settings, config: TuneConfig) -> tuple[EngineSupervis
         from genfleet.workers.engine.preflight import preflight
 
         arch = preflight(each).arch
+    if config.plan_scale is not None:
+        _, plan = planned(each, arch)
+        if plan is None or not plan.planned:
+            why = plan.notes[0] if plan is not None and plan.notes else "--no-engine-plan"
+            raise GenfleetError(f"MTP {config.label}: no engine plan to sweep ({why})")
+        cap = config.planned_cap(plan.max_running_requests)
+        each = each.model_copy(update={"max_running_requests": cap})
+    each, plan = planned(each, arch)
     port = pick_port(each.engine_host, each.port)
-    launch = engine_launch(each, port, arch=arch)
+    launch = engine_launch(each, port, arch=arch, plan=plan)
     assert launch is not None  # external engines are refused in tune_options
     log_dir = Path(each.log_dir) if each.log_dir else private_dir("logs")
     label = config.label.replace(":", "-")
@@ -177,9 +187,13 @@ def run_config(
     reader = EngineReader(supervisor, each)
     points: list[Point] = []
     try:
-        for concurrency in [0, *options.concurrency]:
+        # `auto`: what a worker keeps in flight for the cap this engine enforces.
+        sweep = [
+            default_max_inflight(cap) if c == AUTO_CONCURRENCY else c for c in options.concurrency
+        ]
+        for concurrency in [0, *sweep]:
             warmup = concurrency == 0
-            lanes = min(8, max(options.concurrency)) if warmup else concurrency
+            lanes = min(8, max(sweep)) if warmup else concurrency
             seconds = options.warmup_s if warmup else options.duration_s
             if seconds <= 0:
                 continue

@@ -25,6 +25,12 @@ from genfleet.workers.engine.sglang_argv import (
 # passed (`speculative_hook.py::_handle_eagle_family`); `on:48` reproduces it on purpose.
 SPEC_DEFAULT_CAP = 48
 MTP_NAMES = ("on", "adaptive", "off")
+# The sweep of SGLang with the engine plan: its cap for MTP off and a quarter below and above,
+# and its cap for MTP on — each a fresh engine, so the state/KV split follows the cap.
+PLAN_SWEEP = "off:plan*0.75,off:plan,off:plan*1.25,on:plan"
+# Requests in flight at each point, sized from the cap the engine enforces (what a worker
+# keeps in flight: `feeding.default_max_inflight`).
+AUTO_CONCURRENCY = -1
 
 
 @dataclass(frozen=True)
@@ -44,12 +50,22 @@ class TuneConfig:
     mtp: bool
     max_running_requests: int | None = None
     adaptive: bool = False
+    # A multiple of the engine plan's cap (`workers/engine/plan.py`) for this MTP choice:
+    # `off:plan` is the plan, `off:plan*1.25` a quarter more requests than it fits.
+    plan_scale: float | None = None
 
     @property
     def label(self) -> str:
         name = "adaptive" if self.adaptive else "on" if self.mtp else "off"
+        if self.plan_scale is not None:
+            return f"{name}:plan" + ("" if self.plan_scale == 1 else f"*{self.plan_scale:g}")
         cap = self.max_running_requests
         return name if cap is None else f"{name}:{cap}"
+
+    def planned_cap(self, plan_cap: int) -> int:
+        """This point's cap for the plan's `plan_cap` (at least one request)."""
+        assert self.plan_scale is not None
+        return max(1, round(plan_cap * self.plan_scale))
 
 
 @dataclass(frozen=True)
@@ -87,14 +103,19 @@ class Point:
 
 
 def parse_concurrency(text: str) -> list[int]:
-    """`"1,4,16"` → [1, 4, 16]: positive, duplicates dropped, in the order given."""
+    """`"1,4,16"` → [1, 4, 16]: positive, duplicates dropped, in the order given; `auto` is
+    what a worker keeps in flight for the cap the engine enforces (`AUTO_CONCURRENCY`)."""
     out: list[int] = []
     for part in text.split(","):
         part = part.strip()
         if not part:
             continue
+        if part.lower() == "auto":
+            if AUTO_CONCURRENCY not in out:
+                out.append(AUTO_CONCURRENCY)
+            continue
         if not part.isdigit() or int(part) < 1:
-            raise ValueError(f"--concurrency takes positive integers, got {part!r}")
+            raise ValueError(f"--concurrency takes positive integers or auto, got {part!r}")
         if int(part) not in out:
             out.append(int(part))
     if not out:
@@ -103,21 +124,40 @@ def parse_concurrency(text: str) -> list[int]:
 
 
 def parse_configs(text: str) -> list[TuneConfig]:
-    """`"on,on:48,adaptive,off"` → configurations; `NAME:N` also pins max_running_requests."""
+    """`"on,on:48,adaptive,off"` → configurations; `NAME:N` also pins max_running_requests,
+    `NAME:plan` runs the engine plan's cap, `NAME:plan*F` F times it."""
     out: list[TuneConfig] = []
     for part in text.split(","):
         part = part.strip().lower()
         if not part:
             continue
         name, _, cap = part.partition(":")
-        if name not in MTP_NAMES or (cap and not cap.isdigit()) or cap == "0":
-            raise ValueError(f"--mtp takes on, adaptive, off, or NAME:N, got {part!r}")
-        config = TuneConfig(name != "off", int(cap) if cap else None, name == "adaptive")
+        scale = _plan_scale(cap)
+        if name not in MTP_NAMES or (cap and scale is None and (not cap.isdigit() or cap == "0")):
+            raise ValueError(
+                f"--mtp takes on, adaptive, off, NAME:N or NAME:plan[*F], got {part!r}"
+            )
+        fixed = int(cap) if cap and scale is None else None
+        config = TuneConfig(name != "off", fixed, name == "adaptive", scale)
         if config not in out:
             out.append(config)
     if not out:
         raise ValueError("--mtp needs at least one of on, adaptive, off (or NAME:N)")
     return out
+
+
+def _plan_scale(cap: str) -> float | None:
+    """`plan` → 1.0, `plan*1.25` → 1.25; None for anything else."""
+    if cap == "plan":
+        return 1.0
+    head, _, factor = cap.partition("*")
+    if head != "plan":
+        return None
+    try:
+        value = float(factor)
+    except ValueError:
+        return None
+    return value if 0 < value <= 8 else None
 
 
 def tokens_in_window(requests: Iterable[tuple[float, float, int]], t0: float, t1: float) -> float:
@@ -293,7 +333,7 @@ class Options:
 def tune_options(
     settings: Settings,
     *,
-    concurrency: str = "1,4,16,64,128",
+    concurrency: str | None = None,
     mtp: str | None = None,
     duration_s: float = 30.0,
     warmup_s: float = 5.0,
@@ -321,11 +361,13 @@ def tune_options(
         if seconds < 0:
             raise ValueError(f"--{name} must not be negative, got {seconds:g}")
     default_mtp = "on,on:48,off" if kind in {"sglang", "emulator"} else "off"
+    if kind == "sglang" and settings.engine_plan:
+        default_mtp = PLAN_SWEEP
     configs = parse_configs(mtp or default_mtp)
     if any(config.adaptive for config in configs):
         check_adaptive_engine(settings)
     return Options(
-        concurrency=parse_concurrency(concurrency),
+        concurrency=parse_concurrency(concurrency or default_concurrency(configs)),
         configs=configs,
         duration_s=duration_s,
         warmup_s=warmup_s,
@@ -337,6 +379,12 @@ def tune_options(
         json_stdout=json_stdout,
         pick=pick,
     )
+
+
+def default_concurrency(configs: Sequence[TuneConfig]) -> str:
+    """`auto` for a sweep of the engine plan (each cap gets what a worker would keep in
+    flight), else a ladder of fixed concurrencies."""
+    return "auto" if any(c.plan_scale is not None for c in configs) else "1,4,16,64,128"
 
 
 def check_adaptive_engine(settings: Settings) -> None:

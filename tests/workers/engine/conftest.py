@@ -14,7 +14,8 @@ from typing import IO
 
 import pytest
 
-from tests.support import EMULATOR_FAST_ENV, ROOT, Emulator, StartEmulator, free_port
+from harness.env import ROOT, free_port
+from tests.support.emulator import EMULATOR_FAST_ENV, Emulator, StartEmulator
 
 
 @pytest.fixture(scope="module")

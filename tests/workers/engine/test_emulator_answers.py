@@ -8,7 +8,7 @@ import httpx
 import orjson
 
 from genfleet.workers.feeding.repetition import RepetitionDetector, RepetitionRule
-from tests.support import StartEmulator
+from tests.support.emulator import StartEmulator
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
 

@@ -12,7 +12,8 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import Emulator, StartEmulator, wait_for
+from harness.waits import wait_for
+from tests.support.emulator import Emulator, StartEmulator
 
 pytestmark = pytest.mark.integration
 

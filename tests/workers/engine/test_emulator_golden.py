@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.support import Emulator, StartEmulator
+from tests.support.emulator import Emulator, StartEmulator
 
 pytestmark = pytest.mark.integration
 

@@ -375,8 +375,9 @@ def test_print_engine_command_is_the_describe_text() -> None:
     settings = Settings(model=MODEL, sglang_version="0.5.23", engine_api_key="s3cret")
     text = print_engine_command(settings, port=PORT)
     launch = sglang_launch(settings, PORT)
-    command, family = text.split("\n")
+    command, family, plan = text.split("\n")
     assert command == launch.describe()
+    assert plan == "# engine plan: no config.json to plan from: today's argv"
     assert family.startswith("# model family qwen3.5 (architecture unknown, from name)")
     assert "reasoning parser qwen3" in family and "enable_thinking" in family
     assert "s3cret" not in text

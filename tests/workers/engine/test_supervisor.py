@@ -24,8 +24,9 @@ from genfleet.workers.engine.ports import (
     release_port,
 )
 from genfleet.workers.engine.supervisor import EngineSupervisor
+from harness.env import free_port
+from harness.waits import wait_for
 from tests.fakes.http_engine import engine_argv
-from tests.support import free_port, wait_for
 
 pytestmark = pytest.mark.integration
 

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import orjson
 
-from tests.faults.chaos import Played
+from harness.chaos import Played
 
 UNEXPLAINED = "unexplained"
 POISON = "poison_prompt"

@@ -23,7 +23,9 @@ import redis
 
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, open_store
-from tests.support import base_env, fault_settings, wait_for
+from harness.env import base_env
+from harness.runs import fault_settings
+from harness.waits import wait_for
 
 
 class RedisServer:

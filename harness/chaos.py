@@ -25,18 +25,12 @@ from typing import Any
 import redis
 
 from genfleet.common.settings import Settings
-from tests.faults.services import FlakyProxy, RedisServer
-from tests.support import (
-    Worker,
-    assert_exactly_once,
-    base_env,
-    engine_pid,
-    fault_settings,
-    free_port,
-    open_run_store,
-    stage,
-    write_prompts,
-)
+from harness.assertions import assert_exactly_once
+from harness.env import base_env, free_port
+from harness.processes import Worker, engine_pid
+from harness.runs import fault_settings, open_run_store, stage
+from harness.services import FlakyProxy, RedisServer
+from harness.sources import write_prompts
 
 ACTIONS = ("kill_worker", "kill_engine", "stop_engine", "kill_clients", "s3_outage")
 WORKER_SETTINGS: dict[str, Any] = {
