@@ -22,7 +22,7 @@ from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import fail, settings_from, with_settings
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
-from genfleet.workers.tune.plan import Options, tune_options
+from genfleet.workers.tune.sweep import Options, tune_options
 
 GPU_PANEL = "GPU node"
 

@@ -21,7 +21,7 @@ from genfleet.common.errors import GenfleetError
 from genfleet.common.settings import Settings
 from genfleet.workers.cli import parse_tune_args as parse_args
 from genfleet.workers.tune.command import start_engine
-from genfleet.workers.tune.plan import (
+from genfleet.workers.tune.sweep import (
     AUTO_CONCURRENCY,
     Point,
     TuneConfig,

@@ -54,7 +54,7 @@ from genfleet.workers.feeding import EngineClient, ThinkingSwitch, default_max_i
 from genfleet.workers.observe.engine_state import enforced_cap
 from genfleet.workers.observe.sampler import make_sampler
 from genfleet.workers.tune.measure import EngineReader, Load, judge, measure
-from genfleet.workers.tune.plan import (
+from genfleet.workers.tune.sweep import (
     AUTO_CONCURRENCY,
     Options,
     Point,

@@ -36,7 +36,7 @@ from genfleet.workers.observe.engine_state import (
     engine_state_from_server_info,
 )
 from genfleet.workers.observe.telemetry import GpuSample, Sampler, TelemetryWindow
-from genfleet.workers.tune.plan import Point, TuneConfig, tokens_in_window
+from genfleet.workers.tune.sweep import Point, TuneConfig, tokens_in_window
 
 log = logging.getLogger("genfleet.tune")
 

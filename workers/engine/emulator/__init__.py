@@ -9,7 +9,6 @@ generation APIs), `metrics` (/metrics), `server` (routes and the start-up sequen
 """
 
 from genfleet.workers.engine.emulator.args import EngineArgs, LaunchError, SpecConfig, parse_args
-from genfleet.workers.engine.emulator.sim.engine import Knobs
 from genfleet.workers.engine.emulator.sim.model import (
     Scheduler,
     Sequence,
@@ -18,6 +17,7 @@ from genfleet.workers.engine.emulator.sim.model import (
     plan_length,
 )
 from genfleet.workers.engine.emulator.sim.power import EnergyMeter, PowerModel
+from genfleet.workers.engine.emulator.sim.stepper import Knobs
 
 __all__ = [
     "EnergyMeter",

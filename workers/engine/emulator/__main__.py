@@ -14,7 +14,7 @@ import sys
 from genfleet.common.settings import Settings
 from genfleet.workers.engine.emulator.args import LaunchError, parse_args
 from genfleet.workers.engine.emulator.server import serve
-from genfleet.workers.engine.emulator.sim.engine import Knobs
+from genfleet.workers.engine.emulator.sim.stepper import Knobs
 
 LOG_FORMAT = "[%(asctime)s%(tp)s] %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"

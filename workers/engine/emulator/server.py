@@ -20,9 +20,9 @@ from aiohttp import web
 
 from genfleet.workers.engine.emulator.args import EngineArgs, server_args_dict
 from genfleet.workers.engine.emulator.routes import chat, generate, metrics
-from genfleet.workers.engine.emulator.routes.errors import json_response
-from genfleet.workers.engine.emulator.sim.engine import TP0, Engine, Knobs
+from genfleet.workers.engine.emulator.routes.error_bodies import json_response
 from genfleet.workers.engine.emulator.sim.power import NodeKnobs, gpu_readings
+from genfleet.workers.engine.emulator.sim.stepper import TP0, Engine, Knobs
 
 log = logging.getLogger("genfleet.workers.engine.emulator")
 VERSION = "0.5.23+emulator"

@@ -15,7 +15,12 @@ from typing import Any
 
 from aiohttp import web
 
-from genfleet.workers.engine.emulator.routes.errors import SSE_DONE, ApiError, json_response, sse
+from genfleet.workers.engine.emulator.routes.error_bodies import (
+    SSE_DONE,
+    ApiError,
+    json_response,
+    sse,
+)
 from genfleet.workers.engine.emulator.routes.generate import meta_info
 from genfleet.workers.engine.emulator.routes.validate import (
     check_sampling,
@@ -24,8 +29,8 @@ from genfleet.workers.engine.emulator.routes.validate import (
     opt_int,
     read_json,
 )
-from genfleet.workers.engine.emulator.sim.engine import Engine
 from genfleet.workers.engine.emulator.sim.model import Sequence
+from genfleet.workers.engine.emulator.sim.stepper import Engine
 from genfleet.workers.engine.emulator.sim.text import (
     CHARS_PER_TOKEN,
     EOS_TOKEN_ID,

@@ -13,15 +13,20 @@ from typing import Any
 
 from aiohttp import web
 
-from genfleet.workers.engine.emulator.routes.errors import SSE_DONE, ApiError, json_response, sse
+from genfleet.workers.engine.emulator.routes.error_bodies import (
+    SSE_DONE,
+    ApiError,
+    json_response,
+    sse,
+)
 from genfleet.workers.engine.emulator.routes.validate import (
     check_sampling,
     opt_float,
     opt_int,
     read_json,
 )
-from genfleet.workers.engine.emulator.sim.engine import Engine
 from genfleet.workers.engine.emulator.sim.model import Sequence
+from genfleet.workers.engine.emulator.sim.stepper import Engine
 from genfleet.workers.engine.emulator.sim.text import (
     EOS_TOKEN_ID,
     count_tokens,

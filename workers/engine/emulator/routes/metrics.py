@@ -8,7 +8,7 @@ SGLang labels them. Histograms and the HTTP counters are not emulated.
 
 from __future__ import annotations
 
-from genfleet.workers.engine.emulator.sim.engine import Engine
+from genfleet.workers.engine.emulator.sim.stepper import Engine
 
 
 def _labels(pairs: dict[str, str]) -> str:

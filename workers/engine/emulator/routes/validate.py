@@ -13,7 +13,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from genfleet.workers.engine.emulator.routes.errors import (
+from genfleet.workers.engine.emulator.routes.error_bodies import (
     BAD_REQUEST_ERROR,
     ApiError,
     validation_error,

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from genfleet.workers.engine.emulator.args import EngineArgs
-from genfleet.workers.engine.emulator.routes.errors import ApiError, queue_full
+from genfleet.workers.engine.emulator.routes.error_bodies import ApiError, queue_full
 from genfleet.workers.engine.emulator.sim.model import (
     Scheduler,
     Sequence,
@@ -192,7 +192,7 @@ class Engine:
         """Exit as SGLang's scheduler does on an exception: a traceback, its last line the
         error, then the parent's notice."""
         log.error("Scheduler hit an exception: Traceback (most recent call last):", extra=TP0)
-        sys.stderr.write('  File "emulator/sim/engine.py", in submit\n' + line + "\n")
+        sys.stderr.write('  File "emulator/sim/stepper.py", in submit\n' + line + "\n")
         log.error("Received sigquit from a child process. It usually means the child failed.")
         logging.shutdown()
         sys.stderr.flush()
