@@ -76,7 +76,9 @@ def test_batch_that_kills_its_worker_is_parked_after_three_deliveries(
     others = {keys.batch_id(i) for i in range(5)} - {POISON}
     wait_for(lambda: others <= outputs(store, "poison"), 120, "the other batches", 0.2)
     assert POISON not in outputs(store, "poison")
-    assert not redis_client.exists(keys.lease_key("poison", POISON))
+    # The last worker it killed held its lease: gone by its TTL (3 s), not renewed by anyone.
+    lease = keys.lease_key("poison", POISON)
+    wait_for(lambda: not redis_client.exists(lease), 10, "the parked batch's lease to lapse", 0.2)
     # Parked means parked: no copy of it is queued or running.
     assert not redis_client.sismember(keys.queued_key("poison"), POISON)
     assert not redis_client.hexists(keys.running_key(), f"poison/{POISON}")
