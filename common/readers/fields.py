@@ -226,6 +226,8 @@ def split_answer(
 
 
 def check_prompt(value: Any, field: str = "prompt") -> list[dict[str, Any]]:
+    if value is None:
+        raise BadRecord(field, "is null")
     if not isinstance(value, str):
         raise BadRecord(field, f"must be a string, got {type(value).__name__}")
     if not value.strip():

@@ -230,8 +230,10 @@ def parse_line(
     if fmt == "openai":
         raise BadRecord("custom_id", "an OpenAI batch line needs custom_id and body")
     id_field = options.id_col or "id"
-    if options.id_col is not None and options.id_col not in data:
-        raise BadRecord(options.id_col, "is missing (named by --id-col)")
+    if options.id_col is not None and data.get(options.id_col) is None:
+        # A named column is the record's id on every line: never the line number instead.
+        said = "is null" if options.id_col in data else "is missing"
+        raise BadRecord(options.id_col, f"{said} (named by --id-col)")
     record_id = check_id(data.get(id_field), id_field) or default_id
     field, messages = _conversation(data, options)
     messages, previous = split_answer(messages, field, options.regenerate)
@@ -240,10 +242,16 @@ def parse_line(
 
 def _conversation(data: dict[str, Any], options: ReaderOptions) -> tuple[str, list[Any]]:
     """(field, messages) of a chat, ShareGPT or prompt line: the first field present that is
-    not null (as in a Parquet row), or the first present one, whose check names the null."""
-    chats = [options.messages_col] if options.messages_col else ["messages", "conversations"]
-    prompt = options.prompt_col or "prompt"
-    present = [name for name in (*chats, prompt) if name in data]
+    not null (as in a Parquet row), or the first present one, whose check names the null.
+
+    A column named by `--messages-col` or `--prompt-col` is the only one read: a row that
+    also holds `messages` or `conversations` is not read from them instead."""
+    if options.messages_col or options.prompt_col:
+        chats = [options.messages_col] if options.messages_col else []
+        prompt = options.prompt_col or ""
+    else:
+        chats, prompt = ["messages", "conversations"], "prompt"
+    present = [name for name in (*chats, prompt) if name and name in data]
     if not present:
         if options.messages_col:
             raise BadRecord(options.messages_col, "is missing (named by --messages-col)")

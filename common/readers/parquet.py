@@ -64,6 +64,7 @@ class Columns:
     prompt: str | None
     id: str | None
     regenerate: bool = False  # --regenerate: a final assistant turn is the answer to replace
+    id_named: bool = False  # --id-col: a null id is the row's reject, not the row number
 
     def names(self) -> list[str]:
         return [name for name in (self.messages, self.prompt, self.id) if name is not None]
@@ -87,12 +88,19 @@ def resolve_columns(name: str, present: Iterable[str], options: ReaderOptions) -
     ):
         messages = "conversations"  # ShareGPT
     prompt = options.prompt_col or "prompt"
+    # A column named by --messages-col or --prompt-col is the only one read.
+    named = options.messages_col is not None or options.prompt_col is not None
+    if named and options.messages_col is None:
+        messages = ""
+    if named and options.prompt_col is None:
+        prompt = ""
     id_col = options.id_col or "id"
     columns = Columns(
         messages if messages in available else None,
         prompt if prompt in available else None,
         id_col if id_col in available else None,
         options.regenerate,
+        id_named=options.id_col is not None,
     )
     if columns.messages is None and columns.prompt is None:
         return Reject(
@@ -125,6 +133,8 @@ def parse_row(row: dict[str, Any], columns: Columns, default_id: str) -> PromptR
     """One row's values → a PromptRecord, or BadRecord naming the column."""
     record_id = default_id
     if columns.id is not None:
+        if columns.id_named and row[columns.id] is None:
+            raise BadRecord(columns.id, "is null (named by --id-col)")
         record_id = check_id(row[columns.id], columns.id) or default_id
     if columns.messages is not None and row[columns.messages] is not None:
         field = columns.messages

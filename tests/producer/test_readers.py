@@ -476,3 +476,61 @@ def test_a_saved_dataset_corrupt_mid_file_says_how_many_rows_were_not_read(
     assert 6 <= len(records) < 12
     (reject,) = rejects
     assert (reject.truncated, reject.rows_unread) == (True, 12 - len(records))
+
+
+# --- Named columns mean what they say --------------------------------------------------------
+# MT-bench-like rows beside a chat field: the column named is the one read, on every line.
+BOTH = [
+    {"question_id": 81, "question": "What is 17 * 23?", "messages": user("Translate: hi")},
+    {"question_id": 82, "question": "Name a prime.", "conversations": user("ignored")},
+]
+
+
+def test_jsonl_prompt_col_is_obeyed_over_a_chat_field(tmp_path: Path) -> None:
+    path = lines(tmp_path / "q.jsonl", BOTH)
+    options = ReaderOptions(prompt_col="question", id_col="question_id")
+    records, rejects = split(read_source(path, options))
+    assert rejects == []
+    assert [(r.id, r.messages) for r in records] == [
+        ("81", user("What is 17 * 23?")),
+        ("82", user("Name a prime.")),
+    ]
+
+
+def test_parquet_prompt_col_is_obeyed_over_a_messages_column(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "question_id": [81, 82],
+            "question": ["What is 17 * 23?", "Name a prime."],
+            "messages": [user("Translate: hi"), user("ignored")],
+        }
+    )
+    pq.write_table(table, tmp_path / "q.parquet")
+    options = ReaderOptions(prompt_col="question", id_col="question_id")
+    records, rejects = split(read_source(tmp_path / "q.parquet", options))
+    assert rejects == []
+    assert [r.messages for r in records] == [user("What is 17 * 23?"), user("Name a prime.")]
+
+
+def test_null_values_in_named_columns_are_rejects_naming_line_and_field(tmp_path: Path) -> None:
+    path = lines(
+        tmp_path / "q.jsonl",
+        [
+            {"key": "a", "question": "fine"},
+            {"key": None, "question": "no id"},
+            {"key": "c", "question": None, "messages": user("not read")},
+            {"question": "id missing"},
+        ],
+    )
+    records, rejects = split(read_source(path, ReaderOptions(prompt_col="question", id_col="key")))
+    assert [r.id for r in records] == ["a"]
+    assert [(r.line, r.field) for r in rejects] == [(2, "key"), (3, "question"), (4, "key")]
+    assert "is null" in rejects[0].reason and "--id-col" in rejects[0].reason
+    assert "is null" in rejects[1].reason
+    table = pa.table({"key": ["a", None], "question": ["fine", "no id"]})
+    pq.write_table(table, tmp_path / "q.parquet")
+    records, rejects = split(
+        read_source(tmp_path / "q.parquet", ReaderOptions(prompt_col="question", id_col="key"))
+    )
+    assert [r.id for r in records] == ["a"]
+    assert [(r.field, "is null" in r.reason) for r in rejects] == [("key", True)]
