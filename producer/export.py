@@ -33,6 +33,7 @@ import orjson
 from genfleet.common import keys
 from genfleet.common.errors import ConfigError, GenfleetError, StoreError
 from genfleet.common.manifest import BatchEntry, Manifest
+from genfleet.common.readers.parquet import import_pyarrow
 from genfleet.common.records import batch_digest
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, new_temp_file, s3_client, store_of
@@ -445,6 +446,8 @@ def export_run(
     """
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}: use {', '.join(FORMATS)}")
+    if fmt == "parquet":
+        import_pyarrow()  # before anything is read: a clear error, not a traceback
     if shard_size is not None and shard_size < 1:
         raise ConfigError(f"--shard-size must be at least 1, got {shard_size}")
     _parse_out(out)

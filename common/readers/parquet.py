@@ -51,7 +51,8 @@ def import_pyarrow() -> Any:
         import pyarrow
     except ImportError as exc:  # pragma: no cover - installed with genfleet[formats]
         raise ConfigError(
-            "Parquet and Hugging Face inputs need pyarrow: pip install pyarrow"
+            "Parquet files and Hugging Face datasets (read or exported) need pyarrow: "
+            "pip install 'genfleet[formats]' (or pip install pyarrow)"
         ) from exc
     return pyarrow
 

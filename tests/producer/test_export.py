@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -320,3 +323,36 @@ def test_an_output_that_does_not_answer_the_staged_prompts_is_not_exported(
     with pytest.raises(OutputMismatch, match="batch-000001 does not answer"):
         export_run(settings, RUN, str(out), "jsonl")
     assert not out.exists()
+
+
+def test_parquet_without_pyarrow_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
+    """`genfleet export --format parquet` where pyarrow is not installed: exit 1 and the extra
+    that brings it, before anything is read."""
+    probe = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name == 'pyarrow' or name.startswith('pyarrow.'):\n"
+        "            raise ImportError('pyarrow is not installed')\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "from genfleet.cli import main\n"
+        "sys.argv = ['genfleet', 'export', 'any-run', '--format', 'parquet',\n"
+        "            '--out', 'x.parquet']\n"
+        "main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={
+            **{k: v for k, v in os.environ.items() if not k.startswith("GENFLEET_")},
+            "GENFLEET_STORE": (tmp_path / "store").as_uri(),
+            "GENFLEET_REDIS_URL": "redis://127.0.0.1:1/0",  # never reached
+        },
+    )
+    assert done.returncode != 0
+    assert "genfleet[formats]" in done.stderr + done.stdout
+    assert "Traceback" not in done.stderr + done.stdout
+    assert not (tmp_path / "x.parquet").exists()
