@@ -6,6 +6,7 @@ A format module (jsonl, parquet, hf_disk) yields `Located` items built with thes
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -164,6 +165,37 @@ def sharegpt_turns(value: Any, field: str) -> Any:
             raise BadRecord(f"{field}[{i}].value", "is missing, empty or not a string")
         messages.append({"role": role, "content": text})
     return messages
+
+
+# Where ShareGPT-style and OpenOrca-style sets keep the system prompt: beside the turns.
+ROW_SYSTEM_FIELDS = ("system", "system_prompt")
+
+
+def with_row_system(row: Mapping[str, Any], messages: list[Any]) -> list[Any]:
+    """`messages` with the row's own system prompt first (`system` or `system_prompt` beside
+    the conversation): part of the prompt, never dropped. An empty one adds nothing; one that
+    differs from the conversation's own system turn, or from the other field, is the line's
+    reject: which of the two is the system prompt is not for genfleet to guess."""
+    found = [(key, row[key]) for key in ROW_SYSTEM_FIELDS if row.get(key) is not None]
+    if not found:
+        return messages
+    key, value = found[0]
+    for other, text in found:
+        if not isinstance(text, str):
+            raise BadRecord(other, f"must be a string, got {type(text).__name__}")
+    if len(found) > 1 and found[1][1] != value and value.strip() and found[1][1].strip():
+        raise BadRecord(found[1][0], f"differs from {key!r}: which one is the system prompt?")
+    value = next((text for _, text in found if text.strip()), "")
+    if not value.strip():
+        return messages
+    first = messages[0] if messages and isinstance(messages[0], dict) else {}
+    if first.get("role") == "system":
+        if first.get("content") == value:
+            return messages
+        raise BadRecord(
+            key, "differs from the conversation's own system turn: which one is the system prompt?"
+        )
+    return [{"role": "system", "content": value}, *messages]
 
 
 REGENERATE_HINT = "ends with an assistant answer: pass --regenerate to replace it"

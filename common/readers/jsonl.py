@@ -37,6 +37,7 @@ from genfleet.common.readers.fields import (
     default_id_base,
     sharegpt_turns,
     split_answer,
+    with_row_system,
 )
 from genfleet.common.readers.s3source import SourcePath
 from genfleet.common.records import PromptRecord
@@ -236,6 +237,7 @@ def parse_line(
         raise BadRecord(options.id_col, f"{said} (named by --id-col)")
     record_id = check_id(data.get(id_field), id_field) or default_id
     field, messages = _conversation(data, options)
+    messages = with_row_system(data, messages)
     messages, previous = split_answer(messages, field, options.regenerate)
     return PromptRecord(record_id, messages, previous=previous)
 

@@ -24,6 +24,7 @@ import orjson
 
 from genfleet.common.errors import ConfigError
 from genfleet.common.readers.fields import (
+    ROW_SYSTEM_FIELDS,
     BadRecord,
     Located,
     ReaderOptions,
@@ -35,6 +36,7 @@ from genfleet.common.readers.fields import (
     sharegpt_turns,
     split_answer,
     truncated,
+    with_row_system,
 )
 from genfleet.common.readers.s3source import SourcePath
 from genfleet.common.records import PromptRecord
@@ -66,9 +68,11 @@ class Columns:
     id: str | None
     regenerate: bool = False  # --regenerate: a final assistant turn is the answer to replace
     id_named: bool = False  # --id-col: a null id is the row's reject, not the row number
+    system: tuple[str, ...] = ()  # the row's own system prompt, beside its turns
 
     def names(self) -> list[str]:
-        return [name for name in (self.messages, self.prompt, self.id) if name is not None]
+        named = (self.messages, self.prompt, self.id, *self.system)
+        return [name for name in named if name is not None]
 
 
 def resolve_columns(name: str, present: Iterable[str], options: ReaderOptions) -> Columns | Reject:
@@ -102,6 +106,7 @@ def resolve_columns(name: str, present: Iterable[str], options: ReaderOptions) -
         id_col if id_col in available else None,
         options.regenerate,
         id_named=options.id_col is not None,
+        system=tuple(name for name in ROW_SYSTEM_FIELDS if name in available),
     )
     if columns.messages is None and columns.prompt is None:
         return Reject(
@@ -147,6 +152,7 @@ def parse_row(row: dict[str, Any], columns: Columns, default_id: str) -> PromptR
     else:
         assert columns.messages is not None
         raise BadRecord(columns.messages, "is null")
+    messages = with_row_system(row, messages)
     messages, previous = split_answer(messages, field, columns.regenerate)
     return PromptRecord(record_id, messages, previous=previous)
 

@@ -534,3 +534,79 @@ def test_null_values_in_named_columns_are_rejects_naming_line_and_field(tmp_path
     )
     assert [r.id for r in records] == ["a"]
     assert [(r.field, "is null" in r.reason) for r in rejects] == [("key", True)]
+
+
+# --- The row's own system prompt (ShareGPT `system`, OpenOrca `system_prompt`) ---------------
+PIRATE = "You are a pirate. Answer in pirate speak."
+
+
+def test_a_rows_system_prompt_beside_its_turns_reaches_the_prompt(tmp_path: Path) -> None:
+    path = lines(
+        tmp_path / "sharegpt.jsonl",
+        [
+            {"id": "a", "system": PIRATE, "conversations": [{"from": "human", "value": "hi"}]},
+            {"id": "b", "system": "", "conversations": [{"from": "human", "value": "plain"}]},
+            {
+                "id": "c",
+                "system": PIRATE,
+                "conversations": [
+                    {"from": "system", "value": PIRATE},
+                    {"from": "human", "value": "once"},
+                ],
+            },
+            {"id": "d", "system_prompt": PIRATE, "question": "Where is the gold?"},
+        ],
+    )
+    records, rejects = split(read_source(path))
+    assert rejects[0].line == 4  # `question` is read only when named
+    system = {"role": "system", "content": PIRATE}
+    assert [r.messages for r in records] == [
+        [system, *user("hi")],
+        user("plain"),
+        [system, *user("once")],
+    ]
+    records, rejects = split(read_source(path, ReaderOptions(prompt_col="question")))
+    assert [(r.id, r.messages) for r in records] == [("d", [system, *user("Where is the gold?")])]
+
+
+def test_two_different_system_prompts_are_the_lines_reject(tmp_path: Path) -> None:
+    path = lines(
+        tmp_path / "sharegpt.jsonl",
+        [
+            {
+                "system": PIRATE,
+                "conversations": [
+                    {"from": "system", "value": "Be brief."},
+                    {"from": "human", "value": "hi"},
+                ],
+            },
+            {"system": PIRATE, "system_prompt": "Be brief.", "messages": user("hi")},
+            {"system": 7, "messages": user("hi")},
+        ],
+    )
+    records, rejects = split(read_source(path))
+    assert records == []
+    assert [(r.line, r.field) for r in rejects] == [
+        (1, "system"),
+        (2, "system_prompt"),
+        (3, "system"),
+    ]
+
+
+def test_parquet_rows_keep_their_system_column(tmp_path: Path) -> None:
+    table = pa.table(
+        {
+            "system": [PIRATE, None],
+            "conversations": [
+                [{"from": "human", "value": "hi"}],
+                [{"from": "human", "value": "plain"}],
+            ],
+        }
+    )
+    pq.write_table(table, tmp_path / "sharegpt.parquet")
+    records, rejects = split(read_source(tmp_path / "sharegpt.parquet"))
+    assert rejects == []
+    assert [r.messages for r in records] == [
+        [{"role": "system", "content": PIRATE}, *user("hi")],
+        user("plain"),
+    ]
