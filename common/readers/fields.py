@@ -224,7 +224,7 @@ def _text_of(content: Any) -> str | None:
 
 
 def split_answer(
-    messages: list[dict[str, Any]], field: str, regenerate: bool
+    messages: list[dict[str, Any]], field: str, regenerate: bool, answer_field: str | None = None
 ) -> tuple[list[dict[str, Any]], dict[str, str | None] | None]:
     """The messages the engine sees and the old answer they replace (`previous`).
 
@@ -237,7 +237,8 @@ def split_answer(
     last = messages[-1]
     if last.get("role") != "assistant":
         return messages, None
-    where = f"{field}[-1]"
+    # The old answer's own field where it has one (a shape's `output`, `response`).
+    where = answer_field or f"{field}[-1]"
     if not regenerate:
         raise BadRecord(where, REGENERATE_HINT)
     content = _text_of(last.get("content"))

@@ -40,6 +40,7 @@ from genfleet.common.readers.fields import (
     with_row_system,
 )
 from genfleet.common.readers.s3source import SourcePath
+from genfleet.common.readers.shapes import read_shape, shape_of
 from genfleet.common.records import PromptRecord
 
 try:
@@ -236,10 +237,23 @@ def parse_line(
         said = "is null" if options.id_col in data else "is missing"
         raise BadRecord(options.id_col, f"{said} (named by --id-col)")
     record_id = check_id(data.get(id_field), id_field) or default_id
-    field, messages = _conversation(data, options)
+    answer_field = None
+    shape = None if _reads_a_conversation(data, options) else shape_of(data)
+    if shape is not None:
+        field, messages, answer_field = shape.prompt, read_shape(data, shape).messages, shape.answer
+    else:
+        field, messages = _conversation(data, options)
     messages = with_row_system(data, messages)
-    messages, previous = split_answer(messages, field, options.regenerate)
+    messages, previous = split_answer(messages, field, options.regenerate, answer_field)
     return PromptRecord(record_id, messages, previous=previous)
+
+
+def _reads_a_conversation(data: dict[str, Any], options: ReaderOptions) -> bool:
+    """Whether the row is read from a chat or prompt field (named by a flag, or one of the
+    default names present) rather than by its shape (`shapes`)."""
+    if options.messages_col or options.prompt_col:
+        return True
+    return any(name in data for name in ("messages", "conversations", "prompt"))
 
 
 def _conversation(data: dict[str, Any], options: ReaderOptions) -> tuple[str, list[Any]]:
@@ -259,7 +273,13 @@ def _conversation(data: dict[str, Any], options: ReaderOptions) -> tuple[str, li
             raise BadRecord(options.messages_col, "is missing (named by --messages-col)")
         if options.prompt_col:
             raise BadRecord(options.prompt_col, "is missing (named by --prompt-col)")
-        raise BadRecord("messages", "neither 'messages', 'conversations' nor 'prompt' is present")
+        keys = ", ".join(sorted(map(str, data))[:12])
+        raise BadRecord(
+            "messages",
+            f"neither 'messages', 'conversations', 'prompt' nor a known shape's fields "
+            f"(Alpaca, Dolly, OpenOrca, query/response) are present; keys: {keys}. Name the "
+            "prompt's field with --prompt-col, a chat's with --messages-col",
+        )
     field = next((name for name in present if data[name] is not None), present[0])
     if field == prompt:
         return field, check_prompt(data[field], field)

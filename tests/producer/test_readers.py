@@ -610,3 +610,78 @@ def test_parquet_rows_keep_their_system_column(tmp_path: Path) -> None:
         [{"role": "system", "content": PIRATE}, *user("hi")],
         user("plain"),
     ]
+
+
+# --- Shapes of published sets, read by their fields (common/readers/shapes.py) ---------------
+DATA = Path(__file__).resolve().parents[1] / "data"
+
+
+def test_alpaca_as_published_keeps_its_input_and_its_old_answer() -> None:
+    path = DATA / "alpaca_data.sample.json"
+    published = orjson.loads(path.read_bytes())
+    records, rejects = split(read_source(path, ReaderOptions(regenerate=True)))
+    assert rejects == [] and len(records) == len(published) == 10
+    for record, row in zip(records, published, strict=True):
+        prompt = row["instruction"] + (f"\n\n{row['input']}" if row["input"].strip() else "")
+        assert record.messages == user(prompt)  # no input dropped, none invented
+        assert record.previous is not None and record.previous["content"] == row["output"]
+    assert sum(1 for row in published if row["input"].strip()) == 7  # the inputs were there
+
+
+def test_alpaca_without_regenerate_names_the_flag_that_reads_it() -> None:
+    records, rejects = split(read_source(DATA / "alpaca_data.sample.json"))
+    assert records == []
+    assert {r.field for r in rejects} == {"output"}
+    assert all("--regenerate" in r.reason for r in rejects)
+
+
+@pytest.mark.parametrize(
+    ("row", "prompt", "old"),
+    [
+        (
+            {"instruction": "Summarize.", "context": "A long text.", "response": "Short.",
+             "category": "summarization"},
+            "Summarize.\n\nA long text.",
+            "Short.",
+        ),
+        ({"instruction": "Name a color.", "context": "", "response": "Red."},
+         "Name a color.", "Red."),
+        ({"query": "2+2?", "response": "4"}, "2+2?", "4"),
+        ({"question": "Capital of France?", "response": "Paris.", "system_prompt": ""},
+         "Capital of France?", "Paris."),
+    ],
+)  # fmt: skip
+def test_dolly_openorca_and_query_response_shapes(
+    tmp_path: Path, row: dict[str, Any], prompt: str, old: str
+) -> None:
+    path = lines(tmp_path / "set.jsonl", [row])
+    records, rejects = split(read_source(path, ReaderOptions(regenerate=True)))
+    assert rejects == []
+    assert records[0].messages == user(prompt)
+    assert records[0].previous is not None and records[0].previous["content"] == old
+
+
+def test_openorca_keeps_its_system_prompt(tmp_path: Path) -> None:
+    row = {"id": "niv.1", "system_prompt": PIRATE, "question": "Where?", "response": "Arr."}
+    records, _ = split(
+        read_source(lines(tmp_path / "o.jsonl", [row]), ReaderOptions(regenerate=True))
+    )
+    assert records[0].messages == [{"role": "system", "content": PIRATE}, *user("Where?")]
+
+
+def test_mt_bench_turns_and_unknown_rows_are_refused_saying_why(tmp_path: Path) -> None:
+    path = lines(
+        tmp_path / "q.jsonl",
+        [
+            {
+                "question_id": 81,
+                "category": "writing",
+                "turns": ["Write a blog post.", "Rewrite it."],
+            },
+            {"text": "hello", "label": 1},
+        ],
+    )
+    records, rejects = split(read_source(path))
+    assert records == []
+    assert rejects[0].field == "turns" and "MT-bench" in rejects[0].reason
+    assert "keys: label, text" in rejects[1].reason and "--prompt-col" in rejects[1].reason
