@@ -16,7 +16,7 @@ whose `.arrow` files hold the same record batches.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +39,7 @@ from genfleet.common.readers.fields import (
     with_row_system,
 )
 from genfleet.common.readers.s3source import SourcePath
+from genfleet.common.readers.shapes import SHAPES, Shape, read_shape
 from genfleet.common.records import PromptRecord
 
 if TYPE_CHECKING:
@@ -69,10 +70,12 @@ class Columns:
     regenerate: bool = False  # --regenerate: a final assistant turn is the answer to replace
     id_named: bool = False  # --id-col: a null id is the row's reject, not the row number
     system: tuple[str, ...] = ()  # the row's own system prompt, beside its turns
+    shape: Shape | None = None  # a published set's shape, read by its columns (shapes.py)
+    shape_columns: tuple[str, ...] = ()  # those of its columns the file has
 
     def names(self) -> list[str]:
-        named = (self.messages, self.prompt, self.id, *self.system)
-        return [name for name in named if name is not None]
+        named = (self.messages, self.prompt, self.id, *self.system, *self.shape_columns)
+        return list(dict.fromkeys(name for name in named if name is not None))
 
 
 def resolve_columns(name: str, present: Iterable[str], options: ReaderOptions) -> Columns | Reject:
@@ -109,13 +112,30 @@ def resolve_columns(name: str, present: Iterable[str], options: ReaderOptions) -
         system=tuple(name for name in ROW_SYSTEM_FIELDS if name in available),
     )
     if columns.messages is None and columns.prompt is None:
+        shape = None if named else _shape_of_columns(available)
+        if shape is not None:
+            wanted = (shape.prompt, shape.extra, shape.answer)
+            found = tuple(c for c in wanted if c is not None and c in available)
+            return replace(columns, shape=shape, shape_columns=found)
         return Reject(
             name,
             None,
-            messages,
-            f"neither a {messages!r} nor a {prompt!r} column; columns are {sorted(available)}",
+            messages or prompt,
+            f"neither a {messages or 'messages'!r} nor a {prompt or 'prompt'!r} column nor a "
+            f"known shape's (Alpaca, Dolly, OpenOrca, query/response); columns are "
+            f"{sorted(available)}: name the prompt's with --prompt-col, a chat's with "
+            "--messages-col",
         )
     return columns
+
+
+def _shape_of_columns(available: set[str]) -> Shape | None:
+    """The shape whose columns a file holds (`shapes.SHAPES`, first match), with every column
+    the shape reads present, so that each row has them all (null where a row lacks one)."""
+    for shape in SHAPES:
+        if shape.matches(dict.fromkeys(available)):
+            return shape
+    return None
 
 
 def _clean_messages(value: Any) -> Any:
@@ -142,7 +162,11 @@ def parse_row(row: dict[str, Any], columns: Columns, default_id: str) -> PromptR
         if columns.id_named and row[columns.id] is None:
             raise BadRecord(columns.id, "is null (named by --id-col)")
         record_id = check_id(row[columns.id], columns.id) or default_id
-    if columns.messages is not None and row[columns.messages] is not None:
+    answer_field = None
+    if columns.shape is not None:
+        field, answer_field = columns.shape.prompt, columns.shape.answer
+        messages = read_shape(row, columns.shape).messages
+    elif columns.messages is not None and row[columns.messages] is not None:
         field = columns.messages
         turns = sharegpt_turns(_clean_messages(row[field]), field)
         messages = check_messages(turns, field)
@@ -153,7 +177,7 @@ def parse_row(row: dict[str, Any], columns: Columns, default_id: str) -> PromptR
         assert columns.messages is not None
         raise BadRecord(columns.messages, "is null")
     messages = with_row_system(row, messages)
-    messages, previous = split_answer(messages, field, columns.regenerate)
+    messages, previous = split_answer(messages, field, columns.regenerate, answer_field)
     return PromptRecord(record_id, messages, previous=previous)
 
 

@@ -1,8 +1,9 @@
 """The instruction-set shapes published training sets use, read by their field names.
 
 A row without `messages`, `conversations` or `prompt` (and no column named by a flag) is read by
-the first shape whose fields it holds, so nothing of its prompt is dropped and its old answer
-is kept. The prompt of a shape with a second field joins the two with one blank line (Alpaca's
+the first shape whose fields it holds (a Parquet file or HF dataset by its columns), so nothing
+of its prompt is dropped and its old answer is kept. The prompt of a shape with a second field
+joins the two with one blank line (Alpaca's
 template without its preamble: the preamble is the set's, not the prompt's):
 
     Alpaca          instruction + input or output   prompt: instruction [+ input]

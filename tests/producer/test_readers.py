@@ -685,3 +685,27 @@ def test_mt_bench_turns_and_unknown_rows_are_refused_saying_why(tmp_path: Path) 
     assert records == []
     assert rejects[0].field == "turns" and "MT-bench" in rejects[0].reason
     assert "keys: label, text" in rejects[1].reason and "--prompt-col" in rejects[1].reason
+
+
+def test_parquet_of_a_published_shape_is_read_by_its_columns(tmp_path: Path) -> None:
+    published = orjson.loads((DATA / "alpaca_data.sample.json").read_bytes())
+    pq.write_table(pa.Table.from_pylist(published), tmp_path / "alpaca.parquet")
+    records, rejects = split(
+        read_source(tmp_path / "alpaca.parquet", ReaderOptions(regenerate=True))
+    )
+    assert rejects == [] and len(records) == 10
+    for record, row in zip(records, published, strict=True):
+        prompt = row["instruction"] + (f"\n\n{row['input']}" if row["input"].strip() else "")
+        assert record.messages == user(prompt)
+        assert record.previous is not None and record.previous["content"] == row["output"]
+    # A Dolly file without a context column: instruction and response alone.
+    table = pa.table({"instruction": ["Name a color."], "response": ["Red."]})
+    pq.write_table(table, tmp_path / "dolly.parquet")
+    records, rejects = split(
+        read_source(tmp_path / "dolly.parquet", ReaderOptions(regenerate=True))
+    )
+    assert rejects == [] and records[0].messages == user("Name a color.")
+    # An unknown file: refused naming its columns and the options.
+    pq.write_table(pa.table({"text": ["x"]}), tmp_path / "other.parquet")
+    records, rejects = split(read_source(tmp_path / "other.parquet"))
+    assert records == [] and "'text'" in rejects[0].reason and "--prompt-col" in rejects[0].reason
