@@ -37,7 +37,9 @@ def detect_format(path: SourcePath) -> str:
     name = path.name.lower()
     if name.endswith((".parquet", ".pq")):
         return "parquet"
-    if name.endswith((".jsonl", ".json", ".jsonl.gz", ".jsonl.zst", ".ndjson")):
+    if name.endswith(
+        (".jsonl", ".json", ".ndjson", ".jsonl.gz", ".jsonl.zst", ".json.gz", ".json.zst")
+    ):
         return "jsonl"  # the JSONL reader tells chat, prompt and OpenAI batch lines apart
     raise InputError(f"{path}: cannot tell the format from the name; pass --format")
 

@@ -19,8 +19,7 @@ import gzip
 import io
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import orjson
 
@@ -111,15 +110,34 @@ def _zstd_reader(raw: IO[bytes]) -> IO[bytes]:
     return io.BufferedReader(_ZstdStream(raw, zstandard), buffer_size=_ZstdStream.CHUNK)
 
 
+GZIP_MAGIC = b"\x1f\x8b"
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+def _peekable(handle: IO[bytes]) -> io.BufferedReader:
+    """`handle` with `peek` (an S3 stream or a decompressor gets a buffer of its own)."""
+    if isinstance(handle, io.BufferedReader):
+        return handle
+    return io.BufferedReader(cast(Any, handle))
+
+
 def _open(path: SourcePath) -> IO[bytes]:
+    """The file's bytes, decompressed: by its suffix (`.gz`, `.zst`), else by its first bytes
+    (a file compressed without its suffix is read as what it is, not refused as "not UTF-8").
+    One open, read front to back: an S3 object is still read in ranges, once."""
+    raw = path.open("rb")
     name = path.name.lower()
     if name.endswith(".zst"):
-        return _zstd_reader(path.open("rb"))
-    if not name.endswith(".gz"):
-        return path.open("rb")
-    if isinstance(path, Path):
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    return gzip.GzipFile(fileobj=path.open("rb"), mode="rb")  # type: ignore[return-value]
+        return _zstd_reader(raw)
+    if name.endswith(".gz"):
+        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+    handle = _peekable(raw)
+    head = handle.peek(4)[:4]
+    if head.startswith(GZIP_MAGIC):
+        return gzip.GzipFile(fileobj=handle, mode="rb")  # type: ignore[return-value]
+    if head.startswith(ZSTD_MAGIC):
+        return _zstd_reader(handle)
+    return handle
 
 
 def _files(path: SourcePath) -> list[SourcePath]:
@@ -129,8 +147,9 @@ def _files(path: SourcePath) -> list[SourcePath]:
 
 
 def read_jsonl(path: SourcePath, options: ReaderOptions) -> Iterator[Located]:
+    folder = path.is_dir()  # an empty shard of a folder is no reject: the folder has others
     for file in _files(path):
-        yield from _read_file(file, default_id_base(file, path), options)
+        yield from _read_file(file, default_id_base(file, path), options, alone=not folder)
 
 
 def _lines(handle: IO[bytes], limit: int) -> Iterator[tuple[int, bytes | None]]:
@@ -152,22 +171,22 @@ def _lines(handle: IO[bytes], limit: int) -> Iterator[tuple[int, bytes | None]]:
         yield lineno, raw
 
 
-def _is_json_array(path: SourcePath) -> bool:
-    """A `.json` file holding one JSON array of records (not JSON lines)."""
-    if not path.name.lower().endswith(".json"):
-        return False
-    with _open(path) as handle:
-        head = handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+def _is_json_array(handle: io.BufferedReader) -> bool:
+    """A file holding one JSON array of records (not JSON lines), whatever its suffix says
+    (`.json`, or a `.jsonl` that is an array): a JSON line is an object, never an array."""
+    head = bytes(handle.peek(4096)[:4096]).lstrip(b"\xef\xbb\xbf \t\r\n")
     return head.startswith(b"[")
 
 
-def _read_array(path: SourcePath, base: str, options: ReaderOptions) -> Iterator[Located]:
-    """Records of a JSON array file; the element number (from 1) stands for the line."""
-    name = str(path)
+def _read_array(
+    name: str, handle: IO[bytes], base: str, options: ReaderOptions
+) -> Iterator[Located]:
+    """Records of a JSON array file (compressed or not); the element number (from 1) stands
+    for the line."""
     try:
-        items = orjson.loads(path.read_bytes().removeprefix(b"\xef\xbb\xbf"))
+        items = orjson.loads(handle.read().removeprefix(b"\xef\xbb\xbf"))
     except orjson.JSONDecodeError as exc:
-        yield Reject(name, None, None, f"not JSON: {exc}")
+        yield Reject(name, None, None, f"a JSON array that is not valid JSON: {exc}")
         return
     for number, data in enumerate(items, start=1):
         try:
@@ -177,22 +196,30 @@ def _read_array(path: SourcePath, base: str, options: ReaderOptions) -> Iterator
             yield Reject(name, number, exc.field, f"element {number}: {exc}")
 
 
-def _read_file(path: SourcePath, base: str, options: ReaderOptions) -> Iterator[Located]:
+def _read_file(
+    path: SourcePath, base: str, options: ReaderOptions, alone: bool = True
+) -> Iterator[Located]:
     """Every line of one file; `base` starts its default ids (see `default_id_base`)."""
-    if _is_json_array(path):
-        yield from _read_array(path, base, options)
-        return
     name = str(path)
     lineno = 0
+    read = 0  # lines that were not blank
     try:
-        with _open(path) as handle:
+        with _open(path) as opened:
+            handle = _peekable(opened)
+            if _is_json_array(handle):
+                yield from _read_array(name, handle, base, options)
+                return
             for lineno, raw in _lines(handle, options.max_line_bytes):
                 item = _line_item(name, lineno, raw, base, options)
                 if item is not None:
+                    read += 1
                     yield item
     except (EOFError, OSError, zlib.error, _ZstdError) as exc:
         # The rest of the file cannot be read: the lines before it stand, and this says so.
         yield Reject(name, lineno + 1, None, f"compressed data is corrupt from here on: {exc}")
+        return
+    if not read and alone:
+        yield Reject(name, None, None, "an empty file: no line to read")
 
 
 def _line_item(

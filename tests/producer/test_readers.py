@@ -709,3 +709,25 @@ def test_parquet_of_a_published_shape_is_read_by_its_columns(tmp_path: Path) -> 
     pq.write_table(pa.table({"text": ["x"]}), tmp_path / "other.parquet")
     records, rejects = split(read_source(tmp_path / "other.parquet"))
     assert records == [] and "'text'" in rejects[0].reason and "--prompt-col" in rejects[0].reason
+
+
+# --- Files as they come: what the name says and what the bytes are ---------------------------
+def test_files_are_read_as_what_they_are_not_what_their_names_say(tmp_path: Path) -> None:
+    import zstandard
+
+    rows = [{"id": "a", "prompt": "one"}, {"id": "b", "prompt": "two"}]
+    body = b"".join(orjson.dumps(r) + b"\n" for r in rows)
+    (tmp_path / "array.jsonl").write_bytes(orjson.dumps(rows))  # a JSON array named .jsonl
+    (tmp_path / "gzipped.jsonl").write_bytes(gzip.compress(body))  # gzip without .gz
+    (tmp_path / "zstd.jsonl").write_bytes(zstandard.ZstdCompressor().compress(body))
+    (tmp_path / "array.json.gz").write_bytes(gzip.compress(orjson.dumps(rows)))
+    for name in ("array.jsonl", "gzipped.jsonl", "zstd.jsonl", "array.json.gz"):
+        records, rejects = split(read_source(tmp_path / name))
+        assert rejects == [], name
+        assert [(r.id, r.messages) for r in records] == [("a", user("one")), ("b", user("two"))]
+
+
+def test_an_empty_file_is_named_as_such(tmp_path: Path) -> None:
+    (tmp_path / "empty.jsonl").write_bytes(b"\n\n")
+    records, rejects = split(read_source(tmp_path / "empty.jsonl"))
+    assert records == [] and [r.reason for r in rejects] == ["an empty file: no line to read"]
