@@ -198,6 +198,14 @@ def with_row_system(row: Mapping[str, Any], messages: list[Any]) -> list[Any]:
     return [{"role": "system", "content": value}, *messages]
 
 
+def check_askable(messages: list[dict[str, Any]], field: str) -> list[dict[str, Any]]:
+    """`messages`, unless they hold only system turns: a model asked nothing answers anyway
+    (an invented answer to no question), so such a line is its reject."""
+    if all(message.get("role") == "system" for message in messages):
+        raise BadRecord(field, "holds only a system turn: there is nothing to answer")
+    return messages
+
+
 REGENERATE_HINT = "ends with an assistant answer: pass --regenerate to replace it"
 
 

@@ -29,6 +29,7 @@ from genfleet.common.readers.fields import (
     Located,
     ReaderOptions,
     Reject,
+    check_askable,
     check_body,
     check_id,
     check_messages,
@@ -272,7 +273,7 @@ def parse_line(
         field, messages = _conversation(data, options)
     messages = with_row_system(data, messages)
     messages, previous = split_answer(messages, field, options.regenerate, answer_field)
-    return PromptRecord(record_id, messages, previous=previous)
+    return PromptRecord(record_id, check_askable(messages, field), previous=previous)
 
 
 def _reads_a_conversation(data: dict[str, Any], options: ReaderOptions) -> bool:
@@ -328,5 +329,6 @@ def _parse_openai(data: dict[str, Any], regenerate: bool) -> PromptRecord:
         raise BadRecord("body", "is missing or not an object")
     messages = check_messages(body.get("messages"), "body.messages")
     messages, previous = split_answer(messages, "body.messages", regenerate)
+    check_askable(messages, "body.messages")
     params = check_body(body)
     return PromptRecord(custom_id, messages, 0, params or None, custom_id, previous)

@@ -29,6 +29,7 @@ from genfleet.common.readers.fields import (
     Located,
     ReaderOptions,
     Reject,
+    check_askable,
     check_id,
     check_messages,
     check_prompt,
@@ -178,7 +179,7 @@ def parse_row(row: dict[str, Any], columns: Columns, default_id: str) -> PromptR
         raise BadRecord(columns.messages, "is null")
     messages = with_row_system(row, messages)
     messages, previous = split_answer(messages, field, columns.regenerate, answer_field)
-    return PromptRecord(record_id, messages, previous=previous)
+    return PromptRecord(record_id, check_askable(messages, field), previous=previous)
 
 
 def rows_from_batches(

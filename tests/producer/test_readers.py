@@ -731,3 +731,23 @@ def test_an_empty_file_is_named_as_such(tmp_path: Path) -> None:
     (tmp_path / "empty.jsonl").write_bytes(b"\n\n")
     records, rejects = split(read_source(tmp_path / "empty.jsonl"))
     assert records == [] and [r.reason for r in rejects] == ["an empty file: no line to read"]
+
+
+def test_a_conversation_of_only_a_system_turn_is_not_sent(tmp_path: Path) -> None:
+    system_only = [{"role": "system", "content": PIRATE}]
+    path = lines(
+        tmp_path / "s.jsonl",
+        [
+            {"id": "a", "messages": system_only},
+            {"id": "b", "system": PIRATE, "conversations": []},
+            {"custom_id": "c", "body": {"messages": system_only}},
+        ],
+    )
+    records, rejects = split(read_source(path))
+    assert records == []
+    assert [(r.line, r.field) for r in rejects] == [
+        (1, "messages"),
+        (2, "conversations"),
+        (3, "body.messages"),
+    ]
+    assert "only a system turn" in rejects[0].reason
