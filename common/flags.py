@@ -83,6 +83,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "gpus": (ENGINE, "0,1,2,3 or GPU UUIDs; unset: what the worker sees"),
     "tp_size": (ENGINE, "tensor parallelism: GPUs per engine"),
     "mem_fraction_static": (ENGINE, "SGLang's static memory share"),
+    "progress_interval_s": (GENERATION, "seconds between status lines where no terminal shows"),
     "engine_plan": (
         ENGINE,
         "size SGLang's cap, memory split and radix cache from the model and the card "

@@ -57,6 +57,9 @@ class Settings(BaseSettings):
     # batches per worker equal batches split the run most evenly (bench/RESULTS.md).
     batch_tail: int = Field(default=0, ge=0)
     max_tokens: int = Field(default=8192, ge=1)
+    # `run` and `status --watch` where the output is no terminal (piped, nohup, CI): a status
+    # line this often, where a terminal gets the live bar.
+    progress_interval_s: float = Field(default=30.0, gt=0)
     temperature: float = Field(default=0.6, ge=0.0)
     top_p: float = Field(default=0.95, gt=0.0, le=1.0)
     thinking: bool = True

@@ -210,6 +210,7 @@ def status(
                 check,
                 deadline_s,
                 settings.summary_ttl_s,
+                settings.progress_interval_s,
             )
         report = run_status(
             objects,
@@ -270,8 +271,11 @@ def watch_run(
     queue_check: QueueCheck | None = None,
     deadline_s: float | None = None,
     summary_ttl_s: float | None = None,
+    line_interval_s: float | None = None,
 ) -> None:
-    """A progress bar with tok/s and ETA until the run is done or failed. When nothing has
+    """A progress bar with tok/s and ETA until the run is done or failed; where the output is
+    no terminal (piped, nohup, CI), a status line every `line_interval_s` instead, since a
+    bar that redraws in place prints nothing there. When nothing has
     moved (prompts answered, batches done or failed) for `stall_s`, it says so and why, once
     per still spell. Sooner, after QUEUE_CHECK_S still, `queue_check` asks whether a live
     worker consumes the run's queue and, when none does, says so at once.
@@ -289,6 +293,8 @@ def watch_run(
         console=console,
     ) as progress:
         task = progress.add_task("run", total=None, run=run, rate=0, eta="-")
+        lines = line_interval_s if line_interval_s and not progress.console.is_terminal else None
+        lined_at = -float("inf")
         moved_at, last, warned, asked = time.monotonic(), None, False, False
         worked_at = moved_at
         unconsumed: dict[str, Any] | None = None
@@ -341,6 +347,11 @@ def watch_run(
                 rate=report["tokens_per_s"],
                 eta=format_eta(report["eta_s"]),
             )
+            if lines is not None and time.monotonic() - lined_at >= lines:
+                lined_at = time.monotonic()
+                # One line each, however long: a log is read line by line.
+                line = escape(status_line(report))
+                progress.console.print(line, highlight=False, soft_wrap=True)
             if report["state"] in {"done", "failed", "cancelled"}:
                 return
             if check is not None:

@@ -141,6 +141,7 @@ def _wait(children: Children, settings: Settings, run: str) -> dict[str, Any]:
         queue_check(settings),
         deadline_s,
         settings.summary_ttl_s,
+        settings.progress_interval_s,
     )
     return run_status(store, client, run)
 

@@ -19,12 +19,25 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 def test_run_on_embedded_defaults_then_export(tmp_path: Path, redis_url: str) -> None:
     store = (tmp_path / "store").as_uri()
-    env = base_env(redis_url, store, log_dir=tmp_path / "logs", power_watch_interval_s=2)
+    env = base_env(
+        redis_url,
+        store,
+        log_dir=tmp_path / "logs",
+        power_watch_interval_s=2,
+        progress_interval_s=1,
+    )
     result = genfleet(["run", "examples/prompts.jsonl", "--batch-size", "20"], env)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output
     assert "ENGINE: the genfleet emulator" in output
     assert "prompts: done — 100/100 prompts" in " ".join(output.split())
+    # Piped (no terminal): a status line a second while it ran, each whole on one line.
+    progress = [
+        line
+        for line in result.stderr.splitlines()
+        if line.startswith(("prompts: queued", "prompts: running")) and "ETA" in line
+    ]
+    assert len(progress) >= 2, result.stderr
     out = tmp_path / "prompts.jsonl"
     exported = genfleet(["export", "prompts", "--out", str(out)], env)
     assert exported.returncode == 0, exported.stderr
