@@ -115,6 +115,21 @@ GZIP_MAGIC = b"\x1f\x8b"
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 
 
+class _Gunzip(gzip.GzipFile):
+    """gzip over a handle it owns: closing it closes the handle too (a GzipFile given a
+    `fileobj` leaves it open)."""
+
+    def __init__(self, raw: IO[bytes]) -> None:
+        super().__init__(fileobj=raw, mode="rb")
+        self._raw = raw
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._raw.close()
+
+
 def _peekable(handle: IO[bytes]) -> io.BufferedReader:
     """`handle` with `peek` (an S3 stream or a decompressor gets a buffer of its own)."""
     if isinstance(handle, io.BufferedReader):
@@ -131,11 +146,11 @@ def _open(path: SourcePath) -> IO[bytes]:
     if name.endswith(".zst"):
         return _zstd_reader(raw)
     if name.endswith(".gz"):
-        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+        return cast(IO[bytes], _Gunzip(raw))
     handle = _peekable(raw)
     head = handle.peek(4)[:4]
     if head.startswith(GZIP_MAGIC):
-        return gzip.GzipFile(fileobj=handle, mode="rb")  # type: ignore[return-value]
+        return cast(IO[bytes], _Gunzip(handle))
     if head.startswith(ZSTD_MAGIC):
         return _zstd_reader(handle)
     return handle

@@ -24,8 +24,9 @@ What the engine enforces is read back at start (`check`): a plan the engine cut 
 from __future__ import annotations
 
 import math
+import shlex
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from genfleet.common.errors import ConfigError
@@ -191,12 +192,10 @@ class ModelShape:
             moe=bool(c.get("num_experts") or c.get("n_routed_experts")),
         )
         params, mtp_params = _parameters(c, shape, config.get("vision_config"))
-        return ModelShape(
-            **{
-                **shape.__dict__,
-                "weight_bytes": weight_bytes or params * shape.dtype_bytes,
-                "mtp_weight_bytes": mtp_params * shape.dtype_bytes,
-            }
+        return replace(
+            shape,
+            weight_bytes=weight_bytes or params * shape.dtype_bytes,
+            mtp_weight_bytes=mtp_params * shape.dtype_bytes,
         )
 
 
@@ -506,7 +505,7 @@ def check(plan: EnginePlan, info: Mapping[str, Any], enforced: int | None) -> st
 def inputs_of(settings: Settings, memory_gib: float | None, mtp_graphs: bool = True) -> PlanInputs:
     """The plan's inputs from a worker's settings: what the user set is kept, the rest is the
     plan's to choose. `mtp_graphs`: False where genfleet turns CUDA graphs off for MTP."""
-    extra = settings.engine_extra_args.split()
+    extra = shlex.split(settings.engine_extra_args)
     given = settings.model_fields_set
     radix: bool | None = None
     if "--disable-radix-cache" in extra:

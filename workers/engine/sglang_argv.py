@@ -143,7 +143,9 @@ def sglang_launch(
     if settings.trust_remote_code:
         argv.append("--trust-remote-code")
     argv += speculative_args(settings, release)
-    argv += mamba_args(settings, release, arch, radix="--disable-radix-cache" not in argv)
+    # The radix cache is off where the plan or the user's extra args turn it off.
+    extra = shlex.split(settings.engine_extra_args)
+    argv += mamba_args(settings, release, arch, radix="--disable-radix-cache" not in argv + extra)
     if settings.attention_backend:
         argv += ["--attention-backend", settings.attention_backend]
     argv += crash_workaround(settings, arch)[0]
@@ -151,7 +153,7 @@ def sglang_launch(
         argv.append("--enable-metrics")
     api_key = settings.engine_api_key.get_secret_value() if settings.engine_api_key else None
     argv += ["--log-level", settings.engine_log_level]
-    argv += shlex.split(settings.engine_extra_args)
+    argv += extra
 
     return EngineLaunch(
         kind="sglang",

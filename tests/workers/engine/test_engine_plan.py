@@ -399,3 +399,16 @@ def test_a_plan_the_engine_would_refuse_is_caught_before_launch(checkpoint_27b: 
     )
     with pytest.raises(ConfigError, match="does not fit this card"):
         print_engine_command(settings)
+
+
+def test_a_radix_cache_turned_off_in_extra_args_gets_no_radix_strategy(
+    checkpoint_27b: Path,
+) -> None:
+    settings = Settings(
+        engine="sglang", model=str(checkpoint_27b), mtp=True, engine_plan=False,
+        engine_extra_args="--disable-radix-cache", sglang_version="0.5.15",
+    )  # fmt: skip
+    launch = engine_launch(settings, 30001, QWEN35)
+    assert launch is not None
+    assert launch.argv.count("--disable-radix-cache") == 1
+    assert "--mamba-radix-cache-strategy" not in launch.argv
