@@ -87,7 +87,9 @@ def test_queue_survives_a_redis_restart_and_resume_rebuilds_it_after_flushall(
     assert private_redis.password not in worker.log.read_text(errors="replace")
 
     # 2. Redis loses everything mid-run: `enqueue --resume` sends exactly the missing batches.
-    ids = write_prompts(tmp_path / "flushed.jsonl", 300, prefix="f")
+    # Enough batches that some are still queued when the warm shutdown ends, on a slow machine
+    # too (a shutdown under load can outlast a dozen batches of this emulator).
+    ids = write_prompts(tmp_path / "flushed.jsonl", 600, prefix="f")
     slow = base_env(url, store_url, log_dir=tmp_path, port=free_port(), emulator_time_scale=4)
     worker = start_worker(slow)
     worker.wait_ready()
