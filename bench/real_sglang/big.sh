@@ -21,15 +21,15 @@
 # SGLang runs), STEADY_S (40), GF_WAVES (2).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
-GF=$(cd "$HERE/../.." && pwd)
+REPO=$(cd "$HERE/../.." && pwd)
 OUT=${OUT:-/tmp/big-out}; mkdir -p "$OUT"
-cd "$GF" || exit 1
+cd "$REPO" || exit 1
 exec > >(tee -a "$OUT/big_log.txt") 2>&1
 T0=${T0:-$(date +%s)}
 BUDGET_S=${BUDGET_S:-570}
 say() { echo "=== +$(( $(date +%s) - T0 ))s $*"; }
 left() { echo $(( BUDGET_S - ($(date +%s) - T0) )); }
-export PYTHONPATH=/tmp/site:/tmp/stubs:$GF
+export PYTHONPATH=/tmp/site:/tmp/stubs:$REPO
 export PATH=/tmp/site/bin:/tmp/redis/bin:$PATH
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1
 export SGLANG_HOST_IP=127.0.0.1 HOST_IP=127.0.0.1 NO_PROXY=127.0.0.1,localhost

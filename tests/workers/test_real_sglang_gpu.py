@@ -289,11 +289,16 @@ def test_run_end_to_end_with_mtp(mtp_stack: Stack, tmp_path: Path) -> None:
 
 
 def test_accept_length_and_cap_read_from_the_real_engine(mtp_stack: Stack) -> None:
-    # SGLang reports an accept length only once it has generated (tests/golden's README):
-    # one answer first, so the test holds when it runs alone too.
+    # SGLang folds its accept length in every 40 decode steps (`--decode-log-interval`): one
+    # answer of 128 tokens first (over 100 steps at a random draft's ~1.0), so the test holds
+    # when it runs alone too (16 tokens did not).
     httpx.post(
         f"{mtp_stack.engine_url}/v1/chat/completions",
-        json={"messages": [{"role": "user", "content": "warm"}], "max_tokens": 16},
+        json={
+            "messages": [{"role": "user", "content": "warm"}],
+            "max_tokens": 128,
+            "ignore_eos": True,
+        },
         headers=mtp_stack.auth,
         timeout=120,
     ).raise_for_status()

@@ -8,8 +8,10 @@ it holds: with its default radix strategy (`extra_buffer`, several slots a reque
 memory-bound, runs at a third of what the card gives (bench/RESULTS.md). Bulk generation shares
 no prefix worth caching, so the plan turns the radix cache off (one slot a request) and sizes
 the cap so that the state of `cap` requests and the KV cache of their prompts and answers both
-fit: `cap × (slot + kv_per_token × tokens) ≤ pool`. A larger cap than that starves the KV cache
-(cap 128 on an H100 left 19.7K KV tokens: 19 requests ran); a smaller one leaves the card idle.
+fit: `cap × (slot + kv_per_token × tokens) ≤ pool`, `tokens` the prompt and three quarters of
+the answer (a continuous batch holds requests at every point of their answers). A larger cap
+than that starves the KV cache (cap 128 on an H100 left 19.7K KV tokens: 19 requests ran;
+cap 88 at 2,048-token answers ran 61 at the median); a smaller one leaves the card idle.
 
 Everything here is pure: a model's shape (from config.json), the card's memory and the run's
 expected lengths in; flags, the cap SGLang will enforce and the reasons out. Dense and MoE models
@@ -18,7 +20,7 @@ What the engine enforces is read back at start (`check`): a plan the engine cut 
 
     shape = ModelShape.from_config(json.load(open("/m/Qwen3.6-27B/config.json")))
     plan = make_plan(shape, PlanInputs(memory_gib=card_memory_gib("h100"), answer_tokens=512))
-    plan.max_running_requests, plan.argv()   # (83, ['--max-running-requests', '83', ...])
+    plan.max_running_requests, plan.argv()   # (98, ['--max-running-requests', '98', ...])
 """
 
 from __future__ import annotations
@@ -58,6 +60,13 @@ PLAN_MEM_FRACTION = 0.9
 # The share of the pool the plan fills at its cap: the scheduler admits by an estimate of the
 # tokens still to come, and a full KV cache retracts requests (their decode is lost).
 KV_HEADROOM = 0.92
+# The share of its answer's KV a running request holds on average, as the plan counts it. In a
+# continuous batch requests are at every point of their answers (half of one on average once
+# lengths differ); a full KV cache makes SGLang retract a request and prefill it again later
+# (its drawn tokens kept), which costs a prefill, not its answer. Sizing for whole answers
+# (1.0) left the 27B on an H100 16 % slower at 2,048-token answers than a cap a quarter larger
+# (bench/RESULTS.md); 0.75 keeps room for a run's first wave, which starts all at once.
+ANSWER_KV_SHARE = 0.75
 # A KV cache below this share of the plan's is a plan the engine cut (the estimate of the
 # weights and the context is good to a few hundred MiB: 1 % of the 27B's pools).
 KV_SHORT = 0.9
@@ -343,9 +352,9 @@ def pool_bytes(shape: ModelShape, inputs: PlanInputs, mtp: bool) -> float:
 
 def request_bytes(shape: ModelShape, inputs: PlanInputs, mtp: bool) -> float:
     """What one running request holds on one card: its state slots and the KV of its prompt
-    and answer (the draft's KV too with MTP)."""
+    and, on average over a continuous batch, its answer (the draft's KV too with MTP)."""
     slots = SLOTS_PER_REQUEST + (inputs.speculative_num_draft_tokens if mtp else 0)
-    tokens = inputs.prompt_tokens + inputs.answer_tokens
+    tokens = inputs.prompt_tokens + ANSWER_KV_SHARE * inputs.answer_tokens
     return (slots * shape.state_bytes_per_slot + shape.kv_bytes_per_token * tokens) / inputs.tp_size
 
 
@@ -422,7 +431,7 @@ def _hybrid_plan(
     notes: list[str] = []
     flags: list[Flag] = []
     fraction = inputs.mem_fraction_static or PLAN_MEM_FRACTION
-    tokens = inputs.prompt_tokens + inputs.answer_tokens
+    tokens = round(inputs.prompt_tokens + ANSWER_KV_SHARE * inputs.answer_tokens)
     if inputs.max_running_requests is not None:
         if inputs.max_running_requests > cap:
             notes.append(
@@ -434,7 +443,8 @@ def _hybrid_plan(
     else:
         cap_why = (
             f"the most requests whose recurrent state ({shape.state_bytes_per_slot / GIB:.3f} "
-            f"GiB a slot) and KV of {tokens:,} tokens fit the pool"
+            f"GiB a slot) and KV of {tokens:,} tokens (the prompt and "
+            f"{ANSWER_KV_SHARE:g} of a {inputs.answer_tokens:,}-token answer) fit the pool"
         )
     flags.append(Flag("--max-running-requests", str(cap), cap_why))
     if inputs.mem_fraction_static is None:

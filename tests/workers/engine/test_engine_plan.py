@@ -18,6 +18,7 @@ from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
 from genfleet.workers.engine.kinds import engine_launch, planned, print_engine_command
 from genfleet.workers.engine.plan import (
+    ANSWER_KV_SHARE,
     GIB,
     KV_HEADROOM,
     ModelShape,
@@ -156,12 +157,12 @@ PLANS: list[tuple[str, Any, PlanInputs, int | None, int | None, bool | None, lis
         "27B h100 2048",
         qwen35_27b,
         PlanInputs(card_memory_gib("h100"), 2048),
-        55,
-        70,
+        65,
+        80,
         False,
         ["--disable-radix-cache"],
     ),
-    ("27B h100 8192", qwen35_27b, PlanInputs(card_memory_gib("h100"), 8192), 20, 32, False, []),
+    ("27B h100 8192", qwen35_27b, PlanInputs(card_memory_gib("h100"), 8192), 26, 40, False, []),
     (
         "27B h100 MTP on",
         qwen35_27b,
@@ -242,9 +243,12 @@ def test_plan_table(
     used = plan.max_running_requests * request_bytes(shape, inputs, plan.mtp)
     assert used <= pool_bytes(shape, inputs, plan.mtp) * KV_HEADROOM
     assert plan.kv_tokens is not None
+    # ... the KV of every prompt and three quarters of every answer (a continuous batch
+    # holds requests at every point of their answers), never less than one whole answer.
     assert plan.kv_tokens >= plan.max_running_requests * (
-        inputs.prompt_tokens + inputs.answer_tokens
+        inputs.prompt_tokens + ANSWER_KV_SHARE * inputs.answer_tokens
     )
+    assert plan.kv_tokens >= inputs.prompt_tokens + inputs.answer_tokens
 
 
 @pytest.mark.parametrize(
