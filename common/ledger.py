@@ -57,6 +57,28 @@ REASON_MAX_CHARS = 2000
 UNACKED_PAGE = 1000
 
 
+# Park a batch only while its run is cancelled or deleted (`Ledger.park`): KEYS cancelled,
+# deleted, queued, running; ARGV batch, running field.
+PARK_SCRIPT = """
+if redis.call('EXISTS', KEYS[1], KEYS[2]) == 0 then return 0 end
+redis.call('SREM', KEYS[3], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[2])
+return 1
+"""
+# Remove a running entry only if its order is of the given staging (`release_staging`): an
+# entry of an order that names no staging is an older genfleet's, of no staging to compare.
+RELEASE_STAGING_SCRIPT = """
+local raw = redis.call('HGET', KEYS[1], ARGV[1])
+if not raw then return 0 end
+local entry = cjson.decode(raw)
+local staging = entry['staging']
+if staging ~= nil and staging ~= cjson.null and staging ~= '' and staging ~= ARGV[2] then
+  return 0
+end
+return redis.call('HDEL', KEYS[1], ARGV[1])
+"""
+
+
 def running_field(run: str, batch: str) -> str:
     """The member naming a batch in the running hash ("run/batch")."""
     return f"{run}/{batch}"
@@ -295,14 +317,35 @@ class Ledger:
         pipe.hdel(keys.running_key(), running_field(run, batch))
         pipe.execute()
 
-    def park(self, run: str, batch: str) -> None:
+    def park(self, run: str, batch: str) -> bool:
         """Called when the run is cancelled (at admission, while the batch ran, or by the
         reaper): the batch has no order any more until the run is enqueued again, and is not
-        running; its checkpoint stays."""
-        pipe = self.client.pipeline()
-        pipe.srem(keys.queued_key(run), batch)
-        pipe.hdel(keys.running_key(), running_field(run, batch))
-        pipe.execute()
+        running; its checkpoint stays. Only while the run is still cancelled (or deleted),
+        in one step with that check: False when it was resumed since the caller looked. A
+        resume lists what is outstanding after it clears the flag, so a park that landed
+        before is resent and one after it must not happen (the batch would have no order and
+        no state a reconciler reads): the caller runs or requeues the batch instead."""
+        parked = self.client.eval(
+            PARK_SCRIPT,
+            4,
+            keys.cancelled_key(run),
+            keys.deleted_key(run),
+            keys.queued_key(run),
+            keys.running_key(),
+            batch,
+            running_field(run, batch),
+        )
+        return bool(parked)
+
+    def release_staging(self, run: str, batch: str, staging: str) -> bool:
+        """Called for a delivery of a superseded staging: its running entry goes only if it
+        is that staging's claim. The run's new staging may have claimed its batch of the same
+        name since (another worker runs it); deleting that entry would hide it from the
+        reaper. True when this call removed the entry."""
+        removed = self.client.eval(
+            RELEASE_STAGING_SCRIPT, 1, keys.running_key(), running_field(run, batch), staging
+        )
+        return bool(removed)
 
     def lost(self, run: str, batch: str) -> int:
         """Called by the reaper for a claimed batch whose lease expired with no output (its

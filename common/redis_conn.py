@@ -87,6 +87,8 @@ class RedisCommands(Protocol):
 
     def pipeline(self) -> RedisPipeline: ...
 
+    def eval(self, script: str, numkeys: int, /, *keys_and_args: str) -> Any: ...
+
 
 def _satisfies(client: redis.Redis) -> RedisCommands:
     return client  # mypy checks here that redis.Redis is a RedisCommands

@@ -534,6 +534,11 @@ def enqueue_run(
     client = connect(settings)
     app = make_client_app(settings)
     ledger = Ledger(client)
+    # Enqueueing a cancelled run resumes it. The flag goes before what is outstanding is read:
+    # a worker parks an order (it then has none) only while the flag stands (`Ledger.park`),
+    # so an order parked before this is not in the listing and is sent again, and none is
+    # parked after it.
+    uncancelled = bool(client.delete(keys.cancelled_key(run)))
     if verify:
         outstanding = orders_in_broker(client, queue, run)
         ledger.set_queued(run, outstanding)
@@ -551,8 +556,6 @@ def enqueue_run(
             client.set(staging, staging_since, ex=keys.STAGING_TTL_S)
         return send_orders(app, settings, orders)
 
-    # Enqueueing a cancelled run resumes it: the flag goes before any order is sent.
-    uncancelled = bool(client.delete(keys.cancelled_key(run)))
     run_registry.register(client, run)
     if manifest is None:
         if source is None:

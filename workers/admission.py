@@ -83,9 +83,10 @@ def gate(
         result["queue"] = its_queue
     elif verdict == "drop":
         log.warning("%s/%s belongs to a deleted run: dropped", work.run, work.batch)
-    else:
+    elif Ledger(client).park(work.run, work.batch):
         log.warning("%s/%s: the run is cancelled; batch parked, not started", work.run, work.batch)
-        Ledger(client).park(work.run, work.batch)
+    else:
+        return None  # resumed since it was read: the order is the resumed run's to generate
     return result
 
 

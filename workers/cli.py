@@ -215,7 +215,14 @@ def flower(
     address: Annotated[
         str, typer.Option(help="Flower's address; off loopback it needs FLOWER_BASIC_AUTH")
     ] = "127.0.0.1",
-    db: Annotated[str, typer.Option(help="Flower's state, kept across restarts")] = "flower.db",
+    db: Annotated[
+        str | None,
+        typer.Option(
+            help="Flower's state, kept across restarts (a pickle Flower loads: a place of "
+            "your own)",
+            show_default="flower.db in ~/.local/state/genfleet-UID/flower",
+        ),
+    ] = None,
 ) -> None:
     """Flower for this fleet: task results as lines, basic auth from FLOWER_BASIC_AUTH.
 

@@ -98,14 +98,22 @@ def _apply(
     ledger = Ledger(runtime.redis)
     if verdict.action == "park":
         log.warning("%s", exc)
-        ledger.park(work.run, work.batch)
-        parked = {"run": work.run, "batch": work.batch, "cancelled": True}
-        return {"summary": not_generated_headline(parked), **parked}
+        if ledger.park(work.run, work.batch):
+            parked = {"run": work.run, "batch": work.batch, "cancelled": True}
+            return {"summary": not_generated_headline(parked), **parked}
+        # Resumed while the batch stopped: the order is outstanding for the resume (it listed
+        # it), so its message goes back and the checkpoint is where the next try starts.
+        _safe_release(ledger, work)
+        raise Reject(f"{running_field(work.run, work.batch)}: resumed: requeued", requeue=True)
     if verdict.action == "drop":
         # Not this run's order any more: its batch's state (queued, failed) belongs to the
-        # staging that replaced it, so only this delivery's running entry goes.
+        # staging that replaced it, so only this delivery's running entry goes, and only
+        # while it is this staging's (the new staging's batch of the same name may run).
         log.error("%s", exc)
-        _safe_release(ledger, work)
+        try:
+            ledger.release_staging(work.run, work.batch, work.staging)
+        except redis.RedisError:
+            log.warning("could not clear running entry %s", running_field(work.run, work.batch))
         dropped = {"run": work.run, "batch": work.batch, "drop": True, "superseded": True}
         return {"summary": not_generated_headline(dropped), **dropped}
     if verdict.action == "hand_back":

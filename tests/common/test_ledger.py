@@ -147,7 +147,8 @@ def test_a_parked_batch_has_no_order_and_does_not_run(db: Any) -> None:
     ledger = Ledger(db)
     ledger.mark_queued(RUN, [B0, B1])
     ledger.claim(order(RUN, B0), "w@a", 1.0)
-    ledger.park(RUN, B0)
+    db.set(keys.cancelled_key(RUN), "1")  # parked only while the run is cancelled
+    assert ledger.park(RUN, B0) is True
     assert ledger.queued(RUN) == {B1}
     assert (ledger.running_batches(RUN), ledger.failed(RUN)) == (set(), {})
 

@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import redis
 
+from genfleet.common import keys
+from genfleet.common.ledger import Ledger
 from harness.waits import wait_for
 
 
@@ -107,3 +109,30 @@ def test_a_failing_command_in_a_pipeline_does_not_stop_the_others(db: Any) -> No
     with pytest.raises(redis.ResponseError):
         pipe.execute()
     assert db.hgetall("h") == {b"f": b"v"}
+
+
+def test_park_happens_only_while_the_run_is_cancelled_or_deleted(db: Any) -> None:
+    ledger = Ledger(db)
+    ledger.mark_queued("r", ["b0", "b1"])
+    ledger.claim({"run": "r", "batch": "b0"}, "w@h", 1.0)
+    assert ledger.park("r", "b0") is False  # resumed (no flag): nothing changes
+    assert ledger.queued("r") == {"b0", "b1"} and db.hlen(keys.running_key()) == 1
+    db.set(keys.cancelled_key("r"), "1")
+    assert ledger.park("r", "b0") is True
+    assert ledger.queued("r") == {"b1"} and db.hlen(keys.running_key()) == 0
+    db.delete(keys.cancelled_key("r"))
+    db.set(keys.deleted_key("r"), "staging-1")
+    assert ledger.park("r", "b1") is True
+    assert ledger.queued("r") == set()
+
+
+def test_a_superseded_delivery_releases_only_its_own_stagings_claim(db: Any) -> None:
+    ledger = Ledger(db)
+    ledger.claim({"run": "r", "batch": "b0", "staging": "new"}, "w2@h", 2.0)
+    assert ledger.release_staging("r", "b0", "old") is False
+    assert db.hlen(keys.running_key()) == 1  # the new staging's claim stays for the reaper
+    assert ledger.release_staging("r", "b0", "new") is True
+    assert db.hlen(keys.running_key()) == 0
+    ledger.claim({"run": "r", "batch": "b1"}, "w1@h", 1.0)  # an order that names no staging
+    assert ledger.release_staging("r", "b1", "old") is True
+    assert ledger.release_staging("r", "b1", "old") is False  # gone already

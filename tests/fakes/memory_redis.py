@@ -15,8 +15,10 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import orjson
 import redis
 
+from genfleet.common.ledger import PARK_SCRIPT, RELEASE_STAGING_SCRIPT
 from genfleet.common.redis_conn import RedisCommands, RedisPipeline
 
 Value = bytes | str | int | float
@@ -316,6 +318,30 @@ class MemoryRedis:
 
     def pipeline(self) -> MemoryPipeline:
         return MemoryPipeline(self)
+
+    # --- scripts ----------------------------------------------------------------------------
+
+    def eval(self, script: str, numkeys: int, *keys_and_args: str) -> Any:
+        """The ledger's scripts, each as the commands it runs, under the lock (atomic, as a
+        script is on the server); any other script is refused."""
+        names, args = keys_and_args[:numkeys], keys_and_args[numkeys:]
+        with self._lock:
+            self._check()
+            if script == PARK_SCRIPT:
+                if not self._exists(names[0], names[1]):
+                    return 0
+                self._srem(names[2], args[0])
+                self._hdel(names[3], args[1])
+                return 1
+            if script == RELEASE_STAGING_SCRIPT:
+                raw = self._hget(names[0], args[0])
+                if raw is None:
+                    return 0
+                staging = orjson.loads(raw).get("staging")
+                if staging and staging != args[1]:
+                    return 0
+                return self._hdel(names[0], args[0])
+        raise redis.ResponseError("MemoryRedis runs the ledger's scripts only")
 
     def flushdb(self) -> bool:
         with self._lock:

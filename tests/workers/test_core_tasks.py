@@ -462,3 +462,80 @@ def test_the_checkpoint_fingerprint_follows_config_weights_and_quantization(
         identity(model=str(tmp_path), engine_extra_args="--quantization awq")["quantization"]
         == "awq"
     )
+
+
+def test_an_order_read_as_cancelled_is_generated_when_the_run_was_resumed_before_it_parked(
+    make_runtime: MakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The worker read the flag; `enqueue --resume` deleted it and listed the order as
+    # outstanding before the worker parked it. Parking it now would leave the batch with no
+    # order and no state any reconciler reads.
+    chat = FakeChat()
+    runtime = make_runtime(chat)
+    order = stage_task(runtime, 3)
+    monkeypatch.setattr("genfleet.workers.admission.is_cancelled", lambda client, run: True)
+
+    result = generate_batch(order)
+
+    assert result["completions"] == 3
+    assert runtime.store.exists(keys.output_key(RUN, BATCH))
+
+
+def test_a_running_batch_stopped_by_a_cancel_the_resume_undid_is_requeued_not_parked(
+    make_runtime: MakeRuntime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    chat = FakeChat(gate=threading.Event(), ungated={"p0"})  # p0 answers, the rest wait
+    runtime = make_runtime(chat)
+    order = stage_task(runtime, 3)
+    seen = threading.Event()
+    monkeypatch.setattr(
+        "genfleet.workers.tasks.is_cancelled", lambda client, run: seen.is_set()
+    )  # the batch saw the flag; the resume deleted it before the park
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            generate_batch(order)
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            raised.append(exc)
+
+    worker = threading.Thread(target=run)
+    worker.start()
+    wait_for(lambda: chat.calls["p0"] == 1 and chat.inflight == 2, 10, "p0 done, two waiting")
+    seen.set()
+    worker.join(timeout=15)
+
+    assert not worker.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], Reject) and raised[0].requeue is True
+    assert batch_state(runtime.redis) == {
+        "running": False,
+        "attempts": 0,
+        "failed": None,
+        "queued": True,  # the resume's order: outstanding, the message back in the queue
+    }
+    assert list(runtime.store.list(keys.parts_prefix(RUN, BATCH)))  # p0 kept for the next try
+
+
+def test_a_staging_superseded_while_its_batch_ran_leaves_the_new_stagings_claim(
+    make_runtime: MakeRuntime,
+) -> None:
+    chat = FakeChat(gate=threading.Event())
+    runtime = make_runtime(chat)
+    old = claim_run(runtime.store, RUN, PARAMS, ModelRef("emulator", "emulator"), {}, "f", "src")
+    order = {**stage_task(runtime, 2), "staging": old}
+    done: list[dict[str, Any]] = []
+    worker = threading.Thread(target=lambda: done.append(generate_batch(order)))
+    worker.start()
+    wait_for(lambda: chat.inflight == 2, 10, "both prompts sent")
+    # Deleted and staged anew under the same name; the new staging's batch runs elsewhere.
+    runtime.store.delete_prefix(keys.claim_key(RUN))
+    new = claim_run(runtime.store, RUN, PARAMS, ModelRef("emulator", "emulator"), {}, "g", "src")
+    assert new != old
+    Ledger(runtime.redis).claim({**order, "staging": new}, "other@w", NOW)
+    chat.gate.set()
+    worker.join(timeout=15)
+
+    assert done and done[0]["superseded"] is True
+    assert not runtime.store.exists(keys.output_key(RUN, BATCH))
+    entry = orjson.loads(runtime.redis.hget(keys.running_key(), f"{RUN}/{BATCH}") or b"{}")
+    assert entry.get("worker") == "other@w"  # the reaper still sees the new staging's batch

@@ -102,9 +102,10 @@ def reap(
             ledger.release(run, batch)
             found["finished"].append(claimed.field)
             continue
-        if client.exists(keys.cancelled_key(run), keys.deleted_key(run)):
-            ledger.park(run, batch)  # nothing to redo: parked
-            continue
+        if client.exists(keys.cancelled_key(run), keys.deleted_key(run)) and ledger.park(
+            run, batch
+        ):
+            continue  # nothing to redo: parked (unless resumed meanwhile: lost, below)
         if not ledger.release_claim(claimed):
             continue  # another reaper won this one, or a live worker claimed it again
         outcome = _lost(ledger, unacked, claimed, requeue, max_deliveries)

@@ -63,15 +63,17 @@ def with_engine_key(settings: Settings, token: Callable[[], str] | None = None) 
     (SGLang, the emulator) when none is given: without one, any local user reaches SGLang's
     admin endpoints (flush the cache, update weights, abort requests).
 
-    The key reaches the engine through its 0600 `--config` file, never argv, and the worker's
-    client, watchdog and supervisor send it. A user's `--engine-command` gets only the key
-    it is given (it could not read one made up here), and an external engine is someone
-    else's.
+    The key reaches SGLang and the emulator through their 0600 `--config` file, never argv,
+    and the worker's client, watchdog and supervisor send it. A user's `--engine-command`
+    gets one too, in its environment (`COMMAND_KEY_ENV`: vLLM reads `VLLM_API_KEY`; another
+    server takes it from `$GENFLEET_ENGINE_API_KEY` in a wrapper). An external engine is
+    someone else's: it gets the key it is given.
 
     >>> with_engine_key(Settings(), lambda: "k").engine_api_key.get_secret_value()
     'k'
     """
-    if settings.engine_api_key is not None or settings.engine_kind not in ("sglang", "emulator"):
+    launched = ("sglang", "emulator", "command")
+    if settings.engine_api_key is not None or settings.engine_kind not in launched:
         return settings
     key = (token or _new_key)()
     return settings.model_copy(update={"engine_api_key": SecretStr(key)})
@@ -99,6 +101,11 @@ def emulator_launch(settings: Settings, port: int, arch: str | None = None) -> E
         if name.startswith("GENFLEET_EMULATOR_")
     }
     return dataclasses.replace(launch, kind="emulator", env={**launch.env, **knobs})
+
+
+# Where a command engine finds its API key: the environment, never argv (`ps` shows argv to
+# every user). vLLM's `serve` reads VLLM_API_KEY as its --api-key.
+COMMAND_KEY_ENV = ("GENFLEET_ENGINE_API_KEY", "VLLM_API_KEY")
 
 
 def command_launch(settings: Settings, port: int) -> EngineLaunch:
@@ -131,6 +138,7 @@ def command_launch(settings: Settings, port: int) -> EngineLaunch:
     return EngineLaunch(
         kind="command",
         argv=[word.format_map(values) for word in words],
+        env=dict.fromkeys(COMMAND_KEY_ENV, api_key) if api_key else {},
         host=LOOPBACK,
         port=port,
         health_path=settings.engine_health_path,

@@ -85,7 +85,10 @@ class EngineLaunch:
         for i, arg in enumerate(argv[:-1]):
             if arg == "--api-key":
                 argv[i + 1] = "***"
-        env = " ".join(f"{k}={shlex.quote(v)}" for k, v in sorted(self.env.items()))
+        env = " ".join(
+            f"{k}={'***' if self.api_key and v == self.api_key else shlex.quote(v)}"
+            for k, v in sorted(self.env.items())
+        )
         cmd = shlex.join(argv)
         if self.config:
             names = ",".join(f"{name}=***" for name in sorted(self.config))

@@ -139,7 +139,10 @@ class ChatStream:
             self.finish_reason = finish
         logprobs = choice.get("logprobs")
         if isinstance(logprobs, dict) and logprobs.get("content"):
-            self.logprobs = (self.logprobs or []) + list(logprobs["content"])
+            # Extended in place: a new list per chunk made a long answer's cost quadratic.
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(logprobs["content"])
         stop = False
         if self.on_begun is not None and (delta.get("reasoning_content") or delta.get("content")):
             self.on_begun()

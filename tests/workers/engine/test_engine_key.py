@@ -22,3 +22,10 @@ def test_a_key_beginning_with_a_dash_is_refused_naming_why() -> None:
     with pytest.raises(ValidationError, match="engine_api_key"):
         Settings(engine_api_key="-starts-like-a-flag")
     assert Settings(engine_api_key="fine-key").engine_api_key is not None
+
+
+def test_a_command_engine_gets_a_key_of_its_own_and_an_external_one_none() -> None:
+    made = with_engine_key(Settings(engine="command", engine_command="serve --port {port}"))
+    assert made.engine_api_key is not None
+    external = with_engine_key(Settings(engine="external", engine_url="http://10.0.0.2:30000"))
+    assert external.engine_api_key is None

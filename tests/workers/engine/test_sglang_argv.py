@@ -341,13 +341,12 @@ def test_command_launcher_fills_placeholders_per_word() -> None:
         "vllm", "serve", "/models/my model", "--host", "127.0.0.1", f"--port={PORT}",
         "--x", "{literal}",
     ]  # fmt: skip
-    assert (launch.kind, launch.port, launch.health_path, launch.env) == (
-        "command",
-        PORT,
-        "/v1/models",
-        {},
-    )
+    assert (launch.kind, launch.port, launch.health_path) == ("command", PORT, "/v1/models")
     assert launch.api_key == "k"
+    # The key in the environment (vLLM reads VLLM_API_KEY), never on argv, masked in print.
+    assert launch.env == {"GENFLEET_ENGINE_API_KEY": "k", "VLLM_API_KEY": "k"}
+    assert "k" not in launch.argv and "=k" not in launch.describe()
+    assert "VLLM_API_KEY=***" in launch.describe()
 
 
 @pytest.mark.parametrize(
