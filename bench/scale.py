@@ -11,7 +11,8 @@ changes nothing, of 100 for `status` and `runs`) and its peak RSS above what it 
 the command ran (its modules imported; `ru_maxrss` would be the parent's, kept across exec):
 
     status, status --verify, runs, enqueue --resume, retry, cancel, delete, export --partial,
-    the reaper pass, and the power-watch pass over 1,000 simulated workers' pushed summaries.
+    the reaper pass (leases) and its lost-orders pass, and the power-watch pass over 1,000
+    simulated workers' pushed summaries.
 
 The last table gives, per command, the growth exponent k between the two largest sizes
 (time ∝ batches^k): k ≈ 0 is a per-call cost that does not grow with the run, k ≈ 1 one that
@@ -61,10 +62,11 @@ COMMANDS = (
     "cancel",
     "export_partial",
     "reaper",
+    "lost_orders",
     "power_watch",
     "delete",  # last: it removes the run
 )
-MUTATES = {"resume", "retry", "cancel", "reaper", "delete"}
+MUTATES = {"resume", "retry", "cancel", "reaper", "lost_orders", "delete"}
 # Commands of a millisecond: the best of 100, or one scheduler hiccup decides their k.
 REPEAT = {"status": 100, "runs": 100}
 
@@ -388,6 +390,8 @@ def _command(command: str, settings: Any, store: Any, client: Any, out_dir: str)
         return lambda: export_run(settings, RUN, f"{out_dir}/export.jsonl", partial=True)
     if command == "reaper":
         return _reaper(settings, store, client)
+    if command == "lost_orders":
+        return _lost_orders(settings, store, client)
     if command == "power_watch":
         return _power_watch(settings, client)
     raise SystemExit(f"unknown command {command}")
@@ -412,6 +416,14 @@ def _reaper(settings: Any, store: Any, client: Any) -> Any:
 
     sent: list[dict[str, Any]] = []
     return lambda: reap(client, store, settings.lease_ttl_s, time.time(), sent.append)
+
+
+def _lost_orders(settings: Any, store: Any, client: Any) -> Any:
+    """The reaper round's other half: queued batches no order holds, sent again."""
+    from genfleet.workers.control.lost_orders import reconcile_orders
+
+    sent: list[Any] = []
+    return lambda: reconcile_orders(client, store, settings.lease_ttl_s, sent.append)
 
 
 def _power_watch(settings: Any, client: Any) -> Any:

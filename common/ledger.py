@@ -198,6 +198,16 @@ class Ledger:
         """The batches enqueue believes have an order outstanding (what it will not resend)."""
         return {text(b) for b in self.client.smembers(keys.queued_key(run))}
 
+    def queued_some(self, run: str, limit: int) -> set[str]:
+        """At most about `limit` of the run's queued batches (SSCAN: a pass that must not cost
+        more as the set grows reads a bounded part of it)."""
+        some: set[str] = set()
+        for batch in self.client.sscan_iter(keys.queued_key(run), count=min(limit, 1000)):
+            some.add(text(batch))
+            if len(some) >= limit:
+                break
+        return some
+
     def queued_count(self, run: str) -> int:
         """How many batches of `run` wait for a worker (the power-watch's pending work)."""
         return int(self.client.scard(keys.queued_key(run)))

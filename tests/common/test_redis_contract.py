@@ -136,3 +136,11 @@ def test_a_superseded_delivery_releases_only_its_own_stagings_claim(db: Any) -> 
     ledger.claim({"run": "r", "batch": "b1"}, "w1@h", 1.0)  # an order that names no staging
     assert ledger.release_staging("r", "b1", "old") is True
     assert ledger.release_staging("r", "b1", "old") is False  # gone already
+
+
+def test_a_set_scanned_in_steps_gives_every_member(db: Any) -> None:
+    db.sadd("s", *[f"m{i}" for i in range(2500)])
+    assert {bytes(m) for m in db.sscan_iter("s", count=100)} == {
+        f"m{i}".encode() for i in range(2500)
+    }
+    assert list(db.sscan_iter("none", count=10)) == []

@@ -265,6 +265,11 @@ class MemoryRedis:
     def _smembers(self, name: Value) -> builtins.set[bytes]:
         return set(self._get(name, set) or set())
 
+    def sscan_iter(self, name: Value, count: int | None = None) -> Iterator[bytes]:
+        """The members, from a copy taken at the call (the server's cursor may also return a
+        member twice; callers take a set)."""
+        yield from sorted(self._run("smembers", name))
+
     def scard(self, name: Value) -> Any:
         return self._run("scard", name)
 

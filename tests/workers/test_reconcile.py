@@ -13,6 +13,7 @@ import redis
 from genfleet.common import keys
 from genfleet.common.ledger import Ledger, work_order_of
 from genfleet.common.records import WorkOrder
+from genfleet.workers.control import lost_orders
 from genfleet.workers.control.lost_orders import RunOrders, reconcile, reconcile_orders
 from harness.assertions import assert_exactly_once
 from harness.env import base_env, free_port
@@ -96,6 +97,59 @@ def test_a_lost_order_is_made_from_one_shard_bound_to_its_staging(
         entry.sha256,
         1,
     )
+
+
+def test_while_the_queues_hold_many_orders_a_pass_reads_none_and_keeps_its_watch(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pass costs what the fleet holds, not what waits: above MAX_WAITING orders it reads
+    no message; a batch watched as missing keeps its first look, and is sent again a lease
+    after it once the queues drain."""
+    monkeypatch.setattr(lost_orders, "MAX_WAITING", 10)
+    store = MemoryStore()
+    stage_prompts(store, "lost", prompts(30), batch_size=1, shard_batches=4)
+    redis_client.sadd(keys.runs_key(), "lost")
+    redis_client.sadd(keys.work_queues_key(), "gpu.q")
+    Ledger(redis_client).mark_queued("lost", ["batch-000013"])
+    sent: list[WorkOrder] = []
+    reconcile_orders(redis_client, store, LEASE_S, sent.append, now=1000.0)  # watched from now
+    redis_client.rpush("gpu.q", *[b"{}" for _ in range(11)])  # another run's backlog
+    reads: list[str] = []
+    monkeypatch.setattr(lost_orders, "held_orders", lambda *a: reads.append("held") or set())
+
+    deferred = reconcile_orders(redis_client, store, LEASE_S, sent.append, now=1000.0 + LEASE_S)
+
+    assert (deferred["deferred"], deferred["resent"], reads, sent) == (11, [], [], [])
+    redis_client.delete("gpu.q")  # drained
+    found = reconcile_orders(redis_client, store, LEASE_S, sent.append, now=1001.0 + LEASE_S)
+    assert found["resent"] == ["lost/batch-000013"]  # the first look of before the backlog
+
+
+def test_a_pass_looks_at_a_bounded_number_of_queued_batches(
+    redis_client: redis.Redis, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole run's orders purged: they are sent again at most MAX_BATCHES a pass, each
+    once, the pass moving on as the fleet finishes them (each answered at once here)."""
+    monkeypatch.setattr(lost_orders, "MAX_BATCHES", 8)
+    store = MemoryStore()
+    manifest = stage_prompts(store, "lost", prompts(30), batch_size=1, shard_batches=4)
+    redis_client.sadd(keys.runs_key(), "lost")
+    ledger = Ledger(redis_client)
+    ledger.mark_queued("lost", manifest.batch_ids())
+    sent: list[WorkOrder] = []
+
+    def send(order: WorkOrder) -> None:
+        sent.append(order)
+        store.put(keys.output_key("lost", order.batch), b"answered")
+
+    for step in range(40):
+        found = reconcile_orders(redis_client, store, LEASE_S, send, now=1000.0 + step * LEASE_S)
+        assert len(found["resent"]) <= 8
+        if not ledger.queued("lost"):
+            break
+
+    assert sorted(o.batch for o in sent) == sorted(manifest.batch_ids())  # each once
+    assert ledger.queued("lost") == set()
 
 
 @pytest.mark.integration

@@ -13,6 +13,13 @@ unacked hash, acked before its retry is sent) is sent again from the run's manif
 shard holding its entry). Each batch's first missing look is kept in Redis by the one beat,
 on its own clock.
 
+A pass costs what the fleet holds, not what the run has left: while more than
+`MAX_WAITING` orders wait in the work queues it looks no further (the workers have work; a
+lost order delays nothing until the queues drain, and then it is found within a lease), and
+it looks at no more than `MAX_BATCHES` queued batches a pass (a queue purged of a whole run's
+orders is sent again over several passes). The queued sets and the queues are otherwise read
+whole: 0.8 s and 45 MB a pass at 20,000 waiting orders when they were read at every size.
+
 `reconcile()` decides, from facts alone (a table test covers it); `reconcile_orders()` reads
 the facts and applies the decision.
 """
@@ -36,6 +43,11 @@ from genfleet.common.redis_conn import text
 from genfleet.common.store import Store
 
 log = logging.getLogger("genfleet.tasks")
+
+# Orders waiting in the work queues above which a pass looks no further (it reads them whole).
+MAX_WAITING = 5_000
+# Queued batches a pass looks at, over all runs (each not held costs a store lookup).
+MAX_BATCHES = 20_000
 
 
 @dataclass(frozen=True)
@@ -75,6 +87,11 @@ def reconcile(
         else:
             verdict.missing_since[batch] = since
     return verdict
+
+
+def waiting_orders(client: redis.Redis, queues: Iterable[str]) -> int:
+    """How many orders wait in `queues` (their lists' lengths: no message read)."""
+    return sum(int(client.llen(k)) for queue in queues for k in keys.broker_queue_keys(queue))
 
 
 def held_orders(client: redis.Redis, queues: Iterable[str]) -> set[tuple[str, str]]:
@@ -126,13 +143,28 @@ def reconcile_orders(
     batches taken off the queued set. Returns what it did, by `run/batch`."""
     now = time.time() if now is None else now
     found: dict[str, Any] = {"resent": [], "finished": [], "ts": now}
-    runs = run_registry.runs(client)
+    queues = [text(q) for q in client.smembers(keys.work_queues_key())]
+    waiting = waiting_orders(client, queues)
+    if waiting > MAX_WAITING:
+        found["deferred"] = waiting  # the watch is kept as it is for the next pass
+        return found
     ledger = Ledger(client)
-    queued = {run: ledger.queued(run) for run in runs}
-    queued = {run: batches for run, batches in queued.items() if batches}
+    queued: dict[str, set[str]] = {}
+    partly: set[str] = set()  # runs whose queued set was not read whole (or not at all)
+    budget = MAX_BATCHES
+    for run in run_registry.runs(client):
+        if budget <= 0:
+            partly.add(run)
+            continue
+        batches = ledger.queued_some(run, budget)
+        if len(batches) >= budget:
+            partly.add(run)
+        if batches:
+            queued[run] = batches
+            budget -= len(batches)
     if not queued:
         return found
-    held = held_orders(client, (text(q) for q in client.smembers(keys.work_queues_key())))
+    held = held_orders(client, queues)
     since = {text(k): float(v) for k, v in client.hgetall(keys.missing_key()).items()}
     watched: dict[str, float] = {}
     for run, batches in queued.items():
@@ -153,6 +185,11 @@ def reconcile_orders(
             found["finished"] += [f"{run}/{b}" for b in verdict.finished]
         if verdict.resend:
             found["resent"] += _resend(store, run, verdict.resend, now, send)
+    # A watched batch of a run read in part may simply not have been looked at: kept.
+    for name, first in since.items():
+        run, _, batch = name.partition("/")
+        if run in partly and batch not in queued.get(run, ()):
+            watched[name] = first
     _keep_watch(client, since, watched)
     return found
 
