@@ -250,7 +250,9 @@ def tune(
             "--mtp",
             help="engine configurations: on, adaptive (SGLang 0.5.12+), off; NAME:N pins "
             "--max-running-requests N; NAME:plan runs the engine plan's cap, NAME:plan*F F "
-            "times it (each a fresh engine with the plan's memory flags)",
+            "times it (each a fresh engine with the plan's memory flags); NAME:radix keeps the "
+            "radix cache and SGLang's own state/KV split, NAME:radix/R with "
+            "--mamba-full-memory-ratio R",
             show_default="off:plan*0.75,off:plan,off:plan*1.25,on:plan for SGLang with the "
             "engine plan; on,on:48,off for the emulator; off for --engine command",
         ),

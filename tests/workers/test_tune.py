@@ -20,7 +20,8 @@ import pytest
 from genfleet.common.errors import GenfleetError
 from genfleet.common.settings import Settings
 from genfleet.workers.cli import parse_tune_args as parse_args
-from genfleet.workers.tune.command import start_engine
+from genfleet.workers.engine.sglang_argv import sglang_launch
+from genfleet.workers.tune.command import point_settings, start_engine
 from genfleet.workers.tune.sweep import (
     AUTO_CONCURRENCY,
     Point,
@@ -35,6 +36,7 @@ from genfleet.workers.tune.sweep import (
     verdict_text,
 )
 from harness.env import ROOT, engine_port_base
+from tests.workers.engine.test_engine_plan import qwen35_27b
 
 
 def point(config: str, c: int, tps: float, power: float | None = 350.0, **kw: object) -> Point:
@@ -87,6 +89,7 @@ def test_parse_concurrency_refuses(text: str) -> None:
             ["off:plan*0.75", "off:plan", "off:plan*1.25", "on:plan"],
         ),
         ("off:plan*1", ["off:plan"]),
+        ("off:radix,OFF:radix/4,on:radix/2.5", ["off:radix", "off:radix/4", "on:radix/2.5"]),
     ],
 )
 def test_parse_configs(text: str, labels: list[str]) -> None:
@@ -94,7 +97,20 @@ def test_parse_configs(text: str, labels: list[str]) -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["", "maybe", "on:0", "on:x", "off:plan*0", "off:plan*x", "off:plan*99", "off:plans"]
+    "text",
+    [
+        "",
+        "maybe",
+        "on:0",
+        "on:x",
+        "off:plan*0",
+        "off:plan*x",
+        "off:plan*99",
+        "off:plans",
+        "off:radix/0",
+        "off:radix/x",
+        "off:radixes",
+    ],  # fmt: skip
 )
 def test_parse_configs_refuses(text: str) -> None:
     with pytest.raises(ValueError, match="--mtp"):
@@ -375,3 +391,30 @@ def test_emulator_sweep_shows_adaptive_as_its_own_point(tmp_path: Path) -> None:
         points[("off", 128)]["power_w"], rel=0.05
     )
     assert points[("on", 128)]["accept_length"] > 2.0  # fixed MTP keeps drafting
+
+
+def test_a_radix_point_keeps_sglangs_own_split_with_the_ratio_it_names(tmp_path: Path) -> None:
+    """`off:radix/4` is the argv before the plan (radix cache on, SGLang's cap) with
+    `--mamba-full-memory-ratio 4`; `off:plan` the plan's cap with the radix cache off."""
+    (tmp_path / "config.json").write_text(json.dumps(qwen35_27b()))
+    settings = Settings(engine="sglang", model=str(tmp_path), plan_gpu="h100", max_tokens=512)
+    arch = "Qwen3_5ForConditionalGeneration"
+
+    radix, radix_plan = point_settings(settings, parse_configs("off:radix/4")[0], arch)
+    plan_point, plan = point_settings(settings, parse_configs("off:plan")[0], arch)
+
+    argv = sglang_launch(radix, 30000, "0.5.15", arch=arch, plan=radix_plan).argv
+    assert radix_plan is not None and not radix_plan.planned
+    assert "--disable-radix-cache" not in argv and "extra_buffer" in argv
+    assert argv[argv.index("--mamba-full-memory-ratio") + 1] == "4"
+    assert argv[argv.index("--mem-fraction-static") + 1] == "0.9"
+    assert plan is not None and plan.planned
+    assert plan_point.max_running_requests == plan.max_running_requests == 98
+    argv = sglang_launch(plan_point, 30000, "0.5.15", arch=arch, plan=plan).argv
+    assert "--disable-radix-cache" in argv and "--mamba-full-memory-ratio" not in argv
+    assert argv[argv.index("--max-running-requests") + 1] == str(plan.max_running_requests)
+
+
+def test_a_radix_point_on_a_model_without_a_plan_is_refused() -> None:
+    with pytest.raises(GenfleetError, match="no engine plan"):
+        point_settings(Settings(engine="emulator"), TuneConfig(mtp=False, radix=True), None)

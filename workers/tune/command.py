@@ -46,7 +46,11 @@ from genfleet.common.records import GenerationParams, PromptRecord
 from genfleet.common.settings import Settings
 from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.kinds import engine_launch, planned, with_engine_key
-from genfleet.workers.engine.plan import DEFAULT_MAX_RUNNING_REQUESTS
+from genfleet.workers.engine.plan import (
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    PLAN_MEM_FRACTION,
+    EnginePlan,
+)
 from genfleet.workers.engine.ports import pick_port, private_dir
 from genfleet.workers.engine.preflight import checkpoint_arch
 from genfleet.workers.engine.supervisor import EngineSupervisor
@@ -118,23 +122,13 @@ def load_prompts(dataset: str | None, settings: Settings, limit: int = 5000) -> 
 def start_engine(settings: Settings, config: TuneConfig) -> tuple[EngineSupervisor, Settings]:
     """The engine of one configuration, started through the worker's supervisor, with the
     engine plan the worker would launch it with (its cap pinned where the point says)."""
-    update: dict[str, Any] = {"mtp": config.mtp, "speculative_adaptive": config.adaptive}
-    if config.max_running_requests is not None:
-        update["max_running_requests"] = config.max_running_requests
-    each = with_engine_key(settings.model_copy(update=update))
     arch = None
-    if each.engine_kind == "sglang":
+    if settings.engine_kind == "sglang":
         from genfleet.workers.engine.preflight import preflight
 
-        arch = preflight(each).arch
-    if config.plan_scale is not None:
-        _, plan = planned(each, arch)
-        if plan is None or not plan.planned:
-            why = plan.notes[0] if plan is not None and plan.notes else "--no-engine-plan"
-            raise GenfleetError(f"MTP {config.label}: no engine plan to sweep ({why})")
-        cap = config.planned_cap(plan.max_running_requests)
-        each = each.model_copy(update={"max_running_requests": cap})
-    each, plan = planned(each, arch)
+        # This point's MTP choice: a checkpoint without MTP weights is refused for an MTP point.
+        arch = preflight(settings.model_copy(update={"mtp": config.mtp})).arch
+    each, plan = point_settings(settings, config, arch)
     port = pick_port(each.engine_host, each.port)
     launch = engine_launch(each, port, arch=arch, plan=plan)
     assert launch is not None  # external engines are refused in tune_options
@@ -150,6 +144,39 @@ def start_engine(settings: Settings, config: TuneConfig) -> tuple[EngineSupervis
     )
     supervisor.start()
     return supervisor, each
+
+
+def point_settings(
+    settings: Settings, config: TuneConfig, arch: str | None
+) -> tuple[Settings, EnginePlan | None]:
+    """The worker settings and engine plan of one point: its MTP choice, its cap (pinned, or
+    the plan's times its scale), or the radix cache kept with SGLang's own state/KV split
+    (`--mamba-full-memory-ratio` where the point names one). ConfigError / GenfleetError
+    before any engine starts where the point cannot be made (no plan to sweep)."""
+    update: dict[str, Any] = {"mtp": config.mtp, "speculative_adaptive": config.adaptive}
+    if config.max_running_requests is not None:
+        update["max_running_requests"] = config.max_running_requests
+    each = with_engine_key(settings.model_copy(update=update))
+    if config.radix or config.plan_scale is not None:
+        _, plan = planned(each, arch)
+        if plan is None or not plan.planned:
+            why = plan.notes[0] if plan is not None and plan.notes else "--no-engine-plan"
+            raise GenfleetError(f"MTP {config.label}: no engine plan to sweep ({why})")
+        if config.radix:
+            extra = each.engine_extra_args
+            if config.mamba_ratio is not None:
+                extra = f"{extra} --mamba-full-memory-ratio {config.mamba_ratio:g}".strip()
+            each = each.model_copy(
+                update={
+                    "mamba_cache_strategy": each.mamba_cache_strategy or "extra_buffer",
+                    "engine_extra_args": extra,
+                    "mem_fraction_static": each.mem_fraction_static or PLAN_MEM_FRACTION,
+                }
+            )
+        else:
+            cap = config.planned_cap(plan.max_running_requests)
+            each = each.model_copy(update={"max_running_requests": cap})
+    return planned(each, arch)
 
 
 def effective_cap(settings: Settings) -> int | None:

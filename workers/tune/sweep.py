@@ -53,10 +53,16 @@ class TuneConfig:
     # A multiple of the engine plan's cap (`workers/engine/plan.py`) for this MTP choice:
     # `off:plan` is the plan, `off:plan*1.25` a quarter more requests than it fits.
     plan_scale: float | None = None
+    # The radix cache kept (SGLang's own state/KV split: the argv before the plan), with
+    # `--mamba-full-memory-ratio` where given: `off:radix`, `off:radix/4`.
+    radix: bool = False
+    mamba_ratio: float | None = None
 
     @property
     def label(self) -> str:
         name = "adaptive" if self.adaptive else "on" if self.mtp else "off"
+        if self.radix:
+            return f"{name}:radix" + ("" if self.mamba_ratio is None else f"/{self.mamba_ratio:g}")
         if self.plan_scale is not None:
             return f"{name}:plan" + ("" if self.plan_scale == 1 else f"*{self.plan_scale:g}")
         cap = self.max_running_requests
@@ -125,7 +131,8 @@ def parse_concurrency(text: str) -> list[int]:
 
 def parse_configs(text: str) -> list[TuneConfig]:
     """`"on,on:48,adaptive,off"` → configurations; `NAME:N` also pins max_running_requests,
-    `NAME:plan` runs the engine plan's cap, `NAME:plan*F` F times it."""
+    `NAME:plan` runs the engine plan's cap, `NAME:plan*F` F times it, `NAME:radix` keeps the
+    radix cache and SGLang's own split, `NAME:radix/R` with `--mamba-full-memory-ratio R`."""
     out: list[TuneConfig] = []
     for part in text.split(","):
         part = part.strip().lower()
@@ -133,17 +140,34 @@ def parse_configs(text: str) -> list[TuneConfig]:
             continue
         name, _, cap = part.partition(":")
         scale = _plan_scale(cap)
-        if name not in MTP_NAMES or (cap and scale is None and (not cap.isdigit() or cap == "0")):
+        radix, ratio = _radix(cap)
+        bad_cap = cap and scale is None and not radix and (not cap.isdigit() or cap == "0")
+        if name not in MTP_NAMES or bad_cap:
             raise ValueError(
-                f"--mtp takes on, adaptive, off, NAME:N or NAME:plan[*F], got {part!r}"
+                "--mtp takes on, adaptive, off, NAME:N, NAME:plan[*F] or NAME:radix[/R], "
+                f"got {part!r}"
             )
-        fixed = int(cap) if cap and scale is None else None
-        config = TuneConfig(name != "off", fixed, name == "adaptive", scale)
+        fixed = int(cap) if cap and scale is None and not radix else None
+        config = TuneConfig(name != "off", fixed, name == "adaptive", scale, radix, ratio)
         if config not in out:
             out.append(config)
     if not out:
         raise ValueError("--mtp needs at least one of on, adaptive, off (or NAME:N)")
     return out
+
+
+def _radix(cap: str) -> tuple[bool, float | None]:
+    """`radix` → (True, None), `radix/4` → (True, 4.0); (False, None) for anything else."""
+    head, slash, ratio = cap.partition("/")
+    if head != "radix":
+        return False, None
+    if not slash:
+        return True, None
+    try:
+        value = float(ratio)
+    except ValueError:
+        return False, None
+    return (True, value) if 0 < value <= 64 else (False, None)
 
 
 def _plan_scale(cap: str) -> float | None:
