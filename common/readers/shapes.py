@@ -143,11 +143,17 @@ def read_as(file: str, shape: str, options: ReaderOptions) -> ReadAs:
         answer = f"`{options.answer_col}` (--answer-col)"
     if answer != "none":
         answer += " (kept with --regenerate)" if options.regenerate else " (needs --regenerate)"
-    default = "`{file}:{line}`"
-    id_of = f"`{options.id_col}` (--id-col)" if options.id_col else f"`id`, else {default}"
-    if shape == OPENAI:
-        id_of = "`custom_id`"
+    id_of = f"`{options.id_col}` (--id-col)" if options.id_col else id_reading(shape)
+    if OPENAI in _parts(shape):
+        id_of = id_reading(OPENAI) if shape == OPENAI else f"{id_reading(OPENAI)} or `id`"
     return ReadAs(file, shape, prompt, system, answer, id_of)
+
+
+def id_reading(shape: str) -> str:
+    """Where a row of `shape` takes its id (README's table of shapes says the same)."""
+    if shape == TURNS:
+        return ""
+    return "`custom_id`" if shape == OPENAI else "`id`, else `{file}:{line}`"
 
 
 def row_shape(row: Mapping[str, Any], options: ReaderOptions) -> str | None:
