@@ -203,7 +203,7 @@ def fits(shape: str, file: str) -> bool:
 # A JSON lines file's shape is decided on its first rows, held (decoded) while they are read:
 # at most this many rows, or this many bytes of them, so memory stays bounded for any file.
 PREFIX_ROWS = 1000
-PREFIX_BYTES = 32 * 1024 * 1024
+PREFIX_BYTES = 8 * 1024 * 1024  # decoded, a row takes a few times its bytes
 SAMPLE_LINES = 5  # line numbers named per shape in a refusal
 
 
