@@ -12,6 +12,7 @@ import orjson
 import typer
 
 from genfleet.common.flags import with_settings
+from genfleet.common.help import HelpCommand
 from genfleet.common.settings import DEFAULT_STORE, Settings, store_url
 from genfleet.producer import commands, local_run
 from genfleet.producer.console import Json, out
@@ -40,14 +41,14 @@ def show_settings(settings: Settings, json_out: Json = False) -> None:
 
 def register(app: typer.Typer) -> None:
     """Add every producer command to `app`."""
-    app.command()(commands.enqueue)
-    app.command()(commands.status)
-    app.command()(commands.retry)
-    app.command()(commands.export)
-    app.command()(commands.report)
-    app.command()(commands.findings)
-    app.command("run")(local_run.run_command)
-    app.command("settings")(show_settings)
-    app.command()(run_commands.runs)
-    app.command()(run_commands.cancel)
-    app.command()(run_commands.delete)
+    app.command(cls=HelpCommand)(commands.enqueue)
+    app.command(cls=HelpCommand)(commands.status)
+    app.command(cls=HelpCommand)(commands.retry)
+    app.command(cls=HelpCommand)(commands.export)
+    app.command(cls=HelpCommand)(commands.report)
+    app.command(cls=HelpCommand)(commands.findings)
+    app.command("run", cls=HelpCommand)(local_run.run_command)
+    app.command("settings", cls=HelpCommand)(show_settings)
+    app.command(cls=HelpCommand)(run_commands.runs)
+    app.command(cls=HelpCommand)(run_commands.cancel)
+    app.command(cls=HelpCommand)(run_commands.delete)

@@ -33,6 +33,7 @@ from genfleet.producer.console import (
     format_eta,
     out,
     plural,
+    print_read_as,
     print_rejects,
     warn_unread,
 )
@@ -85,6 +86,12 @@ def enqueue(
         str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
     ] = None,
     id_col: Annotated[str | None, typer.Option(help="field or column (jsonl, parquet, hf)")] = None,
+    system_col: Annotated[
+        str | None, typer.Option(help="the system prompt's field or column")
+    ] = None,
+    answer_col: Annotated[
+        str | None, typer.Option(help="the old answer's field or column (with --regenerate)")
+    ] = None,
     resume: Annotated[
         bool, typer.Option("--resume", help="rebuild the queue of RUN from the store alone")
     ] = False,
@@ -103,7 +110,13 @@ def enqueue(
     if source is None and not resume:
         fail("give a SOURCE to stage, or --resume RUN to re-enqueue from the store")
     options = reader_options(
-        settings, fmt, messages_col=messages_col, prompt_col=prompt_col, id_col=id_col
+        settings,
+        fmt,
+        messages_col=messages_col,
+        prompt_col=prompt_col,
+        id_col=id_col,
+        system_col=system_col,
+        answer_col=answer_col,
     )
     try:
         result = enqueue_run(settings, run, None if resume else source, options, verify=resume)
@@ -162,6 +175,7 @@ def _print_enqueue(
         + ("; it was cancelled and is resumed" if result.uncancelled else ""),
         highlight=False,
     )
+    print_read_as(result.read_as)
     print_rejects(result.reject_samples)
     warn_unread(result.run, result.sources_unread, result.rows_unread)
     if result.rejects > len(result.reject_samples):

@@ -13,7 +13,16 @@ from genfleet.common.flags import fail
 from genfleet.common.settings import Settings
 
 __all__ = ["Json", "RedisUrl", "S3Endpoint", "StoreUrl", "build_settings"]
-__all__ += ["console", "fail", "format_eta", "out", "plural", "print_rejects", "warn_unread"]
+__all__ += [
+    "console",
+    "fail",
+    "format_eta",
+    "out",
+    "plural",
+    "print_read_as",
+    "print_rejects",
+    "warn_unread",
+]
 
 console = Console(stderr=True)
 out = Console()
@@ -49,14 +58,21 @@ def print_rejects(samples: list[str]) -> None:
         console.print(f"  [yellow]rejected[/] {escape(line)}", highlight=False)
 
 
+def print_read_as(readings: list[str]) -> None:
+    """One line per file read: the shape it was read as and where each part came from (the
+    user sees what genfleet made of the data before the run's answers do)."""
+    for line in readings:
+        console.print(f"  {escape(line)}", highlight=False, soft_wrap=True)
+
+
 def warn_unread(run: str, sources: list[str], rows: int) -> None:
     """A source not read to its end: the run holds less than the source, whatever it counts."""
     if sources:
         lost = f"{rows:,} rows" if rows else "rows"
         console.print(
             f"[bold red]warning:[/] run {run}: {lost} of {', '.join(map(escape, sources))} "
-            f"were not read (corrupt mid-file; see {run}/rejects.jsonl): the run holds less "
-            "than its source",
+            f"were not read (refused whole or corrupt mid-file; see {run}/rejects.jsonl): "
+            "the run holds less than its source",
             highlight=False,
         )
 

@@ -26,7 +26,7 @@ import orjson
 from genfleet.common import keys, run_registry
 from genfleet.common.errors import ConfigError, InputError, RunMismatch
 from genfleet.common.manifest import BatchEntry, Manifest, ManifestWriter
-from genfleet.common.readers import ReaderOptions, Reject, read_source
+from genfleet.common.readers import ReadAs, ReaderOptions, Reject, read_source
 from genfleet.common.readers.fields import REGENERATE_HINT
 from genfleet.common.records import (
     GenerationParams,
@@ -78,6 +78,9 @@ class EnqueueResult:
     rows_unread: int = 0  # rows of those files known to be lost
     # lines refused because they end with an assistant answer (see --regenerate)
     ends_with_answer: int = 0
+    # how each file was read: its shape, and where its prompt, system prompt, old answer and
+    # id came from (`shapes.read_as`)
+    read_as: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -95,6 +98,7 @@ class EnqueueResult:
             "sources_unread": self.sources_unread,
             "rows_unread": self.rows_unread,
             "ends_with_answer": self.ends_with_answer,
+            "read_as": self.read_as,
         }
 
 
@@ -110,6 +114,8 @@ def reader_options(
         messages_col=columns.get("messages_col"),
         prompt_col=columns.get("prompt_col"),
         id_col=columns.get("id_col"),
+        system_col=columns.get("system_col"),
+        answer_col=columns.get("answer_col"),
         regenerate=settings.regenerate,
         s3_endpoint_url=settings.s3_endpoint_url,
         s3_region=settings.s3_region,
@@ -194,7 +200,8 @@ def stage(
     interrupted staging of it is never finished (`claim_run` refuses it).
     """
     result = EnqueueResult(run=run, staged=True)
-    split = _Split(read_source(source, options))
+    read_as: list[ReadAs] = []
+    split = _Split(read_source(source, options, read_as))
     digest = hashlib.sha256()
     params = generation_params(settings)
     ref = model_ref(settings)
@@ -267,6 +274,7 @@ def stage(
     held.release(pending)
     result.batches_enqueued += _send(send, pending, outstanding)
     result.rejects = len(split.rejects)
+    result.read_as = [str(reading) for reading in read_as]
     cut = [reject for reject in split.rejects if reject.truncated]
     result.sources_unread = sorted({reject.file for reject in cut})
     result.rows_unread = sum(reject.rows_unread or 0 for reject in cut)

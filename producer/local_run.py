@@ -38,6 +38,7 @@ from genfleet.producer.console import (
     format_eta,
     out,
     plural,
+    print_read_as,
     print_rejects,
     warn_unread,
 )
@@ -159,6 +160,12 @@ def run_command(
         str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
     ] = None,
     id_col: Annotated[str | None, typer.Option(help="field or column (jsonl, parquet, hf)")] = None,
+    system_col: Annotated[
+        str | None, typer.Option(help="the system prompt's field or column")
+    ] = None,
+    answer_col: Annotated[
+        str | None, typer.Option(help="the old answer's field or column (with --regenerate)")
+    ] = None,
     json_out: Json = False,
 ) -> None:
     """Generate SOURCE on this machine end to end: workers, engine, enqueue, wait, summary.
@@ -169,7 +176,13 @@ def run_command(
     """
     run = run or default_run_name(source)
     options = reader_options(
-        settings, fmt, messages_col=messages_col, prompt_col=prompt_col, id_col=id_col
+        settings,
+        fmt,
+        messages_col=messages_col,
+        prompt_col=prompt_col,
+        id_col=id_col,
+        system_col=system_col,
+        answer_col=answer_col,
     )
     try:
         keys.validate_run(run)
@@ -219,6 +232,7 @@ def run_command(
             f"done), {plural(result.rejects, 'line')} rejected",
             highlight=False,
         )
+        print_read_as(result.read_as)
         print_rejects(result.reject_samples)
         warn_unread(run, result.sources_unread, result.rows_unread)
         if result.ends_with_answer:

@@ -140,3 +140,26 @@ def test_is_named_reads_paths_and_folder_entries() -> None:
     assert not is_named(Path("workers/engine/watchdog"), entries)
     assert not is_named(Path("workers/batching"), entries)
     assert not is_named(Path("workers/tune/supervisor"), entries)
+
+
+def shape_table(text: str) -> dict[str, list[str]]:
+    """README's table of shapes: each row's cells after the shape, keyed by the shape."""
+    lines = section(text, "Datasets and exports").splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("| shape | detected by"))
+    rows: dict[str, list[str]] = {}
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        rows[cells[0]] = cells[1:]
+    return rows
+
+
+def test_the_table_of_shapes_says_what_the_readers_do() -> None:
+    from genfleet.common.readers.shapes import READINGS, id_reading
+
+    table = shape_table(readme())
+    assert sorted(table) == sorted(READINGS)
+    for shape, (prompt, system, answer) in READINGS.items():
+        _, *said = table[shape] + [""] * (5 - len(table[shape]))
+        assert said == [prompt, system, answer, id_reading(shape)], shape

@@ -20,6 +20,7 @@ import typer
 
 from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import fail, settings_from, with_settings
+from genfleet.common.help import HelpCommand
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.workers.tune.sweep import Options, tune_options
@@ -305,12 +306,12 @@ def tune(
 
 
 # Every GPU-side command, registered explicitly; `genfleet` lists the same ones.
-app.command(rich_help_panel=GPU_PANEL)(worker)
-app.command(rich_help_panel=GPU_PANEL)(control)
-app.command(rich_help_panel=GPU_PANEL)(preflight)
-app.command(rich_help_panel=GPU_PANEL)(top)
-app.command(rich_help_panel=GPU_PANEL)(tune)
-app.command(rich_help_panel=GPU_PANEL)(flower)
+app.command(rich_help_panel=GPU_PANEL, cls=HelpCommand)(worker)
+app.command(rich_help_panel=GPU_PANEL, cls=HelpCommand)(control)
+app.command(rich_help_panel=GPU_PANEL, cls=HelpCommand)(preflight)
+app.command(rich_help_panel=GPU_PANEL, cls=HelpCommand)(top)
+app.command(rich_help_panel=GPU_PANEL, cls=HelpCommand)(tune)
+app.command(rich_help_panel=GPU_PANEL, cls=HelpCommand)(flower)
 COMMANDS = ("worker", "control", "preflight", "top", "tune", "flower")
 
 

@@ -15,12 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from genfleet.common.errors import InputError
-from genfleet.common.readers.fields import Item, Located, ReaderOptions, Reject
+from genfleet.common.readers.fields import Item, Located, ReadAs, ReaderOptions, Reject
 from genfleet.common.readers.s3source import S3Path, SourcePath, s3_source
 from genfleet.common.readers.seen import SeenIds
 from genfleet.common.records import PromptRecord
 
-__all__ = ["Item", "ReaderOptions", "Reject", "detect_format", "read_source"]
+__all__ = ["Item", "ReadAs", "ReaderOptions", "Reject", "detect_format", "read_source"]
 
 
 def detect_format(path: SourcePath) -> str:
@@ -63,8 +63,11 @@ def _format_items(path: SourcePath, options: ReaderOptions) -> Iterator[Located]
     raise InputError(f"unknown format {fmt!r}: use jsonl, openai, parquet or hf")
 
 
-def read_source(source: str | Path, options: ReaderOptions | None = None) -> Iterator[Item]:
-    """Every prompt of `source` (expanded to `samples`) and every reject, in input order."""
+def read_source(
+    source: str | Path, options: ReaderOptions | None = None, read_as: list[ReadAs] | None = None
+) -> Iterator[Item]:
+    """Every prompt of `source` (expanded to `samples`) and every reject, in input order;
+    how each file was read (its shape) is appended to `read_as` when given."""
     options = options or ReaderOptions()
     path: SourcePath = Path(source)
     if str(source).startswith("s3://"):
@@ -75,8 +78,13 @@ def read_source(source: str | Path, options: ReaderOptions | None = None) -> Ite
     taken = 0
     try:
         for chunk in _chunks(_format_items(path, options)):
-            duplicate = iter(seen.check([c[2].id for c in chunk if not isinstance(c, Reject)]))
+            ids = [c[2].id for c in chunk if isinstance(c, tuple)]
+            duplicate = iter(seen.check(ids))
             for located in chunk:
+                if isinstance(located, ReadAs):
+                    if read_as is not None:
+                        read_as.append(located)
+                    continue
                 if isinstance(located, Reject):
                     yield located
                     continue

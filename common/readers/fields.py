@@ -72,6 +72,8 @@ class ReaderOptions:
     messages_col: str | None = None
     prompt_col: str | None = None
     id_col: str | None = None
+    system_col: str | None = None  # the row's system prompt, instead of system/system_prompt
+    answer_col: str | None = None  # the row's old answer, instead of its shape's own field
     # --regenerate: a conversation's final assistant turn is the old answer to replace (kept
     # as the record's `previous`, never sent); without it such a line is refused.
     regenerate: bool = False
@@ -80,10 +82,30 @@ class ReaderOptions:
     s3_region: str = "us-east-1"
 
 
+@dataclass(frozen=True, slots=True)
+class ReadAs:
+    """How one file was read: its shape and where its prompt, system prompt, old answer and id
+    came from. Readers yield one per file before its records; `read_source` hands them to the
+    caller that asked (`enqueue` prints them), so a user sees what genfleet made of the file."""
+
+    file: str
+    shape: str
+    prompt: str
+    system: str
+    answer: str
+    id: str
+
+    def __str__(self) -> str:
+        return (
+            f"{self.file}: read as {self.shape}: prompt {self.prompt}; system {self.system}; "
+            f"old answer {self.answer}; id {self.id}"
+        )
+
+
 Item = PromptRecord | Reject
-# What a format module yields: a record with the file and line (or row) it came from, or a
-# reject.
-Located = tuple[str, int, PromptRecord] | Reject
+# What a format module yields: a record with the file and line (or row) it came from, a
+# reject, or how a file is read (before its records).
+Located = tuple[str, int, PromptRecord] | Reject | ReadAs
 
 
 def default_id_base(file: SourcePath, source: SourcePath) -> str:
@@ -171,12 +193,31 @@ def sharegpt_turns(value: Any, field: str) -> Any:
 ROW_SYSTEM_FIELDS = ("system", "system_prompt")
 
 
-def with_row_system(row: Mapping[str, Any], messages: list[Any]) -> list[Any]:
+def named_text(row: Mapping[str, Any], column: str, flag: str) -> str:
+    """The string in a column named by `flag`: missing, null or not a string is the row's
+    reject naming the column and the flag (another field or nothing in its place would mix two
+    readings in one run)."""
+    value = row.get(column)
+    if value is None:
+        said = "is null" if column in row else "is missing"
+        raise BadRecord(column, f"{said} (named by {flag})")
+    if not isinstance(value, str):
+        raise BadRecord(column, f"must be a string, got {type(value).__name__} (named by {flag})")
+    return value
+
+
+def with_row_system(
+    row: Mapping[str, Any], messages: list[Any], system_col: str | None = None
+) -> list[Any]:
     """`messages` with the row's own system prompt first (`system` or `system_prompt` beside
-    the conversation): part of the prompt, never dropped. An empty one adds nothing; one that
-    differs from the conversation's own system turn, or from the other field, is the line's
-    reject: which of the two is the system prompt is not for genfleet to guess."""
-    found = [(key, row[key]) for key in ROW_SYSTEM_FIELDS if row.get(key) is not None]
+    the conversation, or only the column `--system-col` names): part of the prompt, never
+    dropped. An empty one adds nothing; one that differs from the conversation's own system
+    turn, or from the other field, is the line's reject: which of the two is the system prompt
+    is not for genfleet to guess."""
+    if system_col is not None:
+        found = [(system_col, named_text(row, system_col, "--system-col"))]
+    else:
+        found = [(key, row[key]) for key in ROW_SYSTEM_FIELDS if row.get(key) is not None]
     if not found:
         return messages
     key, value = found[0]
@@ -196,6 +237,25 @@ def with_row_system(row: Mapping[str, Any], messages: list[Any]) -> list[Any]:
             key, "differs from the conversation's own system turn: which one is the system prompt?"
         )
     return [{"role": "system", "content": value}, *messages]
+
+
+def with_named_answer(
+    row: Mapping[str, Any], messages: list[Any], answer_col: str | None
+) -> list[Any]:
+    """`messages` with the old answer from the column `--answer-col` names as a final
+    assistant turn (`split_answer` then keeps it as `previous` or refuses the line). A
+    conversation that already ends with an assistant turn is the line's reject: which of the
+    two is the old answer is not for genfleet to guess."""
+    if answer_col is None:
+        return messages
+    answer = named_text(row, answer_col, "--answer-col")
+    last = messages[-1] if messages and isinstance(messages[-1], dict) else {}
+    if last.get("role") == "assistant":
+        raise BadRecord(
+            answer_col,
+            "the conversation ends with an assistant turn too: which one is the old answer?",
+        )
+    return [*messages, {"role": "assistant", "content": answer}]
 
 
 def check_askable(messages: list[dict[str, Any]], field: str) -> list[dict[str, Any]]:

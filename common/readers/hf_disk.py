@@ -22,7 +22,12 @@ from typing import Any
 import orjson
 
 from genfleet.common.readers.fields import Located, ReaderOptions, Reject, truncated
-from genfleet.common.readers.parquet import import_pyarrow, resolve_columns, rows_from_batches
+from genfleet.common.readers.parquet import (
+    file_read_as,
+    import_pyarrow,
+    resolve_columns,
+    rows_from_batches,
+)
 
 
 def dataset_dir(path: Path) -> Path | Reject:
@@ -105,6 +110,7 @@ def read_hf_disk(path: Path, options: ReaderOptions) -> Iterator[Located]:
     if isinstance(columns, Reject):
         yield columns
         return
+    yield file_read_as(name, columns, options)
     batches = _all_batches(pa, files, columns.names())
     rows_read = 0  # one item per row, record or reject
     try:

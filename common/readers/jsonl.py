@@ -19,6 +19,7 @@ import gzip
 import io
 import zlib
 from collections.abc import Iterator
+from itertools import chain
 from typing import IO, Any, cast
 
 import orjson
@@ -37,10 +38,22 @@ from genfleet.common.readers.fields import (
     default_id_base,
     sharegpt_turns,
     split_answer,
+    with_named_answer,
     with_row_system,
 )
 from genfleet.common.readers.s3source import SourcePath
-from genfleet.common.readers.shapes import read_shape, shape_of
+from genfleet.common.readers.shapes import (
+    PREFIX_BYTES,
+    PREFIX_ROWS,
+    file_shape,
+    fits,
+    mismatch_reason,
+    mixed_reason,
+    read_as,
+    read_shape,
+    row_shape,
+    shape_of,
+)
 from genfleet.common.records import PromptRecord
 
 try:
@@ -198,13 +211,21 @@ def _read_array(
     name: str, handle: IO[bytes], base: str, options: ReaderOptions
 ) -> Iterator[Located]:
     """Records of a JSON array file (compressed or not); the element number (from 1) stands
-    for the line."""
+    for the line. The array is in memory whole, so its shape is judged on every element."""
     try:
         items = orjson.loads(handle.read().removeprefix(b"\xef\xbb\xbf"))
     except orjson.JSONDecodeError as exc:
         yield Reject(name, None, None, f"a JSON array that is not valid JSON: {exc}")
         return
-    for number, data in enumerate(items, start=1):
+    numbered = list(enumerate(items, start=1))
+    lines_of = _shapes(numbered, options)
+    shape = file_shape(list(lines_of))
+    if lines_of and shape is None:
+        yield _refused(name, mixed_reason(lines_of, element=True), len(numbered))
+        return
+    if shape is not None:
+        yield read_as(name, shape, options)
+    for number, data in numbered:
         try:
             record = parse_line(data, f"{base}:{number}", options.format, options)
             yield (name, number, record)
@@ -212,36 +233,101 @@ def _read_array(
             yield Reject(name, number, exc.field, f"element {number}: {exc}")
 
 
+def _shapes(rows: list[tuple[int, Any]], options: ReaderOptions) -> dict[str, list[int]]:
+    """The shapes of `rows` (decoded JSON; rejects are skipped), each with its line numbers,
+    in the order they first appear."""
+    lines_of: dict[str, list[int]] = {}
+    for lineno, data in rows:
+        shape = row_shape(data, options) if isinstance(data, dict) else None
+        if shape is not None:
+            lines_of.setdefault(shape, []).append(lineno)
+    return lines_of
+
+
+def _refused(name: str, reason: str, rows: int | None) -> Reject:
+    """The reject of a whole file: recorded as a source not read (`sources_unread`)."""
+    return Reject(name, None, None, reason, truncated=True, rows_unread=rows)
+
+
 def _read_file(
     path: SourcePath, base: str, options: ReaderOptions, alone: bool = True
 ) -> Iterator[Located]:
-    """Every line of one file; `base` starts its default ids (see `default_id_base`)."""
+    """Every line of one file; `base` starts its default ids (see `default_id_base`).
+
+    The file is read as one shape (`shapes.row_shape`), decided on its first rows
+    (`shapes.PREFIX_ROWS`, at most `PREFIX_BYTES`), which are held decoded until it is: rows
+    of several shapes there refuse the file, naming the lines of each. Past them a row of
+    another shape is its line's reject. Held this way, a file is read once, front to back,
+    in bounded memory, and no record of a file that is then refused was handed on (the
+    records already staged cannot be called back)."""
     name = str(path)
-    lineno = 0
-    read = 0  # lines that were not blank
     try:
         with _open(path) as opened:
             handle = _peekable(opened)
             if _is_json_array(handle):
                 yield from _read_array(name, handle, base, options)
                 return
-            for lineno, raw in _lines(handle, options.max_line_bytes):
-                item = _line_item(name, lineno, raw, base, options)
-                if item is not None:
-                    read += 1
-                    yield item
+            yield from _read_lines(name, handle, base, options, alone)
     except (EOFError, OSError, zlib.error, _ZstdError) as exc:
-        # The rest of the file cannot be read: the lines before it stand, and this says so.
-        yield Reject(name, lineno + 1, None, f"compressed data is corrupt from here on: {exc}")
+        # Raised before the first line (a line's own reading ends in a Reject, `_decoded`).
+        yield Reject(name, 1, None, f"compressed data is corrupt from here on: {exc}")
+
+
+def _read_lines(
+    name: str, handle: IO[bytes], base: str, options: ReaderOptions, alone: bool
+) -> Iterator[Located]:
+    rows = _decoded(name, handle, options)
+    prefix: list[tuple[int, Any]] = []
+    held_bytes = 0
+    for lineno, data, size in rows:
+        prefix.append((lineno, data))
+        held_bytes += size
+        if len(prefix) >= PREFIX_ROWS or held_bytes >= PREFIX_BYTES:
+            break
+    lines_of = _shapes(prefix, options)
+    shape_read = file_shape(list(lines_of))
+    if lines_of and shape_read is None:
+        yield _refused(name, mixed_reason(lines_of), None)
         return
+    if shape_read is not None:
+        yield read_as(name, shape_read, options)
+    read = 0
+    for lineno, data in chain(prefix, ((n, d) for n, d, _ in rows)):
+        read += 1
+        if isinstance(data, Reject):
+            yield data
+            continue
+        shape = row_shape(data, options) if isinstance(data, dict) else None
+        if shape_read is None and shape is not None:
+            shape_read = shape
+            yield read_as(name, shape, options)
+        elif shape is not None and shape_read is not None and not fits(shape, shape_read):
+            yield Reject(name, lineno, None, mismatch_reason(shape, shape_read))
+            continue
+        yield _parsed(name, lineno, data, base, options)
     if not read and alone:
         yield Reject(name, None, None, "an empty file: no line to read")
 
 
-def _line_item(
-    name: str, lineno: int, raw: bytes | None, base: str, options: ReaderOptions
-) -> Located | None:
-    """One line as a record or a reject; None for a blank line."""
+def _decoded(
+    name: str, handle: IO[bytes], options: ReaderOptions
+) -> Iterator[tuple[int, Any, int]]:
+    """(line number, decoded JSON or the line's Reject, bytes) per line that is not blank.
+    Data that cannot be read on (corrupt compression) ends the file with a Reject from that
+    line: the lines before it stand."""
+    lineno = 0
+    try:
+        for lineno, raw in _lines(handle, options.max_line_bytes):
+            data = _line_data(name, lineno, raw, options)
+            if data is not None:
+                yield lineno, data, len(raw or b"")
+    except (EOFError, OSError, zlib.error, _ZstdError) as exc:
+        reason = f"compressed data is corrupt from here on: {exc}"
+        yield lineno + 1, Reject(name, lineno + 1, None, reason), 0
+
+
+def _line_data(name: str, lineno: int, raw: bytes | None, options: ReaderOptions) -> Any:
+    """One line decoded from JSON, or its Reject; None for a blank line."""
     if raw is None:
         return Reject(name, lineno, None, f"line over {options.max_line_bytes} bytes")
     if lineno == 1:
@@ -253,9 +339,13 @@ def _line_item(
     except UnicodeDecodeError as exc:
         return Reject(name, lineno, None, f"not UTF-8 (byte {exc.start})")
     try:
-        data = orjson.loads(text)
+        return orjson.loads(text)
     except orjson.JSONDecodeError as exc:
         return Reject(name, lineno, None, f"not JSON: {exc}")
+
+
+def _parsed(name: str, lineno: int, data: Any, base: str, options: ReaderOptions) -> Located:
+    """One decoded line as a record or its reject."""
     try:
         record = parse_line(data, f"{base}:{lineno}", options.format, options)
     except BadRecord as exc:
@@ -280,13 +370,16 @@ def parse_line(
         said = "is null" if options.id_col in data else "is missing"
         raise BadRecord(options.id_col, f"{said} (named by --id-col)")
     record_id = check_id(data.get(id_field), id_field) or default_id
-    answer_field = None
+    answer_field = options.answer_col
     shape = None if _reads_a_conversation(data, options) else shape_of(data)
     if shape is not None:
-        field, messages, answer_field = shape.prompt, read_shape(data, shape).messages, shape.answer
+        field = shape.prompt
+        messages = read_shape(data, shape, with_answer=answer_field is None).messages
+        answer_field = answer_field or shape.answer
     else:
         field, messages = _conversation(data, options)
-    messages = with_row_system(data, messages)
+    messages = with_row_system(data, messages, options.system_col)
+    messages = with_named_answer(data, messages, options.answer_col)
     messages, previous = split_answer(messages, field, options.regenerate, answer_field)
     return PromptRecord(record_id, check_askable(messages, field), previous=previous)
 

@@ -27,6 +27,7 @@ from genfleet.common.readers.fields import (
     ROW_SYSTEM_FIELDS,
     BadRecord,
     Located,
+    ReadAs,
     ReaderOptions,
     Reject,
     check_askable,
@@ -37,10 +38,19 @@ from genfleet.common.readers.fields import (
     sharegpt_turns,
     split_answer,
     truncated,
+    with_named_answer,
     with_row_system,
 )
 from genfleet.common.readers.s3source import SourcePath
-from genfleet.common.readers.shapes import SHAPES, Shape, read_shape
+from genfleet.common.readers.shapes import (
+    CHAT,
+    PROMPT,
+    SHAPES,
+    SHAREGPT,
+    Shape,
+    read_as,
+    read_shape,
+)
 from genfleet.common.records import PromptRecord
 
 if TYPE_CHECKING:
@@ -73,9 +83,19 @@ class Columns:
     system: tuple[str, ...] = ()  # the row's own system prompt, beside its turns
     shape: Shape | None = None  # a published set's shape, read by its columns (shapes.py)
     shape_columns: tuple[str, ...] = ()  # those of its columns the file has
+    system_col: str | None = None  # --system-col: the only system prompt, a null the reject
+    answer_col: str | None = None  # --answer-col: the old answer, a null the row's reject
 
     def names(self) -> list[str]:
-        named = (self.messages, self.prompt, self.id, *self.system, *self.shape_columns)
+        named = (
+            self.messages,
+            self.prompt,
+            self.id,
+            *self.system,
+            *self.shape_columns,
+            self.system_col,
+            self.answer_col,
+        )
         return list(dict.fromkeys(name for name in named if name is not None))
 
 
@@ -86,6 +106,8 @@ def resolve_columns(name: str, present: Iterable[str], options: ReaderOptions) -
         ("--messages-col", options.messages_col),
         ("--prompt-col", options.prompt_col),
         ("--id-col", options.id_col),
+        ("--system-col", options.system_col),
+        ("--answer-col", options.answer_col),
     ):
         if column is not None and column not in available:
             return Reject(name, None, column, f"no column {column!r} (named by {flag})")
@@ -110,7 +132,11 @@ def resolve_columns(name: str, present: Iterable[str], options: ReaderOptions) -
         id_col if id_col in available else None,
         options.regenerate,
         id_named=options.id_col is not None,
-        system=tuple(name for name in ROW_SYSTEM_FIELDS if name in available),
+        system=()
+        if options.system_col
+        else tuple(name for name in ROW_SYSTEM_FIELDS if name in available),
+        system_col=options.system_col,
+        answer_col=options.answer_col,
     )
     if columns.messages is None and columns.prompt is None:
         shape = None if named else _shape_of_columns(available)
@@ -128,6 +154,19 @@ def resolve_columns(name: str, present: Iterable[str], options: ReaderOptions) -
             "--messages-col",
         )
     return columns
+
+
+def file_read_as(name: str, columns: Columns, options: ReaderOptions) -> ReadAs:
+    """How a file with these columns is read (said before its rows)."""
+    if columns.shape is not None:
+        shape = columns.shape.name
+    elif options.messages_col or options.prompt_col:
+        shape = "named columns"
+    elif columns.messages is not None:
+        shape = SHAREGPT if columns.messages == "conversations" else CHAT
+    else:
+        shape = PROMPT
+    return read_as(name, shape, options)
 
 
 def _shape_of_columns(available: set[str]) -> Shape | None:
@@ -163,10 +202,10 @@ def parse_row(row: dict[str, Any], columns: Columns, default_id: str) -> PromptR
         if columns.id_named and row[columns.id] is None:
             raise BadRecord(columns.id, "is null (named by --id-col)")
         record_id = check_id(row[columns.id], columns.id) or default_id
-    answer_field = None
+    answer_field = columns.answer_col
     if columns.shape is not None:
-        field, answer_field = columns.shape.prompt, columns.shape.answer
-        messages = read_shape(row, columns.shape).messages
+        field, answer_field = columns.shape.prompt, answer_field or columns.shape.answer
+        messages = read_shape(row, columns.shape, with_answer=columns.answer_col is None).messages
     elif columns.messages is not None and row[columns.messages] is not None:
         field = columns.messages
         turns = sharegpt_turns(_clean_messages(row[field]), field)
@@ -177,7 +216,8 @@ def parse_row(row: dict[str, Any], columns: Columns, default_id: str) -> PromptR
     else:
         assert columns.messages is not None
         raise BadRecord(columns.messages, "is null")
-    messages = with_row_system(row, messages)
+    messages = with_row_system(row, messages, columns.system_col)
+    messages = with_named_answer(row, messages, columns.answer_col)
     messages, previous = split_answer(messages, field, columns.regenerate, answer_field)
     return PromptRecord(record_id, check_askable(messages, field), previous=previous)
 
@@ -226,6 +266,7 @@ def read_parquet(path: SourcePath, options: ReaderOptions) -> Iterator[Located]:
             if isinstance(columns, Reject):
                 yield columns
                 continue
+            yield file_read_as(name, columns, options)
             base = default_id_base(file, path)
             yield from _row_groups(pa, handle, name, base, columns)
 

@@ -19,7 +19,7 @@ import redis
 
 from genfleet.common.errors import InputError
 from genfleet.common.manifest import Manifest
-from genfleet.common.readers import ReaderOptions, read_source
+from genfleet.common.readers import ReadAs, ReaderOptions, read_source
 from genfleet.common.readers.jsonl import read_jsonl
 from genfleet.common.readers.s3source import CHUNK_BYTES, s3_source
 from genfleet.common.settings import Settings
@@ -98,9 +98,10 @@ def test_a_large_file_is_read_in_ranges_not_copied_whole(bucket: Bucket) -> None
     path._client.meta.events.register(
         "provide-client-params.s3.GetObject", lambda params, **_: ranges.append(params["Range"])
     )
-    items = read_jsonl(path, ReaderOptions())
+    items = (item for item in read_jsonl(path, ReaderOptions()) if not isinstance(item, ReadAs))
     assert next(items)[-1].id == "p000000"  # type: ignore[index]
-    assert ranges == [f"bytes=0-{CHUNK_BYTES - 1}"]  # the first record needed one range only
+    # the first record needed one range only (the rows held to find the file's shape in it)
+    assert ranges == [f"bytes=0-{CHUNK_BYTES - 1}"]
     count = 1 + sum(1 for _ in items)
     assert count == len(rows)
     spans = [tuple(int(n) for n in r.removeprefix("bytes=").split("-")) for r in ranges]
