@@ -76,7 +76,10 @@ def names(param: Any, argument: bool, ctx: Any) -> list[str]:
 
 
 def type_name(param: Any, ctx: Any) -> str:
-    """The parameter's type as typer names it (`<int>`, `<a|b>`), or click's name for it."""
+    """The parameter's type as typer names it (`<int>`, `<a|b>`), or click's name for it;
+    nothing for a flag that takes no value (`--mtp`, `--help`)."""
+    if getattr(param, "is_flag", False) or getattr(param, "count", False):
+        return ""
     shown = getattr(param, "display_type_rich", None)
     if shown is not None:
         return str(shown(ctx=ctx) or "")
