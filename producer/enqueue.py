@@ -23,9 +23,10 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from genfleet.common import keys, run_registry
+from genfleet.common import keys, quality_gate, run_registry
 from genfleet.common.errors import ConfigError, InputError, RunMismatch
 from genfleet.common.manifest import BatchEntry, Manifest, ManifestWriter
+from genfleet.common.quality import gate_settings
 from genfleet.common.readers import ReaderOptions, Reject, read_source
 from genfleet.common.readers.fields import REGENERATE_HINT
 from genfleet.common.records import (
@@ -74,6 +75,7 @@ class EnqueueResult:
     engine: str | None = None
     queue: str | None = None
     uncancelled: bool = False  # the run was cancelled; this enqueue resumed it
+    unpaused: dict[str, Any] | None = None  # the quality gate's verdict this enqueue lifted
     sources_unread: list[str] = field(default_factory=list)  # files not read to their end
     rows_unread: int = 0  # rows of those files known to be lost
     # lines refused because they end with an assistant answer (see --regenerate)
@@ -92,6 +94,7 @@ class EnqueueResult:
             "rejects": self.rejects,
             "staged": self.staged,
             "uncancelled": self.uncancelled,
+            "unpaused": self.unpaused,
             "sources_unread": self.sources_unread,
             "rows_unread": self.rows_unread,
             "ends_with_answer": self.ends_with_answer,
@@ -551,7 +554,11 @@ def enqueue_run(
             client.set(staging, staging_since, ex=keys.STAGING_TTL_S)
         return send_orders(app, settings, orders)
 
-    # Enqueueing a cancelled run resumes it: the flag goes before any order is sent.
+    # Enqueueing a cancelled run resumes it: the flag goes before any order is sent, and so
+    # does a pause of the quality gate (with its window: the rest is judged afresh, by the
+    # gate settings of this enqueue).
+    quality_gate.record_settings(client, run, gate_settings(settings))
+    unpaused = quality_gate.resume(client, run)
     uncancelled = bool(client.delete(keys.cancelled_key(run)))
     run_registry.register(client, run)
     if manifest is None:
@@ -579,4 +586,5 @@ def enqueue_run(
             )
     result.model, result.engine, result.queue = ref.model, ref.engine, queue
     result.uncancelled = uncancelled
+    result.unpaused = unpaused
     return result
