@@ -79,6 +79,10 @@ FIELDS: dict[str, tuple[str, str]] = {
         GENERATION,
         "--regenerate: share of shorter new answers that pauses the run",
     ),
+    "change_params": (
+        GENERATION,
+        "a run that exists goes on with the generation parameters given, for what is not done",
+    ),
     "regenerate": (
         GENERATION,
         "replace each conversation's final assistant answer (kept as previous)",

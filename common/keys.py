@@ -85,6 +85,16 @@ def output_key(run: str, batch: str) -> str:
     return f"{run}/outputs/{batch}.jsonl.gz"
 
 
+def params_change_key(run: str, number: int) -> str:
+    """A change of the run's generation parameters for the batches not yet done
+    (`--change-params`), write-once, numbered in order: the manifest read applies them."""
+    return f"{run}/params-changes/{number:06d}.json"
+
+
+def params_changes_prefix(run: str) -> str:
+    return f"{run}/params-changes/"
+
+
 def outputs_prefix(run: str) -> str:
     return f"{run}/outputs/"
 

@@ -85,6 +85,11 @@ class Settings(BaseSettings):
     quality_gate_bad_share: float = Field(default=0.5, gt=0.0, le=1.0)
     quality_gate_shorter_ratio: float = Field(default=0.5, gt=0.0, le=1.0)
     quality_gate_shorter_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    # An enqueue of a run that exists (`run` again, `enqueue --resume`) with generation
+    # parameters other than the run's applies them to the batches not yet done, recorded in
+    # the run (`RUN/params-changes/`), instead of refusing them: e.g. after the quality gate
+    # paused a run, `--change-params --max-tokens 4096`.
+    change_params: bool = False
 
     # --- the engine -------------------------------------------------------------------------
     engine: EngineKind | None = None  # None: sglang when a model is given, else the emulator

@@ -166,6 +166,12 @@ def _print_enqueue(
             else "; it was cancelled and is resumed"
             if result.uncancelled
             else ""
+        )
+        + (
+            "; the batches not yet done go on with "
+            + ", ".join(f"{k}={v}" for k, v in result.params_changed.items())
+            if result.params_changed
+            else ""
         ),
         highlight=False,
     )
@@ -256,11 +262,16 @@ def status(
 
 def paused_text(report: dict[str, Any]) -> str:
     """Why the quality gate paused the run, the fix, and how to go on."""
-    run = report["run"]
+    run, verdict = report["run"], report["paused"]
+    change = (
+        f"--change-params --max-tokens {verdict['suggested_max_tokens']} for the rest, or "
+        if verdict.get("suggested_max_tokens")
+        else "--change-params with other parameters for the rest, or "
+    )
     return (
-        f"paused by the quality gate: {report['paused']['message']}. Go on with "
-        f"`genfleet enqueue --resume {run}` (a fleet) or `genfleet run` again (this machine), "
-        "with --no-quality-gate to keep these answers coming"
+        f"paused by the quality gate: {verdict['message']}. Go on with "
+        f"`genfleet enqueue --resume {run}` (a fleet) or `genfleet run` again (this machine): "
+        f"{change}--no-quality-gate to keep these answers coming"
     )
 
 

@@ -225,7 +225,13 @@ def run_command(
         console.print(
             f"run [bold]{run}[/]: {plural(result.prompts, 'prompt')}, "
             f"{plural(result.batches_total, 'batch', 'batches')} ({result.batches_done} already "
-            f"done), {plural(result.rejects, 'line')} rejected",
+            f"done), {plural(result.rejects, 'line')} rejected"
+            + (
+                "; the batches not yet done go on with "
+                + ", ".join(f"{k}={v}" for k, v in result.params_changed.items())
+                if result.params_changed
+                else ""
+            ),
             highlight=False,
         )
         print_rejects(result.reject_samples)

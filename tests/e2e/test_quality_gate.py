@@ -12,6 +12,7 @@ import pytest
 import redis
 
 from genfleet.common import quality_gate
+from genfleet.common.manifest import Manifest
 from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.status import run_status
@@ -27,12 +28,15 @@ MIN_ANSWERS = 50
 BATCH = 10
 
 
-def test_a_run_of_cut_answers_pauses_holds_its_orders_and_resumes_exactly_once(
-    tmp_path: Path, redis_url: str, redis_client: redis.Redis
-) -> None:
+def _paused_run(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis, prompts: int
+) -> tuple[dict[str, str], list[str], list[str]]:
+    """A `genfleet run` whose answers are all empty and cut, paused by the gate: its env,
+    prompt ids and arguments, once the pause and the held orders are checked."""
     store_url = (tmp_path / "store").as_uri()
     # Thinking on and 16 tokens: the emulator's reasoning (70 % of a ~200-token answer) uses
-    # the whole budget, so nearly every answer is empty and cut.
+    # the whole budget, so nearly every answer is empty and cut (the rare one under 16
+    # tokens finishes).
     env = base_env(
         redis_url,
         store_url,
@@ -43,14 +47,15 @@ def test_a_run_of_cut_answers_pauses_holds_its_orders_and_resumes_exactly_once(
         progress_interval_s=1,
     )
     source = tmp_path / "cut.jsonl"
-    ids = write_prompts(source, 600, prefix="c")
+    ids = write_prompts(source, prompts, prefix="c")
     args = ["run", str(source), "--batch-size", str(BATCH)]
     args += ["--quality-gate-min-answers", str(MIN_ANSWERS)]
     paused = genfleet(args, env)
     said = " ".join((paused.stdout + paused.stderr).split())
     assert paused.returncode == 1, said
     assert "paused by the quality gate: reasoning used all 16 tokens" in said
-    assert "raise --max-tokens to " in said and "or --no-thinking" in said
+    assert "raise --max-tokens to 32, or --no-thinking" in said
+    assert "--change-params --max-tokens 32 for the rest" in said
 
     store = open_store(store_url)
     verdict = quality_gate.paused(redis_client, "cut")
@@ -59,8 +64,7 @@ def test_a_run_of_cut_answers_pauses_holds_its_orders_and_resumes_exactly_once(
     # verdict came from the batches that landed first, not from the whole run.
     assert MIN_ANSWERS <= verdict["answers"] <= MIN_ANSWERS + 4 * BATCH
     assert verdict["shares"]["reasoning_full"] > 0.9
-    assert verdict["suggested_max_tokens"] >= 32
-    assert verdict["suggested_max_tokens"] & (verdict["suggested_max_tokens"] - 1) == 0
+    assert verdict["suggested_max_tokens"] == 32
     report = run_status(store, redis_client, "cut")
     assert report["state"] == "paused"
     held = len(outputs(store, "cut"))
@@ -68,15 +72,47 @@ def test_a_run_of_cut_answers_pauses_holds_its_orders_and_resumes_exactly_once(
     assert report["quality"]["so_far"]["shares"]["empty"] > 0.9
     time.sleep(2)
     assert len(outputs(store, "cut")) == held  # nothing runs while paused
+    return env, ids, args
 
-    # Resumed as is, without the gate: the rest runs, every prompt exactly once.
+
+def test_a_run_of_cut_answers_pauses_holds_its_orders_and_resumes_with_a_new_cap(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis
+) -> None:
+    env, ids, args = _paused_run(tmp_path, redis_url, redis_client, 600)
+    store = open_store(env["GENFLEET_STORE"])
+    done_before = len(outputs(store, "cut")) * BATCH
+
+    # Resumed with a cap that fits, the gate still on: the rest runs, every prompt once.
+    resumed = genfleet([*args, "--change-params", "--max-tokens", "1024"], env)
+    said = " ".join((resumed.stdout + resumed.stderr).split())
+    assert resumed.returncode == 0, said
+    assert "the batches not yet done go on with max_tokens=1024" in said
+    assert "cut: done — 600/600 prompts (0 error records; answers: " in said
+    assert quality_gate.paused(redis_client, "cut") is None
+    settings = Settings(redis_url=redis_url, store=env["GENFLEET_STORE"])
+    _, rows = assert_exactly_once(settings, "cut", ids, redis_client, store)
+    kept = sum(1 for row in rows if row["finish_reason"] == "stop" and row["content"])
+    assert kept >= 0.8 * (len(ids) - done_before)
+    # The change is the run's now: its manifest says so, and the old cap is another run.
+    manifest = Manifest.load(store, "cut")
+    assert manifest is not None and manifest.params.max_tokens == 1024
+    assert [c["params"] for c in manifest.changes] == [{"max_tokens": 1024}]
+    again = genfleet(args, env, timeout_s=60)
+    assert again.returncode == 2
+    assert "max_tokens: the run has 1024, now 16" in " ".join(again.stderr.split())
+
+
+def test_a_paused_run_goes_on_as_it_is_without_the_gate(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis
+) -> None:
+    env, ids, args = _paused_run(tmp_path, redis_url, redis_client, 300)
     resumed = genfleet([*args, "--no-quality-gate"], env)
     said = " ".join((resumed.stdout + resumed.stderr).split())
     assert resumed.returncode == 0, said
-    assert "cut: done — 600/600 prompts (0 error records; answers: 0.0% kept" in said
-    assert "cut at max_tokens" in said
-    assert quality_gate.paused(redis_client, "cut") is None
-    settings = Settings(redis_url=redis_url, store=store_url)
+    assert "cut: done — 300/300 prompts (0 error records; answers: 0.0% kept, 9" in said
+    assert "% cut at max_tokens" in said
+    settings = Settings(redis_url=redis_url, store=env["GENFLEET_STORE"])
+    store = open_store(env["GENFLEET_STORE"])
     assert_exactly_once(settings, "cut", ids, redis_client, store)
 
 
