@@ -91,10 +91,6 @@ def params_change_key(run: str, number: int) -> str:
     return f"{run}/params-changes/{number:06d}.json"
 
 
-def params_changes_prefix(run: str) -> str:
-    return f"{run}/params-changes/"
-
-
 def outputs_prefix(run: str) -> str:
     return f"{run}/outputs/"
 

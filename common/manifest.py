@@ -29,7 +29,6 @@ from genfleet.common.keys import (
     manifest_key,
     manifest_shard_key,
     params_change_key,
-    params_changes_prefix,
 )
 from genfleet.common.records import GenerationParams
 from genfleet.common.store import Store
@@ -179,12 +178,10 @@ class Manifest(BaseModel):
         return manifest
 
     def _apply_changes(self, store: Store) -> None:
-        """`params` as the run's changes left them (`RUN/params-changes/`, in order): what
-        the batches not yet done are sent with, and what the run's identity now holds."""
-        for key in store.list(params_changes_prefix(self.run)):
-            raw = store.get(key)
-            if raw is None:
-                continue
+        """`params` as the run's changes left them (`RUN/params-changes/`, numbered from 1,
+        read in order until one is missing: one GET for a run never changed, no listing):
+        what the batches not yet done are sent with, and what the run's identity holds."""
+        while (raw := store.get(params_change_key(self.run, len(self._changes) + 1))) is not None:
             change = orjson.loads(raw)
             self.params = self.params.model_copy(update=change["params"])
             self._changes.append(change)

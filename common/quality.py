@@ -330,12 +330,15 @@ def judge(window: QualityTally, settings: GateSettings, max_tokens: int, thinkin
             f"{found['shorter']:.1%} of the last {window.regenerated:,} new answers are under "
             f"{settings.shorter_ratio:.0%} of the old answer's length"
         )
-        suggested = suggest_max_tokens(window, max_tokens)
-        fix = (
-            f"check the model and the parameters (the old answers' p95 is "
-            f"{percentile_edge(window.previous_tokens, 0.95) or 0:,} tokens; --max-tokens "
-            f"{suggested:,} holds it)"
-        )
+        old = percentile_edge(window.previous_tokens, 0.95) or 0
+        if old > max_tokens:
+            suggested = old
+            fix = f"the old answers' p95 is {old:,} tokens: raise --max-tokens to {old:,}"
+        else:
+            fix = (
+                f"the old answers' p95 is {old:,} tokens, within --max-tokens {max_tokens:,}: "
+                "check the model, its thinking and the chat template against the old answers"
+            )
     else:
         reason = (
             f"{found['short']:.1%} of the last {n:,} answers are under {SHORT_CHARS} characters "

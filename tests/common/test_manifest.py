@@ -64,7 +64,9 @@ def test_the_batch_list_is_in_shards_and_one_batch_reads_one_shard() -> None:
 
     manifest = Manifest.load(store, RUN)
 
-    assert manifest is not None and store.reads == [keys.manifest_key(RUN)]
+    # the index, and the probe for a first change of its parameters (none): no shard
+    assert manifest is not None
+    assert store.reads == [keys.manifest_key(RUN), keys.params_change_key(RUN, 1)]
     assert (manifest.batches_total, manifest.shard_count, manifest.hinted) == (25, 3, True)
     assert [s.batches for s in manifest.shards] == [10, 10, 5]
     assert manifest.summary()["batches_total"] == 25

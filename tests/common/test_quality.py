@@ -144,6 +144,13 @@ def test_the_gate_trips_on_mostly_bad_answers_only(
         assert verdict.fix == "raise --max-tokens to 512, or --no-thinking"
 
 
+def test_a_regeneration_shorter_than_old_answers_longer_than_the_cap_raises_it() -> None:
+    window = tally_of((60, answer(GOOD, previous="z" * 4 * 3000)))
+    verdict = judge(window, GATE, max_tokens=1024, thinking=True)
+    assert verdict.tripped and verdict.suggested_max_tokens == 4096
+    assert verdict.fix == "the old answers' p95 is 4,096 tokens: raise --max-tokens to 4,096"
+
+
 def test_the_fix_names_what_the_finished_answers_needed() -> None:
     window = tally_of((45, CUT_THINKING), (5, answer(tokens=2900)))
     verdict = judge(window, GATE, max_tokens=64, thinking=False)

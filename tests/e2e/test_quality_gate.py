@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import orjson
 import pytest
 import redis
 
@@ -145,3 +146,48 @@ def test_a_healthy_run_of_2000_prompts_never_trips_the_gate(
     assert f"answers: {so_far['shares']['kept']:.1%} kept" in said
     settings = Settings(redis_url=redis_url, store=store_url)
     assert_exactly_once(settings, "healthy", ids, redis_client, store=open_store(store_url))
+
+
+def test_a_regeneration_much_shorter_than_the_old_answers_pauses(
+    tmp_path: Path, redis_url: str, redis_client: redis.Redis
+) -> None:
+    store_url = (tmp_path / "store").as_uri()
+    env = base_env(
+        redis_url,
+        store_url,
+        log_dir=tmp_path / "logs",
+        reasoning_parser="qwen3",
+        emulator_mean_completion_tokens=60,
+    )
+    # Old answers of 4,000 characters; the emulator's new ones are a few hundred.
+    source = tmp_path / "regen.jsonl"
+    old = "A thorough old answer. " * 174
+    source.write_bytes(
+        b"".join(
+            orjson.dumps(
+                {
+                    "id": f"r{i}",
+                    "conversations": [
+                        {"from": "human", "value": f"question {i}"},
+                        {"from": "gpt", "value": old},
+                    ],
+                }
+            )
+            + b"\n"
+            for i in range(300)
+        )
+    )
+    args = ["run", str(source), "--regenerate", "--batch-size", str(BATCH)]
+    result = genfleet([*args, "--quality-gate-min-answers", str(MIN_ANSWERS)], env)
+    said = " ".join((result.stdout + result.stderr).split())
+    assert result.returncode == 1, said
+    assert "of the old answer's length" in said
+    verdict = quality_gate.paused(redis_client, "regen")
+    assert verdict is not None and verdict["shares"]["shorter"] > 0.9
+    # the old answers' p95 (4,000 characters, 1,000 tokens) rounded up fits the cap: no
+    # cap to raise, the model or its settings answer shorter
+    assert verdict["suggested_max_tokens"] is None
+    assert "the old answers' p95 is 1,024 tokens, within --max-tokens 1,024" in said
+    report = run_status(open_store(store_url), redis_client, "regen")
+    assert report["state"] == "paused"
+    assert report["quality"]["so_far"]["regenerated"] < 300
