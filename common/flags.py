@@ -64,6 +64,25 @@ FIELDS: dict[str, tuple[str, str]] = {
     "json_schema": (GENERATION, "a JSON Schema file every answer must match"),
     "chat_template_kwargs": (GENERATION, 'a JSON object for the chat template, e.g. {"a": 1}'),
     "system_prompt": (GENERATION, "prepended to every conversation without one"),
+    "quality_gate": (
+        GENERATION,
+        "pause the run when most of its last answers are empty, short, cut or errors",
+    ),
+    "quality_gate_min_answers": (GENERATION, "answers the quality gate waits for before judging"),
+    "quality_window_answers": (GENERATION, "the last answers the live shares and the gate judge"),
+    "quality_gate_bad_share": (GENERATION, "share of bad answers that pauses the run"),
+    "quality_gate_shorter_ratio": (
+        GENERATION,
+        "--regenerate: a new answer under this share of the old one's length is shorter",
+    ),
+    "quality_gate_shorter_share": (
+        GENERATION,
+        "--regenerate: share of shorter new answers that pauses the run",
+    ),
+    "change_params": (
+        GENERATION,
+        "a run that exists goes on with the generation parameters given, for what is not done",
+    ),
     "regenerate": (
         GENERATION,
         "replace each conversation's final assistant answer (kept as previous)",

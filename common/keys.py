@@ -85,6 +85,12 @@ def output_key(run: str, batch: str) -> str:
     return f"{run}/outputs/{batch}.jsonl.gz"
 
 
+def params_change_key(run: str, number: int) -> str:
+    """A change of the run's generation parameters for the batches not yet done
+    (`--change-params`), write-once, numbered in order: the manifest read applies them."""
+    return f"{run}/params-changes/{number:06d}.json"
+
+
 def outputs_prefix(run: str) -> str:
     return f"{run}/outputs/"
 
@@ -294,3 +300,21 @@ def engine_alarms_key() -> str:
     when its engine serves again or the worker stops; `status` shows the entries of a run's
     queue. No TTL: a worker killed outright leaves its entry, which carries its time."""
     return f"{PREFIX}:engine-alarms"
+
+
+def quality_window_key(run: str) -> str:
+    """List of the run's last batches' quality tallies, newest first, trimmed to the window
+    (common/quality_gate.py): the gate judges the last answers from it, in O(window)."""
+    return f"{PREFIX}:run:{run}:quality-window"
+
+
+def quality_gate_key(run: str) -> str:
+    """The quality gate's settings for the run, as the last enqueue of it gave them (JSON;
+    common/quality_gate.py). Workers judge the run by these, not by their own settings."""
+    return f"{PREFIX}:run:{run}:quality-gate"
+
+
+def paused_key(run: str) -> str:
+    """The quality gate's verdict that paused the run (JSON), set once with the cancelled
+    flag; the next enqueue of the run clears both (common/quality_gate.py). No TTL."""
+    return f"{PREFIX}:run:{run}:paused"

@@ -28,6 +28,7 @@ from genfleet.common.keys import (
     input_key,
     manifest_key,
     manifest_shard_key,
+    params_change_key,
 )
 from genfleet.common.records import GenerationParams
 from genfleet.common.store import Store
@@ -142,6 +143,8 @@ class Manifest(BaseModel):
     _whole: list[BatchEntry] | None = PrivateAttr(default=None)  # a version 1-2 batch list
     # The shard `entry` read last: the batches one pass looks up are often neighbours.
     _last: tuple[int, list[BatchEntry]] | None = PrivateAttr(default=None)
+    # The changes of parameters applied to `params` (`--change-params`), oldest first.
+    _changes: list[dict[str, Any]] = PrivateAttr(default_factory=list)
 
     @model_validator(mode="after")
     def _shards_cover_the_batches(self) -> Manifest:
@@ -168,8 +171,37 @@ class Manifest(BaseModel):
             return None
         fields = orjson.loads(data)
         if isinstance(fields, dict) and isinstance(fields.get("batches"), list):
-            return cls._whole_list(fields)
-        return cls.model_validate(fields)
+            manifest = cls._whole_list(fields)
+        else:
+            manifest = cls.model_validate(fields)
+        manifest._apply_changes(store)
+        return manifest
+
+    def _apply_changes(self, store: Store) -> None:
+        """`params` as the run's changes left them (`RUN/params-changes/`, numbered from 1,
+        read in order until one is missing: one GET for a run never changed, no listing):
+        what the batches not yet done are sent with, and what the run's identity holds."""
+        while (raw := store.get(params_change_key(self.run, len(self._changes) + 1))) is not None:
+            change = orjson.loads(raw)
+            self.params = self.params.model_copy(update=change["params"])
+            self._changes.append(change)
+
+    @property
+    def changes(self) -> list[dict[str, Any]]:
+        return list(self._changes)
+
+    def record_change(self, store: Store, params: dict[str, Any], at: float, note: str) -> None:
+        """Record that the batches not yet done go on with `params` (a write-once object,
+        numbered after the last change; a concurrent change of the same number is refused)."""
+        change = {"params": params, "at": at, "note": note}
+        key = params_change_key(self.run, len(self._changes) + 1)
+        if not store.put_if_absent(key, orjson.dumps(change)):
+            raise RunMismatch(
+                f"run {self.run!r}: another command changed its parameters meanwhile ({key}); "
+                "read `genfleet status` and try again"
+            )
+        self.params = self.params.model_copy(update=params)
+        self._changes.append(change)
 
     @classmethod
     def _whole_list(cls, fields: dict[str, Any]) -> Manifest:

@@ -76,6 +76,20 @@ class Settings(BaseSettings):
     samples: int = Field(default=1, ge=1)
     limit: int | None = Field(default=None, ge=1)
     max_line_bytes: int = Field(default=8 * 1024 * 1024, ge=1)
+    # The quality gate (common/quality.py, `GateSettings` says why these defaults): a run
+    # whose last answers are mostly empty, short, cut or errors pauses itself. Recorded per
+    # run by each enqueue of it; workers judge the run by what its enqueue recorded.
+    quality_gate: bool = True
+    quality_gate_min_answers: int = Field(default=50, ge=1)
+    quality_window_answers: int = Field(default=200, ge=1)
+    quality_gate_bad_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    quality_gate_shorter_ratio: float = Field(default=0.5, gt=0.0, le=1.0)
+    quality_gate_shorter_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    # An enqueue of a run that exists (`run` again, `enqueue --resume`) with generation
+    # parameters other than the run's applies them to the batches not yet done, recorded in
+    # the run (`RUN/params-changes/`), instead of refusing them: e.g. after the quality gate
+    # paused a run, `--change-params --max-tokens 4096`.
+    change_params: bool = False
 
     # --- the engine -------------------------------------------------------------------------
     engine: EngineKind | None = None  # None: sglang when a model is given, else the emulator

@@ -17,6 +17,7 @@ from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import with_settings
 from genfleet.common.ledger import Ledger
 from genfleet.common.manifest import Manifest
+from genfleet.common.quality import quality_text
 from genfleet.common.redis_conn import connect
 from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
@@ -172,7 +173,19 @@ def _print_enqueue(
         f"{plural(result.batches_total, 'batch', 'batches')}; enqueued "
         f"{result.batches_enqueued}, already done {result.batches_done}, rejected "
         f"{plural(result.rejects, 'line')}; model {result.model} (queue {result.queue})"
-        + ("; it was cancelled and is resumed" if result.uncancelled else ""),
+        + (
+            "; it was paused by the quality gate and is resumed"
+            if result.unpaused
+            else "; it was cancelled and is resumed"
+            if result.uncancelled
+            else ""
+        )
+        + (
+            "; the batches not yet done go on with "
+            + ", ".join(f"{k}={v}" for k, v in result.params_changed.items())
+            if result.params_changed
+            else ""
+        ),
         highlight=False,
     )
     print_read_as(result.read_as)
@@ -257,6 +270,23 @@ def status(
         out.print(f"  energy: {energy}", highlight=False)
     if waste := waste_text(report.get("waste") or {}):
         out.print(f"  {waste}", highlight=False)
+    if report.get("paused"):
+        out.print(f"  {escape(paused_text(report))}", highlight=False)
+
+
+def paused_text(report: dict[str, Any]) -> str:
+    """Why the quality gate paused the run, the fix, and how to go on."""
+    run, verdict = report["run"], report["paused"]
+    change = (
+        f"--change-params --max-tokens {verdict['suggested_max_tokens']} for the rest, or "
+        if verdict.get("suggested_max_tokens")
+        else "--change-params with other parameters for the rest, or "
+    )
+    return (
+        f"paused by the quality gate: {verdict['message']}. Go on with "
+        f"`genfleet enqueue --resume {run}` (a fleet) or `genfleet run` again (this machine): "
+        f"{change}--no-quality-gate to keep these answers coming"
+    )
 
 
 def status_line(report: dict[str, Any]) -> str:
@@ -269,10 +299,25 @@ def status_line(report: dict[str, Any]) -> str:
         f"{plural(report['completion_tokens'], 'token')}; "
     )
     if report["state"] in {"done", "failed"} and report.get("duration_s"):
-        return head + (
+        line = head + (
             f"mean {report['tokens_per_s']:,.0f} tok/s over {format_eta(report['duration_s'])}"
         )
-    return head + f"{report['tokens_per_s']:,.0f} tok/s; ETA {format_eta(report['eta_s'])}"
+    else:
+        line = head + f"{report['tokens_per_s']:,.0f} tok/s; ETA {format_eta(report['eta_s'])}"
+    return line + quality_tail(report)
+
+
+def quality_tail(report: dict[str, Any]) -> str:
+    """`; answers: 7.4% kept, 92.6% empty, …; last 200: 5.0% kept` ('' before any answer):
+    the run so far, then the gate's window where it differs from the run so far."""
+    found = report.get("quality") or {}
+    so_far, window = found.get("so_far") or {}, found.get("window") or {}
+    text = quality_text(so_far)
+    if not text:
+        return ""
+    if window.get("answers") and window["answers"] < so_far["answers"]:
+        text += f"; last {window['answers']:,}: {window['shares']['kept']:.1%} kept"
+    return "; " + text
 
 
 def watch_run(
@@ -304,9 +349,10 @@ def watch_run(
         TextColumn("{task.completed}/{task.total} prompts"),
         TextColumn("{task.fields[rate]} tok/s"),
         TextColumn("ETA {task.fields[eta]}"),
+        TextColumn("{task.fields[kept]}"),
         console=console,
     ) as progress:
-        task = progress.add_task("run", total=None, run=run, rate=0, eta="-")
+        task = progress.add_task("run", total=None, run=run, rate=0, eta="-", kept="")
         lines = line_interval_s if line_interval_s and not progress.console.is_terminal else None
         lined_at = -float("inf")
         moved_at, last, warned, asked = time.monotonic(), None, False, False
@@ -360,17 +406,27 @@ def watch_run(
                 completed=report["prompts_generated"],
                 rate=report["tokens_per_s"],
                 eta=format_eta(report["eta_s"]),
+                kept=kept_column(report),
             )
             if lines is not None and time.monotonic() - lined_at >= lines:
                 lined_at = time.monotonic()
                 # One line each, however long: a log is read line by line.
                 line = escape(status_line(report))
                 progress.console.print(line, highlight=False, soft_wrap=True)
-            if report["state"] in {"done", "failed", "cancelled"}:
+            if report["state"] in {"done", "failed", "cancelled", "paused"}:
                 return
             if check is not None:
                 check()
             time.sleep(1.0)
+
+
+def kept_column(report: dict[str, Any]) -> str:
+    """The bar's quality column: `kept 92.6% (cut 2.1%)`, '' before any answer."""
+    so_far = (report.get("quality") or {}).get("so_far") or {}
+    if not so_far.get("answers"):
+        return ""
+    share = so_far["shares"]
+    return f"kept {share['kept']:.1%} (empty {share['empty']:.1%}, cut {share['length']:.1%})"
 
 
 class WaitExpired(GenfleetError):

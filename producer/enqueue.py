@@ -23,9 +23,10 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from genfleet.common import keys, run_registry
+from genfleet.common import keys, quality_gate, run_registry
 from genfleet.common.errors import ConfigError, InputError, RunMismatch
 from genfleet.common.manifest import BatchEntry, Manifest, ManifestWriter
+from genfleet.common.quality import gate_settings
 from genfleet.common.readers import ReadAs, ReaderOptions, Reject, read_source
 from genfleet.common.readers.fields import REGENERATE_HINT
 from genfleet.common.records import (
@@ -42,6 +43,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
 from genfleet.producer.batching import expected_tokens, hinted_tokens, make_batches
 from genfleet.producer.runs.identity import (
+    changed_params,
     check_identity,
     check_resumed,
     claim_run,
@@ -74,6 +76,8 @@ class EnqueueResult:
     engine: str | None = None
     queue: str | None = None
     uncancelled: bool = False  # the run was cancelled; this enqueue resumed it
+    unpaused: dict[str, Any] | None = None  # the quality gate's verdict this enqueue lifted
+    params_changed: dict[str, Any] = field(default_factory=dict)  # --change-params, recorded
     sources_unread: list[str] = field(default_factory=list)  # files not read to their end
     rows_unread: int = 0  # rows of those files known to be lost
     # lines refused because they end with an assistant answer (see --regenerate)
@@ -95,6 +99,8 @@ class EnqueueResult:
             "rejects": self.rejects,
             "staged": self.staged,
             "uncancelled": self.uncancelled,
+            "unpaused": self.unpaused,
+            "params_changed": self.params_changed,
             "sources_unread": self.sources_unread,
             "rows_unread": self.rows_unread,
             "ends_with_answer": self.ends_with_answer,
@@ -526,7 +532,12 @@ def enqueue_run(
     """
     from genfleet.common.ledger import Ledger
     from genfleet.common.redis_conn import connect
-    from genfleet.producer.broker import make_client_app, orders_in_broker, send_orders
+    from genfleet.producer.broker import (
+        make_client_app,
+        orders_in_broker,
+        purge_orders,
+        send_orders,
+    )
 
     keys.validate_run(run)
     store = store_of(settings)
@@ -537,15 +548,26 @@ def enqueue_run(
             check_identity(manifest, settings, params, source, options)
         else:
             check_resumed(manifest, settings, params)
+        changes = changed_params(manifest, settings, params, resumed=source is None)
+    else:
+        changes = {}
     ref = run_model(manifest) if manifest is not None else model_ref(settings)
     queue = work_queue(settings.queue, ref)
     client = connect(settings)
     app = make_client_app(settings)
     ledger = Ledger(client)
-    # Enqueueing a cancelled run resumes it. The flag goes before what is outstanding is read:
-    # a worker parks an order (it then has none) only while the flag stands (`Ledger.park`),
-    # so an order parked before this is not in the listing and is sent again, and none is
-    # parked after it.
+    if manifest is not None and changes:
+        # The rest goes on with the new parameters: recorded in the run, and the orders
+        # waiting with the old ones taken back, to be sent anew below.
+        manifest.record_change(store, changes, time.time(), "--change-params")
+        ledger.unqueue(run, purge_orders(client, queue, run))
+    # Enqueueing a cancelled run resumes it, and so does a pause of the quality gate (with
+    # its window: the rest is judged afresh, by the gate settings of this enqueue). The flag
+    # goes before what is outstanding is read: a worker parks an order (it then has none)
+    # only while the flag stands (`Ledger.park`), so an order parked before this is not in
+    # the listing and is sent again, and none is parked after it.
+    quality_gate.record_settings(client, run, gate_settings(settings))
+    unpaused = quality_gate.resume(client, run)
     uncancelled = bool(client.delete(keys.cancelled_key(run)))
     if verify:
         outstanding = orders_in_broker(client, queue, run)
@@ -590,4 +612,6 @@ def enqueue_run(
             )
     result.model, result.engine, result.queue = ref.model, ref.engine, queue
     result.uncancelled = uncancelled
+    result.unpaused = unpaused
+    result.params_changed = changes
     return result

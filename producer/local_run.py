@@ -4,7 +4,8 @@ Starts the GPU workers (one per GPU group, each with its engine) and the control
 (beat: power-watch and lease reaper) as child processes, stages and enqueues the dataset,
 shows progress until every prompt has an output or an error record, stops the children and
 prints a summary with the power-watch findings. Exit code 0 when the run is done, 1 when
-batches failed (then `genfleet retry RUN`), 2 on a setup error.
+batches failed (then `genfleet retry RUN`) or the quality gate paused the run (the message
+says why and what to change; `genfleet run` again resumes it), 2 on a setup error.
 """
 
 from __future__ import annotations
@@ -22,16 +23,24 @@ from typing import Annotated, Any
 import orjson
 import redis
 import typer
+from rich.markup import escape
 
 from genfleet.common import keys
 from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import fail, with_settings
 from genfleet.common.manifest import Manifest
 from genfleet.common.private import die_with_parent, open_private
+from genfleet.common.quality import quality_text
 from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.store import store_of
-from genfleet.producer.commands import Format, WaitExpired, queue_check, watch_run
+from genfleet.producer.commands import (
+    Format,
+    WaitExpired,
+    paused_text,
+    queue_check,
+    watch_run,
+)
 from genfleet.producer.console import (
     Json,
     console,
@@ -229,7 +238,13 @@ def run_command(
         console.print(
             f"run [bold]{run}[/]: {plural(result.prompts, 'prompt')}, "
             f"{plural(result.batches_total, 'batch', 'batches')} ({result.batches_done} already "
-            f"done), {plural(result.rejects, 'line')} rejected",
+            f"done), {plural(result.rejects, 'line')} rejected"
+            + (
+                "; the batches not yet done go on with "
+                + ", ".join(f"{k}={v}" for k, v in result.params_changed.items())
+                if result.params_changed
+                else ""
+            ),
             highlight=False,
         )
         print_read_as(result.read_as)
@@ -293,7 +308,9 @@ def _summary(settings: Settings, report: dict[str, Any], json_out: bool) -> None
     out.print(
         f"run {report['run']}: {report['state']} — {report['prompts_done']:,}/"
         f"{plural(report['prompts_total'], 'prompt')} "
-        f"({plural(report['errors'], 'error record')}), "
+        f"({plural(report['errors'], 'error record')}"
+        + (f"; {answers}" if (answers := quality_text(report["quality"]["so_far"])) else "")
+        + "), "
         f"{plural(report['completion_tokens'], 'completion token')}"
         + (
             f" in {format_eta(report['duration_s'])} ({report['mean_tokens_per_s']:,.0f} tok/s)"
@@ -303,7 +320,9 @@ def _summary(settings: Settings, report: dict[str, Any], json_out: bool) -> None
         + f", {plural(report['batches_failed'], 'failed batch', 'failed batches')}",
         highlight=False,
     )
-    if report["state"] == "cancelled":
+    if report["state"] == "paused":
+        console.print(f"[bold red]{escape(paused_text(report))}[/]", highlight=False)
+    elif report["state"] == "cancelled":
         out.print(f"cancelled; resume with `genfleet enqueue --resume {report['run']}`")
     elif report["state"] != "done":
         out.print(f"failed batches: {', '.join(report['failed'])}; fix, then `genfleet retry`")

@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import findings, fleet_registry, keys, progress, summaries
+from genfleet.common import findings, fleet_registry, keys, progress, quality_gate, summaries
 from genfleet.common.errors import InputError
 from genfleet.common.ledger import Ledger
 from genfleet.common.redis_conn import text
@@ -141,8 +141,11 @@ def run_status(
     total = int(summary["batches_total"])
     prompts_total = int(summary["prompts_total"])
     started_at = float(counters["started_at"]) if "started_at" in counters else None
+    paused = quality_gate.paused(client, run)
     if done_n == total:
         state = "done"
+    elif paused is not None:
+        state = "paused"
     elif client.exists(keys.cancelled_key(run)):
         state = "cancelled"
     elif failed_n and done_n + failed_n == total:
@@ -200,12 +203,29 @@ def run_status(
         "reconciled_at": snap.reconciled_at,
         **energy_figures(counters, gpu_hour_cost),
         "waste": run_waste(counters),
+        "quality": run_quality(client, run, counters),
+        "paused": paused,
     }
 
 
 # A run's failed batches shown by `status`: their count is exact, their errors a sample, so
 # that a run with 4,000 failed batches answers as fast as one with four.
 FAILED_SHOWN = 100
+
+
+def run_quality(client: redis.Redis, run: str, counters: dict[str, str]) -> dict[str, Any]:
+    """What the run's answers are worth (common/quality.py): so far, from the workers'
+    counters, and over its last `window_answers` answers (the gate's window, since the run
+    was last enqueued), by the run's gate settings."""
+    from genfleet.common.quality import GateSettings, QualityTally, figures
+
+    gate = quality_gate.settings_of(client, run, GateSettings())
+    window = quality_gate.read_window(client, run, gate.window_answers)
+    return {
+        "so_far": figures(QualityTally.from_counters(counters)),
+        "window": figures(window),
+        "gate": gate.to_json(),
+    }
 
 
 def run_waste(counters: dict[str, str]) -> dict[str, Any]:

@@ -27,6 +27,9 @@ OWNERS = {
     "runs_key": "common/run_registry.py",
     "counters_key": "common/counters.py",
     "workers_key": "common/fleet_registry.py",
+    "quality_window_key": "common/quality_gate.py",
+    "quality_gate_key": "common/quality_gate.py",
+    "paused_key": "common/quality_gate.py",
 }
 
 

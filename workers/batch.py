@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import counters, keys
+from genfleet.common import counters, keys, quality_gate
 from genfleet.common import previous as old_answers
 from genfleet.common.backoff import BOOKKEEPING, OUTPUT_WRITE
 from genfleet.common.errors import (
@@ -40,6 +40,7 @@ from genfleet.common.errors import (
     StoreUnavailable,
 )
 from genfleet.common.ledger import Ledger, Tally
+from genfleet.common.quality import GateSettings, QualityTally, judge
 from genfleet.common.records import (
     CompletionRecord,
     GenerationParams,
@@ -83,6 +84,8 @@ class BatchSummary:
     finish_reasons: dict[str, int] = field(default_factory=dict)
     # Where the batch's tokens went (common/waste.py): the run's counters' increments.
     waste: dict[str, int] = field(default_factory=dict)
+    # What its answers are worth (common/quality.py): the run's counters' increments.
+    quality: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -198,11 +201,13 @@ def execute(
     lease_client: RedisCommands | None = None,
     output_tries: int = 5,
     progress: ProgressTally | None = None,
+    gate: GateSettings | None = None,
 ) -> BatchSummary:
     """Run one work order to its output object. `cancelled()` is polled while it runs and
     stops it; `lease_client` (default `client`) keeps the lease alive from a heartbeat thread,
     its calls should time out well inside the lease; `progress` is the worker's tally, shared
-    by its batches (default: one of this batch's own)."""
+    by its batches (default: one of this batch's own); `gate`: the quality gate's settings
+    for a run whose enqueue recorded none (the worker's; default: no gate)."""
     progress = ProgressTally() if progress is None else progress
     started = time.monotonic()
     summary = BatchSummary(run=order.run, batch=order.batch, worker=worker, gpus=gpus)
@@ -281,10 +286,12 @@ def execute(
         if wrote:
             _unless_superseded(store, order, output_key)
         summary.duplicate = not wrote
-        _summarise(summary, rows_out, started)
+        gate = _run_gate(client, order.run, gate or GateSettings(on=False))
+        quality = _summarise(summary, rows_out, started, gate.shorter_ratio)
         _Reporter(client, worker, collector, progress).report(order, ended=True)
         if wrote:
             _with_retries("the done counters", _count, client, order, summary)
+            _telemetry("the quality gate", _judge, client, order, quality, gate, worker)
         else:
             _with_retries("the batch as done", _mark_done, client, order)
     # Last, and best effort: once the output exists the parts are garbage. Failing here used
@@ -424,10 +431,14 @@ def _put_output(store: Store, key: str, data: bytes, tries: int) -> bool:
     raise AssertionError("unreachable")
 
 
-def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float) -> None:
+def _summarise(
+    summary: BatchSummary, rows: list[dict[str, Any]], started: float, shorter_ratio: float
+) -> QualityTally:
     tally = WasteTally()
+    quality = QualityTally()
     for row in rows:
         tally.add(row)
+        quality.add(row, shorter_ratio)
         if row.get("error"):
             summary.errors += 1
             continue
@@ -438,9 +449,39 @@ def _summarise(summary: BatchSummary, rows: list[dict[str, Any]], started: float
         reason = str(row.get("finish_reason"))
         summary.finish_reasons[reason] = summary.finish_reasons.get(reason, 0) + 1
     summary.waste = tally.to_counters()
+    summary.quality = quality.to_counters()
     summary.duration_s = round(time.monotonic() - started, 3)
     if summary.duration_s > 0:
         summary.tokens_per_s = round(summary.completion_tokens / summary.duration_s, 1)
+    return quality
+
+
+def _run_gate(client: RedisCommands, run: str, default: GateSettings) -> GateSettings:
+    """The run's quality gate settings (its enqueue's); `default` when Redis does not say."""
+    try:
+        return quality_gate.settings_of(client, run, default)
+    except redis.RedisError as exc:
+        log.warning("could not read the quality gate of %s (%s): %s", run, exc, default)
+        return default
+
+
+def _judge(
+    client: RedisCommands,
+    order: WorkOrder,
+    quality: QualityTally,
+    gate: GateSettings,
+    worker: str,
+) -> None:
+    """After the batch's output and counters are written: its answers enter the run's
+    window, and the gate judges the window (common/quality.py); a run that trips pauses
+    (common/quality_gate.py). A few Redis commands, bounded by the window, whatever the run."""
+    quality_gate.add_window(client, order.run, quality, gate.window_answers)
+    if not gate.on:
+        return
+    window = quality_gate.read_window(client, order.run, gate.window_answers)
+    verdict = judge(window, gate, order.params.max_tokens, order.params.thinking)
+    if verdict.tripped and quality_gate.pause(client, order.run, verdict, worker, time.time()):
+        log.error("%s paused by the quality gate: %s", order.run, verdict.message())
 
 
 def _mark_done(client: RedisCommands, order: WorkOrder) -> None:
@@ -456,6 +497,6 @@ def _count(client: RedisCommands, order: WorkOrder, summary: BatchSummary) -> No
         summary.completion_tokens,
         summary.reasoning_tokens,
         time.time(),
-        more=summary.waste,
+        more=summary.waste | summary.quality,
     )
     Ledger(client).done(order.run, order.batch, tally, prompts=summary.prompts)

@@ -180,7 +180,11 @@ class WorkerRuntime:
             base_url,
             fleet=lambda now: fleet_state(self.redis, settings, now),
             engine_pid=lambda: getattr(self.engine, "pid", None),
-            waste=lambda: self.feeder.waste.to_counters() if self.feeder else {},
+            waste=lambda: (
+                self.feeder.waste.to_counters() | self.feeder.quality.to_counters()
+                if self.feeder
+                else {}
+            ),
         )
         self.monitor.start()
         self.watchdog = local.watchdog(

@@ -27,6 +27,7 @@ from genfleet.common.backoff import BATCH_RETRY
 from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.errors import BatchFailed
 from genfleet.common.ledger import Ledger, running_field
+from genfleet.common.quality import gate_settings
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import RedisCommands
 from genfleet.workers.admission import admit, fail_order, is_cancelled
@@ -72,6 +73,7 @@ def generate_batch(self: BatchTask, order: dict[str, Any]) -> dict[str, Any]:
             cancelled=lambda: is_cancelled(client, work.run),
             lease_client=runtime.lease_redis,
             progress=runtime.progress,
+            gate=gate_settings(settings),
         )
     except Exception as exc:
         attempts = _attempt(client, work) if counts_a_try(exc) else 0

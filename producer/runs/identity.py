@@ -110,8 +110,12 @@ def check_identity(
     source: str,
     options: ReaderOptions,
 ) -> None:
-    """Raise RunMismatch naming every difference between the run and what is asked now."""
+    """Raise RunMismatch naming every difference between the run and what is asked now
+    (with `--change-params`, other generation parameters are no difference: `changed_params`
+    says which, and the enqueue records them)."""
     asked = new_identity(settings, params, source, options)
+    if settings.change_params:
+        asked = dataclasses.replace(asked, params=_unchangeable(manifest, asked.params))
     differences = manifest.identity().differences(asked)
     if manifest.version < IDENTITY_VERSION:
         differences.insert(
@@ -151,9 +155,42 @@ def check_resumed(manifest: Manifest, settings: Settings, params: GenerationPara
     if given & _TARGET_SETTINGS:
         ref = model_ref(settings)
         asked = dataclasses.replace(asked, model=ref.model, engine=ref.engine)
+    if settings.change_params:
+        asked = dataclasses.replace(asked, params=_unchangeable(manifest, asked.params))
     differences = recorded.differences(asked)
     if differences:
         raise RunMismatch(mismatch_message(manifest.run, differences, resumed=True))
+
+
+# The generation parameters `--change-params` may change for the rest of a run: plain values
+# every work order carries (a response format or template arguments change what an answer is).
+CHANGEABLE = frozenset(
+    {"max_tokens", "temperature", "top_p", "thinking", "top_k", "min_p", "repetition_penalty"}
+)
+
+
+def _unchangeable(manifest: Manifest, asked: dict[str, Any]) -> dict[str, Any]:
+    """`asked` with the changeable parameters taken as the run's (they are not compared)."""
+    recorded = manifest.identity().params
+    return {k: recorded.get(k) if k in CHANGEABLE else v for k, v in asked.items()}
+
+
+def changed_params(
+    manifest: Manifest, settings: Settings, params: GenerationParams, resumed: bool
+) -> dict[str, Any]:
+    """With `--change-params`: the changeable parameters asked now that differ from the
+    run's (for a resume, only those given as a flag, variable or settings file)."""
+    if not settings.change_params:
+        return {}
+    recorded = manifest.identity().params
+    given = settings.model_fields_set
+    return {
+        name: value
+        for name, value in params.model_dump().items()
+        if name in CHANGEABLE
+        and recorded.get(name) != value
+        and (not resumed or _PARAM_SETTINGS.get(name, name) in given)
+    }
 
 
 def existing_run(

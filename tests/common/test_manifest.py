@@ -64,7 +64,9 @@ def test_the_batch_list_is_in_shards_and_one_batch_reads_one_shard() -> None:
 
     manifest = Manifest.load(store, RUN)
 
-    assert manifest is not None and store.reads == [keys.manifest_key(RUN)]
+    # the index, and the probe for a first change of its parameters (none): no shard
+    assert manifest is not None
+    assert store.reads == [keys.manifest_key(RUN), keys.params_change_key(RUN, 1)]
     assert (manifest.batches_total, manifest.shard_count, manifest.hinted) == (25, 3, True)
     assert [s.batches for s in manifest.shards] == [10, 10, 5]
     assert manifest.summary()["batches_total"] == 25
@@ -150,3 +152,28 @@ def test_shard_keys_take_only_a_staging_id() -> None:
         keys.manifest_shard_key(RUN, "../../elsewhere", 0)
     with pytest.raises(ValueError, match="not a hex token"):
         ManifestWriter(MemoryStore(), RUN, "")
+
+
+def test_parameter_changes_apply_in_order_and_are_write_once() -> None:
+    store = MemoryStore()
+    write_manifest(store, RUN, STAGING_ID, entries(3), 10, **FIELDS)
+    first = Manifest.load(store, RUN)
+    assert first is not None and first.changes == []
+    first.record_change(store, {"max_tokens": 4096}, 1.0, "--change-params")
+    assert first.params.max_tokens == 4096
+    second = Manifest.load(store, RUN)
+    assert second is not None
+    second.record_change(store, {"thinking": False, "max_tokens": 512}, 2.0, "--change-params")
+    read = Manifest.load(store, RUN)
+    assert read is not None
+    assert (read.params.max_tokens, read.params.thinking, read.params.temperature) == (
+        512,
+        False,
+        0.6,
+    )
+    assert read.identity().params["max_tokens"] == 512
+    assert [c["at"] for c in read.changes] == [1.0, 2.0]
+    # A command that read the run before the second change cannot record another first.
+    with pytest.raises(RunMismatch, match="changed its parameters meanwhile"):
+        first.record_change(store, {"max_tokens": 128}, 3.0, "--change-params")
+    assert Manifest.load(store, RUN).params.max_tokens == 512  # type: ignore[union-attr]

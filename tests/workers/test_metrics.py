@@ -8,6 +8,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from genfleet.common.quality import QualityTally
 from genfleet.workers.observe.diagnosis import Finding
 from genfleet.workers.observe.engine_state import EngineState
 from genfleet.workers.observe.prometheus import MetricsExporter
@@ -92,3 +93,23 @@ def test_binds_loopback_by_default(exporter: tuple[MetricsExporter, str]) -> Non
 def test_own_registry_per_exporter() -> None:
     a, b = MetricsExporter("a"), MetricsExporter("b")  # no duplicate-timeseries error
     assert a.registry is not b.registry
+
+
+def test_answers_by_kind_from_the_workers_quality_counters(
+    exporter: tuple[MetricsExporter, str],
+) -> None:
+    exp, url = exporter
+    tally = QualityTally()
+    for _ in range(3):
+        tally.add({"content": "", "finish_reason": "length", "usage": {"reasoning_tokens": 64}})
+    tally.add({"content": "an answer long enough for a trainer to keep.", "finish_reason": "stop"})
+    exp.update({**summary(tokens=10), "waste": {"waste_kept_records": 1, **tally.to_counters()}})
+    values = scrape(url)
+
+    def answers(kind: str) -> float:
+        return values[("genfleet_answers", frozenset({("worker", "gpu0@node1"), ("kind", kind)}))]
+
+    assert answers("all") == 4.0
+    assert answers("kept") == 1.0
+    assert answers("empty") == answers("length") == answers("reasoning_full") == 3.0
+    assert answers("error") == 0.0

@@ -88,7 +88,9 @@ def test_a_lost_order_is_made_from_one_shard_bound_to_its_staging(
     found = reconcile_orders(redis_client, store, LEASE_S, sent.append, now=1000.0 + LEASE_S)
 
     shard = keys.manifest_shard_key("lost", STAGING_ID, 3)
-    assert store.reads == [keys.manifest_key("lost"), shard]
+    # the index, the probe for a change of its parameters (the order carries the run's
+    # parameters as they stand), and the one shard
+    assert store.reads == [keys.manifest_key("lost"), keys.params_change_key("lost", 1), shard]
     assert found["resent"] == ["lost/batch-000013"] and [o.batch for o in sent] == ["batch-000013"]
     entry = manifest.entry(store, "batch-000013")
     assert entry is not None and entry.sha256

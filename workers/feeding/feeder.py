@@ -57,6 +57,7 @@ from genfleet.common.errors import (
     RequestRejected,
     RequestTimedOut,
 )
+from genfleet.common.quality import QualityTally
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord, Usage
 from genfleet.common.waste import WasteTally
 from genfleet.workers.feeding.client import ChatResult
@@ -243,6 +244,7 @@ class Feeder:
         self.busy_total = 0  # answers that were backpressure (429, queue full)
         self.failed_tries_total = 0  # aborts, 5xx: tries sent again
         self.waste = WasteTally()  # where this worker's tokens went (common/waste.py)
+        self.quality = QualityTally()  # what its answers are worth (common/quality.py)
         self.last_success_s = -float("inf")  # monotonic time of the last completion
         self._canary: tuple[PromptRecord, GenerationParams] | None = None  # last success
         self._engine = engine
@@ -721,6 +723,7 @@ class Feeder:
         tries generated (`spent_tokens`: GPU time that bought nothing)."""
         if isinstance(result, RequestRejected | RequestFailed):
             self.waste.add({"error": True, "usage": {"completion_tokens": spent_tokens}})
+            self.quality.add({"error": True})
             return CompletionRecord(
                 id=record.id,
                 run=run,
@@ -737,14 +740,18 @@ class Feeder:
                 custom_id=record.custom_id,
             )
         self.tokens_total += result.usage.completion_tokens
-        self.waste.add(
-            {
-                "finish_reason": result.finish_reason,
-                "content": result.content,
-                "usage": {"completion_tokens": result.usage.completion_tokens},
-                "repetition": result.repetition,
-            }
-        )
+        answer = {
+            "finish_reason": result.finish_reason,
+            "content": result.content,
+            "reasoning": result.reasoning,
+            "usage": {
+                "completion_tokens": result.usage.completion_tokens,
+                "reasoning_tokens": result.usage.reasoning_tokens,
+            },
+            "repetition": result.repetition,
+        }
+        self.waste.add(answer)
+        self.quality.add(answer)
         return CompletionRecord(
             id=record.id,
             run=run,

@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from genfleet.common.quality import QualityTally, shares
 from genfleet.common.waste import WasteTally
 
 # The knob to turn, per cause, in a few words (diagnosis.py holds the long suggestion).
@@ -91,6 +92,8 @@ def batch_headline(summary: Mapping[str, Any]) -> str:
         parts.append(plural(int(summary["errors"]), "error record"))
     if waste := waste_words(summary.get("waste") or {}):
         parts.append(waste)
+    if answers := answer_words(summary.get("quality") or {}):
+        parts.append(answers)
     if summary.get("resumed"):
         parts.append(f"{int(summary['resumed']):,} from a checkpoint")
     if summary.get("duplicate"):
@@ -98,6 +101,18 @@ def batch_headline(summary: Mapping[str, Any]) -> str:
     if worker:
         parts.append(worker)
     return _clean(f"{where}: {', '.join(parts)}")
+
+
+def answer_words(counters: Mapping[str, Any]) -> str:
+    """A batch's answers that will not be kept, from its quality counters
+    (common/quality.py): `answers 4% kept, 96% empty, 100% cut`; '' when all were kept."""
+    tally = QualityTally.from_counters(counters)
+    if not tally.answers or tally.counts["kept"] == tally.answers:
+        return ""
+    share = shares(tally)
+    words = [f"answers {share['kept']:.0%} kept"]
+    words += [f"{share[k]:.0%} {w}" for k, w in (("empty", "empty"), ("length", "cut")) if share[k]]
+    return ", ".join(words)
 
 
 def waste_words(counters: Mapping[str, Any]) -> str:

@@ -14,6 +14,7 @@ from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 
+from genfleet.common.quality import QualityTally
 from genfleet.workers.observe.diagnosis import CAUSES, Finding
 from genfleet.workers.observe.engine_state import EngineState
 
@@ -28,7 +29,8 @@ class MetricsExporter:
     (enforced), genfleet_gpu_energy_joules (the driver's cumulative counter: use `rate()`),
     genfleet_inflight, genfleet_max_inflight (the limiter size, named like the setting),
     genfleet_accept_length, genfleet_underused{cause} (1 for the current cause of an underused
-    GPU, 0 for every other cause). Counter: genfleet_tokens_total.
+    GPU, 0 for every other cause), genfleet_answers{kind} (answers by kind, and `all`: their
+    shares are kind / all). Counter: genfleet_tokens_total.
     """
 
     def __init__(self, worker: str, registry: CollectorRegistry | None = None) -> None:
@@ -57,6 +59,13 @@ class MetricsExporter:
             "genfleet_underused",
             "1 when the GPU is underused while work waits, labelled with the cause",
             [*_GPU, "cause"],
+            registry=r,
+        )
+        self.answers = Gauge(
+            "genfleet_answers",
+            "Answers this worker generated, by kind (common/quality.py: kept, empty, short, "
+            "length, reasoning_full, stopped, error; an answer may be of several), and all",
+            ["worker", "kind"],
             registry=r,
         )
         self._tokens_seen = 0
@@ -103,6 +112,11 @@ class MetricsExporter:
             self.max_inflight.labels(w).set(engine_state.inflight_cap)
             if engine_state.accept_length is not None:
                 self.accept_length.labels(w).set(engine_state.accept_length)
+        if summary.get("waste") is not None:
+            tally = QualityTally.from_counters(summary["waste"])
+            self.answers.labels(w, "all").set(tally.answers)
+            for kind, count in tally.counts.items():
+                self.answers.labels(w, kind).set(count)
         current = {
             (f.gpu_uuid, f.cause)
             for f in findings

@@ -138,6 +138,8 @@ class Monitor:
             self._tokens_seen = tokens
         if self.exporter is not None:
             summary = self.window.summary(now)
+            if self._waste is not None:
+                summary["waste"] = self._waste()
             self.exporter.update(summary, state, self._findings(summary, now))
 
     def _findings(self, summary: dict[str, Any], now: float) -> list[Finding]:

@@ -16,6 +16,7 @@ from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
+from genfleet.common.quality import QualityTally, figures, quality_text
 from genfleet.common.redis_conn import connect
 from genfleet.common.settings import Settings
 from genfleet.common.throughput import fleet_tokens_per_s
@@ -57,19 +58,23 @@ def rows(settings: Settings) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     since = {w: float(s["first_ts"]) for w, s in samples.items() if s.get("first_ts")}
     last_10m = fleet_tokens_per_s(client, now, 600.0, since)
     fleet_waste = WasteTally()
+    fleet_quality = QualityTally()
     for sample in samples.values():
         fleet_waste.merge(WasteTally.from_counters(sample.get("waste") or {}))
+        fleet_quality.merge(QualityTally.from_counters(sample.get("waste") or {}))
     for row in data:
         row["tokens_per_s_10m"] = round(last_10m.get(str(row["worker"]), 0.0), 1)
         counters = samples.get(str(row["worker"]), {}).get("waste")
         if counters is not None:
             row["waste"] = WasteTally.from_counters(counters).figures()
+            row["quality"] = figures(QualityTally.from_counters(counters))
     totals: dict[str, Any] = {
         "fleet_tokens_per_s_1m": round(
             fleet_tokens_per_s(client, now, 60.0, since).get("", 0.0), 1
         ),
         "fleet_tokens_per_s_10m": round(last_10m.get("", 0.0), 1),
         "waste": fleet_waste.figures(),  # since each worker started
+        "quality": figures(fleet_quality),  # the answers' shares, likewise
     }
     return data, totals
 
@@ -112,6 +117,8 @@ def table(view: tuple[list[dict[str, Any]], dict[str, Any]]) -> Table:
     )
     if waste := waste_text(totals.get("waste") or {}):
         grid.caption += f"\nfleet {waste} (since each worker started)"
+    if answers := quality_text(totals.get("quality")):
+        grid.caption += f"\nfleet {answers} (since each worker started)"
     if not data:
         grid.caption += " — no GPU worker answered (are workers running on this Redis?)"
     for row in data:
