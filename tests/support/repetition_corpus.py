@@ -101,12 +101,16 @@ def stopped_at(detector: Detector, text: str, chunk: int = CHUNK_CHARS) -> int |
 
 
 def score(
-    texts: list[Text], detector: Callable[[str], Detector], with_prompt: bool = True
+    texts: list[Text],
+    detector: Callable[[str], Detector],
+    with_prompt: bool = True,
+    chunk: int = CHUNK_CHARS,
 ) -> Score:
-    """Every text through a fresh detector (`detector(prompt)`), the prompt given or not."""
+    """Every text through a fresh detector (`detector(prompt)`), the prompt given or not,
+    in chunks of `chunk` characters."""
     result = Score()
     for text in texts:
-        at = stopped_at(detector(text.prompt if with_prompt else ""), text.text)
+        at = stopped_at(detector(text.prompt if with_prompt else ""), text.text, chunk)
         if text.loop_start_char is None:
             result.legit += 1
             if at is not None:

@@ -218,6 +218,16 @@ def test_short_runs_under_the_short_span_are_not_loops(text: str) -> None:
     assert stream(text) is None
 
 
+@pytest.mark.parametrize("chunk", [CHUNK_CHARS, 1000])
+def test_a_block_holding_a_long_run_of_a_short_period_is_found(chunk: int) -> None:
+    """Copies of the last characters inside a run of "ISIS-" name only multiples of 5; the
+    guard anchors on the run's start and finds the block's own period."""
+    block = "ISIS-" * 25 + "SIS-" + "ISIS-" * 36 + "\n"
+    loop = stream(PROSE + block * 40, chunk=chunk)
+    assert loop is not None and loop.block_chars == len(block)
+    assert loop.chars - len(PROSE) <= RULE.span_chars(len(block)) + chunk + len(block)
+
+
 def test_a_cjk_loop_is_stopped_after_as_many_tokens_as_an_english_one() -> None:
     block = "大连是一个综合性的城市，其中包括商业、科技、文化、教育、医疗、服务等多方面。\n"
     loop = stream(PROSE + block * 400)
@@ -334,11 +344,12 @@ def test_the_loop_record_holds_its_evidence() -> None:
     assert figures["start_char"] == loop.start_char and figures["repeats"] >= 8
 
 
-def test_on_the_corpus_of_real_texts_no_false_stop_and_loops_caught_in_time() -> None:
+@pytest.mark.parametrize("chunk", [37, CHUNK_CHARS, 1000])
+def test_on_the_corpus_of_real_texts_no_false_stop_and_loops_caught_in_time(chunk: int) -> None:
     texts = load_corpus()
     assert (
         sum(t.label == "legit" for t in texts) >= 30 and sum(t.label == "loop" for t in texts) >= 20
     )
-    figures = score(texts, lambda prompt: RepetitionDetector(RULE, prompt))
+    figures = score(texts, lambda prompt: RepetitionDetector(RULE, prompt), chunk=chunk)
     assert figures.false_stops == []
     assert figures.catch_share >= 0.95, (figures.missed, figures.late)

@@ -341,22 +341,31 @@ class RepetitionDetector:
         n = len(tail)
         if n < 2 * NEEDLE_CHARS:
             return None
-        needle_at = n - NEEDLE_CHARS
-        needle = tail[needle_at:]
-        lowest = max(0, needle_at - rule.max_block_chars)
+        at = n - NEEDLE_CHARS  # the anchor: earlier copies of it name candidate periods
+        anchored = False
+        needle = tail[at:]
+        lowest = max(0, at - rule.max_block_chars)
         end = n - 1  # excludes the needle itself
         for _ in range(MAX_CANDIDATES):
             found = tail.rfind(needle, lowest, end)
             if found < 0:
                 return None
-            period = needle_at - found
+            period = at - found
             end = found + NEEDLE_CHARS - 1
             weighted = weighted_chars(tail[n - period :])
             short = period < rule.min_block_chars  # judged by its characters, not weight
             span = math.ceil(rule.span_chars(period if short else weighted) * period / weighted)
-            if span > n:
-                continue
-            if tail[n - span : n - period] != tail[n - span + period :]:
+            if span > n or tail[n - span : n - period] != tail[n - span + period :]:
+                if period < NEEDLE_CHARS and not anchored:
+                    # The needle lies in a run of a short period too short to be a loop; its
+                    # copies in that run name only multiples of it, which fail too ("ISIS-"
+                    # x 60 + "\n" repeated has 60 copies 5 apart before its true period).
+                    # Anchor on the run's first characters instead, once.
+                    at = max(0, _run_start(tail, at, period) - NEEDLE_CHARS // 2)
+                    anchored = True
+                    needle = tail[at : at + NEEDLE_CHARS]
+                    lowest = max(0, at - rule.max_block_chars)
+                    end = at + NEEDLE_CHARS - 1
                 continue
             start = _run_start(tail, n - span, period)
             absolute = self._seen - n + start
