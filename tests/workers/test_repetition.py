@@ -250,6 +250,7 @@ def test_a_cjk_loop_is_stopped_after_as_many_tokens_as_an_english_one() -> None:
         ("Can you repeat your key design decisions?", 0),  # restating is no repetition
         ("Question 12: list the first 12 primes and explain.", 0),
         ("Tabulate 5 facts.", 0),
+        ("What is 7 times 8?", 0),  # a product, not a count of copies
         ("", 0),
     ],
 )

@@ -184,8 +184,9 @@ _UNITS = (
     r"zeroes|ones|repetitions|iterations|verses"
 )
 _COUNT = r"(\d{1,3}(?:,\d{3})+|\d+)"
-# "150 times", "400 empty cells", "4,000 digits", "4096 zero bytes", "a 300-row table"
-_COUNTED = re.compile(rf"\b{_COUNT}(?:\s+|-)(?:[a-z]+[\s-]+)?(?:{_UNITS})\b")
+# "150 times", "400 empty cells", "4,000 digits", "4096 zero bytes", "a 300-row table"; not
+# "7 times 8" (a product)
+_COUNTED = re.compile(rf"\b{_COUNT}(?:\s+|-)(?:[a-z]+[\s-]+)?(?:{_UNITS})\b(?!\s*\d)")
 _GRID = re.compile(r"\b(\d+)\s*[x×*]\s*(\d+)\b")  # a 60x60 grid
 _UNBOUNDED = re.compile(
     r"\bover and over\b|\bagain and again\b|\brepeat\w*\b[^.?!\n]{0,80}\b(?:forever|endlessly)\b"
