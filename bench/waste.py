@@ -14,10 +14,21 @@ stops (an answer stopped that was not a loop: must be 0), and with the guard on
 `tokens_saved_share` (the budget stopped loops did not spend, over what the run would have
 generated without the guard) and `generated_on_vs_off`.
 
+The emulator's legitimate texts always vary, so its "0 false stops" cannot fail; the labelled
+corpus of real texts (`tests/data/repetition/`, `tests/support/repetition_corpus.py`) can.
+Each text streams in 128-character chunks through the guard with its prompt, the guard
+without it, and a re-implementation of vLLM's rule under three profiles
+(`bench/_vllm_repetition.py`): false stops (legit texts stopped) and loop catch (loops
+stopped within 2,000 tokens of their start, tokens estimated as `token_estimate`). Last, the
+guard's cost: microseconds per 128-character chunk over a short and a long answer (the same:
+the cost does not grow with the answer).
+
     python bench/waste.py            # 2,000 prompts
     python bench/waste.py --quick    # 600 prompts, under a minute
+    python bench/waste.py --corpus-only
 
-The last lines are `false_stops: 0`, `tokens_saved_share: X` and `generated_on_vs_off: R`.
+The last lines are `false_stops: 0`, `tokens_saved_share: X`, `generated_on_vs_off: R`,
+`corpus_false_stops: 0` and `corpus_loop_catch: C`.
 """
 
 from __future__ import annotations
@@ -34,16 +45,19 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench._emulator import Emulator, read_metric  # noqa: E402
+from bench._vllm_repetition import PROFILES, VllmRepetition  # noqa: E402
 from bench.client_overhead import AlwaysUp  # noqa: E402
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord  # noqa: E402
 from genfleet.workers.engine.emulator.sim.text import (  # noqa: E402
     chat_prompt,
     draw_text_kind,
     prompt_seed,
+    synth_text,
 )
 from genfleet.workers.feeding.client import EngineClient  # noqa: E402
 from genfleet.workers.feeding.feeder import Feeder  # noqa: E402
-from genfleet.workers.feeding.repetition import RepetitionRule  # noqa: E402
+from genfleet.workers.feeding.repetition import RepetitionDetector, RepetitionRule  # noqa: E402
+from tests.support.repetition_corpus import CHUNK_CHARS, load_corpus, score  # noqa: E402
 
 LOOP_RATE = 0.05
 LEGIT_RATE = 0.10
@@ -136,11 +150,56 @@ def run(records: list[PromptRecord], guard: bool) -> Figures:
     )
 
 
+def corpus() -> None:
+    """False stops and loop catch on the labelled corpus of real texts, guard and vLLM's rule."""
+    texts = load_corpus()
+    rule = RepetitionRule()
+    print(
+        f"corpus: {sum(t.label == 'legit' for t in texts)} legit texts, "
+        f"{sum(t.label == 'loop' for t in texts)} loops ({CHUNK_CHARS}-character chunks)"
+    )
+    guard = score(texts, lambda prompt: RepetitionDetector(rule, prompt))
+    print(f"  guard, with the prompt: {guard.line()}")
+    blind = score(texts, lambda prompt: RepetitionDetector(rule, prompt), with_prompt=False)
+    print(f"  guard, prompt withheld: {blind.line()}")
+    for profile in PROFILES:
+        vllm = score(texts, lambda _prompt, p=profile: VllmRepetition(p))  # type: ignore[misc]
+        print(f"  {profile.name}: {vllm.line()}")
+    for name, figures in (("guard", guard), ("guard, prompt withheld", blind)):
+        if figures.false_stops or figures.late or figures.missed:
+            print(
+                f"  {name}: false stops {figures.false_stops}, late {figures.late}, "
+                f"missed {figures.missed}"
+            )
+    print(
+        f"guard_us_per_chunk: {cost_per_chunk(20_000):.1f} (20,000-character answer), "
+        f"{cost_per_chunk(2_000_000):.1f} (2,000,000)"
+    )
+    print(f"corpus_false_stops: {len(guard.false_stops)}")
+    print(f"corpus_loop_catch: {guard.catch_share:.3f}")
+
+
+def cost_per_chunk(chars: int) -> float:
+    """The guard's microseconds per streamed chunk over an answer of `chars` characters of
+    plain text (no loop: every check runs to its end)."""
+    text = synth_text(9, chars // 4 + 1)[:chars]
+    detector = RepetitionDetector(RepetitionRule(), "Explain the history of the printing press.")
+    chunks = [text[at : at + CHUNK_CHARS] for at in range(0, len(text), CHUNK_CHARS)]
+    started = time.perf_counter()
+    for chunk in chunks:
+        detector.feed(chunk)
+    return (time.perf_counter() - started) / len(chunks) * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="600 prompts, not 2,000")
     parser.add_argument("--prompts", type=int, default=None)
+    parser.add_argument("--corpus-only", action="store_true", help="the real corpus alone")
     args = parser.parse_args()
+    if args.corpus_only:
+        corpus()
+        return
     records = prompts(args.prompts or (600 if args.quick else 2000))
     loops = planned_loops(records)
     off = run(records, guard=False)
@@ -156,6 +215,7 @@ def main() -> None:
     print(f"false_stops: {len(on.stopped - loops)}")
     print(f"tokens_saved_share: {on.saved / (on.generated + on.saved):.3f}")
     print(f"generated_on_vs_off: {on.generated / off.generated:.3f}")
+    corpus()
 
 
 if __name__ == "__main__":

@@ -171,6 +171,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "repetition_min_block_chars": (FEEDING, "shortest block a loop repeats"),
     "repetition_max_block_chars": (FEEDING, "longest block a loop repeats"),
     "repetition_max_span_chars": (FEEDING, "a long block's loop is stopped at this span"),
+    "repetition_short_span_chars": (FEEDING, "a loop of a block under the shortest: this span"),
     "power_watch_interval_s": (WATCH, "how often the fleet is judged"),
     "power_window_s": (WATCH, "the window a verdict looks at"),
     "underuse_threshold": (WATCH, "share of the power limit below which a GPU is underused"),

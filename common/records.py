@@ -183,7 +183,8 @@ class CompletionRecord:
     # manifest. None only in records of an older genfleet.
     prompt_sha256: str | None = None
     # finish_reason "repetition": the loop the guard stopped (field, start_char,
-    # start_token_estimate, block_chars, repeats, tokens_saved); None otherwise.
+    # start_token_estimate, block_chars (its period), repeats, block (its first characters),
+    # rule, chars, completion_tokens, tokens_saved); None otherwise.
     repetition: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:

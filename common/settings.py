@@ -196,13 +196,17 @@ class Settings(BaseSettings):
     # repetition_min_span_chars (and at least repetition_min_repeats copies) are one block of
     # repetition_min_block_chars … repetition_max_block_chars repeated is stopped and recorded
     # as finish_reason "repetition"; a block too long for those copies to fit
-    # repetition_max_span_chars needs that span and three copies.
+    # repetition_max_span_chars needs that span and three copies; a block shorter than
+    # repetition_min_block_chars ("\n", " the") needs repetition_short_span_chars. Spans count a
+    # character outside ASCII as four. Never stopped: a block the prompt holds, repetition the
+    # prompt asks for (up to twice the count it names).
     repetition_guard: bool = True
     repetition_min_span_chars: int = Field(default=3000, ge=1)
     repetition_min_repeats: int = Field(default=8, ge=2)
     repetition_min_block_chars: int = Field(default=10, ge=1)
     repetition_max_block_chars: int = Field(default=1500, ge=1)
     repetition_max_span_chars: int = Field(default=6000, ge=1)
+    repetition_short_span_chars: int = Field(default=1000, ge=64)
 
     # --- watching ---------------------------------------------------------------------------
     # One power-watch round per power window: each round judges a fresh minute, and in Flower

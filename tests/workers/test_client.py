@@ -554,6 +554,26 @@ def test_a_looping_stream_is_stopped_at_once_and_kept_as_repetition(wire: str) -
     assert result.usage.completion_tokens == len(result.reasoning) // 4  # the engine's count
     assert loop["tokens_saved"] == params_tokens - result.usage.completion_tokens
     assert abs(loop["start_token_estimate"] - len(prefix) // 4) <= len(block)
+    assert loop["rule"] == "block" and loop["block"] in block + block  # the evidence
+    assert loop["repeats"] * len(block) >= 3000
+
+
+@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize(
+    ("prompt", "stopped"),
+    [
+        ("Explain how to count odd numbers.", True),
+        ("Write this line 100 times: Wait, let me recount the odd numbers once more.", False),
+        ("Copy out: 'Wait, let me recount the odd numbers once more from the start.'", False),
+    ],
+)
+def test_the_guard_reads_the_prompt(wire: str, prompt: str, stopped: bool) -> None:
+    """The chat's prompt reaches the guard: repetition it asks for or holds is never stopped."""
+    block = "Wait, let me recount the odd numbers once more from the start.\n"
+    record = PromptRecord("p1", [{"role": "user", "content": prompt}])
+    answered = ask(wire, [Events(looping("", block, max_chunks=60))], record)  # 120 copies
+    assert (answered.result.finish_reason == "repetition") is stopped
+    assert answered.closed_early == [stopped]
 
 
 @pytest.mark.parametrize("wire", WIRES)

@@ -1,21 +1,34 @@
-"""The repetition guard on a table: loops of every block size are caught within 2,000 tokens
-of their start; text that repeats legitimately is never stopped."""
+"""The repetition guard on tables: loops of every block size, down to one character, are
+caught within 2,000 tokens of their start; text that repeats legitimately, or as its prompt
+holds or asks, is never stopped; on the labelled corpus of real texts, no false stop and at
+least 95 % of loops caught in time."""
 
 from __future__ import annotations
 
 import pytest
 
 from genfleet.workers.engine.emulator.sim.text import LEGIT_KINDS, legit_text, synth_text
-from genfleet.workers.feeding.repetition import Loop, RepetitionDetector, RepetitionRule
+from genfleet.workers.feeding.repetition import (
+    Loop,
+    RepetitionDetector,
+    RepetitionRule,
+    asked_copies,
+    in_prompt,
+    prompt_text,
+    token_estimate,
+)
+from tests.support.repetition_corpus import BUDGET_TOKENS, load_corpus, score
 
 RULE = RepetitionRule()
 CHUNK_CHARS = 128  # what SGLang streams with --stream-interval 32, at 4 characters a token
 CHARS_PER_TOKEN = 4
 
 
-def stream(text: str, rule: RepetitionRule = RULE, chunk: int = CHUNK_CHARS) -> Loop | None:
+def stream(
+    text: str, rule: RepetitionRule = RULE, chunk: int = CHUNK_CHARS, prompt: str = ""
+) -> Loop | None:
     """Feed `text` in chunks; the loop found, if any (the stream stops there)."""
-    detector = RepetitionDetector(rule)
+    detector = RepetitionDetector(rule, prompt)
     for at in range(0, len(text), chunk):
         loop = detector.feed(text[at : at + chunk])
         if loop is not None:
@@ -65,8 +78,9 @@ def enumeration() -> str:
     return ", ".join(f"the element number {i}" for i in range(2000))
 
 
-def ascii_rule() -> str:
-    return PROSE + "=" * 5000 + "\n" + PROSE  # a short-period run is not a block loop
+def ascii_rules() -> str:
+    sections = (f"Part {i}\n" + "=" * 120 + "\n" + PROSE + "-" * 300 + "\n" for i in range(12))
+    return PROSE + "".join(sections)  # rules between sections, not loops
 
 
 def quoted_paragraph() -> str:
@@ -83,7 +97,8 @@ LEGITIMATE = {
     "numbered list": numbered_list(),
     "refrain": refrain(),
     "long enumeration": enumeration(),
-    "ascii rule": ascii_rule(),
+    "ascii rules": ascii_rules(),
+    "counting": "".join(f"Step {i}: wait, check it again.\n" for i in range(1, 1200)),
     "paragraph quoted three times": quoted_paragraph(),
     **{f"emulator {kind}": legit_text(kind, 3, 20_000) for kind in LEGIT_KINDS},
 }
@@ -162,8 +177,180 @@ def test_the_tail_kept_is_bounded_whatever_the_length() -> None:
         {"min_block_chars": 200, "max_block_chars": 100},
         {"min_repeats": 1},
         {"min_span_chars": 3000, "max_span_chars": 2000},
+        {"short_span_chars": 10},
     ],
 )
 def test_impossible_rules_are_refused(kwargs: dict[str, int]) -> None:
     with pytest.raises(ValueError, match="repetition_"):
         RepetitionRule(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "block",
+    ["\n", "ha ", "....", " the", "\\", "b ", ")", "0", "ab", "<td></td>", "啊", "好的 "],
+)
+@pytest.mark.parametrize("chunk", [1, 37, CHUNK_CHARS])
+def test_short_period_loops_are_stopped(block: str, chunk: int) -> None:
+    """A block under `min_block_chars` ("\\n", "ha ", "....") is a degenerate loop once
+    `short_span_chars` of it have streamed: within 2,000 tokens even at a token a copy."""
+    prefix = PROSE * 3
+    text = prefix + block * (20_000 // len(block))
+    loop = stream(text, chunk=chunk)
+    assert loop is not None
+    assert loop.rule == "short"
+    assert len(block) % loop.block_chars == 0 and loop.block_chars <= len(block)
+    assert len(prefix) - len(block) <= loop.start_char <= len(prefix)
+    copies = (loop.chars - len(prefix)) / len(block)
+    assert copies <= BUDGET_TOKENS  # a token a copy at the most
+    assert token_estimate(text[len(prefix) : loop.chars]) <= 400
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        PROSE + "=" * 900 + "\n" + PROSE,  # a long rule, under the short span
+        PROSE + "ha " * 250 + PROSE,  # a laugh of 750 characters
+        PROSE + " " * 600 + PROSE,  # padding
+        "".join(f"| a | b |\n|---|---|\n| {i} | {i * i} |\n" + PROSE for i in range(20)),
+    ],
+)
+def test_short_runs_under_the_short_span_are_not_loops(text: str) -> None:
+    assert stream(text) is None
+
+
+@pytest.mark.parametrize("chunk", [CHUNK_CHARS, 1000])
+def test_a_block_holding_a_long_run_of_a_short_period_is_found(chunk: int) -> None:
+    """Copies of the last characters inside a run of "ISIS-" name only multiples of 5; the
+    guard anchors on the run's start and finds the block's own period."""
+    block = "ISIS-" * 25 + "SIS-" + "ISIS-" * 36 + "\n"
+    loop = stream(PROSE + block * 40, chunk=chunk)
+    assert loop is not None and loop.block_chars == len(block)
+    assert loop.chars - len(PROSE) <= RULE.span_chars(len(block)) + chunk + len(block)
+
+
+def test_a_cjk_loop_is_stopped_after_as_many_tokens_as_an_english_one() -> None:
+    block = "大连是一个综合性的城市，其中包括商业、科技、文化、教育、医疗、服务等多方面。\n"
+    loop = stream(PROSE + block * 400)
+    assert loop is not None and loop.block_chars == len(block)
+    assert token_estimate((PROSE + block * 400)[len(PROSE) : loop.chars]) <= 1000
+
+
+@pytest.mark.parametrize(
+    ("prompt", "copies"),
+    [
+        ("Write 'I will not talk in class.' 150 times.", 300),
+        ("An HTML row with 400 empty cells.", 800),
+        ("Write 1/17 as a decimal to 4,000 digits.", 8000),
+        ("Draw an empty 60x60 grid.", 7200),
+        ("A C array of 4096 zero bytes.", 8192),
+        ("Make a 300-row table of zeros.", 600),
+        ("Say it over and over.", float("inf")),
+        ("重复这句话", float("inf")),
+        ("Write it 20 遍", 40),
+        ("Can you repeat your key design decisions?", 0),  # restating is no repetition
+        ("Question 12: list the first 12 primes and explain.", 0),
+        ("Tabulate 5 facts.", 0),
+        ("What is 7 times 8?", 0),  # a product, not a count of copies
+        ("", 0),
+    ],
+)
+def test_what_the_prompt_asks_for(prompt: str, copies: float) -> None:
+    assert asked_copies(prompt) == copies
+
+
+@pytest.mark.parametrize(
+    ("block", "prompt", "short", "held"),
+    [
+        (
+            "INSERT INTO t VALUES (7, 'x');\n",
+            "Seed it: INSERT INTO t VALUES (1, 'x');",
+            False,
+            True,
+        ),
+        ("I will not talk in class.\n", "write: i will not talk in class.", False, True),
+        ("<td></td>", "Cells like <td></td><td></td> please", True, True),
+        ("<td></td>", "Cells like <td></td> please", True, False),  # one copy: not the run
+        ("\n", "\n\n\n\n\n", True, False),  # whitespace is never the prompt's text
+        (" the", "the the the the the", True, True),  # the prompt's own run
+        (" the", "the cat and the dog", True, False),
+        ("ha ", "ha ha", True, False),  # under 8 characters of text
+        ("The user asks: sum it.\nI am not sure.\n", "sum it.", False, False),  # one line
+    ],
+)
+def test_what_the_prompt_holds(block: str, prompt: str, short: bool, held: bool) -> None:
+    from genfleet.workers.feeding.repetition import PromptAllowance
+
+    assert in_prompt(block, PromptAllowance(prompt).normalized, short) is held
+
+
+@pytest.mark.parametrize(
+    ("prompt", "text", "stopped"),
+    [
+        (
+            "Write 'I will not talk in class.' 150 times.",
+            "I will not talk in class.\n" * 150,
+            False,
+        ),
+        (
+            "Write 'I will not talk in class.' 150 times.",
+            "I will not talk in class.\n" * 2000,
+            True,
+        ),
+        ("Write 1/17 to 4,000 digits.", "0." + "0588235294117647" * 250, False),
+        ("Draw an empty 60x60 grid of dots.", ("." * 60 + "\n") * 60, False),
+        ("Laugh like this: ha ha ha ha ha ha", "ha " * 2000, False),
+        ("", "I will not talk in class.\n" * 150, True),  # no prompt: a loop
+        ("Tell me a joke.", "ha " * 2000, True),
+    ],
+)
+def test_repetition_the_prompt_asks_for_or_holds_is_not_stopped(
+    prompt: str, text: str, stopped: bool
+) -> None:
+    loop = stream(text, prompt=prompt)
+    assert (loop is not None) is stopped
+    if loop is not None and prompt:  # an overshoot: more copies than asked, counted in full
+        assert loop.repeats > asked_copies(prompt)
+
+
+def test_a_run_longer_than_the_tail_is_counted_whole() -> None:
+    """Copies are counted from the first one, far beyond the tail the detector keeps: a
+    prompt's count holds however long the run."""
+    line = "I will not talk in class.\n"
+    detector = RepetitionDetector(RULE, "Write it 1000 times.")  # up to 2,000 copies
+    stops = [detector.feed(line * 10) for _ in range(300)]  # 3,000 copies, 78,000 characters
+    stop = next(found for found in stops if found is not None)
+    assert stop.start_char == 0
+    assert 2000 < stop.repeats <= 2020  # stopped at the first check past the count
+    assert detector.tail_chars < 3 * RULE.keep_chars
+
+
+def test_prompt_text_reads_every_message() -> None:
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "Say hi 3 times."}, {"type": "image_url"}],
+        },
+    ]
+    assert prompt_text(messages) == "Be brief.\nSay hi 3 times."
+
+
+def test_the_loop_record_holds_its_evidence() -> None:
+    block = block_of(97)
+    loop = stream(PROSE + block * 100)
+    assert loop is not None
+    figures = loop.to_json()
+    assert figures["block_chars"] == 97 and figures["rule"] == "block"
+    assert figures["block"] in block + block and len(figures["block"]) <= 120
+    assert figures["start_char"] == loop.start_char and figures["repeats"] >= 8
+
+
+@pytest.mark.parametrize("chunk", [37, CHUNK_CHARS, 1000])
+def test_on_the_corpus_of_real_texts_no_false_stop_and_loops_caught_in_time(chunk: int) -> None:
+    texts = load_corpus()
+    assert (
+        sum(t.label == "legit" for t in texts) >= 30 and sum(t.label == "loop" for t in texts) >= 20
+    )
+    figures = score(texts, lambda prompt: RepetitionDetector(RULE, prompt), chunk=chunk)
+    assert figures.false_stops == []
+    assert figures.catch_share >= 0.95, (figures.missed, figures.late)

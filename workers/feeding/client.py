@@ -45,7 +45,7 @@ from genfleet.common.errors import (
 )
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
 from genfleet.workers.engine.launch import auth_headers
-from genfleet.workers.feeding.repetition import RepetitionRule
+from genfleet.workers.feeding.repetition import RepetitionRule, prompt_text
 from genfleet.workers.feeding.stream import ChatStream
 from genfleet.workers.feeding.transport import AiohttpTransport, Transport
 
@@ -360,7 +360,10 @@ class EngineClient:
         `on_tokens(n)` as its tokens stream (`ChatStream`: an estimate until a usage figure)."""
         fields = streamed_body(request_body(record, params, self.model, self.thinking))
         body = orjson.dumps(fields)
-        stream = ChatStream(self.repetition, on_begun, on_tokens, self.stream_chunk_tokens)
+        prompt = prompt_text(record.messages) if self.repetition is not None else ""
+        stream = ChatStream(
+            self.repetition, on_begun, on_tokens, self.stream_chunk_tokens, prompt=prompt
+        )
         started = time.monotonic()
         try:
             status, payload, retry_after = await self._transport.stream(body, stream, timeout_s)

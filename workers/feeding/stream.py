@@ -59,12 +59,14 @@ class ChatStream:
         on_begun: Callable[[], None] | None = None,
         on_tokens: Callable[[int], None] | None = None,
         chunk_tokens: int = 1,
+        prompt: str = "",
     ) -> None:
         """`on_begun()` fires once, at the first reasoning or content text: the prompt is past
         its arrival (prefill and first steps run), which the feeder's crash blame needs.
         `on_tokens(n)` fires at each chunk that moves the count of tokens streamed so far
         (`streamed_tokens`), with the change; `n` is negative where a usage figure corrects
-        an estimate of `chunk_tokens` per chunk."""
+        an estimate of `chunk_tokens` per chunk. `prompt` is the chat's text: the guard never
+        stops repetition the prompt holds or asks for."""
         self.reasoning: list[str] = []
         self.content: list[str] = []
         self.finish_reason: str | None = None
@@ -81,7 +83,9 @@ class ChatStream:
         self.chunk_tokens = chunk_tokens
         self.streamed_tokens = 0
         self._guards = (
-            (RepetitionDetector(rule), RepetitionDetector(rule)) if rule is not None else None
+            (RepetitionDetector(rule, prompt), RepetitionDetector(rule, prompt))
+            if rule is not None
+            else None
         )
 
     def feed(self, line: bytes) -> bool:
