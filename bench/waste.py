@@ -15,7 +15,7 @@ stops (an answer stopped that was not a loop: must be 0), and with the guard on
 generated without the guard) and `generated_on_vs_off`.
 
 The emulator's legitimate texts always vary, so its "0 false stops" cannot fail; the labelled
-corpus of real texts (`tests/data/repetition/`, `tests/support/repetition_corpus.py`) can.
+corpus of real texts (`tests/data/repetition/`, `harness/repetition_corpus.py`) can.
 Each text streams in 128-character chunks through the guard with its prompt, the guard
 without it, and a re-implementation of vLLM's rule under three profiles
 (`bench/_vllm_repetition.py`): false stops (legit texts stopped) and loop catch (loops
@@ -57,7 +57,7 @@ from genfleet.workers.engine.emulator.sim.text import (  # noqa: E402
 from genfleet.workers.feeding.client import EngineClient  # noqa: E402
 from genfleet.workers.feeding.feeder import Feeder  # noqa: E402
 from genfleet.workers.feeding.repetition import RepetitionDetector, RepetitionRule  # noqa: E402
-from tests.support.repetition_corpus import CHUNK_CHARS, load_corpus, score  # noqa: E402
+from harness.repetition_corpus import CHUNK_CHARS, load_corpus, score  # noqa: E402
 
 LOOP_RATE = 0.05
 LEGIT_RATE = 0.10

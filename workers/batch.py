@@ -88,7 +88,16 @@ class BatchSummary:
     quality: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        """The task's result (what Flower shows, its repr cut at about 1 KB): the quality
+        counts without their length histograms, which only the run's counters need."""
+        figures = dict(self.__dict__)
+        figures["quality"] = {
+            k: v for k, v in self.quality.items() if not k.startswith(_HISTOGRAM_PREFIXES)
+        }
+        return figures
+
+
+_HISTOGRAM_PREFIXES = ("quality_finished_le_", "quality_previous_le_")
 
 
 class _Collector:

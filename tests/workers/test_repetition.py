@@ -17,7 +17,7 @@ from genfleet.workers.feeding.repetition import (
     prompt_text,
     token_estimate,
 )
-from tests.support.repetition_corpus import BUDGET_TOKENS, load_corpus, score
+from harness.repetition_corpus import BUDGET_TOKENS, load_corpus, score
 
 RULE = RepetitionRule()
 CHUNK_CHARS = 128  # what SGLang streams with --stream-interval 32, at 4 characters a token

@@ -36,7 +36,7 @@ from genfleet.workers.tune.sweep import (
     verdict_text,
 )
 from harness.env import ROOT, engine_port_base
-from tests.workers.engine.test_engine_plan import qwen35_27b
+from tests.support.model_configs import qwen35_27b
 
 
 def point(config: str, c: int, tps: float, power: float | None = 350.0, **kw: object) -> Point:
