@@ -354,3 +354,15 @@ def test_on_the_corpus_of_real_texts_no_false_stop_and_loops_caught_in_time(chun
     figures = score(texts, lambda prompt: RepetitionDetector(RULE, prompt), chunk=chunk)
     assert figures.false_stops == []
     assert figures.catch_share >= 0.95, (figures.missed, figures.late)
+
+
+@pytest.mark.parametrize("block_chars", [12, 400, 1500])
+def test_where_a_loop_is_found_does_not_depend_on_how_the_stream_was_cut(block_chars: int) -> None:
+    # An engine sends what piled up while its reader lagged as one piece: the loop is found
+    # where small pieces would have found it, not at the end of the piece.
+    text = PROSE * 5 + block_of(block_chars) * (40_000 // block_chars)
+    small = stream(text, chunk=128)
+    whole = stream(text, chunk=len(text))
+    assert small is not None and whole is not None
+    assert abs(whole.chars - small.chars) <= RULE.check_every_chars
+    assert whole.chars < len(text) - RULE.check_every_chars

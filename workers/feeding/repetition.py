@@ -297,7 +297,21 @@ class RepetitionDetector:
         return len(self._tail) + self._unchecked
 
     def feed(self, delta: str) -> Loop | None:
-        """Add the next piece of text; a Loop when the tail has become one."""
+        """Add the next piece of text; a Loop when the tail has become one.
+
+        A piece longer than `check_every_chars` (an engine that sends what piled up while
+        the reader lagged) is checked at each step of it, as small pieces would be: where the
+        loop is found must not depend on how the stream was cut."""
+        step = self.rule.check_every_chars
+        if len(delta) > step:
+            for at in range(0, len(delta), step):
+                loop = self._feed(delta[at : at + step])
+                if loop is not None:
+                    return loop
+            return None
+        return self._feed(delta)
+
+    def _feed(self, delta: str) -> Loop | None:
         if not delta:
             return None
         self._seen += len(delta)
