@@ -27,6 +27,7 @@ OWNERS = {
     "runs_key": "common/run_registry.py",
     "counters_key": "common/counters.py",
     "workers_key": "common/fleet_registry.py",
+    "crash_evidence_key": "workers/crash_evidence.py",
 }
 
 

@@ -320,6 +320,52 @@ def test_a_prompt_that_crashes_the_engine_is_the_one_error_and_no_suspect_beside
     assert engine.crashes >= 2
 
 
+class KeptEvidence:
+    """The batch's evidence as the next worker finds it (`feeding.feeder.Evidence`): counts
+    by `sample:id`, and each death this feeder adds."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = dict(counts)
+        self.added: list[str] = []
+
+    def load(self, run: str, batch: str) -> dict[str, int]:
+        return dict(self.counts)
+
+    def add(self, run: str, batch: str, record: PromptRecord) -> None:
+        self.added.append(record.id)
+        key = f"{record.sample}:{record.id}"
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
+@pytest.mark.parametrize(("carried", "crashes"), [(2, 1), (1, 2)])
+def test_deaths_on_an_earlier_worker_count_toward_the_blame(
+    make_feeder: Callable[..., Feeder],
+    monkeypatch: pytest.MonkeyPatch,
+    carried: int,
+    crashes: int,
+) -> None:
+    """A batch comes from a worker whose engine died with its poison arriving: the deaths
+    come with it. Two of them: the poison goes alone at once and its first death here blames
+    it. One: it goes first among suspects, beside the batch's fresh prompts, then alone."""
+    monkeypatch.setattr(feeder_module, "SUSPECT_PROBE_S", 0.05, raising=False)
+    engine = CrashingEngine(poison={"POISON"}, answer_s=0.3, crash_after_s=0.02)
+    evidence = KeptEvidence({"0:poison": carried})
+    feeder = make_feeder(engine, engine, retries=10, evidence=evidence)  # type: ignore[arg-type]
+    warm, _ = run(feeder, prompts(4, "warm"), "batch-warm")
+    warm.result(timeout=10)
+    records = prompts(4)
+    records[1] = PromptRecord(id="poison", messages=[{"role": "user", "content": "POISON"}])
+    future, got = run(feeder, records)
+    future.result(timeout=30)
+    errors = {r.id: r.error for r in got.records.values() if r.error is not None}
+    assert list(errors) == ["poison"], errors
+    assert errors["poison"]["type"] == "engine_crash"
+    assert engine.crashes == crashes
+    assert engine.sent["poison"] == crashes
+    assert evidence.counts["0:poison"] == carried + crashes  # kept for a next worker too
+    assert all(r.error is None for r in got.records.values() if r.id != "poison")
+
+
 def test_kills_from_outside_never_make_a_prompt_an_error(
     make_feeder: Callable[..., Feeder], monkeypatch: pytest.MonkeyPatch
 ) -> None:
