@@ -318,6 +318,7 @@ def test_a_prompt_that_crashes_the_engine_is_the_one_error_and_no_suspect_beside
     assert list(errors) == ["poison"], errors
     assert errors["poison"]["type"] == "engine_crash"
     assert engine.crashes >= 2
+    assert engine.forgiven == engine.crashes  # the poison's deaths, forgiven at its blame
 
 
 class KeptEvidence:
@@ -363,6 +364,7 @@ def test_deaths_on_an_earlier_worker_count_toward_the_blame(
     assert engine.crashes == crashes
     assert engine.sent["poison"] == crashes
     assert evidence.counts["0:poison"] == carried + crashes  # kept for a next worker too
+    assert engine.forgiven == crashes  # its deaths here cost no restart budget
     assert all(r.error is None for r in got.records.values() if r.id != "poison")
 
 

@@ -178,6 +178,16 @@ class EngineSupervisor:
             "cooldown_left_s": round(max(until - now, 0.0), 1) if until is not None else None,
         }
 
+    def forgive(self, restarts: int) -> None:
+        """A prompt was blamed for deaths (`feeding.blame`: it killed the engine as it
+        arrived, and the engine serves other prompts): the latest `restarts` restarts in the
+        window no longer count against the budget. One bad prompt costs its record, never its
+        worker's budget, however many bad prompts a window holds. A budget already spent
+        stays spent (its cool-down runs)."""
+        with self._lock:
+            for _ in range(min(restarts, len(self._restart_times))):
+                self._restart_times.pop()
+
     def refresh_info(self) -> dict[str, Any]:
         """Read /server_info again (accept length changes as the engine generates)."""
         info = self._get_server_info()

@@ -82,6 +82,9 @@ SUSPECT_PROBE_S = 2.0
 # (the proof that the engine serves others, not only that it dies), when none was since its
 # first death here and no canary exists (a worker that has answered nothing yet).
 SERVED_WAIT_S = 120.0
+# The longest a failed request waits for its engine's exit to be counted: the supervisor sees
+# an exit within half a second and reads the process's last log lines for up to two.
+SETTLE_S = 4.0
 
 
 class Evidence(Protocol):
@@ -116,6 +119,11 @@ class EngineHandle(Protocol):
     def alive(self) -> bool: ...
 
     def wait_up(self, timeout_s: float) -> None: ...
+
+    def forgive(self, restarts: int) -> None:
+        """A prompt was blamed for deaths that cost this many restarts: they no longer count
+        against the restart budget (the engine serves other prompts)."""
+        ...
 
 
 class ChatClient(Protocol):
@@ -196,6 +204,7 @@ class _Tries:
     # the engine's own deaths (`EngineHandle.crashes`) with it arriving, here and on the
     # workers that ran its batch before (`Evidence`)
     crashes: int = 0
+    crashes_here: int = 0  # of those, this worker's: the restarts forgiven at its blame
     first_death_s: float | None = None
     # Facts of its last send, each read on its own: another prompt was arriving during its
     # arrival; it outlived its arrival (`Feeder._probe`); it failed arriving with no other
@@ -691,6 +700,7 @@ class Feeder:
             )
             return None
         self.crashes_total += 1
+        self._engine.forgive(tries.crashes_here)
         log.error(
             "%s/%s %s: the engine died %d times with it arriving: an error record, not sent again",
             run,
@@ -708,9 +718,11 @@ class Feeder:
     async def _counted(
         self, run: str, batch: str, record: PromptRecord, exc: EngineDown, tries: _Tries
     ) -> Verdict:
-        """Wait for the engine to be back (the lane slot, if any, still held), then count
-        its death against the prompt as `feeding.blame.judge` says, keeping an own death
-        with the batch's evidence."""
+        """Count the engine's death against the prompt as `feeding.blame.judge` says (the
+        lane slot, if any, still held), then wait for the engine to be back. The death is
+        counted, and an own one kept with the batch's evidence, as soon as the supervisor
+        has seen the exit, before the restart: a worker lost while its engine restarts
+        leaves it for the batch's next worker."""
         tries.busy_since, tries.refusals = None, 0
         tries.attempt += 1
         if tries.attempt > self.retries:
@@ -719,7 +731,22 @@ class Feeder:
         await asyncio.sleep(self.backoff_s(tries.attempt))
         reached = not isinstance(exc, EngineUnreachable)  # else never in flight
         await self._settle(tries.deaths_at_send, reached)
+        verdict = await self._count(run, batch, record, exc, tries, reached)
         await asyncio.to_thread(self._engine.wait_up, self.engine_wait_s)
+        if verdict is Verdict.NOT_IN_IT:  # an exit the supervisor saw only later
+            verdict = await self._count(run, batch, record, exc, tries, reached)
+        return verdict
+
+    async def _count(
+        self,
+        run: str,
+        batch: str,
+        record: PromptRecord,
+        exc: EngineDown,
+        tries: _Tries,
+        reached: bool,
+    ) -> Verdict:
+        """Judge the death the engine's counts show now, and count it against the prompt."""
         death = Death(
             reached=reached,
             died=self._engine.deaths > tries.deaths_at_send,
@@ -736,7 +763,7 @@ class Feeder:
             # of any before (it would have killed the engine arriving again). It goes
             # back at once, not through the lane: after a restart most of what was in
             # flight does, and the engine is full again at once, not a few at a time.
-            tries.deaths = tries.crashes = 0
+            tries.deaths = tries.crashes = tries.crashes_here = 0
             tries.first_death_s = None
             return verdict
         tries.deaths += 1
@@ -744,22 +771,26 @@ class Feeder:
             tries.first_death_s = time.monotonic()
         if death.own:
             tries.crashes += 1
+            tries.crashes_here += 1
             if self.evidence is not None:
                 await asyncio.to_thread(self.evidence.add, run, batch, record)
         return verdict
 
     async def _settle(self, deaths: int, reached: bool) -> None:
-        """A connection failed while the engine still reads ready: give its supervisor a
-        moment to see the exit, so the death is counted before the prompt is sent again.
-        A request that was written waits up to `exit_grace_s` even while the process still
-        runs: an engine may close its connections a moment before it exits."""
+        """A connection failed: give the supervisor a moment to count the engine's exit
+        (it reads the dying process's last log lines first), so that the death is judged
+        before the prompt is sent again. A written request waits up to `exit_grace_s` even
+        while the process still runs and reads ready: an engine may close its connections a
+        moment before it exits. A request that never connected waits only while the process
+        is gone."""
         engine = self._engine
         started = time.monotonic()
-        while engine.state == "ready" and engine.deaths == deaths:
+        while engine.deaths == deaths and engine.state in ("ready", "restarting"):
             waited_s = time.monotonic() - started
-            if engine.alive() and (not reached or waited_s >= self.exit_grace_s):
-                return
-            if waited_s >= max(self.exit_grace_s, 2.0):
+            if engine.state == "ready" and engine.alive():
+                if not reached or waited_s >= self.exit_grace_s:
+                    return
+            if waited_s >= max(self.exit_grace_s, SETTLE_S):
                 return
             await asyncio.sleep(0.1)
 
