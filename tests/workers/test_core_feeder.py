@@ -368,6 +368,28 @@ def test_deaths_on_an_earlier_worker_count_toward_the_blame(
     assert all(r.error is None for r in got.records.values() if r.id != "poison")
 
 
+def test_on_a_worker_that_served_nothing_yet_the_blame_waits_for_another_prompt_served(
+    make_feeder: Callable[..., Feeder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh worker (no prompt answered, so no canary) gets a batch whose poison died twice
+    elsewhere: it goes alone first and kills the engine. The engine's serving others is not
+    proven yet, so the poison waits out of the lane while the rest of the batch goes; the
+    first of them answered, it is blamed, never sent again. (It used to be sent alone again
+    at once, nothing else sent meanwhile, until the worker's restart budget was spent.)"""
+    monkeypatch.setattr(feeder_module, "SUSPECT_PROBE_S", 0.05, raising=False)
+    engine = CrashingEngine(poison={"POISON"}, answer_s=0.3, crash_after_s=0.02)
+    evidence = KeptEvidence({"0:poison": 2})
+    feeder = make_feeder(engine, engine, retries=10, evidence=evidence)  # type: ignore[arg-type]
+    records = prompts(4)
+    records[0] = PromptRecord(id="poison", messages=[{"role": "user", "content": "POISON"}])
+    future, got = run(feeder, records)
+    future.result(timeout=30)
+    errors = {r.id: r.error for r in got.records.values() if r.error is not None}
+    assert list(errors) == ["poison"], errors
+    assert engine.sent["poison"] == 1 and engine.crashes == 1
+    assert all(engine.sent[f"p{n}"] == 1 for n in range(1, 4))
+
+
 def test_kills_from_outside_never_make_a_prompt_an_error(
     make_feeder: Callable[..., Feeder], monkeypatch: pytest.MonkeyPatch
 ) -> None:

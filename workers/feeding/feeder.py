@@ -301,7 +301,10 @@ class Feeder:
         self._arriving = 0  # requests in flight with no output yet
         self._none_arriving = asyncio.Event()  # set each time `_arriving` falls to 0
         self._live = 0  # prompts submitted and not yet done with (a record, or cancelled)
-        self._succeeded = asyncio.Event()  # set at each success
+        self._unblamed = 0  # of those, prompts waiting to be blamed (`_served_since`)
+        # set at each success, each prompt done with and each prompt that starts waiting to
+        # be blamed: what `_served_since` waits on
+        self._changed = asyncio.Event()
 
     async def _make(self, factory: Callable[[], ChatClient]) -> ChatClient:
         return factory()
@@ -441,6 +444,7 @@ class Feeder:
             await self._tries(run, batch, index, record, params, on_record, progress, tries)
         finally:
             self._live -= 1
+            self._changed.set()
 
     async def _tries(
         self,
@@ -479,7 +483,7 @@ class Feeder:
                 continue
             now = time.monotonic()
             self.last_success_s = now
-            self._succeeded.set()
+            self._changed.set()
             self.pace.add(result.usage.completion_tokens, result.latency_s)
             self._canary = (record, params)
             self._limiter.completed(now)
@@ -799,18 +803,25 @@ class Feeder:
         died with it at `since`: one succeeded since, or the canary does; with neither (a
         worker that has answered nothing yet), while other prompts are still to run here,
         wait up to SERVED_WAIT_S for one of them to succeed (the suspect is out of the lane
-        meanwhile, so they go). False when nothing else is left to run or none succeeds."""
+        meanwhile, so they go). False when nothing else is left to run (every other prompt
+        here is done or waits to be blamed too) or none succeeds."""
         deadline = time.monotonic() + SERVED_WAIT_S
-        while True:
-            if await self._serves_others(since):
-                return True
-            left_s = deadline - time.monotonic()
-            if self._live <= 1 or left_s <= 0:
-                return False
-            self._succeeded.clear()
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(left_s):
-                    await self._succeeded.wait()
+        self._unblamed += 1
+        self._changed.set()
+        try:
+            while True:
+                if await self._serves_others(since):
+                    return True
+                left_s = deadline - time.monotonic()
+                # nothing left that could be served: every other prompt here waits as well
+                if self._live <= self._unblamed or left_s <= 0:
+                    return False
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left_s):
+                        await self._changed.wait()
+        finally:
+            self._unblamed -= 1
 
     def _deadline_s(self, record: PromptRecord, params: GenerationParams) -> float | None:
         """This request's deadline: its token budget at the engine's measured pace."""
