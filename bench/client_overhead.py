@@ -63,6 +63,9 @@ class AlwaysUp:
     def wait_up(self, timeout_s: float) -> None:
         return None
 
+    def forgive(self, restarts: int) -> None:
+        return None
+
 
 def prompts(count: int) -> list[PromptRecord]:
     return [

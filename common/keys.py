@@ -193,6 +193,18 @@ def lost_key(run: str) -> str:
     return f"{PREFIX}:run:{run}:lost"
 
 
+def crash_evidence_key(run: str, batch: str) -> str:
+    """Hash prompt (`sample:id`) → the engine's own deaths it was arriving at, on any worker
+    (workers/crash_evidence.py): the next worker to run the batch starts from these counts, so
+    a prompt that kills engines is blamed however often its batch moves. Counts, no times
+    (never compared across hosts' clocks). TTL = CRASH_EVIDENCE_TTL_S, refreshed at each
+    death; deleted once the batch's output is written."""
+    return f"{PREFIX}:run:{run}:crash_evidence:{batch}"
+
+
+CRASH_EVIDENCE_TTL_S = 7 * 86400
+
+
 def throughput_bucket_key(run: str, bucket: int) -> str:
     """Hash "" → the run's tokens, worker → its tokens, generated in ten-second bucket
     `bucket` (common/throughput.py); expires an hour after."""

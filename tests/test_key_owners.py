@@ -30,6 +30,7 @@ OWNERS = {
     "quality_window_key": "common/quality_gate.py",
     "quality_gate_key": "common/quality_gate.py",
     "paused_key": "common/quality_gate.py",
+    "crash_evidence_key": "workers/crash_evidence.py",
 }
 
 

@@ -51,6 +51,7 @@ from genfleet.common.redis_conn import RedisCommands
 from genfleet.common.store import Store
 from genfleet.common.waste import WasteTally
 from genfleet.workers import checkpoint
+from genfleet.workers.crash_evidence import CrashEvidence
 from genfleet.workers.feeding import Feeder
 from genfleet.workers.lease import Lease
 from genfleet.workers.observe.live_progress import ProgressTally
@@ -310,6 +311,7 @@ def execute(
         store.delete_prefix(keys.parts_prefix(order.run, order.batch))
     except StoreError as exc:
         log.warning("could not delete the parts of %s/%s: %s", order.run, order.batch, exc)
+    CrashEvidence(client).clear(order.run, order.batch)
     return summary
 
 

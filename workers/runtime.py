@@ -21,6 +21,7 @@ from genfleet.common.redis_conn import connect
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
+from genfleet.workers.crash_evidence import CrashEvidence
 from genfleet.workers.engine import local
 from genfleet.workers.engine.crashes import CRASH_LOOP_REPEATS, budget_suggestion, loop_suggestion
 from genfleet.workers.engine.families import choose
@@ -49,6 +50,10 @@ from genfleet.workers.observe.sampler import Monitor, make_sampler
 from genfleet.workers.process.slots import PrefetchSlots
 
 log = logging.getLogger("genfleet.worker")
+# How long a written request that failed waits for its engine's exit to show while the process
+# still runs (`Feeder.exit_grace_s`): an engine may close its connections a moment before it
+# exits, and a death seen after the prompt was sent again would be counted against nobody.
+EXIT_GRACE_S = 3.0
 
 
 class WorkerRuntime:
@@ -164,6 +169,8 @@ class WorkerRuntime:
                 settings.request_deadline_margin,
             ),
             on_batch_sent=self.slots.batch_sent,
+            evidence=CrashEvidence(self.redis),
+            exit_grace_s=0.0 if settings.engine_kind == "external" else EXIT_GRACE_S,
         )
         log.info(
             "feeding %s with up to %d requests in flight (engine cap %s)",

@@ -114,6 +114,7 @@ class FakeEngine:
         self.waits = 0
         self.deaths = 0
         self.crashes = 0
+        self.forgiven = 0  # restarts forgiven for blamed prompts
         self.last_error: str | None = None
 
     def alive(self) -> bool:
@@ -123,6 +124,9 @@ class FakeEngine:
         self.waits += 1
         if self.down is not None:
             raise self.down
+
+    def forgive(self, restarts: int) -> None:
+        self.forgiven += restarts
 
 
 def _protocols(chat: FakeChat, engine: FakeEngine) -> tuple[ChatClient, EngineHandle]:
@@ -148,6 +152,7 @@ class CrashingEngine:
         self.state = "ready"
         self.deaths = 0
         self.crashes = 0
+        self.forgiven = 0  # restarts forgiven for blamed prompts
         self.last_error: str | None = None
         self.poison = poison
         self.answer_s = answer_s
@@ -165,6 +170,9 @@ class CrashingEngine:
 
     def wait_up(self, timeout_s: float) -> None:
         return None  # back at once
+
+    def forgive(self, restarts: int) -> None:
+        self.forgiven += restarts
 
     def kill(self, crash: bool) -> None:
         """The engine dies: by its own crash (an error in its log), or killed from outside."""

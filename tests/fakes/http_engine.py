@@ -10,6 +10,9 @@ Run as a program (`python tests/fakes/http_engine.py PORT [options]`, `engine_ar
 "engine" process a supervisor starts: it can wait before it binds, print lines, dump what it
 was started with, and die shortly after it starts while a marker file exists. It then needs
 nothing but the standard library and orjson (the supervisor gives it a bare environment).
+With `--die-on TEXT` it is instead an engine that streams its answers (SSE, as SGLang does)
+and dies on receipt of a prompt holding TEXT, in the manner `--die-when` and `--die-how` say
+(`die_on_receipt`), printing no error line: an engine genfleet knows nothing about.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ from __future__ import annotations
 import argparse
 import http.server
 import os
+import resource
+import signal
+import socket
 import sys
 import threading
 import time
@@ -186,6 +192,11 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--crash-after-s", type=float, default=0.3)
     parser.add_argument("--last-words", action="append", default=[], help="printed as it dies")
     parser.add_argument("--config", help="the config file a supervisor passes (read by --dump)")
+    parser.add_argument("--die-on", help="stream answers, and die on a prompt holding this")
+    parser.add_argument("--die-when", choices=DIE_WHEN, default="received")
+    parser.add_argument("--die-how", choices=sorted(DIE_HOW), default="1")
+    parser.add_argument("--answer-s", type=float, default=0.4, help="a streamed answer's length")
+    parser.add_argument("--sends", help="append one line per chat request received here")
     args, _ = parser.parse_known_args(argv)  # and whatever else the supervisor adds
     time.sleep(args.delay_s)
     for line in args.say:
@@ -198,6 +209,8 @@ def main(argv: list[str]) -> None:
         Path(args.dump).write_bytes(orjson.dumps(seen))
     if args.crash_while:
         threading.Thread(target=_crash, args=(args,), daemon=True).start()
+    if args.die_on:
+        DyingEngine(args).serve_forever()
     ScriptedEngine(port=args.port).serve_forever()
 
 
@@ -207,6 +220,108 @@ def _crash(args: argparse.Namespace) -> None:
         for line in args.last_words:
             print(line, flush=True)
         os._exit(1)
+
+
+# When an engine dies against the request that kills it: on receipt, before any answer
+# (`received`); after the answer's headers (`headers`); after its first event, the assistant's
+# role with no text yet (`role`); after closing the connection, so the client sees it closed
+# first and the process exits a moment later (`closed`).
+DIE_WHEN = ("received", "headers", "role", "closed")
+# How it exits: with a code, or a signal it raises on itself (a fault, an abort).
+DIE_HOW = {"0": 0, "1": 1, "segv": -signal.SIGSEGV, "abrt": -signal.SIGABRT}
+
+
+def die(how: str) -> None:
+    """Exit at once: code 0 or 1, or by SIGSEGV / SIGABRT (no core file)."""
+    code = DIE_HOW[how]
+    if code >= 0:
+        os._exit(code)
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    os.kill(os.getpid(), -code)  # both keep their default action in Python: the process ends
+    time.sleep(5)
+    os._exit(99)  # never reached
+
+
+class DyingEngine(http.server.ThreadingHTTPServer):
+    """`--die-on`: streams every answer (the role, then one chunk of text `answer_s` / 4 after
+    it arrives, then the finish) and dies on a prompt holding `die_on`; appends
+    `<monotonic> <pid> <text>` to `--sends` for each chat request first (written before it
+    dies)."""
+
+    daemon_threads = True
+    request_queue_size = 128
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(("127.0.0.1", args.port), _StreamHandler)
+        self.args = args
+        self.lock = threading.Lock()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        """Silent: an engine that says nothing, not even of a client that hung up."""
+
+
+def _event(data: dict[str, Any] | str) -> bytes:
+    body = data if isinstance(data, str) else orjson.dumps(data).decode()
+    return f"data: {body}\n\n".encode()
+
+
+def _chunk(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n"
+
+
+class _StreamHandler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    server: DyingEngine
+
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - base signature
+        pass
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+        data = b"{}"
+        self.send_response(200 if self.path in ("/health", "/", "/v1/models") else 404)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        args = self.server.args
+        body = orjson.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))))
+        text = " ".join(str(m.get("content")) for m in body.get("messages", []))
+        if args.sends:
+            with self.server.lock, open(args.sends, "a") as sends:
+                sends.write(f"{time.monotonic():.4f} {os.getpid()} {text}\n")
+        poison = args.die_on in text
+        if poison and args.die_when == "received":
+            die(args.die_how)
+        if poison and args.die_when == "closed":
+            self.connection.shutdown(socket.SHUT_RDWR)
+            time.sleep(1.0)
+            die(args.die_how)
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+        self.wfile.flush()
+        if poison and args.die_when == "headers":
+            die(args.die_how)
+        rid = uuid.uuid4().hex
+        base = {"id": rid, "model": body.get("model"), "object": "chat.completion.chunk"}
+        role = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        self.wfile.write(_chunk(_event({**base, "choices": [role]})))
+        self.wfile.flush()
+        if poison:
+            die(args.die_how)
+        time.sleep(args.answer_s / 4)
+        usage = {"prompt_tokens": len(text) // 4, "completion_tokens": 4, "total_tokens": 0}
+        words = {"index": 0, "delta": {"content": f"echo: {text[:40]}"}, "finish_reason": None}
+        self.wfile.write(_chunk(_event({**base, "choices": [words], "usage": usage})))
+        self.wfile.flush()
+        time.sleep(args.answer_s * 3 / 4)
+        end = {"index": 0, "delta": {}, "finish_reason": "stop"}
+        self.wfile.write(_chunk(_event({**base, "choices": [end], "usage": usage})))
+        self.wfile.write(_chunk(_event("[DONE]")) + b"0\r\n\r\n")
+        self.wfile.flush()
 
 
 if __name__ == "__main__":

@@ -318,6 +318,76 @@ def test_a_prompt_that_crashes_the_engine_is_the_one_error_and_no_suspect_beside
     assert list(errors) == ["poison"], errors
     assert errors["poison"]["type"] == "engine_crash"
     assert engine.crashes >= 2
+    assert engine.forgiven == engine.crashes  # the poison's deaths, forgiven at its blame
+
+
+class KeptEvidence:
+    """The batch's evidence as the next worker finds it (`feeding.feeder.Evidence`): counts
+    by `sample:id`, and each death this feeder adds."""
+
+    def __init__(self, counts: dict[str, int]) -> None:
+        self.counts = dict(counts)
+        self.added: list[str] = []
+
+    def load(self, run: str, batch: str) -> dict[str, int]:
+        return dict(self.counts)
+
+    def add(self, run: str, batch: str, record: PromptRecord) -> None:
+        self.added.append(record.id)
+        key = f"{record.sample}:{record.id}"
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+
+@pytest.mark.parametrize(("carried", "crashes"), [(2, 1), (1, 2)])
+def test_deaths_on_an_earlier_worker_count_toward_the_blame(
+    make_feeder: Callable[..., Feeder],
+    monkeypatch: pytest.MonkeyPatch,
+    carried: int,
+    crashes: int,
+) -> None:
+    """A batch comes from a worker whose engine died with its poison arriving: the deaths
+    come with it. Two of them: the poison goes alone at once and its first death here blames
+    it. One: it goes first among suspects, beside the batch's fresh prompts, then alone."""
+    monkeypatch.setattr(feeder_module, "SUSPECT_PROBE_S", 0.05, raising=False)
+    engine = CrashingEngine(poison={"POISON"}, answer_s=0.3, crash_after_s=0.02)
+    evidence = KeptEvidence({"0:poison": carried})
+    feeder = make_feeder(engine, engine, retries=10, evidence=evidence)  # type: ignore[arg-type]
+    warm, _ = run(feeder, prompts(4, "warm"), "batch-warm")
+    warm.result(timeout=10)
+    records = prompts(4)
+    records[1] = PromptRecord(id="poison", messages=[{"role": "user", "content": "POISON"}])
+    future, got = run(feeder, records)
+    future.result(timeout=30)
+    errors = {r.id: r.error for r in got.records.values() if r.error is not None}
+    assert list(errors) == ["poison"], errors
+    assert errors["poison"]["type"] == "engine_crash"
+    assert engine.crashes == crashes
+    assert engine.sent["poison"] == crashes
+    assert evidence.counts["0:poison"] == carried + crashes  # kept for a next worker too
+    assert engine.forgiven == crashes  # its deaths here cost no restart budget
+    assert all(r.error is None for r in got.records.values() if r.id != "poison")
+
+
+def test_on_a_worker_that_served_nothing_yet_the_blame_waits_for_another_prompt_served(
+    make_feeder: Callable[..., Feeder], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fresh worker (no prompt answered, so no canary) gets a batch whose poison died twice
+    elsewhere: it goes alone first and kills the engine. The engine's serving others is not
+    proven yet, so the poison waits out of the lane while the rest of the batch goes; the
+    first of them answered, it is blamed, never sent again. (It used to be sent alone again
+    at once, nothing else sent meanwhile, until the worker's restart budget was spent.)"""
+    monkeypatch.setattr(feeder_module, "SUSPECT_PROBE_S", 0.05, raising=False)
+    engine = CrashingEngine(poison={"POISON"}, answer_s=0.3, crash_after_s=0.02)
+    evidence = KeptEvidence({"0:poison": 2})
+    feeder = make_feeder(engine, engine, retries=10, evidence=evidence)  # type: ignore[arg-type]
+    records = prompts(4)
+    records[0] = PromptRecord(id="poison", messages=[{"role": "user", "content": "POISON"}])
+    future, got = run(feeder, records)
+    future.result(timeout=30)
+    errors = {r.id: r.error for r in got.records.values() if r.error is not None}
+    assert list(errors) == ["poison"], errors
+    assert engine.sent["poison"] == 1 and engine.crashes == 1
+    assert all(engine.sent[f"p{n}"] == 1 for n in range(1, 4))
 
 
 def test_kills_from_outside_never_make_a_prompt_an_error(

@@ -15,6 +15,7 @@ workaround named, the second a restart. Everything here is pure: log lines in, v
 from __future__ import annotations
 
 import re
+import signal
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -66,18 +67,37 @@ def last_error_line(lines: Iterable[str]) -> str | None:
     return found[:500] if found else None
 
 
-def is_crash(line: str | None, killed: bool) -> bool:
-    """Whether an exit is the engine's own crash, the kind a prompt in flight can cause: the
-    watchdog did not kill it, and this process's log names an error. A signal from outside
-    (SIGKILL, the OOM killer) leaves no error line. The exit code cannot tell: SGLang's
-    launcher SIGKILLs its own process tree when its scheduler dies.
+# Signals a process is sent by others: a kill, a termination, an interrupt, a hang-up. An exit
+# by one of them with no error line in the log is a kill from outside (an operator, the OOM
+# killer, a node's shutdown); a fault the process raises on itself (SIGSEGV, SIGABRT, SIGBUS,
+# SIGFPE, SIGILL, …) is its own.
+OUTSIDE_SIGNALS = frozenset(
+    {signal.SIGKILL, signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT}
+)
 
-    >>> is_crash("RuntimeError: boom", killed=False), is_crash(None, killed=False)
+
+def is_crash(line: str | None, killed: bool, returncode: int | None) -> bool:
+    """Whether an exit is the engine's own, the kind a prompt in flight can cause: the
+    watchdog did not kill it, and either the process's log names an error or the process
+    ended itself: an exit code (0 included: nobody outside makes a process exit 0), or a
+    fault signal it raised on itself. An exit by a signal others send (SIGKILL, the OOM
+    killer; SIGTERM) with no error line is a kill from outside. An error line decides alone:
+    SGLang's launcher SIGKILLs its own process tree when its scheduler dies.
+
+    >>> is_crash("RuntimeError: boom", False, -9), is_crash(None, False, -9)
     (True, False)
-    >>> is_crash("RuntimeError: boom", killed=True)
+    >>> is_crash(None, False, 1), is_crash(None, False, 0), is_crash(None, False, -11)
+    (True, True, True)
+    >>> is_crash("RuntimeError: boom", True, 1)
     False
     """
-    return not killed and line is not None
+    if killed:
+        return False
+    if line is not None:
+        return True
+    if returncode is None:
+        return False
+    return returncode >= 0 or -returncode not in OUTSIDE_SIGNALS
 
 
 def known_crash(line: str | None) -> CrashSignature | None:

@@ -67,6 +67,9 @@ class ExternalEngine:
             time.sleep(1.0)
         self.state = "ready"
 
+    def forgive(self, restarts: int) -> None:
+        """Nothing to forgive: it is never restarted from here."""
+
     def refresh_info(self) -> dict[str, Any]:
         try:
             response = httpx.get(

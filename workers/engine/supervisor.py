@@ -90,9 +90,10 @@ class EngineSupervisor:
         # Exits no known engine crash explains: a prompt in flight may have caused them (the
         # feeder counts them per prompt; see feeding.suspects).
         self.deaths = 0
-        # Of those, the exits the engine made itself with an error line (not a kill: neither
-        # the watchdog's nor a signal from outside): what a prompt's crash looks like, and the
-        # only deaths a prompt is ever blamed for (the feeder's error record `engine_crash`).
+        # Of those, the exits the engine made itself (`crashes.is_crash`: an error line, an exit
+        # code, a fault signal; not a kill: neither the watchdog's nor a signal from outside):
+        # what a prompt's crash looks like, and the only deaths a prompt is ever blamed for
+        # (the feeder's error record `engine_crash`).
         self.crashes = 0
         self.crash_lines: collections.deque[str | None] = collections.deque(maxlen=20)
         self.cooldown_until: float | None = None  # monotonic; while exhausted
@@ -176,6 +177,16 @@ class EngineSupervisor:
             "restart_window_s": self.restart_window_s,
             "cooldown_left_s": round(max(until - now, 0.0), 1) if until is not None else None,
         }
+
+    def forgive(self, restarts: int) -> None:
+        """A prompt was blamed for deaths (`feeding.blame`: it killed the engine as it
+        arrived, and the engine serves other prompts): the latest `restarts` restarts in the
+        window no longer count against the budget. One bad prompt costs its record, never its
+        worker's budget, however many bad prompts a window holds. A budget already spent
+        stays spent (its cool-down runs)."""
+        with self._lock:
+            for _ in range(min(restarts, len(self._restart_times))):
+                self._restart_times.pop()
 
     def refresh_info(self) -> dict[str, Any]:
         """Read /server_info again (accept length changes as the engine generates)."""
@@ -346,7 +357,7 @@ class EngineSupervisor:
                 return
             reason, self._kill_reason = self._kill_reason, None
             self._set_state("restarting")  # callers wait from now on, and see the death counted
-            line = self._record_death(proc, killed=reason is not None)
+            line = self._record_death(proc, killed=reason is not None, returncode=code)
             self.last_error = reason or f"engine exited with code {code}"
             if line and not reason:
                 self.last_error += f": {line}"
@@ -356,9 +367,12 @@ class EngineSupervisor:
             if not self._restart():
                 return
 
-    def _record_death(self, proc: subprocess.Popen[bytes], killed: bool) -> str | None:
+    def _record_death(
+        self, proc: subprocess.Popen[bytes], killed: bool, returncode: int | None
+    ) -> str | None:
         """Count an unexpected exit and keep its last error line (after the log pump drained
-        the process's last lines); `killed`: the watchdog killed it."""
+        the process's last lines); `killed`: the watchdog killed it; `returncode`: the exit's
+        (negative: the signal that ended it)."""
         if self._pump is not None:
             self._pump.join(timeout=2.0)
         line = last_error_line(self.log_tail)
@@ -366,7 +380,7 @@ class EngineSupervisor:
             self.exits += 1
             if known_crash(line) is None:
                 self.deaths += 1
-                if is_crash(line, killed):
+                if is_crash(line, killed, returncode):
                     self.crashes += 1
             self.crash_lines.append(line)
             self._last_death_s = time.monotonic()

@@ -20,14 +20,17 @@ What each answer does to a prompt (the client maps HTTP to these errors):
   cannot come back, the batch fails and its finished prompts survive as a checkpoint.
 - engine died with its answer begun (output streamed): the prompt was past its arrival, not
   the cause; it goes back at once when the engine is up again.
-- engine died with it arriving (no output yet): the prompt becomes a suspect and goes back
-  through the `SuspectLane`, alone once it has been in flight at two deaths (no prompt,
-  fresh or suspect, is sent from then until its output begins, and it waits for those in
-  flight to begin theirs); a suspect at two of the engine's own crashes, the last as it
-  arrived with no other prompt arriving beside it (and while other prompts succeed), is that
-  prompt's error record, never sent again: one prompt that crashes the engine costs one
-  record, not its batch or its worker's restart budget. A kill (from outside, or the
-  watchdog's for a stall) is no prompt's crash.
+- engine died with it arriving (its request written, no output yet: whatever the exit code
+  and however the socket closed): the prompt becomes a suspect and goes back through the
+  `SuspectLane`, alone once it has been in flight at two deaths (no prompt, fresh or
+  suspect, is sent from then until its output begins, and it waits for those in flight to
+  begin theirs); a suspect at two of the engine's own deaths, the last as it arrived with no
+  other prompt arriving beside it, is that prompt's error record once another prompt is
+  served, never sent again (`feeding.blame`): one prompt that crashes the engine costs one
+  record, not its batch or its worker's restart budget. The engine's own deaths with each
+  prompt arriving are kept with the batch (`Evidence`), so a batch that moves to another
+  worker takes them along. A kill (from outside, or the watchdog's for a stall) is no
+  prompt's crash.
 - past its deadline (`workers/feeding/deadline`: its max_tokens at the engine's measured pace): an
   error record at once, provided the engine serves other prompts; the batch goes on.
 - engine refuses the worker (401/403/404): the batch stops; the task stops the worker
@@ -37,6 +40,7 @@ What each answer does to a prompt (the client maps HTTP to these errors):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
 import logging
 import threading
@@ -60,6 +64,7 @@ from genfleet.common.errors import (
 from genfleet.common.quality import QualityTally
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord, Usage
 from genfleet.common.waste import WasteTally
+from genfleet.workers.feeding.blame import Death, Verdict, goes_alone, judge
 from genfleet.workers.feeding.client import ChatResult
 from genfleet.workers.feeding.deadline import DeadlinePolicy, SequencePace, max_tokens_of
 from genfleet.workers.feeding.limiter import InflightLimiter
@@ -74,6 +79,23 @@ T = TypeVar("T")
 # crashes recorded of SGLang at once). Blame never rests on it: a prompt arrives until its
 # first output, however long the engine queued it.
 SUSPECT_PROBE_S = 2.0
+# How long a prompt about to be blamed waits, out of the lane, for another prompt to be served
+# (the proof that the engine serves others, not only that it dies), when none was since its
+# first death here and no canary exists (a worker that has answered nothing yet).
+SERVED_WAIT_S = 120.0
+# The longest a failed request waits for its engine's exit to be counted: the supervisor sees
+# an exit within half a second and reads the process's last log lines for up to two.
+SETTLE_S = 4.0
+
+
+class Evidence(Protocol):
+    """Where the engine's own deaths with each prompt arriving are kept for the batch's next
+    worker (`workers.crash_evidence.CrashEvidence`): `load` as a batch starts here (counts by
+    `"sample:id"`), `add` at each such death. Called off the feeder's loop."""
+
+    def load(self, run: str, batch: str) -> dict[str, int]: ...
+
+    def add(self, run: str, batch: str, record: PromptRecord) -> None: ...
 
 
 class EngineHandle(Protocol):
@@ -98,6 +120,11 @@ class EngineHandle(Protocol):
     def alive(self) -> bool: ...
 
     def wait_up(self, timeout_s: float) -> None: ...
+
+    def forgive(self, restarts: int) -> None:
+        """A prompt was blamed for deaths that cost this many restarts: they no longer count
+        against the restart budget (the engine serves other prompts)."""
+        ...
 
 
 class ChatClient(Protocol):
@@ -174,8 +201,11 @@ class _Tries:
     send_no: int = 0  # its last send's number (`Feeder._sends`)
     deaths_at_send: int = 0
     crashes_at_send: int = 0
-    deaths: int = 0  # engine deaths while it was in flight
-    crashes: int = 0  # of those, the engine's own crashes (`EngineHandle.crashes`)
+    deaths: int = 0  # engine deaths while it was in flight, here
+    # the engine's own deaths (`EngineHandle.crashes`) with it arriving, here and on the
+    # workers that ran its batch before (`Evidence`)
+    crashes: int = 0
+    crashes_here: int = 0  # of those, this worker's: the restarts forgiven at its blame
     first_death_s: float | None = None
     # Facts of its last send, each read on its own: another prompt was arriving during its
     # arrival; it outlived its arrival (`Feeder._probe`); it failed arriving with no other
@@ -220,9 +250,15 @@ class Feeder:
         backoff_s: Callable[[int], float] = retry_backoff_s,
         deadline: DeadlinePolicy | None = None,
         on_batch_sent: Callable[[str, str], None] | None = None,
+        evidence: Evidence | None = None,
+        exit_grace_s: float = 0.0,
     ) -> None:
         """`on_batch_sent(run, batch)` fires (on the feeder's loop) once every prompt of a
-        batch is in the engine: the worker hands that batch's slot to the next one."""
+        batch is in the engine: the worker hands that batch's slot to the next one.
+        `evidence`: where prompts' engine deaths are kept for the batch's next worker.
+        `exit_grace_s`: how long a written request that failed waits for the engine's exit
+        to be counted while its process still runs (an engine that closes its connections
+        before it exits); 0 for an engine whose exits nobody watches (external)."""
         self.max_inflight = max_inflight
         self.deadline = deadline  # None: the client's own timeout for every request
         self.pace = SequencePace()  # per-sequence tok/s of recent completions
@@ -234,6 +270,8 @@ class Feeder:
         self.identity = identity or {}
         self.backoff_s = backoff_s
         self.on_batch_sent = on_batch_sent
+        self.evidence = evidence
+        self.exit_grace_s = exit_grace_s
         self.inflight = 0
         self.waiting = 0  # prompts submitted that do not hold a limiter slot yet
         self.tokens_total = 0  # completion tokens of finished answers
@@ -264,6 +302,11 @@ class Feeder:
         self._sends = 0  # requests sent so far (numbers them)
         self._arriving = 0  # requests in flight with no output yet
         self._none_arriving = asyncio.Event()  # set each time `_arriving` falls to 0
+        self._live = 0  # prompts submitted and not yet done with (a record, or cancelled)
+        self._unblamed = 0  # of those, prompts waiting to be blamed (`_served_since`)
+        # set at each success, each prompt done with and each prompt that starts waiting to
+        # be blamed: what `_served_since` waits on
+        self._changed = asyncio.Event()
 
     async def _make(self, factory: Callable[[], ChatClient]) -> ChatClient:
         return factory()
@@ -291,12 +334,20 @@ class Feeder:
     ) -> Future[None]:
         """Start every prompt of a batch; `on_record(index, record)` fires as each finishes,
         `on_sent()` once every prompt has been sent to the engine (only stragglers left)."""
-        future = self.submit(self._batch(run, batch, list(records), params, on_record, on_sent))
+        carried = self._carried(run, batch)
+        future = self.submit(
+            self._batch(run, batch, list(records), params, on_record, on_sent, carried)
+        )
         with self._batches_lock:
             self._batches.add(future)
             self._by_batch[(run, batch)] = future
         future.add_done_callback(self._forget)
         return future
+
+    def _carried(self, run: str, batch: str) -> dict[str, int]:
+        """The engine's own deaths each of the batch's prompts was arriving at on the workers
+        that ran it before (read on the caller's thread, before the batch starts)."""
+        return self.evidence.load(run, batch) if self.evidence is not None else {}
 
     def _forget(self, future: Future[None]) -> None:
         with self._batches_lock:
@@ -337,6 +388,7 @@ class Feeder:
         params: GenerationParams,
         on_record: Callable[[int, CompletionRecord], None],
         on_sent: Callable[[], None] | None = None,
+        carried: dict[str, int] | None = None,
     ) -> None:
         name = (run, batch)
         with self._batches_lock:
@@ -360,8 +412,11 @@ class Feeder:
                 sent()
             async with asyncio.TaskGroup() as group:  # first hard failure cancels the rest
                 for index, record in enumerate(records):
+                    tries = _Tries(crashes=(carried or {}).get(f"{record.sample}:{record.id}", 0))
                     group.create_task(
-                        self._one(run, batch, index, record, params, on_record, (unsent, sent))
+                        self._one(
+                            run, batch, index, record, params, on_record, (unsent, sent), tries
+                        )
                     )
         except asyncio.CancelledError:
             with self._batches_lock:
@@ -384,8 +439,26 @@ class Feeder:
         params: GenerationParams,
         on_record: Callable[[int, CompletionRecord], None],
         progress: tuple[list[int], Callable[[], None]],
+        tries: _Tries,
     ) -> None:
-        tries = _Tries()
+        self._live += 1
+        try:
+            await self._tries(run, batch, index, record, params, on_record, progress, tries)
+        finally:
+            self._live -= 1
+            self._changed.set()
+
+    async def _tries(
+        self,
+        run: str,
+        batch: str,
+        index: int,
+        record: PromptRecord,
+        params: GenerationParams,
+        on_record: Callable[[int, CompletionRecord], None],
+        progress: tuple[list[int], Callable[[], None]],
+        tries: _Tries,
+    ) -> None:
         while True:
             try:
                 result = await self._send(record, params, tries, progress)
@@ -412,6 +485,7 @@ class Feeder:
                 continue
             now = time.monotonic()
             self.last_success_s = now
+            self._changed.set()
             self.pace.add(result.usage.completion_tokens, result.latency_s)
             self._canary = (record, params)
             self._limiter.completed(now)
@@ -429,11 +503,12 @@ class Feeder:
         limiter slot, then the engine, with this request's own deadline."""
         unsent, on_sent = progress
         timeout_s = self._deadline_s(record, params)
-        suspect = tries.deaths > 0
+        suspect = tries.deaths > 0 or tries.crashes > 0
         if suspect:
-            rank = (-float(tries.deaths), -tries.sent_at)
-            await self._lane.enter(rank, solo=tries.deaths >= 2)
-            tries.lane = Lane.SOLO if tries.deaths >= 2 else Lane.SHARED
+            solo = goes_alone(tries.deaths, tries.crashes)
+            rank = (-float(max(tries.deaths, tries.crashes)), -tries.sent_at)
+            await self._lane.enter(rank, solo=solo)
+            tries.lane = Lane.SOLO if solo else Lane.SHARED
         ok = False
         try:
             await self._slot(suspect)
@@ -452,7 +527,7 @@ class Feeder:
                 tries.sent_at = time.monotonic()
                 tries.deaths_at_send = self._engine.deaths
                 tries.crashes_at_send = self._engine.crashes
-                tries.survived = False
+                tries.survived = tries.alone = False
                 self._arrive(tries)
                 probe = self._probe(tries) if suspect else None
                 streamed = _Streamed(self)
@@ -609,77 +684,146 @@ class Feeder:
     async def _down(
         self, run: str, batch: str, record: PromptRecord, exc: EngineDown, tries: _Tries
     ) -> RequestFailed | None:
-        """The engine went down: wait until it is back, count the death if the prompt was in
-        flight at it, and blame the prompt (its error record) when the engine died again
-        with it alone among suspects while other prompts succeeded."""
+        """The engine went down: wait until it is back, judge what its death means for the
+        prompt (`feeding.blame`), and blame it (its error record) when that says so and the
+        engine serves other prompts."""
         try:
-            return await self._down_counted(run, batch, record, exc, tries)
+            verdict = await self._counted(run, batch, record, exc, tries)
         finally:
             if tries.lane is not Lane.OUT:
                 self._lane.leave(ok=False, exclusive=tries.lane is Lane.SOLO)
                 tries.lane = Lane.OUT
+        if verdict is not Verdict.BLAME:
+            return None
+        assert tries.first_death_s is not None  # set as the death was counted
+        if not await self._served_since(tries.first_death_s):
+            log.warning(
+                "%s/%s %s: the engine died with it arriving alone, but no other prompt was "
+                "served since: sent again, not blamed",
+                run,
+                batch,
+                record.id,
+            )
+            return None
+        self.crashes_total += 1
+        self._engine.forgive(tries.crashes_here)
+        log.error(
+            "%s/%s %s: the engine died %d times with it arriving: an error record, not sent again",
+            run,
+            batch,
+            record.id,
+            tries.crashes,
+        )
+        return RequestFailed(
+            0,
+            "engine_crash",
+            f"the engine died {tries.crashes} times with this prompt arriving, the last time "
+            f"as the only prompt arriving ({self._engine.last_error}); not sent again",
+        )
 
-    async def _down_counted(
+    async def _counted(
         self, run: str, batch: str, record: PromptRecord, exc: EngineDown, tries: _Tries
-    ) -> RequestFailed | None:
-        """`_down` with the lane slot, if any, still held."""
+    ) -> Verdict:
+        """Count the engine's death against the prompt as `feeding.blame.judge` says (the
+        lane slot, if any, still held), then wait for the engine to be back. The death is
+        counted, and an own one kept with the batch's evidence, as soon as the supervisor
+        has seen the exit, before the restart: a worker lost while its engine restarts
+        leaves it for the batch's next worker."""
         tries.busy_since, tries.refusals = None, 0
         tries.attempt += 1
         if tries.attempt > self.retries:
             raise exc
         log.warning("%s/%s %s: %s; retry %d", run, batch, record.id, exc, tries.attempt)
         await asyncio.sleep(self.backoff_s(tries.attempt))
-        await self._settle(tries.deaths_at_send)
-        await asyncio.to_thread(self._engine.wait_up, self.engine_wait_s)
         reached = not isinstance(exc, EngineUnreachable)  # else never in flight
-        if reached and self._engine.deaths > tries.deaths_at_send:
-            self._lane.died()
-            if isinstance(exc, AnswerInterrupted):
-                # Its answer had begun: past its arrival, so not the cause of this death, nor
-                # of any before (it would have killed the engine arriving again). It goes
-                # back at once, not through the lane: after a restart most of what was in
-                # flight does, and the engine is full again at once, not a few at a time.
-                tries.deaths = tries.crashes = 0
-                tries.first_death_s = None
-                return None
-            tries.deaths += 1
-            crashed = self._engine.crashes > tries.crashes_at_send
-            tries.crashes += crashed
-            if tries.first_death_s is None:
-                tries.first_death_s = time.monotonic()
-            elif (
-                crashed
-                and tries.crashes >= 2
-                and tries.alone
-                and await self._serves_others(tries.first_death_s)
-            ):
-                self.crashes_total += 1
-                log.error(
-                    "%s/%s %s: the engine died %d times with it in flight: an error record, "
-                    "not sent again",
-                    run,
-                    batch,
-                    record.id,
-                    tries.deaths,
-                )
-                return RequestFailed(
-                    0,
-                    "engine_crash",
-                    f"the engine died {tries.deaths} times with this prompt in flight, the "
-                    f"last time as the only prompt arriving ({self._engine.last_error}); not "
-                    "sent again",
-                )
-        return None
+        await self._settle(tries.deaths_at_send, reached)
+        verdict = await self._count(run, batch, record, exc, tries, reached)
+        await asyncio.to_thread(self._engine.wait_up, self.engine_wait_s)
+        if verdict is Verdict.NOT_IN_IT:  # an exit the supervisor saw only later
+            verdict = await self._count(run, batch, record, exc, tries, reached)
+        return verdict
 
-    async def _settle(self, deaths: int, within_s: float = 2.0) -> None:
-        """A connection failed while the engine still reads ready: give its supervisor a
-        moment to see the exit, so the death is counted before the prompt is sent again."""
-        deadline = time.monotonic() + within_s
+    async def _count(
+        self,
+        run: str,
+        batch: str,
+        record: PromptRecord,
+        exc: EngineDown,
+        tries: _Tries,
+        reached: bool,
+    ) -> Verdict:
+        """Judge the death the engine's counts show now, and count it against the prompt."""
+        death = Death(
+            reached=reached,
+            died=self._engine.deaths > tries.deaths_at_send,
+            begun=isinstance(exc, AnswerInterrupted),
+            own=self._engine.crashes > tries.crashes_at_send,
+            alone=tries.alone,
+        )
+        verdict = judge(death, tries.crashes)
+        if verdict is Verdict.NOT_IN_IT:
+            return verdict
+        self._lane.died()
+        if verdict is Verdict.PAST_ARRIVAL:
+            # Its answer had begun: past its arrival, so not the cause of this death, nor
+            # of any before (it would have killed the engine arriving again). It goes
+            # back at once, not through the lane: after a restart most of what was in
+            # flight does, and the engine is full again at once, not a few at a time.
+            tries.deaths = tries.crashes = tries.crashes_here = 0
+            tries.first_death_s = None
+            return verdict
+        tries.deaths += 1
+        if tries.first_death_s is None:
+            tries.first_death_s = time.monotonic()
+        if death.own:
+            tries.crashes += 1
+            tries.crashes_here += 1
+            if self.evidence is not None:
+                await asyncio.to_thread(self.evidence.add, run, batch, record)
+        return verdict
+
+    async def _settle(self, deaths: int, reached: bool) -> None:
+        """A connection failed: give the supervisor a moment to count the engine's exit
+        (it reads the dying process's last log lines first), so that the death is judged
+        before the prompt is sent again. A written request waits up to `exit_grace_s` even
+        while the process still runs and reads ready: an engine may close its connections a
+        moment before it exits. A request that never connected waits only while the process
+        is gone."""
         engine = self._engine
-        while engine.state == "ready" and engine.deaths == deaths and not engine.alive():
-            if time.monotonic() > deadline:
+        started = time.monotonic()
+        while engine.deaths == deaths and engine.state in ("ready", "restarting"):
+            waited_s = time.monotonic() - started
+            if engine.state == "ready" and engine.alive():
+                if not reached or waited_s >= self.exit_grace_s:
+                    return
+            if waited_s >= max(self.exit_grace_s, SETTLE_S):
                 return
             await asyncio.sleep(0.1)
+
+    async def _served_since(self, since: float) -> bool:
+        """Whether the engine serves prompts other than one about to be blamed, which first
+        died with it at `since`: one succeeded since, or the canary does; with neither (a
+        worker that has answered nothing yet), while other prompts are still to run here,
+        wait up to SERVED_WAIT_S for one of them to succeed (the suspect is out of the lane
+        meanwhile, so they go). False when nothing else is left to run (every other prompt
+        here is done or waits to be blamed too) or none succeeds."""
+        deadline = time.monotonic() + SERVED_WAIT_S
+        self._unblamed += 1
+        self._changed.set()
+        try:
+            while True:
+                if await self._serves_others(since):
+                    return True
+                left_s = deadline - time.monotonic()
+                # nothing left that could be served: every other prompt here waits as well
+                if self._live <= self._unblamed or left_s <= 0:
+                    return False
+                self._changed.clear()
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(left_s):
+                        await self._changed.wait()
+        finally:
+            self._unblamed -= 1
 
     def _deadline_s(self, record: PromptRecord, params: GenerationParams) -> float | None:
         """This request's deadline: its token budget at the engine's measured pace."""

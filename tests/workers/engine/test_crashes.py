@@ -3,6 +3,8 @@ the restart budget as a rate. Pure functions, table tests."""
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 
 from genfleet.workers.engine.crashes import (
@@ -110,16 +112,37 @@ HEALTHY_THEN_KILLED = [
 
 
 @pytest.mark.parametrize(
-    ("log", "killed", "crash"),
+    ("log", "killed", "returncode", "crash"),
     [
-        (SGLANG_DEATH, False, True),  # its scheduler raised: a prompt may have caused it
-        (HEALTHY_THEN_KILLED, False, False),  # SIGKILL or the OOM killer from outside
-        ([], False, False),  # died before a line
-        (SGLANG_DEATH, True, False),  # the watchdog killed it (a stall), whatever its log
+        (SGLANG_DEATH, False, 1, True),  # its scheduler raised: a prompt may have caused it
+        (SGLANG_DEATH, False, -signal.SIGKILL, True),  # SGLang's launcher kills its own tree
+        (HEALTHY_THEN_KILLED, False, -signal.SIGKILL, False),  # SIGKILL, the OOM killer
+        (HEALTHY_THEN_KILLED, False, -signal.SIGTERM, False),  # terminated from outside
+        ([], False, -signal.SIGKILL, False),  # killed before a line
+        (HEALTHY_THEN_KILLED, False, 1, True),  # it exited with an error code, saying nothing
+        (HEALTHY_THEN_KILLED, False, 0, True),  # it exited, code 0, in the middle of serving
+        ([], False, -signal.SIGSEGV, True),  # a fault it raised on itself
+        ([], False, -signal.SIGABRT, True),  # an abort (a failed assertion in a kernel)
+        (HEALTHY_THEN_KILLED, False, None, False),  # no exit status: nothing to go on
+        (SGLANG_DEATH, True, 1, False),  # the watchdog killed it (a stall), whatever its log
+        (HEALTHY_THEN_KILLED, True, 0, False),
     ],
-    ids=["own crash", "killed from outside", "no log", "killed by the watchdog"],
+    ids=[
+        "own crash",
+        "own crash, tree killed",
+        "killed from outside",
+        "terminated from outside",
+        "killed, no log",
+        "exit 1, silent",
+        "exit 0, silent",
+        "segfault",
+        "abort",
+        "no status",
+        "killed by the watchdog",
+        "killed by the watchdog, exit 0",
+    ],
 )
-def test_only_the_engines_own_crash_can_be_a_prompts(
-    log: list[str], killed: bool, crash: bool
+def test_only_the_engines_own_exit_can_be_a_prompts(
+    log: list[str], killed: bool, returncode: int | None, crash: bool
 ) -> None:
-    assert is_crash(last_error_line(log), killed) is crash
+    assert is_crash(last_error_line(log), killed, returncode) is crash

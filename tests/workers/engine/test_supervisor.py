@@ -366,3 +366,34 @@ def test_restart_budget_counts_over_a_window_not_a_lifetime() -> None:
         wait_for(lambda: sup.crash is None, 10, "the last death to leave the window")
     finally:
         sup.stop()
+
+
+def test_restarts_forgiven_for_a_blamed_prompt_leave_the_budget() -> None:
+    """Two deaths a prompt was blamed for are forgiven: with a budget of two, two more
+    deaths are restarted, not a spent budget; and the deaths are still counted."""
+    exhausted = threading.Event()
+    sup = EngineSupervisor(
+        http_engine(free_port()),
+        startup_timeout_s=20,
+        restart_budget=2,
+        restart_window_s=3600,
+        restart_backoff_s=0.05,
+        on_exhausted=lambda message: exhausted.set(),
+    )
+    try:
+        sup.start()
+        for deaths in range(1, 5):
+            pid = sup.pid
+            assert pid is not None
+            os.killpg(pid, signal.SIGKILL)
+            wait_for(lambda p=pid: sup.pid != p and sup.state == "ready", 20, "a restart")
+            if deaths == 2:
+                assert sup.budget()["restarts_in_window"] == 2
+                sup.forgive(2)  # the blamed prompt's two deaths
+                assert sup.budget()["restarts_in_window"] == 0
+        assert not exhausted.is_set()
+        assert sup.restarts == 4 and sup.deaths == 4
+        sup.forgive(5)  # more than the window holds: it empties, no more
+        assert sup.budget()["restarts_in_window"] == 0
+    finally:
+        sup.stop()
