@@ -1,0 +1,179 @@
+"""A record's tries: its original answer and those of the retry rounds, and which one stands.
+
+`genfleet retry RUN --errors --stopped --cut` regenerates chosen records in a retry round:
+a write-once round object in the run (`keys.retry_round_key`) and a run of its own that holds
+the round's batches (`keys.retry_run`). Outputs stay write-once: an original answer is never
+overwritten, a retry's answer is a new object. Export and report read the same merged view:
+
+- the answer that stands for an (id, sample) is its newest **accepted** try: a retry's answer
+  replaces an earlier one unless it is an error record (an error never replaces an answer;
+  when every try is an error, the newest error stands);
+- a try that stands and is not the original carries `try` (the round's number) and
+  `tried_in` (`RETRY_RUN/batch-NNNNNN`); `run` and `batch` stay the original's, so a row is
+  found where it always was. An original row has no `try` (it is try 0);
+- only finished batches of a round count: a retry still running leaves the original
+  standing.
+
+What a retry takes (`retry_kind`): error records (`error`), answers the repetition guard
+stopped (`stopped`, finish "repetition") and answers cut at max_tokens (`cut`, finish
+"length"). Pure rules first; `Tries` reads the rounds (memory: the retried records, not the
+run's).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+from genfleet.common import keys
+from genfleet.common.errors import GenfleetError
+from genfleet.common.manifest import Manifest
+from genfleet.common.store import Store
+from genfleet.common.waste import is_stopped, waste_kind
+
+RETRY_KINDS = ("errors", "stopped", "cut")
+
+
+def retry_kind(record: Mapping[str, Any]) -> str | None:
+    """Which retry flag takes `record`: "errors", "stopped", "cut", or None (an answer)."""
+    if record.get("error"):
+        return "errors"
+    if is_stopped(record):
+        return "stopped"
+    if record.get("finish_reason") == "length":
+        return "cut"
+    return None
+
+
+def replaces(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
+    """Whether a newer try `new` stands over `old`: yes unless it is an error record and
+    `old` is not (an error never replaces an answer)."""
+    return not new.get("error") or bool(old.get("error"))
+
+
+def record_key(record: Mapping[str, Any]) -> tuple[str, int]:
+    return (str(record.get("id")), int(record.get("sample") or 0))
+
+
+class RetryMismatch(GenfleetError):
+    """A retry round or its answer does not belong to the run it is read with."""
+
+
+@dataclass(frozen=True)
+class RetryRound:
+    """One round as its write-once object records it."""
+
+    number: int
+    run: str  # the run that holds its batches
+    parent: str
+    staging: str  # the parent's staging id when the round was made
+    kinds: list[str]
+    params: dict[str, Any]  # the parameters changed for it (max_tokens, repetition_guard)
+    records: int
+    at: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+def read_rounds(store: Store, run: str) -> list[RetryRound]:
+    """The run's retry rounds, oldest first (numbered from 1, read until one is missing: one
+    GET for a run never retried)."""
+    rounds: list[RetryRound] = []
+    while (raw := store.get(keys.retry_round_key(run, len(rounds) + 1))) is not None:
+        rounds.append(RetryRound(**orjson.loads(raw)))
+    return rounds
+
+
+def write_round(store: Store, round_: RetryRound) -> None:
+    """Record a round, write-once; a concurrent round of the same number is refused."""
+    key = keys.retry_round_key(round_.parent, round_.number)
+    if not store.put_if_absent(key, orjson.dumps(round_.to_json())):
+        raise RetryMismatch(
+            f"run {round_.parent!r}: another retry of it began meanwhile ({key}); read "
+            f"`genfleet status {round_.run}` and try again"
+        )
+
+
+@dataclass
+class TryCounts:
+    """What the merged view found, for export's and report's counts (the same for both)."""
+
+    retried: int = 0  # records that have at least one finished retry
+    replaced: int = 0  # ... whose standing answer is now a retry's
+    kept: int = 0  # ... and that answer is a kept one (not error, stopped, cut or short)
+    pending: int = 0  # batches of retry rounds without output yet
+
+
+@dataclass
+class Tries:
+    """The finished retries of a run, by (id, sample): the newest accepted try of each.
+
+    `load` reads every round's finished outputs (the retried records, in memory); `merge`
+    puts them in the stream of original records."""
+
+    run: str
+    rounds: list[RetryRound] = field(default_factory=list)
+    best: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
+    pending: dict[int, int] = field(default_factory=dict)  # round → its batches not done
+
+    @classmethod
+    def load(cls, store: Store, manifest: Manifest) -> Tries:
+        from genfleet.producer.export import scan_store  # export reads this module
+
+        tries = cls(manifest.run, read_rounds(store, manifest.run))
+        for round_ in tries.rounds:
+            if round_.staging != manifest.staging_id:
+                raise RetryMismatch(
+                    f"run {manifest.run!r}: retry round {round_.number} ({round_.run}) was made "
+                    f"for staging {round_.staging[:12]}, the run is staging "
+                    f"{manifest.staging_id[:12]}: its answers are not this run's; "
+                    f"`genfleet delete {round_.run}` and remove "
+                    f"{keys.retry_round_key(manifest.run, round_.number)}"
+                )
+            if Manifest.load(store, round_.run) is None:  # its staging never finished
+                tries.pending[round_.number] = -1
+                continue
+            scan = scan_store(store, round_.run)
+            if scan.missing:
+                tries.pending[round_.number] = len(scan.missing)
+            for record in scan.records():
+                key = record_key(record)
+                old = tries.best.get(key)
+                if old is None or replaces(record, old):
+                    record["try"] = round_.number
+                    record["tried_in"] = f"{round_.run}/{record.get('batch')}"
+                    tries.best[key] = record
+        return tries
+
+    def merge(
+        self, records: Iterator[dict[str, Any]], counts: TryCounts
+    ) -> Iterator[dict[str, Any]]:
+        """`records` (the originals) with each retried one replaced by its standing try."""
+        for record in records:
+            retry = self.best.get(record_key(record)) if self.best else None
+            if retry is None:
+                yield record
+                continue
+            counts.retried += 1
+            if retry.get("prompt_sha256") != record.get("prompt_sha256"):
+                raise RetryMismatch(
+                    f"run {self.run!r}: {retry['tried_in']} answers {record.get('id')!r} "
+                    f"(sample {record.get('sample') or 0}) for another prompt than "
+                    f"{record.get('batch')} staged: nothing exported"
+                )
+            if not replaces(retry, record):
+                yield record
+                continue
+            counts.replaced += 1
+            counts.kept += waste_kind(retry) == "kept"
+            yield {**retry, "run": record.get("run"), "batch": record.get("batch")}
+
+
+def selected(record: Mapping[str, Any], kinds: set[str]) -> bool:
+    """Whether a retry asked for `kinds` takes `record` (its standing answer)."""
+    kind = retry_kind(record)
+    return kind is not None and kind in kinds
