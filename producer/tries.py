@@ -22,9 +22,9 @@ run's).
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -56,6 +56,15 @@ def replaces(new: Mapping[str, Any], old: Mapping[str, Any]) -> bool:
 
 def record_key(record: Mapping[str, Any]) -> tuple[str, int]:
     return (str(record.get("id")), int(record.get("sample") or 0))
+
+
+class _Scan(Protocol):
+    missing: list[str]
+
+    def records(self) -> Iterator[dict[str, Any]]: ...
+
+
+ScanStore = Callable[[Store, str], _Scan]
 
 
 class RetryMismatch(GenfleetError):
@@ -121,9 +130,8 @@ class Tries:
     pending: dict[int, int] = field(default_factory=dict)  # round → its batches not done
 
     @classmethod
-    def load(cls, store: Store, manifest: Manifest) -> Tries:
-        from genfleet.producer.export import scan_store  # export reads this module
-
+    def load(cls, store: Store, manifest: Manifest, scan_store: ScanStore) -> Tries:
+        """`scan_store(store, run)`: export's, which reads a run's finished outputs."""
         tries = cls(manifest.run, read_rounds(store, manifest.run))
         for round_ in tries.rounds:
             if round_.staging != manifest.staging_id:
