@@ -315,6 +315,8 @@ def parquet_schema(previous: bool = False) -> Any:
             ("error", error),
             ("request_id", text),
             ("logprobs", text),
+            ("try", pa.int32()),  # a retried record's round (null: the original answer)
+            ("tried_in", text),
             *(
                 [("previous", pa.struct([("content", text), ("reasoning", text)]))]
                 if previous
@@ -359,6 +361,8 @@ def _parquet_row(record: dict[str, Any]) -> dict[str, Any]:
         "error": {"type": error.get("type"), "message": error.get("message")} if error else None,
         "request_id": record.get("request_id"),
         "logprobs": _text(record.get("logprobs")),
+        "try": record.get("try"),
+        "tried_in": record.get("tried_in"),
         "previous": record.get("previous"),  # dropped by a schema without it
     }
 
