@@ -122,8 +122,8 @@ def retry_records(
     if waiting:
         raise RunMismatch(
             f"run {run!r}: an earlier retry is not finished ({'; '.join(waiting)}): wait for "
-            f"it (`genfleet status RUN.retry-N`) or send what it lacks (`genfleet retry {run}`), "
-            "then retry again"
+            f"it (`genfleet status {keys.retry_run(run, len(read_rounds(store, run)))}`) or "
+            f"send what it lacks (`genfleet retry {run}`), then retry again"
         )
     number = len(read_rounds(store, run)) + 1
     child = keys.retry_run(run, number)
