@@ -332,6 +332,7 @@ def render_report(report: dict[str, Any]) -> str:
         ("retried (genfleet retry)", report.get("retried", 0), report["records"]),
         ("retried, answered by a retry", report.get("retried_replaced", 0), None),
         ("retried, now kept", report.get("retried_kept", 0), None),
+        ("retry batches not done yet", report.get("retries_pending", 0), None),
     ]
     for name, count, whole in rows:
         share = f"{_share(count, whole):.1%}" if whole is not None else ""

@@ -81,6 +81,20 @@ def round_params(max_tokens: int | None, repetition_guard: bool) -> dict[str, An
     return changes
 
 
+def round_parent(store: Store, run: str) -> str | None:
+    """The run `run` is a retry round of (`PARENT.retry-NNNNNN`, recorded in the parent, or
+    staged and not recorded yet), or None."""
+    parent, dot, number = run.rpartition(".retry-")
+    if not dot or not number.isdigit() or len(number) != 6 or not parent:
+        return None
+    try:
+        keys.validate_run(parent)
+    except ValueError:
+        return None
+    recorded = store.exists(keys.retry_round_key(parent, int(number)))
+    return parent if recorded or Manifest.load(store, parent) is not None else None
+
+
 def unfinished_rounds(store: Store, run: str) -> list[str]:
     """`round N (RUN.retry-N): K batches without output` for each round not finished."""
     found: list[str] = []
@@ -113,6 +127,12 @@ def retry_records(
         raise InputError(f"retry kinds {sorted(kinds)}: choose from {', '.join(RETRY_KINDS)}")
     keys.validate_run(run)
     store = store_of(settings)
+    parent = round_parent(store, run)
+    if parent is not None:
+        raise InputError(
+            f"run {run!r} is a retry round of {parent!r}: its answers count only through "
+            f"{parent!r}; retry that run (`genfleet retry {parent} --errors …`)"
+        )
     manifest = Manifest.load(store, run)
     if manifest is None:
         raise InputError(f"run {run!r} has no manifest in {store.url}: was it enqueued?")

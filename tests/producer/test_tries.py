@@ -12,12 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from genfleet.common import keys
+from genfleet.common.errors import InputError
 from genfleet.common.records import PromptRecord, encode_jsonl_gz
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, open_store
 from genfleet.producer.export import export_run
 from genfleet.producer.report import build_report
-from genfleet.producer.runs.retries import round_params
+from genfleet.producer.runs.retries import retry_records, round_params, round_parent
 from genfleet.producer.tries import (
     RetryMismatch,
     RetryRound,
@@ -225,3 +226,14 @@ def test_a_retry_answer_to_another_prompt_is_refused(
     add_round(store, 1, [other], {})
     with pytest.raises(RetryMismatch, match="another prompt"):
         build_report(settings, RUN)
+
+
+def test_a_retry_round_is_not_retried_itself(settings: Settings, store: Store) -> None:
+    prompts = regenerated(2)
+    stage_prompts(store, RUN, prompts, batch_size=1)
+    write_outputs(store, RUN, prompts, {"p1": ERROR})
+    child = add_round(store, 1, prompts[1:], {"p1": ERROR})
+    assert round_parent(store, child) == RUN and round_parent(store, RUN) is None
+    with pytest.raises(InputError, match="retry round of"):
+        retry_records(settings, child, {"errors"})
+    assert not store.exists(keys.retry_round_key(child, 1))
