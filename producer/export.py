@@ -161,7 +161,6 @@ def answers(scan: RunScan, counts: TryCounts) -> Iterator[dict[str, Any]]:
     """The run's standing answers, in input order: each record's newest accepted try
     (producer/tries.py), what `export` writes and `report` counts."""
     tries = Tries.load(scan.store, scan.manifest, scan_store)
-    counts.pending = sum(max(0, n) for n in tries.pending.values())
     return tries.merge(scan.records(), counts)
 
 

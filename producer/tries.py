@@ -12,7 +12,9 @@ overwritten, a retry's answer is a new object. Export and report read the same m
   `tried_in` (`RETRY_RUN/batch-NNNNNN`); `run` and `batch` stay the original's, so a row is
   found where it always was. An original row has no `try` (it is try 0);
 - only finished batches of a round count: a retry still running leaves the original
-  standing.
+  standing;
+- a round stages its records in the run's input order, so its answers are read in step
+  with the run's own (one output object per round in memory).
 
 What a retry takes (`retry_kind`): error records (`error`), answers the repetition guard
 stopped (`stopped`, finish "repetition") and answers cut at max_tokens (`cut`, finish
@@ -118,20 +120,50 @@ class TryCounts:
 
 
 @dataclass
-class Tries:
-    """The finished retries of a run, by (id, sample): the newest accepted try of each.
+class _RoundStream:
+    """One round's finished answers, read as they are needed: they come in the run's input
+    order (a round stages its records in that order), so the next one is the next record of
+    the run it answers."""
 
-    `load` reads every round's finished outputs (the retried records, in memory); `merge`
-    puts them in the stream of original records."""
+    round: RetryRound
+    records: Iterator[dict[str, Any]]
+    head: dict[str, Any] | None = None
+
+    def advance(self) -> None:
+        self.head = next(self.records, None)
+
+    def take(self, key: tuple[str, int]) -> dict[str, Any] | None:
+        """The round's answer to `key` when it is the next one, as a try; else None."""
+        if self.head is None or record_key(self.head) != key:
+            return None
+        tried = {
+            **self.head,
+            "try": self.round.number,
+            "tried_in": f"{self.round.run}/{self.head.get('batch')}",
+        }
+        self.advance()
+        return tried
+
+
+@dataclass
+class Tries:
+    """The finished retries of a run, each round read beside the run's own records.
+
+    Rounds stage their records in the run's input order, so `merge` walks every round's
+    outputs in step with the run's: memory is one output object per round, whatever the
+    number of records retried."""
 
     run: str
     rounds: list[RetryRound] = field(default_factory=list)
-    best: dict[tuple[str, int], dict[str, Any]] = field(default_factory=dict)
-    pending: dict[int, int] = field(default_factory=dict)  # round → its batches not done
+    streams: list[_RoundStream] = field(default_factory=list)
+    pending: int = 0  # batches of the rounds without output yet
 
     @classmethod
     def load(cls, store: Store, manifest: Manifest, scan_store: ScanStore) -> Tries:
-        """`scan_store(store, run)`: export's, which reads a run's finished outputs."""
+        """`scan_store(store, run)`: export's, which reads a run's finished outputs.
+
+        Raises RetryMismatch for a round made for another staging of the run (its answers
+        are another run's) or whose run is gone (deleted on its own)."""
         tries = cls(manifest.run, read_rounds(store, manifest.run))
         for round_ in tries.rounds:
             if round_.staging != manifest.staging_id:
@@ -142,27 +174,34 @@ class Tries:
                     f"`genfleet delete {round_.run}` and remove "
                     f"{keys.retry_round_key(manifest.run, round_.number)}"
                 )
-            if Manifest.load(store, round_.run) is None:  # its staging never finished
-                tries.pending[round_.number] = -1
-                continue
+            if Manifest.load(store, round_.run) is None:
+                raise RetryMismatch(
+                    f"run {manifest.run!r}: retry round {round_.number} has no run "
+                    f"{round_.run!r} in {store.url} (deleted on its own?): remove "
+                    f"{keys.retry_round_key(manifest.run, round_.number)} to export the run "
+                    "without it"
+                )
             scan = scan_store(store, round_.run)
-            if scan.missing:
-                tries.pending[round_.number] = len(scan.missing)
-            for record in scan.records():
-                key = record_key(record)
-                old = tries.best.get(key)
-                if old is None or replaces(record, old):
-                    record["try"] = round_.number
-                    record["tried_in"] = f"{round_.run}/{record.get('batch')}"
-                    tries.best[key] = record
+            tries.pending += len(scan.missing)
+            stream = _RoundStream(round_, scan.records())
+            stream.advance()
+            tries.streams.append(stream)
         return tries
 
     def merge(
         self, records: Iterator[dict[str, Any]], counts: TryCounts
     ) -> Iterator[dict[str, Any]]:
-        """`records` (the originals) with each retried one replaced by its standing try."""
+        """`records` (the originals, in input order) with each retried one replaced by its
+        newest accepted try. Raises RetryMismatch for a try that answers another prompt than
+        the run staged, or a record the run's finished batches do not hold."""
+        counts.pending = self.pending
         for record in records:
-            retry = self.best.get(record_key(record)) if self.best else None
+            key = record_key(record)
+            retry: dict[str, Any] | None = None
+            for stream in self.streams:  # oldest round first: the newest accepted stands
+                tried = stream.take(key)
+                if tried is not None and (retry is None or replaces(tried, retry)):
+                    retry = tried
             if retry is None:
                 yield record
                 continue
@@ -179,6 +218,13 @@ class Tries:
             counts.replaced += 1
             counts.kept += waste_kind(retry) == "kept"
             yield {**retry, "run": record.get("run"), "batch": record.get("batch")}
+        for stream in self.streams:
+            if stream.head is not None:
+                raise RetryMismatch(
+                    f"run {self.run!r}: retry round {stream.round.number} ({stream.round.run}) "
+                    f"answers {stream.head.get('id')!r}, which the run's finished batches do "
+                    "not hold in that order: nothing exported"
+                )
 
 
 def selected(record: Mapping[str, Any], kinds: set[str]) -> bool:

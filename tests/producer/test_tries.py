@@ -237,3 +237,15 @@ def test_a_retry_round_is_not_retried_itself(settings: Settings, store: Store) -
     with pytest.raises(InputError, match="retry round of"):
         retry_records(settings, child, {"errors"})
     assert not store.exists(keys.retry_round_key(child, 1))
+
+
+def test_a_round_whose_run_is_gone_is_refused_not_skipped(
+    settings: Settings, store: Store, tmp_path: Path
+) -> None:
+    prompts = regenerated(2)
+    stage_prompts(store, RUN, prompts, batch_size=1)
+    write_outputs(store, RUN, prompts, {"p1": ERROR})
+    child = add_round(store, 1, prompts[1:], {})
+    store.delete_prefix(f"{child}/")
+    with pytest.raises(RetryMismatch, match="has no run"):
+        export_run(settings, RUN, str(tmp_path / "out.jsonl"))
