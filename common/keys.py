@@ -91,6 +91,22 @@ def params_change_key(run: str, number: int) -> str:
     return f"{run}/params-changes/{number:06d}.json"
 
 
+def retry_round_key(run: str, number: int) -> str:
+    """A retry round of the run (`genfleet retry RUN --errors/--stopped/--cut`), write-once,
+    numbered from 1 in order: which records it regenerates, with which changed parameters,
+    and the run that holds its batches (`retry_run`). Export and report read the rounds in
+    order until one is missing and take each record's newest accepted answer."""
+    return f"{run}/retries/{number:06d}.json"
+
+
+def retry_run(run: str, number: int) -> str:
+    """The run that holds retry round `number` of `run`: staged, sent and generated like any
+    run (its own inputs, write-once outputs, orders, leases), so a retry is exactly-once the
+    same way; the round object in `run` binds it to `run`'s staging. ValueError when the
+    name would be too long."""
+    return validate_run(f"{run}.retry-{number:06d}")
+
+
 def outputs_prefix(run: str) -> str:
     return f"{run}/outputs/"
 

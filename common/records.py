@@ -83,6 +83,10 @@ class GenerationParams(BaseModel):
     repetition_penalty: float | None = None
     response_format: dict[str, Any] | None = None  # --json-schema FILE: a json_schema format
     chat_template_kwargs: dict[str, Any] | None = None
+    # False: the worker's repetition guard does not watch these answers (`genfleet retry
+    # --stopped --no-repetition-guard`: a second chance for answers it stopped); None: the
+    # worker's own `repetition_guard` setting decides. Never sent to the engine.
+    repetition_guard: bool | None = None
 
 
 class WorkOrder(BaseModel):

@@ -443,12 +443,61 @@ def _run_queue(prefix: str, report: dict[str, Any]) -> str:
 
 def retry(
     run: Annotated[str, typer.Argument()],
+    errors: Annotated[bool, typer.Option("--errors", help="regenerate the error records")] = False,
+    stopped: Annotated[
+        bool,
+        typer.Option("--stopped", help='regenerate the answers the guard stopped ("repetition")'),
+    ] = False,
+    cut: Annotated[
+        bool, typer.Option("--cut", help='regenerate the answers cut at max_tokens ("length")')
+    ] = False,
+    max_tokens: Annotated[
+        int | None, typer.Option("--max-tokens", help="the retried records' max_tokens")
+    ] = None,
+    repetition_guard: Annotated[
+        bool,
+        typer.Option(
+            "--repetition-guard/--no-repetition-guard",
+            help="watch the retried answers for loops",
+        ),
+    ] = True,
+    json_out: Json = False,
     redis_url: RedisUrl = None,
     store: StoreUrl = None,
     s3_endpoint_url: S3Endpoint = None,
 ) -> None:
-    """Re-enqueue RUN's failed batches (and any batch without output and without an order)."""
+    """Re-enqueue RUN's failed batches (and any batch without output and without an order);
+    with --errors, --stopped, --cut: regenerate just those records, as a new retry round
+    (outputs stay write-once; export and report take each record's newest accepted answer)."""
+    from genfleet.producer.runs.retries import resend_rounds, retry_records
+
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
+    kinds = {name for name, on in (("errors", errors), ("stopped", stopped), ("cut", cut)) if on}
+    if not kinds and (max_tokens is not None or not repetition_guard):
+        fail("--max-tokens and --no-repetition-guard go with --errors, --stopped or --cut")
+    if kinds:
+        try:
+            found = retry_records(settings, run, kinds, max_tokens, repetition_guard)
+        except (GenfleetError, ValueError) as exc:
+            fail(str(exc))
+        if json_out:
+            out.print_json(orjson.dumps(found.to_json()).decode())
+            return
+        if not found.round:
+            console.print(
+                f"run {run}: no record to retry ({', '.join(found.kinds)})", highlight=False
+            )
+            return
+        shown = ", ".join(f"{count} {kind}" for kind, count in sorted(found.by_kind.items()))
+        changed = ", ".join(f"{k}={v}" for k, v in found.params.items()) or "none"
+        console.print(
+            f"run {run}: retry {found.round}: {plural(found.records, 'record')} ({shown}) "
+            f"staged as {found.retry_run} in {plural(found.batches_enqueued, 'batch', 'batches')}"
+            f" (parameters changed: {changed}); follow it with `genfleet status "
+            f"{found.retry_run}`; export and report take the new answers as they come",
+            highlight=False,
+        )
+        return
     try:
         keys.validate_run(run)  # before any key is built from it
         manifest = Manifest.load(store_of(settings), run)
@@ -456,11 +505,14 @@ def retry(
             check_resumed(manifest, settings, generation_params(settings))
         failed = Ledger(connect(settings)).clear_failed(run)
         result = enqueue_run(settings, run, None, reader_options(settings), verify=True)
+        rounds = resend_rounds(settings, run)
     except (GenfleetError, ValueError) as exc:
         fail(str(exc))
+    resent = sum(found.batches_enqueued for found in rounds)
     console.print(
         f"run {run}: {plural(len(failed), 'failed batch', 'failed batches')} cleared; enqueued "
-        f"{result.batches_enqueued}; {result.batches_done}/{result.batches_total} done",
+        f"{result.batches_enqueued}; {result.batches_done}/{result.batches_total} done"
+        + (f"; {resent} batches of its retry rounds sent again" if resent else ""),
         highlight=False,
     )
 
@@ -481,11 +533,12 @@ def export(
     s3_endpoint_url: S3Endpoint = None,
     with_stopped: Annotated[
         bool,
-        typer.Option("--with-stopped", help='keep loops the guard stopped (finish "repetition")'),
+        typer.Option("--with-stopped", help="keep the text of loops the guard stopped"),
     ] = False,
 ) -> None:
-    """Write RUN's completions to one file (or numbered shards), deduplicated, in input order;
-    loops the repetition guard stopped only with --with-stopped."""
+    """Write RUN's completions to one file (or numbered shards), deduplicated, in input order:
+    one row per prompt (a retried one's newest accepted answer); error and cut rows as they
+    are; rows the repetition guard stopped without the loop's text unless --with-stopped."""
     from genfleet.producer.export import export_run
 
     settings = build_settings(redis_url=redis_url, store=store, s3_endpoint_url=s3_endpoint_url)
@@ -506,14 +559,26 @@ def export(
         f"{result.batches_exported}/{result.batches_total} batches to {target} "
         f"({result.format})"
         + (f"; {plural(missing, 'batch', 'batches')} not done yet" if missing else "")
-        + (
-            f"; {plural(result.stopped_left_out, 'stopped loop')} left out (--with-stopped "
-            "keeps them)"
-            if result.stopped_left_out
-            else ""
-        ),
+        + f"; {export_counts(result)}",
         highlight=False,
     )
+
+
+def export_counts(result: Any) -> str:
+    """The export rule's counts: `3 cut at max_tokens, 2 stopped (loop text left out:
+    --with-stopped keeps it), 1 error; 4 retried (3 answered by a retry, 2 kept)`."""
+    stopped = f"{result.stopped} stopped by the repetition guard"
+    if result.stopped_left_out:
+        stopped += " (loop text left out: --with-stopped keeps it)"
+    text = f"{result.cut} cut at max_tokens, {stopped}, {result.errors} error rows"
+    if result.retried:
+        text += (
+            f"; {plural(result.retried, 'record')} retried ({result.retried_replaced} answered "
+            f"by a retry, {result.retried_kept} of them kept)"
+        )
+    if result.retries_pending:
+        text += f"; {result.retries_pending} retry batches not done yet (originals stand)"
+    return text
 
 
 def report(

@@ -187,6 +187,25 @@ class _Split:
                 yield item
 
 
+@dataclass(frozen=True)
+class Prepared:
+    """Prompts already staged once, to stage as a run of their own (a retry round's: the
+    selected records' staged lines, in input order, in a local file of JSON lines), with the
+    parameters and model they are generated with in place of the settings'."""
+
+    path: Path
+    fingerprint: str  # sha256 of the file's bytes: what staging hashes
+    params: GenerationParams
+    ref: ModelRef
+    label: str  # the manifest's `source`
+
+    def records(self) -> Iterator[PromptRecord]:
+        with self.path.open("rb") as handle:
+            for line in handle:
+                if line.strip():
+                    yield PromptRecord.from_json(orjson.loads(line))
+
+
 def stage(
     settings: Settings,
     store: Store,
@@ -195,6 +214,7 @@ def stage(
     options: ReaderOptions,
     send: Sender,
     outstanding: set[str],
+    prepared: Prepared | None = None,
 ) -> tuple[Manifest, EnqueueResult]:
     """Read `source`, stage its batches, send their orders, write rejects and the manifest.
 
@@ -207,13 +227,17 @@ def stage(
     """
     result = EnqueueResult(run=run, staged=True)
     read_as: list[ReadAs] = []
-    split = _Split(read_source(source, options, read_as))
     digest = hashlib.sha256()
-    params = generation_params(settings)
-    ref = model_ref(settings)
+    if prepared is None:
+        split = _Split(read_source(source, options, read_as))
+        params = generation_params(settings)
+        ref = model_ref(settings)
+        fingerprint = None if is_stream(source) else fingerprint_source(source, options)
+    else:
+        split = _Split(iter(prepared.records()))
+        params, ref, fingerprint = prepared.params, prepared.ref, prepared.fingerprint
     pending: list[WorkOrder] = []
     held = _Held()
-    fingerprint = None if is_stream(source) else fingerprint_source(source, options)
     staging_id = claim_run(
         store,
         run,
@@ -222,7 +246,7 @@ def stage(
         staging_params(settings),
         fingerprint,
         str(source),
-        lambda: first_difference(store, run, source, options, settings),
+        None if prepared else lambda: first_difference(store, run, source, options, settings),
     )
     stored = store_response_format(store, run, params)
     done = done_batches(store, run)  # a run staged before but never finished its manifest
@@ -524,8 +548,10 @@ def enqueue_run(
     options: ReaderOptions,
     only: set[str] | None = None,
     verify: bool = False,
+    prepared: Prepared | None = None,
 ) -> EnqueueResult:
     """Stage `source` as `run` (first time), or enqueue what the run still lacks (later).
+    `prepared` stages prompts already read (a retry round's) in place of a source.
 
     With `verify` (`--resume`, `retry`), the orders believed outstanding are checked against
     what the broker really holds, so an order lost from Redis is sent again.
@@ -551,7 +577,10 @@ def enqueue_run(
         changes = changed_params(manifest, settings, params, resumed=source is None)
     else:
         changes = {}
-    ref = run_model(manifest) if manifest is not None else model_ref(settings)
+    if manifest is not None:
+        ref = run_model(manifest)
+    else:
+        ref = prepared.ref if prepared is not None else model_ref(settings)
     queue = work_queue(settings.queue, ref)
     client = connect(settings)
     app = make_client_app(settings)
@@ -588,12 +617,15 @@ def enqueue_run(
 
     run_registry.register(client, run)
     if manifest is None:
-        if source is None:
+        if source is None and prepared is None:
             raise InputError(f"run {run!r} has no manifest in {store.url}: give a SOURCE")
+        source = prepared.label if prepared is not None else str(source)
         client.set(staging, staging_since, ex=keys.STAGING_TTL_S)
         staging_now.append(True)
         try:
-            manifest, result = stage(settings, store, run, source, options, send, outstanding)
+            manifest, result = stage(
+                settings, store, run, source, options, send, outstanding, prepared
+            )
         finally:
             staging_now.clear()
             client.delete(staging)

@@ -38,6 +38,7 @@ from genfleet.common.records import batch_digest
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, new_temp_file, s3_client, store_of
 from genfleet.common.waste import is_stopped
+from genfleet.producer.tries import Tries, TryCounts
 
 ExportFormat = Literal["jsonl", "parquet", "openai"]
 FORMATS: tuple[str, ...] = ("jsonl", "parquet", "openai")
@@ -68,7 +69,18 @@ class ExportResult:
     batches_exported: int = 0
     missing_batches: list[str] = field(default_factory=list)
     shards: list[str] = field(default_factory=list)  # with --shard-size: the files, in order
-    stopped_left_out: int = 0  # loops the repetition guard stopped, without --with-stopped
+    # The export rule's counts (`export_run`): rows cut at max_tokens (exported as they are),
+    # rows the repetition guard stopped (exported; their loop's text only --with-stopped) and
+    # how many of those had their text left out.
+    cut: int = 0
+    stopped: int = 0
+    stopped_left_out: int = 0
+    # Records given another try (`genfleet retry RUN --errors/--stopped/--cut`), those whose
+    # row is now a retry's answer, and those of them that are kept answers.
+    retried: int = 0
+    retried_replaced: int = 0
+    retried_kept: int = 0
+    retries_pending: int = 0  # batches of retry rounds without output yet (originals stand)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -143,6 +155,13 @@ def iter_output_lines(data: bytes) -> Iterator[dict[str, Any]]:
         for line in handle:
             if line.strip():
                 yield orjson.loads(line)
+
+
+def answers(scan: RunScan, counts: TryCounts) -> Iterator[dict[str, Any]]:
+    """The run's standing answers, in input order: each record's newest accepted try
+    (producer/tries.py), what `export` writes and `report` counts."""
+    tries = Tries.load(scan.store, scan.manifest, scan_store)
+    return tries.merge(scan.records(), counts)
 
 
 def scan_run(settings: Settings, run: str) -> RunScan:
@@ -295,6 +314,8 @@ def parquet_schema(previous: bool = False) -> Any:
             ("error", error),
             ("request_id", text),
             ("logprobs", text),
+            ("try", pa.int32()),  # a retried record's round (null: the original answer)
+            ("tried_in", text),
             *(
                 [("previous", pa.struct([("content", text), ("reasoning", text)]))]
                 if previous
@@ -339,6 +360,8 @@ def _parquet_row(record: dict[str, Any]) -> dict[str, Any]:
         "error": {"type": error.get("type"), "message": error.get("message")} if error else None,
         "request_id": record.get("request_id"),
         "logprobs": _text(record.get("logprobs")),
+        "try": record.get("try"),
+        "tried_in": record.get("tried_in"),
         "previous": record.get("previous"),  # dropped by a schema without it
     }
 
@@ -440,9 +463,15 @@ def export_run(
     `partial`; then the finished batches are exported and the rest listed in the result.
     With `shard_size`, records go to numbered files (`shard_name`) of that many each.
     A `--regenerate` run's records keep their old answers (`previous`) unless `previous` is
-    False (`--no-previous`). Answers the repetition guard stopped (`finish_reason
-    "repetition"`) are left out, and counted, unless `with_stopped`: a loop is never an
-    answer to train on by accident.
+    False (`--no-previous`).
+
+    The export rule: every (id, sample) of a finished batch is one row, its standing answer
+    (a retry's over the original: producer/tries.py). Error rows (`error` set, no text) and
+    rows cut at max_tokens (`finish_reason "length"`, the text as generated) are exported as
+    they are. A row the repetition guard stopped (`finish_reason "repetition"`) is exported
+    with its `repetition` evidence and its `previous`, but without the loop's text
+    (`content` and `reasoning` null) unless `with_stopped`: a loop is never an answer to
+    train on by accident, and an old answer is never lost with it. Each kind is counted.
     """
     if fmt not in FORMATS:
         raise ConfigError(f"unknown export format {fmt!r}: use {', '.join(FORMATS)}")
@@ -456,9 +485,11 @@ def export_run(
     if scan.missing and not partial:
         raise RunIncomplete(run, scan.missing, total)
     result = ExportResult(run=run, path=out, format=fmt, batches_total=total)
-    records = scan.records() if previous else _without_previous(scan.records())
-    if not with_stopped:
-        records = _without_stopped(records, result)
+    counts = TryCounts()
+    records = answers(scan, counts)
+    if not previous:
+        records = _without_previous(records)
+    records = _export_rule(records, result, with_stopped)
     if shard_size is None:
         _write_target(settings, scan, partial, out, records, result, previous)
     else:
@@ -470,18 +501,26 @@ def export_run(
             result.shards.append(shard_name(out, index))
             _write_target(settings, scan, partial, result.shards[-1], shard, result, previous)
     result.duplicates = scan.duplicates
+    result.retried, result.retried_replaced = counts.retried, counts.replaced
+    result.retried_kept, result.retries_pending = counts.kept, counts.pending
     result.batches_exported = scan.batches_read
     result.missing_batches = list(scan.missing)
     return result
 
 
-def _without_stopped(
-    records: Iterator[dict[str, Any]], result: ExportResult
+def _export_rule(
+    records: Iterator[dict[str, Any]], result: ExportResult, with_stopped: bool
 ) -> Iterator[dict[str, Any]]:
+    """Count cut and stopped rows; a stopped row loses its loop's text unless `with_stopped`
+    (the row, its evidence and its `previous` stay)."""
     for record in records:
         if is_stopped(record):
-            result.stopped_left_out += 1
-            continue
+            result.stopped += 1
+            if not with_stopped:
+                result.stopped_left_out += 1
+                record = {**record, "content": None, "reasoning": None}
+        elif not record.get("error") and record.get("finish_reason") == "length":
+            result.cut += 1
         yield record
 
 

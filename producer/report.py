@@ -22,7 +22,8 @@ from typing import Any
 
 from genfleet.common.settings import Settings
 from genfleet.common.waste import KINDS, STOPPED, WasteTally
-from genfleet.producer.export import scan_run
+from genfleet.producer.export import answers, scan_run
+from genfleet.producer.tries import TryCounts
 
 SHORT_CHARS = 32  # an answer under this many characters says nothing a trainer can use
 THRESHOLD = 0.10  # a run whose share of a bad kind of answer exceeds this is flagged
@@ -186,7 +187,8 @@ def build_report(
     tokens) when that is given; `short_answers` includes the empty ones, which
     `empty_answers` counts on their own. Error records count in `errors` and
     `errors_by_type` only, not in the answer statistics; answers the repetition guard stopped
-    count in `stopped` (and `finish_reasons`, `waste`) only, likewise.
+    count in `stopped` (and `finish_reasons`, `waste`) only, likewise. Each record counts its
+    standing answer (a retry's over the original, producer/tries.py), as `export` writes it.
     """
     scan = scan_run(settings, run)
     finish: Counter[str] = Counter()
@@ -196,7 +198,8 @@ def build_report(
     records = empty = short = reasoning_only = 0
     waste = WasteTally()
     old_answers = PreviousAnswers(short_chars)
-    for record in scan.records():
+    tries = TryCounts()
+    for record in answers(scan, tries):  # each record's standing answer, as export writes
         records += 1
         old_answers.add(record)
         error = record.get("error")
@@ -245,6 +248,12 @@ def build_report(
         "threshold": threshold,
     }
     report["stopped"] = finish.get(STOPPED, 0)
+    # `genfleet retry RUN --errors/--stopped/--cut`: records given another try, those now
+    # answered by a retry, and those of them that are kept answers (export counts the same).
+    report["retried"] = tries.retried
+    report["retried_replaced"] = tries.replaced
+    report["retried_kept"] = tries.kept
+    report["retries_pending"] = tries.pending
     report["previous"] = old_answers.to_json()  # None: the run replaced no old answers
     report["flags"] = _flags(report, threshold)
     report["energy"] = _energy(settings, run)
@@ -320,6 +329,10 @@ def render_report(report: dict[str, Any]) -> str:
         (f"short answers (< {report['short_chars']} chars)", report["short_answers"], answers),
         ("reasoning without content", report["reasoning_without_content"], answers),
         ("duplicates dropped", report["duplicates"], None),
+        ("retried (genfleet retry)", report.get("retried", 0), report["records"]),
+        ("retried, answered by a retry", report.get("retried_replaced", 0), None),
+        ("retried, now kept", report.get("retried_kept", 0), None),
+        ("retry batches not done yet", report.get("retries_pending", 0), None),
     ]
     for name, count, whole in rows:
         share = f"{_share(count, whole):.1%}" if whole is not None else ""

@@ -6,7 +6,8 @@
   Enqueueing the run again resumes it.
 - `delete_run`: cancels, waits for running batches to stop, then removes the run's store
   objects, its orders and its Redis keys, and leaves a tombstone so that a stray order of the
-  deleted run never reaches a new run of the same name.
+  deleted run never reaches a new run of the same name; its retry rounds' runs
+  (`genfleet retry RUN --errors …`) go first, the same way.
 """
 
 from __future__ import annotations
@@ -148,6 +149,17 @@ def delete_run(
     Raises GenfleetError (the run stays cancelled, nothing deleted) when batches still run
     after `wait_s`: a batch finishing after the deletion would write into a deleted run.
     """
+    from genfleet.producer.tries import read_rounds
+
+    rounds = [round_.run for round_ in read_rounds(store, run)]
+    try:  # a retry interrupted before its round was recorded
+        following = keys.retry_run(run, len(rounds) + 1)
+    except ValueError:  # a name too long for retry runs has none
+        following = ""
+    if following and store.exists(keys.claim_key(following)):
+        rounds.append(following)
+    for child in rounds:  # a round's answers are its run's: they go with it
+        delete_run(settings, store, client, child, wait_s, sleep)
     cancelled = cancel_run(store, client, run)
     deadline = time.monotonic() + wait_s
     while running := running_batches(client, run):

@@ -107,8 +107,14 @@ def test_loops_are_stopped_early_and_kept_apart_and_nothing_else_is(
         assert rows[i]["finish_reason"] in {"stop", "length"} and rows[i]["content"]
 
     result, kept = export_rows(settings, "loops", tmp_path / "kept.jsonl")
-    assert result.stopped_left_out == len(loops)
-    assert {row["id"] for row in kept} == set(texts) - loops
+    assert result.stopped == result.stopped_left_out == len(loops)
+    assert {row["id"] for row in kept} == set(texts)  # every row, a loop's without its text
+    for row in kept:
+        if row["id"] in loops:
+            assert row["content"] is None and row["reasoning"] is None
+            assert row["repetition"] == rows[row["id"]]["repetition"]
+        else:
+            assert row == rows[row["id"]]
 
     saved = sum(rows[i]["repetition"]["tokens_saved"] for i in loops)
     report = build_report(settings, "loops")

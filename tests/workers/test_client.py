@@ -145,6 +145,7 @@ def ask(
     delay_s: float = 0.0,
     on_begun: Callable[[], None] | None = None,
     on_tokens: Callable[[int], None] | None = None,
+    params: GenerationParams = PARAMS,
     **client_args: Any,
 ) -> Answered:
     """One `chat` of `record` by a client whose engine answers `answers`, over `wire`."""
@@ -155,7 +156,7 @@ def ask(
 
         async def local() -> ChatResult:
             try:
-                return await client.chat(record, PARAMS, None, on_begun, on_tokens)
+                return await client.chat(record, params, None, on_begun, on_tokens)
             finally:
                 await client.aclose()
 
@@ -169,7 +170,7 @@ def ask(
         async with serving(engine) as url:
             client = EngineClient(url, model="m", api_key="k", **client_args)
             try:
-                result = await client.chat(record, PARAMS, None, on_begun, on_tokens)
+                result = await client.chat(record, params, None, on_begun, on_tokens)
                 for _ in range(500):  # a stream's handler ends once it sees the client go
                     if len(engine.closed_early) >= streams:
                         break
@@ -584,6 +585,20 @@ def test_with_the_guard_off_a_loop_runs_to_its_end(wire: str) -> None:
     assert result.finish_reason == "length"
     assert result.usage.completion_tokens == 60 * 32
     assert answered.closed_early == [False]
+
+
+@pytest.mark.parametrize("wire", WIRES)
+def test_an_order_with_the_guard_off_lets_a_loop_run_and_sends_no_such_field(wire: str) -> None:
+    """`retry --stopped --no-repetition-guard`: its orders switch the worker's guard off for
+    their answers alone; the engine never sees the field."""
+    block = "Wait, let me recount the odd numbers once more from the start. "
+    off = PARAMS.model_copy(update={"repetition_guard": False})
+    answered = ask(wire, [Events(looping("", block, max_chunks=60))], params=off)
+    assert answered.result.finish_reason == "length" and answered.result.repetition is None
+    assert answered.closed_early == [False]
+    assert all("repetition_guard" not in body for body in answered.bodies)
+    watched = ask(wire, [Events(looping("", block, max_chunks=60))])  # the same client's guard
+    assert watched.result.finish_reason == "repetition"
 
 
 GOLDEN_STREAM = Path(__file__).resolve().parents[1] / "golden" / "sglang-0.5.15" / "chat_stream.sse"

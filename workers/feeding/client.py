@@ -360,10 +360,10 @@ class EngineClient:
         `on_tokens(n)` as its tokens stream (`ChatStream`: an estimate until a usage figure)."""
         fields = streamed_body(request_body(record, params, self.model, self.thinking))
         body = orjson.dumps(fields)
-        prompt = prompt_text(record.messages) if self.repetition is not None else ""
-        stream = ChatStream(
-            self.repetition, on_begun, on_tokens, self.stream_chunk_tokens, prompt=prompt
-        )
+        # An order may switch the guard off for its answers (a retry of stopped answers).
+        rule = None if params.repetition_guard is False else self.repetition
+        prompt = prompt_text(record.messages) if rule is not None else ""
+        stream = ChatStream(rule, on_begun, on_tokens, self.stream_chunk_tokens, prompt=prompt)
         started = time.monotonic()
         try:
             status, payload, retry_after = await self._transport.stream(body, stream, timeout_s)
