@@ -44,6 +44,7 @@ from genfleet.producer.enqueue import (
     generation_params,
     reader_options,
     regenerate_advice,
+    without_previous_text,
 )
 from genfleet.producer.runs.identity import check_resumed
 from genfleet.producer.status import (
@@ -193,6 +194,9 @@ def _print_enqueue(
     warn_unread(result.run, result.sources_unread, result.rows_unread)
     if result.rejects > len(result.reject_samples):
         console.print(f"  … all {result.rejects} rejects are in {result.run}/rejects.jsonl")
+    if result.without_previous:
+        note = without_previous_text(result.without_previous, result.prompts)
+        console.print(f"  [yellow]{escape(note)}[/]", highlight=False)
     if result.ends_with_answer:
         advice = regenerate_advice(result.ends_with_answer)
         console.print(f"  [yellow]{escape(advice)}[/] (as a new run: --run NEW)", highlight=False)

@@ -43,6 +43,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
 from genfleet.producer.batching import expected_tokens, hinted_tokens, make_batches
 from genfleet.producer.runs.identity import (
+    SourceTally,
     changed_params,
     check_identity,
     check_resumed,
@@ -50,6 +51,7 @@ from genfleet.producer.runs.identity import (
     fingerprint_source,
     first_difference,
     is_stream,
+    no_old_answer,
     run_model,
     staging_params,
 )
@@ -82,6 +84,9 @@ class EnqueueResult:
     rows_unread: int = 0  # rows of those files known to be lost
     # lines refused because they end with an assistant answer (see --regenerate)
     ends_with_answer: int = 0
+    # --regenerate: prompts with no old answer (a plain prompt, a chat ending with the user's
+    # turn), asked afresh and exported without `previous`
+    without_previous: int = 0
     # how each file was read: its shape, and where its prompt, system prompt, old answer and
     # id came from (`shapes.read_as`)
     read_as: list[str] = field(default_factory=list)
@@ -104,6 +109,7 @@ class EnqueueResult:
             "sources_unread": self.sources_unread,
             "rows_unread": self.rows_unread,
             "ends_with_answer": self.ends_with_answer,
+            "without_previous": self.without_previous,
             "read_as": self.read_as,
         }
 
@@ -213,7 +219,10 @@ def stage(
     ref = model_ref(settings)
     pending: list[WorkOrder] = []
     held = _Held()
-    fingerprint = None if is_stream(source) else fingerprint_source(source, options)
+    tally = SourceTally()
+    fingerprint = None if is_stream(source) else fingerprint_source(source, options, tally)
+    if settings.regenerate and tally.prompts and not tally.with_previous:
+        raise InputError(no_old_answer(str(source), tally.read_as))  # before anything is written
     staging_id = claim_run(
         store,
         run,
@@ -255,6 +264,8 @@ def stage(
             )
         )
         result.prompts += len(records)
+        if settings.regenerate:
+            result.without_previous += sum(record.previous is None for record in records)
         if batch not in done:
             order = _order(
                 run,
@@ -351,6 +362,15 @@ class _Held:
     def release(self, pending: list[WorkOrder]) -> None:
         while self._heap:
             pending.append(heapq.heappop(self._heap)[2])
+
+
+def without_previous_text(prompts: int, of: int) -> str:
+    """What a `--regenerate` staging says of its prompts that had no old answer to replace."""
+    what = "prompt has" if prompts == 1 else "prompts have"
+    return (
+        f"--regenerate: {prompts:,} of {of:,} {what} no old answer (a plain prompt, or a "
+        "conversation whose last turn is the user's): asked afresh, exported without `previous`"
+    )
 
 
 def regenerate_advice(lines: int) -> str:

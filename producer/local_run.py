@@ -56,6 +56,7 @@ from genfleet.producer.enqueue import (
     generation_params,
     reader_options,
     regenerate_advice,
+    without_previous_text,
 )
 from genfleet.producer.local_fleet import FleetLock
 from genfleet.producer.runs.identity import existing_run
@@ -250,6 +251,9 @@ def run_command(
         print_read_as(result.read_as)
         print_rejects(result.reject_samples)
         warn_unread(run, result.sources_unread, result.rows_unread)
+        if result.without_previous:
+            note = without_previous_text(result.without_previous, result.prompts)
+            console.print(f"  {note}", highlight=False)
         if result.ends_with_answer:
             console.print(f"  {regenerate_advice(result.ends_with_answer)}", highlight=False)
         report = _wait(children, settings, run)

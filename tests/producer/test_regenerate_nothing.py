@@ -1,0 +1,84 @@
+"""`--regenerate` where there is no old answer to replace: a source none of whose prompts has
+one (plain prompts, a chat ending with the user's turn) is refused before
+anything is written, naming how it was read and what would read an old answer; a source where
+some have one stages, and says how many prompts are asked afresh."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from genfleet.common import keys
+from genfleet.common.errors import InputError
+from genfleet.common.readers import ReaderOptions
+from genfleet.common.records import WorkOrder
+from genfleet.common.settings import Settings
+from genfleet.producer import enqueue
+from tests.fakes.memory_store import MemoryStore
+
+RUN = "regen"
+
+
+def write(path: Path, rows: list[dict[str, Any]]) -> str:
+    path.write_bytes(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+    return str(path)
+
+
+def stage(source: str, store: MemoryStore) -> enqueue.EnqueueResult:
+    settings = Settings(regenerate=True, store="file:///unused")
+    sent: list[WorkOrder] = []
+
+    def send(orders: list[WorkOrder]) -> int:
+        sent.extend(orders)
+        return len(orders)
+
+    reader = ReaderOptions(regenerate=True)
+    _, result = enqueue.stage(settings, store, RUN, source, reader, send, set())
+    return result
+
+
+@pytest.mark.parametrize(
+    ("rows", "shape"),
+    [
+        ([{"prompt": "What is 17 * 23?"}, {"prompt": "Name a prime."}], "prompt"),
+        (
+            [{"messages": [{"role": "user", "content": "hi"}]}] * 2,
+            "chat",
+        ),
+        (
+            [{"conversations": [{"from": "human", "value": "hi"}], "id": str(i)} for i in range(2)],
+            "ShareGPT",
+        ),
+    ],
+)
+def test_a_source_with_no_old_answer_is_refused_and_nothing_recorded(
+    tmp_path: Path, rows: list[dict[str, Any]], shape: str
+) -> None:
+    source = write(tmp_path / "d.jsonl", rows)
+    store = MemoryStore()
+    with pytest.raises(InputError) as refused:
+        stage(source, store)
+    said = str(refused.value)
+    assert "--regenerate" in said and f"read as {shape}" in said and "--answer-col" in said
+    assert store.objects == {}  # no claim, no batch, no manifest
+    assert store.get(keys.manifest_key(RUN)) is None
+
+
+def test_a_source_where_some_prompts_have_an_old_answer_stages_and_counts_the_rest(
+    tmp_path: Path,
+) -> None:
+    answered = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}]
+    rows = [
+        {"messages": answered},
+        {"messages": [{"role": "user", "content": "new"}]},
+        {"messages": [{"role": "user", "content": "new too"}]},
+    ]
+    store = MemoryStore()
+    result = stage(write(tmp_path / "d.jsonl", rows), store)
+    assert (result.prompts, result.without_previous, result.rejects) == (3, 2, 0)
+    manifest = orjson.loads(store.objects[keys.manifest_key(RUN)])
+    assert manifest["staging"]["regenerate"] is True
+    assert "2 of 3 prompts have no old answer" in enqueue.without_previous_text(2, 3)
