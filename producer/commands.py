@@ -24,6 +24,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
 from genfleet.common.waste import waste_text
 from genfleet.producer.console import (
+    FirstTurn,
     Json,
     RedisUrl,
     S3Endpoint,
@@ -94,6 +95,7 @@ def enqueue(
     answer_col: Annotated[
         str | None, typer.Option(help="the old answer's field or column (with --regenerate)")
     ] = None,
+    first_turn: FirstTurn = False,
     resume: Annotated[
         bool, typer.Option("--resume", help="rebuild the queue of RUN from the store alone")
     ] = False,
@@ -119,6 +121,7 @@ def enqueue(
         id_col=id_col,
         system_col=system_col,
         answer_col=answer_col,
+        first_turn=first_turn,
     )
     try:
         result = enqueue_run(settings, run, None if resume else source, options, verify=resume)

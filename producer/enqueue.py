@@ -115,9 +115,10 @@ class EnqueueResult:
 
 
 def reader_options(
-    settings: Settings, fmt: str | None = None, **columns: str | None
+    settings: Settings, fmt: str | None = None, first_turn: bool = False, **columns: str | None
 ) -> ReaderOptions:
     return ReaderOptions(
+        first_turn=first_turn,
         format=fmt,
         system_prompt=settings.system_prompt,
         limit=settings.limit,

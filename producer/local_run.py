@@ -42,6 +42,7 @@ from genfleet.producer.commands import (
     watch_run,
 )
 from genfleet.producer.console import (
+    FirstTurn,
     Json,
     console,
     format_eta,
@@ -176,6 +177,7 @@ def run_command(
     answer_col: Annotated[
         str | None, typer.Option(help="the old answer's field or column (with --regenerate)")
     ] = None,
+    first_turn: FirstTurn = False,
     json_out: Json = False,
 ) -> None:
     """Generate SOURCE on this machine end to end: workers, engine, enqueue, wait, summary.
@@ -193,6 +195,7 @@ def run_command(
         id_col=id_col,
         system_col=system_col,
         answer_col=answer_col,
+        first_turn=first_turn,
     )
     try:
         keys.validate_run(run)
