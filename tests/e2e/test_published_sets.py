@@ -100,6 +100,7 @@ class Fleet:
 
     requests: list[list[Message]]
     exports: dict[str, dict[str, dict[str, Any]]]  # sample → id → exported row
+    reports: dict[str, dict[str, Any]]  # sample → `report --json`
 
 
 def run_name(sample: str) -> str:
@@ -133,8 +134,11 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             return all(run_status(store, client, run_name(s))["state"] == "done" for s in SAMPLES)
 
         wait_for(all_done, 60, "every sample's run", 0.3)
-        exports = {}
+        exports, reports = {}, {}
         for sample in SAMPLES:
+            result = invoke("report", run_name(sample), "--json", *flags)
+            assert result.exit_code == 0, result.output
+            reports[sample] = orjson.loads(result.stdout)
             out = tmp / f"{run_name(sample)}.jsonl"
             result = invoke("export", run_name(sample), "--out", str(out), *flags)
             assert result.exit_code == 0, result.output
@@ -143,7 +147,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
         requests = [
             orjson.loads(line)["body"]["messages"] for line in request_log.read_bytes().splitlines()
         ]
-        yield Fleet(requests, exports)
+        yield Fleet(requests, exports, reports)
     finally:
         worker.stop()
         client.flushdb()
@@ -167,6 +171,16 @@ def test_the_engine_gets_every_part_and_the_export_keeps_every_old_answer(
             assert row.get("previous") is None
         else:
             assert row["previous"] == {"content": old, "reasoning": None}
+    previous = fleet.reports[sample]["previous"]
+    regenerated = [m for _, m, old in expected if old is not None]
+    if not regenerated:
+        assert previous is None
+    else:  # report: how many conversations kept older assistant turns as context
+        multi_turn = sum(any(t["role"] == "assistant" for t in m) for m in regenerated)
+        assert (previous["count"], previous["with_earlier_answers"]) == (
+            len(regenerated),
+            multi_turn,
+        )
     olds = [old for _, _, old in expected if old and len(old) > 8]
     for messages in fleet.requests:  # no old answer of this set ever reached the engine
         last = messages[-1]["content"]
