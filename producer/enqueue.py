@@ -367,9 +367,8 @@ class _Held:
 
 def without_previous_text(prompts: int, of: int) -> str:
     """What a `--regenerate` staging says of its prompts that had no old answer to replace."""
-    what = "prompt has" if prompts == 1 else "prompts have"
     return (
-        f"--regenerate: {prompts:,} of {of:,} {what} no old answer (a plain prompt, or a "
+        f"--regenerate: no old answer in {prompts:,} of {of:,} prompts (a plain prompt, or a "
         "conversation whose last turn is the user's): asked afresh, exported without `previous`"
     )
 

@@ -18,6 +18,7 @@ from genfleet.common.records import WorkOrder
 from genfleet.common.settings import Settings
 from genfleet.producer import enqueue
 from tests.fakes.memory_store import MemoryStore
+from tests.support.commands import invoke
 
 RUN = "regen"
 
@@ -81,4 +82,20 @@ def test_a_source_where_some_prompts_have_an_old_answer_stages_and_counts_the_re
     assert (result.prompts, result.without_previous, result.rejects) == (3, 2, 0)
     manifest = orjson.loads(store.objects[keys.manifest_key(RUN)])
     assert manifest["staging"]["regenerate"] is True
-    assert "2 of 3 prompts have no old answer" in enqueue.without_previous_text(2, 3)
+
+
+def test_enqueue_says_how_many_prompts_are_asked_afresh_and_refuses_a_source_with_none(
+    tmp_path: Path, redis_url: str
+) -> None:
+    answered = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}]
+    mixed = write(tmp_path / "m.jsonl", [{"messages": answered}, {"prompt": "new"}])
+    plain = write(tmp_path / "p.jsonl", [{"prompt": "new"}])
+    env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": (tmp_path / "store").as_uri()}
+    said = invoke("enqueue", mixed, "--run", "m", "--regenerate", env=env)
+    assert said.exit_code == 0, said.output
+    assert "no old answer in 1 of 2 prompts" in " ".join(said.output.split())
+    as_json = invoke("enqueue", mixed, "--run", "m2", "--regenerate", "--json", env=env)
+    assert orjson.loads(as_json.stdout)["without_previous"] == 1
+    refused = invoke("enqueue", plain, "--run", "p", "--regenerate", env=env)
+    assert refused.exit_code == 2 and "none of its prompts has an old answer" in refused.output
+    assert not (tmp_path / "store/p").exists()  # the run is not recorded
