@@ -222,8 +222,7 @@ def stage(
     held = _Held()
     tally = SourceTally()
     fingerprint = None if is_stream(source) else fingerprint_source(source, options, tally)
-    if settings.regenerate and tally.prompts and not tally.with_previous:
-        raise InputError(no_old_answer(str(source), tally.read_as))  # before anything is written
+    old_answers = _OldAnswers(settings.regenerate, str(source), tally, fingerprint is None)
     staging_id = claim_run(
         store,
         run,
@@ -265,8 +264,7 @@ def stage(
             )
         )
         result.prompts += len(records)
-        if settings.regenerate:
-            result.without_previous += sum(record.previous is None for record in records)
+        result.without_previous += old_answers.staged(records)
         if batch not in done:
             order = _order(
                 run,
@@ -286,9 +284,11 @@ def stage(
         # GPUs start while staging goes on), and at least once a second: a slow source must
         # not hold back batches that are staged already while GPUs wait.
         chunk = min(64, max(1, result.batches_enqueued))
-        if len(pending) >= chunk or (pending and time.monotonic() - last_send >= 1.0):
+        due = len(pending) >= chunk or (bool(pending) and time.monotonic() - last_send >= 1.0)
+        if due and not old_answers.holding:
             result.batches_enqueued += _send(send, pending, outstanding)
             last_send = time.monotonic()
+    old_answers.finish(store, run, read_as)
     held.release(pending)
     result.batches_enqueued += _send(send, pending, outstanding)
     result.rejects = len(split.rejects)
@@ -343,6 +343,38 @@ def longest_hint(records: list[PromptRecord], max_tokens: int) -> int | None:
     run, its prompts running side by side. None when none of its prompts has a hint."""
     hints = [hint for r in records if (hint := hinted_tokens(r, max_tokens)) is not None]
     return max(hints) if hints else None
+
+
+class _OldAnswers:
+    """`--regenerate`'s check that the source has old answers to replace.
+
+    A file is judged on the fingerprint's first pass, before anything is written: none has
+    one, it is refused. A stream has no first pass: no order goes out until a prompt with an
+    old answer is staged, and a stream with none is refused at its end, its staging removed,
+    nothing sent. Prompts without one beside others are counted (`without_previous`)."""
+
+    def __init__(self, regenerate: bool, source: str, tally: SourceTally, stream: bool) -> None:
+        if regenerate and tally.prompts and not tally.with_previous:
+            raise InputError(no_old_answer(source, tally.read_as))
+        self.regenerate = regenerate
+        self.source = source
+        self.holding = regenerate and stream
+        self.any = False
+
+    def staged(self, records: list[PromptRecord]) -> int:
+        """Of a staged batch, the prompts without an old answer (0 without --regenerate)."""
+        if not self.regenerate:
+            return 0
+        self.any = True
+        without = sum(record.previous is None for record in records)
+        self.holding = self.holding and without == len(records)
+        return without
+
+    def finish(self, store: Store, run: str, read_as: list[ReadAs]) -> None:
+        """At the end of staging: a stream that never had an old answer is refused."""
+        if self.holding and self.any:
+            store.delete_prefix(f"{run}/")  # this staging's own: a stream's claim is not reused
+            raise InputError(no_old_answer(self.source, read_as))
 
 
 class _Held:

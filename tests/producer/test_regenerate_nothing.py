@@ -5,6 +5,8 @@ some have one stages, and says how many prompts are asked afresh."""
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +30,17 @@ def write(path: Path, rows: list[dict[str, Any]]) -> str:
     return str(path)
 
 
-def stage(source: str, store: MemoryStore) -> enqueue.EnqueueResult:
-    settings = Settings(regenerate=True, store="file:///unused")
-    sent: list[WorkOrder] = []
+def stage(
+    source: str, store: MemoryStore, sent: list[tuple[WorkOrder, int]] | None = None
+) -> enqueue.EnqueueResult:
+    """Stage `source` under --regenerate; each order sent is kept in `sent` with the number of
+    batches staged when it was sent."""
+    settings = Settings(regenerate=True, store="file:///unused", batch_size=1)
+    sent = sent if sent is not None else []
 
     def send(orders: list[WorkOrder]) -> int:
-        sent.extend(orders)
+        staged = sum("/inputs/" in key for key in store.objects)
+        sent.extend((order, staged) for order in orders)
         return len(orders)
 
     reader = ReaderOptions(regenerate=True)
@@ -99,3 +106,34 @@ def test_enqueue_says_how_many_prompts_are_asked_afresh_and_refuses_a_source_wit
     refused = invoke("enqueue", plain, "--run", "p", "--regenerate", env=env)
     assert refused.exit_code == 2 and "none of its prompts has an old answer" in refused.output
     assert not (tmp_path / "store/p").exists()  # the run is not recorded
+
+
+def piped(path: Path, rows: list[dict[str, Any]]) -> str:
+    """A named pipe that gives `rows` once, as `cat data | genfleet enqueue /dev/stdin` would."""
+    os.mkfifo(path)
+
+    def feed() -> None:
+        with path.open("wb") as pipe:
+            pipe.write(b"".join(orjson.dumps(row) + b"\n" for row in rows))
+
+    threading.Thread(target=feed, daemon=True).start()
+    return str(path)
+
+
+def test_a_stream_with_no_old_answer_is_refused_with_nothing_sent_or_kept(tmp_path: Path) -> None:
+    store, sent = MemoryStore(), []
+    rows: list[dict[str, Any]] = [{"prompt": f"question {i}"} for i in range(5)]
+    with pytest.raises(InputError, match="none of its prompts has an old answer"):
+        stage(piped(tmp_path / "pipe.jsonl", rows), store, sent)
+    assert sent == [] and store.objects == {}
+
+
+def test_a_stream_sends_its_orders_once_an_old_answer_is_staged(tmp_path: Path) -> None:
+    store, sent = MemoryStore(), []
+    answered = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "old"}]
+    rows = [*({"prompt": f"question {i}"} for i in range(3)), {"messages": answered}]
+    result = stage(piped(tmp_path / "pipe.jsonl", rows), store, sent)
+    assert (result.prompts, result.without_previous) == (4, 3)
+    assert len(sent) == result.batches_enqueued == 4  # one prompt a batch, none lost
+    # held until the answered prompt (the fourth batch) was staged
+    assert min(staged for _, staged in sent) == 4
