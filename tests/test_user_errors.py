@@ -24,7 +24,8 @@ DOWN = "redis://127.0.0.1:1/0"  # nothing listens on port 1
 NO_REDIS = "no Redis answers"
 
 # command → (argv after the command, Redis down?, what the error names). `{missing}` is a file
-# that does not exist, `{bad}` a JSONL file cut inside its first record, `{dir}` an empty folder.
+# that does not exist, `{bad}` a JSONL file cut inside its first record, `{dir}` an empty folder,
+# `{binary}` bytes that are not text.
 CASES: dict[str, list[tuple[list[str], bool, str]]] = {
     "enqueue": [
         (["{missing}", "--run", "r"], False, "no such file"),
@@ -58,6 +59,7 @@ CASES: dict[str, list[tuple[list[str], bool, str]]] = {
         (["--max-inflight", "abc"], False, "--max-inflight"),
         (["--store", "ftp://x"], False, "--store"),
         (["--settings-file", "{missing}"], False, "--settings-file"),
+        (["--settings-file", "{binary}"], False, "not UTF-8"),
     ],
     "runs": [([], True, NO_REDIS)],
     "cancel": [(["nosuch"], False, "no run 'nosuch'"), (["nosuch"], True, NO_REDIS)],
@@ -89,7 +91,14 @@ def _argv(args: list[str], tmp_path: Path) -> list[str]:
     bad.write_text('{"prompt": "cut here\n')
     folder = tmp_path / "empty"
     folder.mkdir(exist_ok=True)
-    places = {"{missing}": str(tmp_path / "missing.jsonl"), "{bad}": str(bad), "{dir}": str(folder)}
+    binary = tmp_path / "binary.env"
+    binary.write_bytes(b"\x00\xff\xfe")
+    places = {
+        "{missing}": str(tmp_path / "missing.jsonl"),
+        "{bad}": str(bad),
+        "{dir}": str(folder),
+        "{binary}": str(binary),
+    }
     out = []
     for arg in args:
         for name, value in places.items():
