@@ -380,6 +380,11 @@ def read_settings_file(path: str | Path) -> dict[str, str]:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ValueError(f"--settings-file {path}: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"--settings-file {path}: not UTF-8 (byte {exc.start}): a file of GENFLEET_NAME=VALUE "
+            "lines, as `genfleet tune --settings-out` writes"
+        ) from exc
     known = setting_names()
     values: dict[str, str] = {}
     for binding in parse_stream(io.StringIO(text)):

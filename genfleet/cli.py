@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import typer
+from typer._click.exceptions import ClickException, UsageError
 from typer.core import TyperGroup
 
 from genfleet.common.errors import GenfleetError
@@ -35,6 +36,28 @@ class RootGroup(TyperGroup):
 
         group: Any = typer.main.get_command(gpu_app)
         return group.get_command(ctx, cmd_name)
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except ClickException as exc:
+            fail(usage_text(exc))
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ClickException as exc:
+            fail(usage_text(exc))
+
+
+def usage_text(exc: ClickException) -> str:
+    """A usage error (an unknown flag, a bad value, a missing argument) as the one `error:`
+    line every other refusal is, with the help that lists what the command takes."""
+    message = exc.format_message().rstrip(".")
+    context = getattr(exc, "ctx", None) if isinstance(exc, UsageError) else None
+    if context is not None:
+        message += f" (see `{context.command_path} --help`)"
+    return message
 
 
 app = typer.Typer(

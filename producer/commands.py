@@ -24,6 +24,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
 from genfleet.common.waste import waste_text
 from genfleet.producer.console import (
+    FirstTurn,
     Json,
     RedisUrl,
     S3Endpoint,
@@ -44,6 +45,7 @@ from genfleet.producer.enqueue import (
     generation_params,
     reader_options,
     regenerate_advice,
+    without_previous_text,
 )
 from genfleet.producer.runs.identity import check_resumed
 from genfleet.producer.status import (
@@ -93,6 +95,7 @@ def enqueue(
     answer_col: Annotated[
         str | None, typer.Option(help="the old answer's field or column (with --regenerate)")
     ] = None,
+    first_turn: FirstTurn = False,
     resume: Annotated[
         bool, typer.Option("--resume", help="rebuild the queue of RUN from the store alone")
     ] = False,
@@ -118,6 +121,7 @@ def enqueue(
         id_col=id_col,
         system_col=system_col,
         answer_col=answer_col,
+        first_turn=first_turn,
     )
     try:
         result = enqueue_run(settings, run, None if resume else source, options, verify=resume)
@@ -193,6 +197,9 @@ def _print_enqueue(
     warn_unread(result.run, result.sources_unread, result.rows_unread)
     if result.rejects > len(result.reject_samples):
         console.print(f"  … all {result.rejects} rejects are in {result.run}/rejects.jsonl")
+    if result.without_previous:
+        note = without_previous_text(result.without_previous, result.prompts)
+        console.print(f"  [yellow]{escape(note)}[/]", highlight=False)
     if result.ends_with_answer:
         advice = regenerate_advice(result.ends_with_answer)
         console.print(f"  [yellow]{escape(advice)}[/] (as a new run: --run NEW)", highlight=False)

@@ -35,6 +35,10 @@ S3Endpoint = Annotated[
     str | None, typer.Option("--s3-endpoint-url", help="GENFLEET_S3_ENDPOINT_URL (MinIO, ...)")
 ]
 Json = Annotated[bool, typer.Option("--json", help="one JSON object on stdout")]
+FirstTurn = Annotated[
+    bool,
+    typer.Option("--first-turn", help="MT-bench-style `turns`: ask each row's first turn alone"),
+]
 
 
 def plural(count: int, word: str, many: str | None = None) -> str:

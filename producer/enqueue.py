@@ -43,6 +43,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
 from genfleet.producer.batching import expected_tokens, hinted_tokens, make_batches
 from genfleet.producer.runs.identity import (
+    SourceTally,
     changed_params,
     check_identity,
     check_resumed,
@@ -50,6 +51,7 @@ from genfleet.producer.runs.identity import (
     fingerprint_source,
     first_difference,
     is_stream,
+    no_old_answer,
     run_model,
     staging_params,
 )
@@ -82,6 +84,9 @@ class EnqueueResult:
     rows_unread: int = 0  # rows of those files known to be lost
     # lines refused because they end with an assistant answer (see --regenerate)
     ends_with_answer: int = 0
+    # --regenerate: prompts with no old answer (a plain prompt, a chat ending with the user's
+    # turn), asked afresh and exported without `previous`
+    without_previous: int = 0
     # how each file was read: its shape, and where its prompt, system prompt, old answer and
     # id came from (`shapes.read_as`)
     read_as: list[str] = field(default_factory=list)
@@ -104,14 +109,16 @@ class EnqueueResult:
             "sources_unread": self.sources_unread,
             "rows_unread": self.rows_unread,
             "ends_with_answer": self.ends_with_answer,
+            "without_previous": self.without_previous,
             "read_as": self.read_as,
         }
 
 
 def reader_options(
-    settings: Settings, fmt: str | None = None, **columns: str | None
+    settings: Settings, fmt: str | None = None, first_turn: bool = False, **columns: str | None
 ) -> ReaderOptions:
     return ReaderOptions(
+        first_turn=first_turn,
         format=fmt,
         system_prompt=settings.system_prompt,
         limit=settings.limit,
@@ -228,14 +235,17 @@ def stage(
     result = EnqueueResult(run=run, staged=True)
     read_as: list[ReadAs] = []
     digest = hashlib.sha256()
+    tally = SourceTally()
     if prepared is None:
         split = _Split(read_source(source, options, read_as))
         params = generation_params(settings)
         ref = model_ref(settings)
-        fingerprint = None if is_stream(source) else fingerprint_source(source, options)
-    else:
+        fingerprint = None if is_stream(source) else fingerprint_source(source, options, tally)
+        old_answers = _OldAnswers(settings.regenerate, str(source), tally, fingerprint is None)
+    else:  # a retry round's prompts: their run's own, checked when it was staged
         split = _Split(iter(prepared.records()))
         params, ref, fingerprint = prepared.params, prepared.ref, prepared.fingerprint
+        old_answers = _OldAnswers(False, prepared.label, tally, False)
     pending: list[WorkOrder] = []
     held = _Held()
     staging_id = claim_run(
@@ -279,6 +289,7 @@ def stage(
             )
         )
         result.prompts += len(records)
+        result.without_previous += old_answers.staged(records)
         if batch not in done:
             order = _order(
                 run,
@@ -298,9 +309,11 @@ def stage(
         # GPUs start while staging goes on), and at least once a second: a slow source must
         # not hold back batches that are staged already while GPUs wait.
         chunk = min(64, max(1, result.batches_enqueued))
-        if len(pending) >= chunk or (pending and time.monotonic() - last_send >= 1.0):
+        due = len(pending) >= chunk or (bool(pending) and time.monotonic() - last_send >= 1.0)
+        if due and not old_answers.holding:
             result.batches_enqueued += _send(send, pending, outstanding)
             last_send = time.monotonic()
+    old_answers.finish(store, run, read_as)
     held.release(pending)
     result.batches_enqueued += _send(send, pending, outstanding)
     result.rejects = len(split.rejects)
@@ -357,6 +370,38 @@ def longest_hint(records: list[PromptRecord], max_tokens: int) -> int | None:
     return max(hints) if hints else None
 
 
+class _OldAnswers:
+    """`--regenerate`'s check that the source has old answers to replace.
+
+    A file is judged on the fingerprint's first pass, before anything is written: none has
+    one, it is refused. A stream has no first pass: no order goes out until a prompt with an
+    old answer is staged, and a stream with none is refused at its end, its staging removed,
+    nothing sent. Prompts without one beside others are counted (`without_previous`)."""
+
+    def __init__(self, regenerate: bool, source: str, tally: SourceTally, stream: bool) -> None:
+        if regenerate and tally.prompts and not tally.with_previous:
+            raise InputError(no_old_answer(source, tally.read_as))
+        self.regenerate = regenerate
+        self.source = source
+        self.holding = regenerate and stream
+        self.any = False
+
+    def staged(self, records: list[PromptRecord]) -> int:
+        """Of a staged batch, the prompts without an old answer (0 without --regenerate)."""
+        if not self.regenerate:
+            return 0
+        self.any = True
+        without = sum(record.previous is None for record in records)
+        self.holding = self.holding and without == len(records)
+        return without
+
+    def finish(self, store: Store, run: str, read_as: list[ReadAs]) -> None:
+        """At the end of staging: a stream that never had an old answer is refused."""
+        if self.holding and self.any:
+            store.delete_prefix(f"{run}/")  # this staging's own: a stream's claim is not reused
+            raise InputError(no_old_answer(self.source, read_as))
+
+
 class _Held:
     """Hinted batches waiting to be sent: the longest-expected goes on as soon as more wait
     than half the batches staged so far (at most HELD_BATCHES); at the end of staging the rest
@@ -375,6 +420,14 @@ class _Held:
     def release(self, pending: list[WorkOrder]) -> None:
         while self._heap:
             pending.append(heapq.heappop(self._heap)[2])
+
+
+def without_previous_text(prompts: int, of: int) -> str:
+    """What a `--regenerate` staging says of its prompts that had no old answer to replace."""
+    return (
+        f"--regenerate: no old answer in {prompts:,} of {of:,} prompts (a plain prompt, or a "
+        "conversation whose last turn is the user's): asked afresh, exported without `previous`"
+    )
 
 
 def regenerate_advice(lines: int) -> str:

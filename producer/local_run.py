@@ -42,6 +42,7 @@ from genfleet.producer.commands import (
     watch_run,
 )
 from genfleet.producer.console import (
+    FirstTurn,
     Json,
     console,
     format_eta,
@@ -56,6 +57,7 @@ from genfleet.producer.enqueue import (
     generation_params,
     reader_options,
     regenerate_advice,
+    without_previous_text,
 )
 from genfleet.producer.local_fleet import FleetLock
 from genfleet.producer.runs.identity import existing_run
@@ -175,6 +177,7 @@ def run_command(
     answer_col: Annotated[
         str | None, typer.Option(help="the old answer's field or column (with --regenerate)")
     ] = None,
+    first_turn: FirstTurn = False,
     json_out: Json = False,
 ) -> None:
     """Generate SOURCE on this machine end to end: workers, engine, enqueue, wait, summary.
@@ -192,6 +195,7 @@ def run_command(
         id_col=id_col,
         system_col=system_col,
         answer_col=answer_col,
+        first_turn=first_turn,
     )
     try:
         keys.validate_run(run)
@@ -250,6 +254,9 @@ def run_command(
         print_read_as(result.read_as)
         print_rejects(result.reject_samples)
         warn_unread(run, result.sources_unread, result.rows_unread)
+        if result.without_previous:
+            note = without_previous_text(result.without_previous, result.prompts)
+            console.print(f"  {note}", highlight=False)
         if result.ends_with_answer:
             console.print(f"  {regenerate_advice(result.ends_with_answer)}", highlight=False)
         report = _wait(children, settings, run)

@@ -95,6 +95,9 @@ class PreviousAnswers:
         self.short = {"previous": 0, "new": 0}
         self.with_reasoning = {"previous": 0, "new": 0}
         self.short_replaced = 0  # a short old answer whose new one is not short
+        # multi-turn: conversations whose last answer was replaced and whose older assistant
+        # turns were kept, sent as the context the new answer follows
+        self.with_earlier_answers = 0
         self.content: dict[str, Counter[int]] = {"previous": Counter(), "new": Counter()}
         self.reasoning: dict[str, Counter[int]] = {"previous": Counter(), "new": Counter()}
 
@@ -113,6 +116,10 @@ class PreviousAnswers:
         if not isinstance(previous, dict):
             return
         self.count += 1
+        messages = record.get("messages") or []
+        self.with_earlier_answers += any(
+            isinstance(m, dict) and m.get("role") == "assistant" for m in messages
+        )
         was_short = self._side(
             "previous",
             (previous.get("content") or "").strip(),
@@ -138,6 +145,7 @@ class PreviousAnswers:
             "new_empty_fraction": round(_share(self.empty["new"], self.answered), 4),
             "new_short_fraction": round(_share(self.short["new"], self.answered), 4),
             "short_replaced": self.short_replaced,
+            "with_earlier_answers": self.with_earlier_answers,
             "with_reasoning_fraction": {
                 side: round(_share(self.with_reasoning[side], wholes[side]), 4) for side in wholes
             },
@@ -170,6 +178,11 @@ def previous_table(previous: dict[str, Any]) -> Any:
         for stat in ("mean", "p50", "p90", "max"):
             table.add_row(f"{name} {stat}", f"{old[stat]:,}", f"{new[stat]:,}")
     table.add_row("short answers replaced", "", f"{previous['short_replaced']:,}")
+    table.add_row(
+        "older answers kept as context",
+        "",
+        f"{previous.get('with_earlier_answers', 0):,}",
+    )
     return table
 
 

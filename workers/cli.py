@@ -21,6 +21,7 @@ import typer
 from genfleet.common.errors import GenfleetError
 from genfleet.common.flags import fail, settings_from, with_settings
 from genfleet.common.help import HelpCommand
+from genfleet.common.redis_conn import connect
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.workers.tune.sweep import Options, tune_options
@@ -114,6 +115,7 @@ def run_group_workers(settings: Settings, groups: list[str | None], hostname: st
     with backoff) and reported; exit when they all exit."""
     from genfleet.workers.process.children import Child, ChildWorkers, report_restart
 
+    require_redis(settings, "genfleet worker")
     children = []
     for i, group in enumerate(groups):
         each = group_settings(settings, group, i, len(groups))
@@ -134,11 +136,22 @@ def run_group_workers(settings: Settings, groups: list[str | None], hostname: st
     raise typer.Exit(pool.run())
 
 
+def require_redis(settings: Settings, who: str) -> None:
+    """Before a worker, its children or Flower start: Celery and Flower would retry an
+    unreachable broker for ever (control, Flower), log a traceback from the engine step
+    (worker) or restart children that cannot start; exit 1 (nothing started), saying why."""
+    try:
+        connect(settings).close()
+    except GenfleetError as exc:
+        fail(f"{who} did not start: {exc}", code=1)
+
+
 def run_celery(settings: Settings, args: list[str], hostname: str) -> None:
     """This process's Celery worker, configured with `settings` (handed over, not re-read)."""
     from genfleet.workers.app import app as celery_app
     from genfleet.workers.app import configure, startup_failures
 
+    require_redis(settings, hostname)
     configure(settings)
     # No gossip: it would have every worker consume every other worker's heartbeats and task
     # events (O(workers²) messages); the events are still sent, for Flower and `top`.
@@ -231,6 +244,7 @@ def flower(
     """
     from genfleet.workers.observe.flower import launch
 
+    require_redis(settings, "flower")
     launch(settings, port, address, db)
 
 

@@ -74,6 +74,7 @@ class ReaderOptions:
     id_col: str | None = None
     system_col: str | None = None  # the row's system prompt, instead of system/system_prompt
     answer_col: str | None = None  # the row's old answer, instead of its shape's own field
+    first_turn: bool = False  # --first-turn: MT-bench-style `turns` read as their first turn
     # --regenerate: a conversation's final assistant turn is the old answer to replace (kept
     # as the record's `previous`, never sent); without it such a line is refused.
     regenerate: bool = False

@@ -371,11 +371,11 @@ def parse_line(
         raise BadRecord(options.id_col, f"{said} (named by --id-col)")
     record_id = check_id(data.get(id_field), id_field) or default_id
     answer_field = options.answer_col
-    shape = None if _reads_a_conversation(data, options) else shape_of(data)
+    shape = None if _reads_a_conversation(data, options) else shape_of(data, options.first_turn)
     if shape is not None:
         field = shape.prompt
         messages = read_shape(data, shape, with_answer=answer_field is None).messages
-        answer_field = answer_field or shape.answer
+        answer_field = answer_field or shape.answer or None
     else:
         field, messages = _conversation(data, options)
     messages = with_row_system(data, messages, options.system_col)

@@ -44,6 +44,7 @@ from genfleet.common.readers.fields import (
 from genfleet.common.readers.s3source import SourcePath
 from genfleet.common.readers.shapes import (
     CHAT,
+    FIRST_TURN,
     PROMPT,
     SHAPES,
     SHAREGPT,
@@ -139,11 +140,12 @@ def resolve_columns(name: str, present: Iterable[str], options: ReaderOptions) -
         answer_col=options.answer_col,
     )
     if columns.messages is None and columns.prompt is None:
-        shape = None if named else _shape_of_columns(available)
+        shape = None if named else _shape_of_columns(available, options.first_turn)
         if shape is not None:
-            wanted = (shape.prompt, shape.extra, shape.answer)
+            wanted = (shape.prompt, shape.extra, shape.answer or None)
             found = tuple(c for c in wanted if c is not None and c in available)
             return replace(columns, shape=shape, shape_columns=found)
+        turns = " (MT-bench `turns`: --first-turn asks the first)" if "turns" in available else ""
         return Reject(
             name,
             None,
@@ -151,7 +153,7 @@ def resolve_columns(name: str, present: Iterable[str], options: ReaderOptions) -
             f"neither a {messages or 'messages'!r} nor a {prompt or 'prompt'!r} column nor a "
             f"known shape's (Alpaca, Dolly, OpenOrca, query/response); columns are "
             f"{sorted(available)}: name the prompt's with --prompt-col, a chat's with "
-            "--messages-col",
+            f"--messages-col{turns}",
         )
     return columns
 
@@ -169,9 +171,12 @@ def file_read_as(name: str, columns: Columns, options: ReaderOptions) -> ReadAs:
     return read_as(name, shape, options)
 
 
-def _shape_of_columns(available: set[str]) -> Shape | None:
+def _shape_of_columns(available: set[str], first_turn: bool = False) -> Shape | None:
     """The shape whose columns a file holds (`shapes.SHAPES`, first match), with every column
-    the shape reads present, so that each row has them all (null where a row lacks one)."""
+    the shape reads present, so that each row has them all (null where a row lacks one);
+    MT-bench's `turns` with `first_turn` (`--first-turn`)."""
+    if first_turn and "turns" in available:
+        return FIRST_TURN
     for shape in SHAPES:
         if shape.matches(dict.fromkeys(available)):
             return shape
@@ -204,7 +209,8 @@ def parse_row(row: dict[str, Any], columns: Columns, default_id: str) -> PromptR
         record_id = check_id(row[columns.id], columns.id) or default_id
     answer_field = columns.answer_col
     if columns.shape is not None:
-        field, answer_field = columns.shape.prompt, answer_field or columns.shape.answer
+        field = columns.shape.prompt
+        answer_field = answer_field or columns.shape.answer or None
         messages = read_shape(row, columns.shape, with_answer=columns.answer_col is None).messages
     elif columns.messages is not None and row[columns.messages] is not None:
         field = columns.messages

@@ -16,8 +16,10 @@ template without its preamble: the preamble is the set's, not the prompt's):
     query/response  query + response                prompt: query; old answer: response
 
 A row's `system` / `system_prompt` is its system prompt in every shape (`fields.with_row_system`).
-MT-bench-style `turns` (a list of user turns, each asked after the answer to the one before) is
-refused: a line is one request here.
+MT-bench-style `turns` (a list of user turns, each asked after the answer to the one before)
+are read with `--first-turn` only, as the first turn alone: a line is one request here, and a
+later turn asked without the model's own answer before it would be another question. Without
+the flag such a row is refused naming it.
 """
 
 from __future__ import annotations
@@ -61,15 +63,36 @@ class Shaped:
     messages: list[dict[str, Any]]
 
 
-def shape_of(row: Mapping[str, Any]) -> Shape | None:
-    """The first shape whose fields `row` holds; BadRecord for MT-bench-style `turns`."""
+# MT-bench-style `turns`, read with --first-turn: its first turn is the prompt, no old answer.
+FIRST_TURN = Shape("MT-bench", "turns", None, "")
+
+
+def shape_of(row: Mapping[str, Any], first_turn: bool = False) -> Shape | None:
+    """The first shape whose fields `row` holds; MT-bench-style `turns` with `first_turn`
+    (`--first-turn`), BadRecord naming that flag without it."""
     if "turns" in row and isinstance(row["turns"], list):
+        if first_turn:
+            return FIRST_TURN
         raise BadRecord(
             "turns",
-            "MT-bench-style turns (each asked after the answer to the one before) are not read: "
-            "give each turn its own line with the answers before it as `messages`",
+            "MT-bench-style turns (each asked after the answer to the one before) are not "
+            "asked turn by turn: --first-turn asks each row's first turn alone; for later "
+            "turns give each its own line with the turns and answers before it as `messages`",
         )
     return next((shape for shape in SHAPES if shape.matches(row)), None)
+
+
+def first_turn(row: Mapping[str, Any]) -> str:
+    """The first of a row's `turns` (`--first-turn`), or BadRecord naming `turns[0]`."""
+    turns = row["turns"]
+    if not turns:
+        raise BadRecord("turns", "is an empty list: no first turn to ask")
+    value = turns[0]
+    if not isinstance(value, str):
+        raise BadRecord("turns[0]", f"must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise BadRecord("turns[0]", "is empty")
+    return value
 
 
 def read_shape(row: Mapping[str, Any], shape: Shape, with_answer: bool = True) -> Shaped:
@@ -77,6 +100,8 @@ def read_shape(row: Mapping[str, Any], shape: Shape, with_answer: bool = True) -
     old answer (and `with_answer`: `--answer-col` names another field), that answer as a
     final assistant turn (`split_answer` decides what becomes of it); BadRecord naming the
     field otherwise."""
+    if shape is FIRST_TURN:
+        return Shaped(shape, [{"role": "user", "content": first_turn(row)}])
     prompt = _text(row, shape.prompt, required=True)
     if shape.extra is not None:
         extra = _text(row, shape.extra, required=False)
@@ -121,7 +146,7 @@ READINGS: dict[str, tuple[str, str, str]] = {
     "Dolly": ("`instruction`, then `context` when not empty", ROW_SYSTEM, "`response`"),
     "OpenOrca": ("`question`", ROW_SYSTEM, "`response`"),
     "query/response": ("`query`", ROW_SYSTEM, "`response`"),
-    TURNS: ("refused: `turns` are asked one after another, a line is one request", "", ""),
+    TURNS: ("the first of `turns`, with --first-turn (refused without)", ROW_SYSTEM, "none"),
 }
 
 
@@ -151,8 +176,6 @@ def read_as(file: str, shape: str, options: ReaderOptions) -> ReadAs:
 
 def id_reading(shape: str) -> str:
     """Where a row of `shape` takes its id (README's table of shapes says the same)."""
-    if shape == TURNS:
-        return ""
     return "`custom_id`" if shape == OPENAI else "`id`, else `{file}:{line}`"
 
 

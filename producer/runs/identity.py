@@ -22,7 +22,7 @@ import orjson
 from genfleet.common import keys
 from genfleet.common.errors import RunMismatch
 from genfleet.common.manifest import IDENTITY_VERSION, Manifest, RunIdentity
-from genfleet.common.readers import ReaderOptions, Reject, read_source
+from genfleet.common.readers import ReadAs, ReaderOptions, Reject, read_source
 from genfleet.common.records import GenerationParams
 from genfleet.common.routing import ModelRef, model_ref
 from genfleet.common.settings import Settings
@@ -63,13 +63,41 @@ def is_stream(source: str) -> bool:
     return not (stat.S_ISREG(mode) or stat.S_ISDIR(mode))
 
 
-def fingerprint_source(source: str, options: ReaderOptions) -> str:
+@dataclasses.dataclass
+class SourceTally:
+    """What the fingerprint's pass over a source saw, for `stage` to judge before it writes
+    anything: its prompts, those with an old answer (`--regenerate`), how each file was read."""
+
+    prompts: int = 0
+    with_previous: int = 0
+    read_as: list[ReadAs] = dataclasses.field(default_factory=list)
+
+
+def fingerprint_source(
+    source: str, options: ReaderOptions, tally: SourceTally | None = None
+) -> str:
     """The fingerprint `stage` would record for `source`, with nothing written anywhere."""
     digest = hashlib.sha256()
-    for item in read_source(source, options):
+    tally = tally if tally is not None else SourceTally()
+    for item in read_source(source, options, tally.read_as):
         if not isinstance(item, Reject):
             digest.update(orjson.dumps(item.to_json()) + b"\n")
+            tally.prompts += 1
+            tally.with_previous += item.previous is not None
     return digest.hexdigest()
+
+
+def no_old_answer(source: str, readings: list[ReadAs]) -> str:
+    """Why a `--regenerate` staging of `source` is refused when none of its prompts has an
+    old answer to replace (plain prompts, queries alone, MT-bench questions, chats ending with
+    the user's turn): a run recorded as a regeneration of nothing would export no `previous`
+    and judge no answer against an old one."""
+    shapes = "; ".join(f"{r.file} read as {r.shape}: old answer {r.answer}" for r in readings)
+    return (
+        f"{source}: --regenerate, but none of its prompts has an old answer to replace"
+        + (f" ({shapes})" if shapes else "")
+        + ": stage it without --regenerate, or name the old answer's field with --answer-col"
+    )
 
 
 def new_identity(

@@ -12,7 +12,6 @@ import pyarrow.parquet as pq
 import pytest
 
 from harness.env import ROOT, base_env
-from harness.sources import write_prompt_lines
 from tests.support.commands import genfleet, invoke
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -130,8 +129,10 @@ def test_enqueue_says_how_many_lines_end_with_an_answer_and_stages_the_rest(
 
 
 def test_regenerate_is_part_of_the_run_identity(tmp_path: Path, redis_url: str) -> None:
-    # nothing to replace: the same prompts
-    source = write_prompt_lines(tmp_path / "p.jsonl", ["a", "b"])
+    source = tmp_path / "p.jsonl"
+    answered = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "old"}]
+    rows = [{"messages": answered}, {"prompt": "b"}]
+    source.write_bytes(b"".join(orjson.dumps(r) + b"\n" for r in rows))
     env = {"GENFLEET_REDIS_URL": redis_url, "GENFLEET_STORE": (tmp_path / "store").as_uri()}
     assert invoke("enqueue", str(source), "--run", "r", "--regenerate", env=env).exit_code == 0
     manifest = orjson.loads((tmp_path / "store/r/manifest.json").read_bytes())

@@ -145,8 +145,26 @@ def test_fastchat_conversations_without_regenerate_are_refused_naming_the_flag(
         stage(tmp_path, "dummy_conversation.sample.json")
 
 
-def test_mt_bench_questions_are_refused_saying_why(tmp_path: Path) -> None:
+def test_mt_bench_questions_are_refused_naming_first_turn(tmp_path: Path) -> None:
     with pytest.raises(InputError) as raised:
         stage(tmp_path, "mt_bench_question.sample.jsonl")
     said = str(raised.value)
     assert "mt_bench_question.sample.jsonl:1 [turns]" in said and "MT-bench" in said
+    assert "--first-turn" in said
+
+
+def test_mt_bench_first_turn_is_each_questions_prompt(tmp_path: Path) -> None:
+    staged, result = stage(tmp_path, "mt_bench_question.sample.jsonl", first_turn=True)
+    rows = published("mt_bench_question.sample.jsonl")
+    assert len(staged) == len(rows) and result.rejects == 0
+    for number, row in enumerate(rows, start=1):
+        record = staged[f"mt_bench_question.sample.jsonl:{number}"]
+        assert record["messages"] == [user(row["turns"][0])]
+        assert record.get("previous") is None
+    [said] = result.read_as
+    assert "read as MT-bench" in said and "--first-turn" in said and "old answer none" in said
+
+
+def test_mt_bench_first_turn_with_regenerate_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="no old answer|none of its prompts has an old answer"):
+        stage(tmp_path, "mt_bench_question.sample.jsonl", first_turn=True, regenerate=True)

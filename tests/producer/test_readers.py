@@ -687,6 +687,34 @@ def test_mt_bench_turns_and_unknown_rows_are_refused_saying_why(tmp_path: Path) 
     assert "keys: label, text" in rejects[1].reason and "--prompt-col" in rejects[1].reason
 
 
+@pytest.mark.parametrize(
+    ("turns", "field", "reason"),
+    [
+        ([], "turns", "empty list"),
+        ([{"text": "q"}], "turns[0]", "must be a string"),
+        (["  ", "Rewrite it."], "turns[0]", "is empty"),
+    ],
+)
+def test_first_turn_refuses_a_row_with_no_first_turn_to_ask(
+    tmp_path: Path, turns: list[Any], field: str, reason: str
+) -> None:
+    good = {"question_id": 81, "turns": ["Write a blog post.", "Rewrite it."]}
+    path = lines(tmp_path / "q.jsonl", [good, {"question_id": 82, "turns": turns}])
+    records, rejects = split(read_source(path, ReaderOptions(first_turn=True)))
+    assert [r.messages for r in records] == [user("Write a blog post.")]
+    assert [(r.line, r.field) for r in rejects] == [(2, field)] and reason in rejects[0].reason
+
+
+def test_parquet_of_mt_bench_reads_the_first_turn_with_first_turn(tmp_path: Path) -> None:
+    rows = [orjson.loads(line) for line in (DATA / "mt_bench_question.sample.jsonl").open("rb")]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "mt.parquet")
+    records, rejects = split(read_source(tmp_path / "mt.parquet"))
+    assert records == [] and "--first-turn" in rejects[0].reason
+    records, rejects = split(read_source(tmp_path / "mt.parquet", ReaderOptions(first_turn=True)))
+    assert rejects == [] and [r.messages for r in records] == [user(r["turns"][0]) for r in rows]
+    assert all(r.previous is None for r in records)
+
+
 def test_parquet_of_a_published_shape_is_read_by_its_columns(tmp_path: Path) -> None:
     published = orjson.loads((DATA / "alpaca_data.sample.json").read_bytes())
     pq.write_table(pa.Table.from_pylist(published), tmp_path / "alpaca.parquet")

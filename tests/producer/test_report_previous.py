@@ -63,3 +63,22 @@ def test_the_table_shows_previous_beside_new() -> None:
     )
     assert "100.0%" in line and "0.0%" in line
     assert "previous vs new (1 regenerated answers)" in text
+
+
+def test_conversations_that_kept_older_assistant_turns_are_counted() -> None:
+    answers = PreviousAnswers(short_chars=5)
+    earlier = [
+        {"role": "user", "content": "q1"},
+        {"role": "assistant", "content": "a1"},
+        {"role": "user", "content": "q2"},
+    ]
+    for messages, previous in (
+        (earlier, {"content": "old a2", "reasoning": None}),  # multi-turn, last answer replaced
+        ([{"role": "user", "content": "q"}], {"content": "old", "reasoning": None}),  # one turn
+        (earlier, None),  # not regenerated: not counted
+    ):
+        row = record("a new answer", previous)
+        row["messages"] = messages
+        answers.add(row)
+    data = answers.to_json()
+    assert data is not None and (data["count"], data["with_earlier_answers"]) == (2, 1)
