@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Annotated
 
 import orjson
@@ -61,12 +62,33 @@ def runs(
                 time.strftime("%Y-%m-%d %H:%M", time.localtime(created)) if created else "-",
             )
         )
-    widths = [max(len(line[i]) for line in table) for i in range(len(COLUMNS))]
-    for line in table:
-        out.print(
-            "  ".join(cell.ljust(w) for cell, w in zip(line, widths, strict=True)).rstrip(),
-            highlight=False,
-        )
+    for line in fit_columns(table, out.width):
+        out.print(line, highlight=False, soft_wrap=True)
+
+
+def fit_columns(table: Sequence[tuple[str, ...]], width: int) -> list[str]:
+    """The rows as aligned columns; where they are wider than the terminal, the model and
+    engine (the longest cells: a path) go on a line of their own under each row, so that no
+    row wraps and no cell is cut."""
+
+    def lines(rows: Sequence[tuple[str, ...]]) -> list[str]:
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        return [
+            "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
+            for row in rows
+        ]
+
+    whole = lines(table)
+    if max(map(len, whole)) <= width:
+        return whole
+    model, engine = COLUMNS.index("model"), COLUMNS.index("engine")
+    narrow = [tuple(c for i, c in enumerate(row) if i not in (model, engine)) for row in table]
+    out: list[str] = []
+    for i, line in enumerate(lines(narrow)):
+        out.append(line)
+        if i:  # under each run: its model and engine
+            out.append(f"    {table[i][model]} ({table[i][engine]})")
+    return out
 
 
 def cancel(

@@ -12,6 +12,7 @@ import time
 from typing import Any
 
 import orjson
+from rich import box
 from rich.console import Console
 from rich.live import Live
 from rich.table import Table
@@ -87,28 +88,58 @@ def _fmt(value: Any, digits: int = 1) -> str:
     return str(value)
 
 
-def table(view: tuple[list[dict[str, Any]], dict[str, Any]]) -> Table:
+# Below this many columns the ten columns' titles and figures are cut ("in-f…", "verd…"):
+# each GPU's figures go in five columns, two lines a row, instead.
+WIDE_COLUMNS = 120
+NARROW_COLUMNS = ("worker, gpu", "W / limit", "tok/s 1m, 10m", "in flight", "verdict, cause")
+
+
+def table(view: tuple[list[dict[str, Any]], dict[str, Any]], width: int = WIDE_COLUMNS) -> Table:
+    """The fleet's rows as a table for a terminal `width` columns wide (narrow: five
+    columns, two lines a row, so that no title or figure is cut)."""
     data, totals = view
-    grid = Table(title=f"genfleet top — {time.strftime('%H:%M:%S')}", expand=True)
-    for title, _ in COLUMNS:
-        grid.add_column(title)
+    wide = width >= WIDE_COLUMNS
+    grid = Table(
+        title=f"genfleet top — {time.strftime('%H:%M:%S')}",
+        expand=wide,
+        box=box.HEAVY_HEAD if wide else box.SIMPLE_HEAD,
+        pad_edge=wide,
+    )
+    titles = [title for title, _ in COLUMNS] if wide else list(NARROW_COLUMNS)
+    for title in titles:
+        # A verdict and a cause are words a person acts on: never folded mid-word.
+        verdicts = title == "verdict, cause"
+        grid.add_column(title, overflow="fold", min_width=15 if verdicts else None)
     for row in data:
         power, limit = row.get("power_w"), row.get("power_limit_w")
         share = f" ({100 * power / limit:.0f}%)" if power and limit else ""
         colour = {"ok": "green", "underused": "red", "unresponsive": "red"}.get(
             str(row.get("verdict")), "yellow"
         )
+        verdict = f"[{colour}]{_fmt(row.get('verdict'))}[/]"
+        watts = f"{_fmt(power, 0)} / {_fmt(limit, 0)}{share}"
+        inflight = f"{_fmt(row.get('inflight'))} / {_fmt(row.get('inflight_cap'))}"
+        accept, joules = _fmt(row.get("accept_length"), 2), _fmt(row.get("j_per_token"), 3)
+        if wide:
+            grid.add_row(
+                _fmt(row.get("worker")),
+                _fmt(row.get("gpu_name")),
+                watts,
+                _fmt(row.get("tokens_per_s")),
+                _fmt(row.get("tokens_per_s_10m")),
+                inflight,
+                accept,
+                joules,
+                verdict,
+                _fmt(row.get("cause")),
+            )
+            continue
         grid.add_row(
-            _fmt(row.get("worker")),
-            _fmt(row.get("gpu_name")),
-            f"{_fmt(power, 0)} / {_fmt(limit, 0)}{share}",
-            _fmt(row.get("tokens_per_s")),
-            _fmt(row.get("tokens_per_s_10m")),
-            f"{_fmt(row.get('inflight'))} / {_fmt(row.get('inflight_cap'))}",
-            _fmt(row.get("accept_length"), 2),
-            _fmt(row.get("j_per_token"), 3),
-            f"[{colour}]{_fmt(row.get('verdict'))}[/]",
-            _fmt(row.get("cause")),
+            f"{_fmt(row.get('worker'))}\n{_fmt(row.get('gpu_name'))}",
+            watts,
+            f"{_fmt(row.get('tokens_per_s'))}\n{_fmt(row.get('tokens_per_s_10m'))}",
+            f"{inflight}\naccept {accept}, {joules} J",
+            f"{verdict}\n{_fmt(row.get('cause'))}",
         )
     grid.caption = (
         f"fleet: {totals['fleet_tokens_per_s_1m']:,.1f} tok/s (1 min), "
@@ -134,9 +165,9 @@ def main(settings: Settings, once: bool, json_out: bool, interval_s: float = 2.0
         return
     console = Console()
     if once:
-        console.print(table(rows(settings)))
+        console.print(table(rows(settings), console.width))
         return
-    with Live(table(rows(settings)), console=console, refresh_per_second=1) as live:
+    with Live(table(rows(settings), console.width), console=console, refresh_per_second=1) as live:
         while True:
             time.sleep(interval_s)
-            live.update(table(rows(settings)))
+            live.update(table(rows(settings), console.width))
