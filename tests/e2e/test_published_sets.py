@@ -2,7 +2,10 @@
 sample enqueued as its own run to one real worker and its emulator, whose request log says
 what the engine received. For every record the engine got exactly the set's system turn, the
 whole prompt (Alpaca's input, Dolly's context) and the turns before the old answer, and never
-an old answer; `genfleet export` holds every old answer as `previous`."""
+an old answer; `genfleet export` holds every old answer as `previous`. The samples cover every
+shape README's table names: Alpaca, Dolly, OpenOrca, query/response (MetaMathQA), MT-bench
+(`--first-turn`), ShareGPT with and without a system, OpenAI fine-tuning chats, an OpenAI Batch
+file (whose lines' own parameters reach the engine) and a plain `prompt` set (IFEval)."""
 
 from __future__ import annotations
 
@@ -83,6 +86,29 @@ def sharegpt(name: str) -> list[Expected]:
     return expected
 
 
+def chat(name: str) -> list[Expected]:
+    expected = []
+    for n, r in enumerate(rows_of(name), start=1):
+        *asked, old = r["messages"]
+        expected.append((f"{name}:{n}", asked, old["content"]))
+    return expected
+
+
+def openai_batch(name: str) -> list[Expected]:
+    return [(r["custom_id"], r["body"]["messages"], None) for r in rows_of(name)]
+
+
+def prompt(name: str) -> list[Expected]:
+    return [(f"{name}:{n}", [user(r["prompt"])], None) for n, r in enumerate(rows_of(name), 1)]
+
+
+def query_response(name: str) -> list[Expected]:
+    return [
+        (f"{name}:{n}", [user(r["query"])], r["response"])
+        for n, r in enumerate(rows_of(name), start=1)
+    ]
+
+
 # sample → (what it implies, its enqueue flags)
 SAMPLES: dict[str, tuple[Callable[[str], list[Expected]], list[str]]] = {
     "alpaca_data.sample.json": (alpaca, ["--regenerate"]),
@@ -91,6 +117,10 @@ SAMPLES: dict[str, tuple[Callable[[str], list[Expected]], list[str]]] = {
     "mt_bench_question.sample.jsonl": (mt_bench, ["--first-turn"]),  # no old answer
     "dummy_conversation.sample.json": (sharegpt, ["--regenerate"]),
     "dummy_conversation_with_system.sample.json": (sharegpt, ["--regenerate"]),
+    "toy_chat_fine_tuning.sample.jsonl": (chat, ["--regenerate"]),
+    "openai_example_batch.sample.jsonl": (openai_batch, []),  # no old answer
+    "ifeval_input_data.sample.jsonl": (prompt, []),  # no old answer
+    "metamathqa.sample.jsonl": (query_response, ["--regenerate"]),
 }
 
 
@@ -99,6 +129,7 @@ class Fleet:
     """What one worker made of every sample: the engine's requests, and each run's export."""
 
     requests: list[list[Message]]
+    bodies: list[dict[str, Any]]  # the engine's request bodies, in the order of `requests`
     exports: dict[str, dict[str, dict[str, Any]]]  # sample → id → exported row
     reports: dict[str, dict[str, Any]]  # sample → `report --json`
 
@@ -144,10 +175,8 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             assert result.exit_code == 0, result.output
             rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
             exports[sample] = {row["id"]: row for row in rows}
-        requests = [
-            orjson.loads(line)["body"]["messages"] for line in request_log.read_bytes().splitlines()
-        ]
-        yield Fleet(requests, exports, reports)
+        bodies = [orjson.loads(line)["body"] for line in request_log.read_bytes().splitlines()]
+        yield Fleet([body["messages"] for body in bodies], bodies, exports, reports)
     finally:
         worker.stop()
         client.flushdb()
@@ -192,3 +221,20 @@ def test_the_engine_got_each_record_once_and_nothing_else(fleet: Fleet) -> None:
     conversation: FastChat's dummy file does, so this is a count of each)."""
     implied = [m for sample, (read, _) in SAMPLES.items() for _, m, _ in read(sample)]
     assert sorted(map(orjson.dumps, fleet.requests)) == sorted(map(orjson.dumps, implied))
+
+
+def test_a_batch_line_s_own_parameters_reach_the_engine(fleet: Fleet) -> None:
+    """vLLM's published batch file asks `max_completion_tokens: 1000` of a named model: the
+    engine gets those lines with `max_tokens` 1000 (the run's own default is larger), and the
+    model the worker serves, not the name the line gives."""
+    sample = "openai_example_batch.sample.jsonl"
+    lines = {orjson.dumps(r["body"]["messages"]): r["body"] for r in rows_of(sample)}
+    got = [b for b in fleet.bodies if orjson.dumps(b["messages"]) in lines]
+    assert len(got) == len(lines) == 2
+    for body in got:
+        asked = lines[orjson.dumps(body["messages"])]
+        assert body["max_tokens"] == asked["max_completion_tokens"] == 1000
+        assert "max_completion_tokens" not in body
+        assert body["model"] != asked["model"]
+    others = [b for b in fleet.bodies if orjson.dumps(b["messages"]) not in lines]
+    assert others and all(b["max_tokens"] != 1000 for b in others)
