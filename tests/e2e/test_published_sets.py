@@ -19,6 +19,7 @@ import orjson
 import pytest
 import redis
 
+from genfleet.common import keys
 from genfleet.common.store import open_store
 from genfleet.producer.status import run_status
 from harness.env import TEST_REDIS_URL, base_env
@@ -86,9 +87,17 @@ def sharegpt(name: str) -> list[Expected]:
     return expected
 
 
+# sample → {line: field} of the lines a set publishes that cannot be asked, each a reject:
+# the OpenAI Cookbook's toy file has, on purpose, a conversation of a system turn and an
+# answer, which leaves nothing to answer once the old answer is removed.
+REJECTED: dict[str, dict[int, str]] = {"toy_chat_fine_tuning.jsonl": {4: "messages[-1]"}}
+
+
 def chat(name: str) -> list[Expected]:
     expected = []
     for n, r in enumerate(rows_of(name), start=1):
+        if n in REJECTED.get(name, {}):
+            continue
         *asked, old = r["messages"]
         expected.append((f"{name}:{n}", asked, old["content"]))
     return expected
@@ -117,7 +126,7 @@ SAMPLES: dict[str, tuple[Callable[[str], list[Expected]], list[str]]] = {
     "mt_bench_question.sample.jsonl": (mt_bench, ["--first-turn"]),  # no old answer
     "dummy_conversation.sample.json": (sharegpt, ["--regenerate"]),
     "dummy_conversation_with_system.sample.json": (sharegpt, ["--regenerate"]),
-    "toy_chat_fine_tuning.sample.jsonl": (chat, ["--regenerate"]),
+    "toy_chat_fine_tuning.jsonl": (chat, ["--regenerate"]),
     "openai_example_batch.sample.jsonl": (openai_batch, []),  # no old answer
     "ifeval_input_data.sample.jsonl": (prompt, []),  # no old answer
     "metamathqa.sample.jsonl": (query_response, ["--regenerate"]),
@@ -132,6 +141,7 @@ class Fleet:
     bodies: list[dict[str, Any]]  # the engine's request bodies, in the order of `requests`
     exports: dict[str, dict[str, dict[str, Any]]]  # sample → id → exported row
     reports: dict[str, dict[str, Any]]  # sample → `report --json`
+    rejects: dict[str, dict[int, str | None]]  # sample → {line: field} of its rejects
 
 
 def run_name(sample: str) -> str:
@@ -165,8 +175,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             return all(run_status(store, client, run_name(s))["state"] == "done" for s in SAMPLES)
 
         wait_for(all_done, 60, "every sample's run", 0.3)
-        exports, reports = {}, {}
+        exports, reports, rejects = {}, {}, {}
         for sample in SAMPLES:
+            rows = (store.get(keys.rejects_key(run_name(sample))) or b"").splitlines()
+            rejects[sample] = {r["line"]: r["field"] for r in map(orjson.loads, rows)}
             result = invoke("report", run_name(sample), "--json", *flags)
             assert result.exit_code == 0, result.output
             reports[sample] = orjson.loads(result.stdout)
@@ -176,7 +188,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
             exports[sample] = {row["id"]: row for row in rows}
         bodies = [orjson.loads(line)["body"] for line in request_log.read_bytes().splitlines()]
-        yield Fleet([body["messages"] for body in bodies], bodies, exports, reports)
+        yield Fleet([body["messages"] for body in bodies], bodies, exports, reports, rejects)
     finally:
         worker.stop()
         client.flushdb()
@@ -238,3 +250,8 @@ def test_a_batch_line_s_own_parameters_reach_the_engine(fleet: Fleet) -> None:
         assert body["model"] != asked["model"]
     others = [b for b in fleet.bodies if orjson.dumps(b["messages"]) not in lines]
     assert others and all(b["max_tokens"] != 1000 for b in others)
+
+
+@pytest.mark.parametrize("sample", list(SAMPLES))
+def test_only_the_lines_that_cannot_be_asked_are_rejected(fleet: Fleet, sample: str) -> None:
+    assert fleet.rejects[sample] == REJECTED.get(sample, {})
