@@ -18,6 +18,8 @@ The keys (names and reasons in common/keys.py) and who else may touch them — n
 - `queued_key(run)`: set of batches with a work order outstanding;
 - `running_key()`: hash "run/batch" (`running_field`) → the order as claimed, with
   `claimed_at` and `worker`, scanned by the lease reaper;
+- `cancelled_key(run)`: the run's orders held (`cancel`, the quality gate's pause) until an
+  enqueue resumes it (`hold`, `release_hold`; read where an order is admitted or parked);
 - `failed_key(run)`: hash batch → the last error of a batch that is parked for `retry`;
 - `attempts_key(run)`: hash batch → tries that failed;
 - `lost_key(run)`: hash batch → deliveries that ended with their worker gone;
@@ -326,6 +328,17 @@ class Ledger:
         pipe.srem(keys.queued_key(run), batch)
         pipe.hdel(keys.running_key(), running_field(run, batch))
         pipe.execute()
+
+    def hold(self, run: str, now: float) -> bool:
+        """Called by `cancel` and by the quality gate's pause: the run's orders are held (its
+        cancelled flag, which admission, a running batch's lease and the reaper read; `park`
+        parks only while it stands). True when this call set it (not held already)."""
+        return bool(self.client.set(keys.cancelled_key(run), now, nx=True))
+
+    def release_hold(self, run: str) -> bool:
+        """Called by an enqueue of the run (a resume): its orders are no longer held. True
+        when the run was held. Before the resume lists what is outstanding (`park`)."""
+        return bool(self.client.delete(keys.cancelled_key(run)))
 
     def park(self, run: str, batch: str) -> bool:
         """Called when the run is cancelled (at admission, while the batch ran, or by the

@@ -32,6 +32,7 @@ from typing import Any
 import orjson
 
 from genfleet.common import keys
+from genfleet.common.ledger import Ledger
 from genfleet.common.quality import GateSettings, QualityTally, Verdict
 from genfleet.common.redis_conn import RedisCommands, text
 
@@ -78,7 +79,7 @@ def pause(client: RedisCommands, run: str, verdict: Verdict, worker: str, now: f
     record = {**verdict.to_json(), "worker": worker, "paused_at": now}
     if not client.hsetnx(keys.paused_key(run), "verdict", orjson.dumps(record)):
         return False
-    client.set(keys.cancelled_key(run), now)
+    Ledger(client).hold(run, now)
     return True
 
 

@@ -49,7 +49,9 @@ class RedisCommands(Protocol):
     """The Redis commands of the batch path and the ledger; replies are bytes, as from a
     default client."""
 
-    def set(self, name: str, value: Value, /, *, px: int | None = None) -> Any: ...
+    def set(
+        self, name: str, value: Value, /, *, px: int | None = None, nx: bool = False
+    ) -> Any: ...
 
     def get(self, name: str, /) -> Any: ...
 

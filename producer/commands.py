@@ -24,11 +24,13 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import Store, store_of
 from genfleet.common.waste import waste_text
 from genfleet.producer.console import (
+    AnswerCol,
     FirstTurn,
     Json,
     RedisUrl,
     S3Endpoint,
     StoreUrl,
+    SystemCol,
     build_settings,
     console,
     fail,
@@ -89,12 +91,8 @@ def enqueue(
         str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
     ] = None,
     id_col: Annotated[str | None, typer.Option(help="field or column (jsonl, parquet, hf)")] = None,
-    system_col: Annotated[
-        str | None, typer.Option(help="the system prompt's field or column")
-    ] = None,
-    answer_col: Annotated[
-        str | None, typer.Option(help="the old answer's field or column (with --regenerate)")
-    ] = None,
+    system_col: SystemCol = None,
+    answer_col: AnswerCol = None,
     first_turn: FirstTurn = False,
     resume: Annotated[
         bool, typer.Option("--resume", help="rebuild the queue of RUN from the store alone")

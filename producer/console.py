@@ -35,6 +35,10 @@ S3Endpoint = Annotated[
     str | None, typer.Option("--s3-endpoint-url", help="GENFLEET_S3_ENDPOINT_URL (MinIO, ...)")
 ]
 Json = Annotated[bool, typer.Option("--json", help="one JSON object on stdout")]
+SystemCol = Annotated[str | None, typer.Option(help="the system prompt's field or column")]
+AnswerCol = Annotated[
+    str | None, typer.Option(help="the old answer's field or column (with --regenerate)")
+]
 FirstTurn = Annotated[
     bool,
     typer.Option("--first-turn", help="MT-bench-style `turns`: ask each row's first turn alone"),

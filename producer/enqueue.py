@@ -650,7 +650,7 @@ def enqueue_run(
     # the listing and is sent again, and none is parked after it.
     quality_gate.record_settings(client, run, gate_settings(settings))
     unpaused = quality_gate.resume(client, run)
-    uncancelled = bool(client.delete(keys.cancelled_key(run)))
+    uncancelled = ledger.release_hold(run)
     if verify:
         outstanding = orders_in_broker(client, queue, run)
         ledger.set_queued(run, outstanding)

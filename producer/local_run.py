@@ -42,8 +42,10 @@ from genfleet.producer.commands import (
     watch_run,
 )
 from genfleet.producer.console import (
+    AnswerCol,
     FirstTurn,
     Json,
+    SystemCol,
     console,
     format_eta,
     out,
@@ -171,12 +173,8 @@ def run_command(
         str | None, typer.Option(help="field or column (jsonl, parquet, hf)")
     ] = None,
     id_col: Annotated[str | None, typer.Option(help="field or column (jsonl, parquet, hf)")] = None,
-    system_col: Annotated[
-        str | None, typer.Option(help="the system prompt's field or column")
-    ] = None,
-    answer_col: Annotated[
-        str | None, typer.Option(help="the old answer's field or column (with --regenerate)")
-    ] = None,
+    system_col: SystemCol = None,
+    answer_col: AnswerCol = None,
     first_turn: FirstTurn = False,
     json_out: Json = False,
 ) -> None:

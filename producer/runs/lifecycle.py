@@ -116,7 +116,7 @@ def cancel_run(store: Store, client: redis.Redis, run: str) -> CancelResult:
     result = CancelResult(run=run)
     from genfleet.producer.broker import purge_orders  # Celery: only when needed
 
-    result.already = not client.set(keys.cancelled_key(run), time.time(), nx=True)
+    result.already = not Ledger(client).hold(run, time.time())
     for queue in _work_queues(client):
         removed = purge_orders(client, queue, run)
         result.orders_removed += len(removed)

@@ -39,6 +39,12 @@ def test_pexpire_sets_an_expiry_on_a_hash_that_exists(db: Any) -> None:
     wait_for(lambda: db.exists("bucket") == 0, 5, "a 100 ms hash to expire", 0.02)
 
 
+def test_set_nx_sets_only_a_key_that_is_not_there(db: Any) -> None:
+    assert db.set("flag", "1", nx=True)
+    assert not db.set("flag", "2", nx=True)
+    assert db.get("flag") == b"1"
+
+
 def test_set_overwrites_and_drops_an_old_expiry(db: Any) -> None:
     db.set("k", "a", px=100)
     db.set("k", 1.5)

@@ -100,11 +100,13 @@ class MemoryRedis:
 
     # --- strings and keys -------------------------------------------------------------------
 
-    def set(self, name: Value, value: Value, px: int | None = None) -> Any:
-        return self._run("set", name, value, px)
+    def set(self, name: Value, value: Value, px: int | None = None, nx: bool = False) -> Any:
+        return self._run("set", name, value, px, nx)
 
-    def _set(self, name: Value, value: Value, px: int | None) -> bool:
+    def _set(self, name: Value, value: Value, px: int | None, nx: bool = False) -> bool | None:
         key = self._live(name)
+        if nx and key in self._data:
+            return None  # as redis-py answers a SET NX that did not set
         self._data[key] = _String(encode(value))
         self._expires.pop(key, None)
         if px is not None:
