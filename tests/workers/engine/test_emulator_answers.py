@@ -60,8 +60,9 @@ def test_a_lower_enforced_cap_is_reported_per_dp_rank(
     assert [s["effective_max_running_requests_per_dp"] for s in info["internal_states"]] == [10, 10]
     body = {**CHAT, "top_k": 20, "seed": 7}
     httpx.post(f"{emulator.base_url}/v1/chat/completions", json=body, timeout=10)
-    (entry,) = [orjson.loads(line) for line in log.read_bytes().splitlines()]
+    entry, end = [orjson.loads(line) for line in log.read_bytes().splitlines()]
     assert entry["body"] == body and entry["outcome"] == "ok" and len(entry["id"]) == 32
+    assert (end["outcome"], end["id"]) == ("end", entry["id"]) and end["generated"] > 0
 
 
 def _texts(emulator_url: str, count: int, **extra: object) -> list[dict[str, object]]:

@@ -271,6 +271,7 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine.log_request({"body": body, "outcome": fault or "ok", "id": req.choices[0].seq.rid})
     if not req.stream:
         await engine.wait(req.seqs, waker)
+        engine.log_end(req.choices[0].seq.rid, req.seqs)
         return json_response(completion_body(req, engine))
     return await _stream(request, req, engine, waker)
 
@@ -323,6 +324,7 @@ async def _stream(
     finally:
         if not all(seq.done for seq in req.seqs):
             engine.abort(req.seqs)
+        engine.log_end(req.choices[0].seq.rid, req.seqs)
     return resp
 
 

@@ -179,8 +179,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
         if stream:
             return await _stream_error(request, exc)
         return json_response(exc.body_a() if exc.status == 503 else exc.body_b(), exc.status)
+    engine.log_generate(seqs)
     if not stream:
         await engine.wait(seqs, waker)
+        for seq in seqs:
+            engine.log_end(seq.rid, [seq])
         out = [result(seq, engine) for seq in seqs]
         return json_response(out if batched else out[0])
     return await _stream(request, seqs, batched, engine, waker)
@@ -233,4 +236,6 @@ async def _stream(
     finally:
         if not all(seq.done for seq in seqs):
             engine.abort(seqs)
+        for seq in seqs:
+            engine.log_end(seq.rid, [seq])
     return resp

@@ -183,6 +183,7 @@ class Sequence:
     loop_block: int = 0  # a loop's block, in tokens
     prefill_s: float = 0.0  # seconds (time-scaled) from admission before the first token
     answer: Any = None  # /generate: the Answer (sim/answer.py) this sequence writes
+    prompt_key: str = ""  # /generate with a request log: its prompt's ids, hashed
 
     @property
     def done(self) -> bool:
@@ -198,6 +199,7 @@ class Tallies:
     aborted: int = 0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    decoded_tokens: int = 0  # every output token stepped, of requests in flight too
     spec_forward_ct: int = 0
     spec_accept_tokens: int = 0
     avg_spec_accept_length: float | None = None
@@ -296,6 +298,7 @@ class Scheduler:
             t.interval_forward_ct += len(self.running)
             t.interval_accept_tokens += tokens
         t.steps += 1
+        t.decoded_tokens += tokens
         t.interval_steps += 1
         t.interval_tokens += tokens
         for seq in finished:
@@ -329,6 +332,7 @@ class Scheduler:
             t.interval_accept_tokens += seq.target_tokens
             t.interval_steps += steps
         self.tallies.interval_tokens += seq.target_tokens
+        self.tallies.decoded_tokens += seq.target_tokens
         self._finish(seq, now)
 
     def due_fold(self) -> bool:

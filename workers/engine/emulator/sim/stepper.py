@@ -10,6 +10,7 @@ HTTP path alone.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import math
 import os
@@ -111,6 +112,19 @@ class Knobs:
         return min(1.0, 1.0 / self.time_scale)
 
 
+def tokens_file(request_log: str, pid: int) -> str:
+    """Beside the request log: the output tokens engine process `pid` has stepped so far, its
+    requests in flight included, rewritten at every step. A request killed with its engine
+    never logs its end; this says what the engine drew all the same (harness/redone.py)."""
+    return f"{request_log}.{pid}.tokens"
+
+
+def prompt_key(prompt_ids: list[int]) -> str:
+    """A /generate prompt's ids as the request log names them: one answer's requests share it,
+    whatever they carry of its output."""
+    return hashlib.blake2b(orjson.dumps(prompt_ids), digest_size=8).hexdigest()
+
+
 class Engine:
     """Owns the scheduler, its stepping task, the power meter and the request counters."""
 
@@ -132,6 +146,12 @@ class Engine:
         self.received = 0
         self._faults = random.Random(0)  # the same run of 429s and aborts every time
         self._request_log = open(knobs.request_log, "ab") if knobs.request_log else None  # noqa: SIM115
+        self.pid = os.getpid()
+        self._tokens_fd: int | None = None
+        self._tokens_written = -1
+        if knobs.request_log:
+            path = tokens_file(knobs.request_log, self.pid)
+            self._tokens_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._last_log_s = -math.inf
@@ -168,15 +188,44 @@ class Engine:
             return "abort"
         return None
 
+    @property
+    def logs_requests(self) -> bool:
+        return self._request_log is not None
+
     def log_request(self, entry: dict[str, Any]) -> None:
-        """Append what a chat request asked and what it got to the request log, if kept, with
-        how many requests the engine held (running and waiting) when it arrived and when
-        (`ts`, this host's wall clock: a soak on one machine orders sends and faults by it)."""
+        """Append what a request asked and what it got to the request log, if kept, with how
+        many requests the engine held (running and waiting) when it arrived, this process
+        (`pid`: an engine restarted under the same log is another) and when (`ts`, this host's
+        wall clock: a soak on one machine orders sends and faults by it).
+
+        A chat request's line holds its `body`; a /generate request's one line per prompt
+        (`route` "generate") its prompt's ids hashed (`prompt`) and the output tokens it
+        carries in (`drawn`: an answer going on after a cut). Each request that ends, finished
+        or aborted, adds an `end` line with the output tokens it generated."""
         if self._request_log is not None:
             s = self.scheduler
-            entry = {**entry, "in_engine": len(s.running) + len(s.waiting), "ts": time.time()}
+            in_engine = len(s.running) + len(s.waiting)
+            entry = {**entry, "in_engine": in_engine, "pid": self.pid, "ts": time.time()}
             self._request_log.write(orjson.dumps(entry) + b"\n")
             self._request_log.flush()
+
+    def log_generate(self, seqs: list[Sequence]) -> None:
+        """The start line of each prompt of a /generate request the scheduler took."""
+        for seq in seqs:
+            entry = {"route": "generate", "prompt": seq.prompt_key, "outcome": "ok"}
+            self.log_request({**entry, "drawn": seq.answer.offset, "id": seq.rid})
+
+    def log_end(self, rid: str, seqs: list[Sequence]) -> None:
+        """Request `rid` ended (its sequences finished or aborted): what it generated."""
+        generated = sum(seq.generated for seq in seqs)
+        self.log_request({"outcome": "end", "id": rid, "generated": generated})
+
+    def _write_tokens(self) -> None:
+        """Rewrite the tokens file (`tokens_file`) when the count moved."""
+        decoded = self.scheduler.tallies.decoded_tokens
+        if self._tokens_fd is not None and decoded != self._tokens_written:
+            os.pwrite(self._tokens_fd, b"%20d\n" % decoded, 0)
+            self._tokens_written = decoded
 
     def start(self) -> None:
         if not self.model.zero_time:
@@ -186,6 +235,9 @@ class Engine:
         if self._request_log is not None:
             self._request_log.close()
             self._request_log = None
+        if self._tokens_fd is not None:
+            os.close(self._tokens_fd)
+            self._tokens_fd = None
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -221,6 +273,7 @@ class Engine:
         for prompt in prompts:
             text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
             if crash.on_prompt in text:
+                self.log_request({"route": "generate", "outcome": "crash", "id": None})
                 self._crash(f"RuntimeError: emulated crash on a prompt holding {crash.on_prompt!r}")
 
     def streamed(self, tokens: int) -> None:
@@ -364,6 +417,8 @@ class Engine:
             prefill_s=self.model.prefill_s(len(input_ids)),
         )
         seq.answer = Answer(self.writer, plan, drawn)
+        if self.logs_requests:
+            seq.prompt_key = prompt_key(input_ids[: split.prompt_len])
         return seq
 
     def reasoning_tokens(self, seq: Sequence) -> int:
@@ -400,6 +455,7 @@ class Engine:
             seq.stream = stream
             seq.stream_every = self.args.stream_interval
             self.scheduler.submit(seq, now)
+        self._write_tokens()
         crash = self.args.crash
         if (
             crash is not None
@@ -461,6 +517,7 @@ class Engine:
     def _step(self, now: float) -> None:
         s = self.scheduler
         finished = s.step(now)
+        self._write_tokens()
         for seq in s.running:  # a stream's chunk once --stream-interval tokens are unsent
             if seq.stream and seq.generated - seq.streamed_at >= seq.stream_every:
                 seq.streamed_at = seq.generated
