@@ -15,7 +15,7 @@ import pytest
 from genfleet.common.errors import AnswerInterrupted, RequestFailed
 from genfleet.common.records import GenerationParams, PromptRecord
 from genfleet.workers.feeding.client import EngineClient, ThinkingSwitch
-from genfleet.workers.feeding.drawn import Drawn
+from genfleet.workers.feeding.drawn import Drawn, worth_keeping
 from genfleet.workers.feeding.native import (
     GenerateStream,
     NativeClient,
@@ -280,3 +280,20 @@ def test_a_checkpointed_answer_goes_on_with_its_split_and_guard_window() -> None
     again.add([99, 5], "ink>\n\nBlue.")
     again.finish()
     assert ("".join(again.reasoning), "".join(again.content)) == ("Light scatters", "Blue.")
+
+
+@pytest.mark.parametrize(
+    ("drawn", "kept", "keep"),
+    [
+        (1, None, True),  # never kept: kept at once, a lost worker would cost it whole
+        (63, None, True),
+        (0, None, False),  # nothing drawn yet: nothing to keep
+        (100, 100, False),  # nothing new
+        (101, 100, True),  # anything new: what a lost worker costs is what was not kept
+        (130, 100, True),
+    ],
+)
+def test_which_answers_in_flight_the_next_checkpoint_keeps(
+    drawn: int, kept: int | None, keep: bool
+) -> None:
+    assert worth_keeping(drawn, kept) is keep

@@ -21,6 +21,21 @@ from genfleet.workers.feeding.reasoning import ReasoningSplit
 from genfleet.workers.feeding.repetition import Loop, RepetitionDetector, RepetitionRule
 
 
+def worth_keeping(drawn_tokens: int, kept_tokens: int | None) -> bool:
+    """Whether an answer in flight (`drawn_tokens` drawn; `kept_tokens` in the copy its batch's
+    checkpoint holds, None: never kept) goes into the next checkpoint: whenever it drew a token
+    since. A lost worker costs each answer what it drew since its copy, so the checkpoint
+    interval alone sets that cost. (Keeping an answer only once it drew 64 tokens more saved
+    rewriting ids, but at a checkpoint every 2 s an answer drawing 34 tokens a second in a full
+    engine was kept every other checkpoint, a young one not at all: a lost worker cost 40
+    tokens per answer in flight, 7 % of a chaos run's tokens.)
+
+    >>> worth_keeping(10, None), worth_keeping(0, None), worth_keeping(100, 100)
+    (True, False, False)
+    """
+    return drawn_tokens > (kept_tokens or 0)
+
+
 @dataclass(slots=True)
 class Drawn:
     """One answer's ids and text so far (the feeder's, per prompt)."""

@@ -67,7 +67,7 @@ from genfleet.common.waste import WasteTally
 from genfleet.workers.feeding.blame import Death, Verdict, goes_alone, judge
 from genfleet.workers.feeding.client import ChatResult
 from genfleet.workers.feeding.deadline import DeadlinePolicy, SequencePace, max_tokens_of
-from genfleet.workers.feeding.drawn import Drawn
+from genfleet.workers.feeding.drawn import Drawn, worth_keeping
 from genfleet.workers.feeding.limiter import InflightLimiter
 from genfleet.workers.feeding.suspects import SuspectLane
 
@@ -87,9 +87,6 @@ SERVED_WAIT_S = 120.0
 # The longest a failed request waits for its engine's exit to be counted: the supervisor sees
 # an exit within half a second and reads the process's last log lines for up to two.
 SETTLE_S = 4.0
-# An answer in flight is kept in its batch's checkpoint once it has drawn this many tokens
-# more than the copy kept last: a smaller gain is not worth rewriting its ids.
-DRAWN_SAVE_TOKENS = 64
 DRAWN_READ_S = 5.0  # the longest a batch's thread waits for the loop to list them
 
 
@@ -977,8 +974,8 @@ class Feeder:
         self, run: str, batch: str, saved: dict[tuple[str, int], int]
     ) -> list[tuple[str, int, dict[str, Any]]]:
         """The batch's answers in flight drawn by ids, as (id, sample, `Drawn.to_json`), each
-        only when it drew `DRAWN_SAVE_TOKENS` more since `saved` (updated here) says it was
-        last kept: what its checkpoint keeps so that another worker goes on from them."""
+        when `worth_keeping` says so of what `saved` (updated here) says was kept last: what
+        its checkpoint keeps so that another worker goes on from them."""
         return self.call(self._drawn_answers(run, batch, saved), timeout_s=DRAWN_READ_S)
 
     async def _drawn_answers(
@@ -987,7 +984,7 @@ class Feeder:
         rows = []
         for key, tries in self._live_answers.get((run, batch), {}).items():
             drawn = tries.drawn
-            if drawn is None or len(drawn.ids) - saved.get(key, 0) < DRAWN_SAVE_TOKENS:
+            if drawn is None or not worth_keeping(len(drawn.ids), saved.get(key)):
                 continue
             saved[key] = len(drawn.ids)
             rows.append((key[0], key[1], drawn.to_json()))
