@@ -14,6 +14,13 @@ given the new channel, counted there as delivered (the prefetch limit holds). A 
 meanwhile waits for that (`BatchRequest` calls `wait_for_channel`) and acks, or hands back, on
 the new channel: the broker's copy of the order (kombu's unacked hash, kept across a Redis
 restart by its AOF) is removed there.
+
+A task that ended just before the connection was lost has its ack (or hand-back) queued on the
+consumer's event loop (Celery's `call_soon_ack`), not yet done: the loop runs it after the
+reconnect, and on the old channel, whose connection is gone, it raised (`'NoneType' object has
+no attribute 'client'`), an unrecoverable error that ended the worker (the chaos soak's control
+worker, its reaper with it, at a Redis restart). Those messages are moved to the new channel
+too (`queued_on`), so the queued ack is done there.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +50,31 @@ _deferred: list[Callable[[], object]] = []
 
 def defer(action: Callable[[], object]) -> None:
     _deferred.append(action)
+
+
+# Requests whose ack or hand-back was queued on the consumer's event loop (`HeldRequest`
+# records them as it queues it): kombu has done it once their message says acknowledged.
+_queued: weakref.WeakSet[HeldRequest] = weakref.WeakSet()
+_queued_lock = threading.Lock()
+
+
+def queued(request: HeldRequest) -> None:
+    with _queued_lock:
+        _queued.add(request)
+
+
+def queued_on(channel: Any, requests: Any = None) -> list[HeldRequest]:
+    """The requests (by default every one recorded) whose ack or hand-back waits on the
+    consumer's event loop, to be done on `channel`: when the connection is lost, the loop
+    would do it on a channel with no connection."""
+    if requests is None:
+        with _queued_lock:
+            requests = tuple(_queued)
+    return [
+        r
+        for r in requests
+        if r.message is not None and not r.message.acknowledged and r.message.channel is channel
+    ]
 
 
 def held_requests(requests: Any) -> list[HeldRequest]:
@@ -73,11 +106,15 @@ class HeldRequest(Request):  # type: ignore[misc]
 
     def acknowledge(self) -> None:
         if self._on_the_broker("ack", lambda: Request.acknowledge(self)):
+            if not self.acknowledged:
+                queued(self)
             super().acknowledge()
 
     def reject(self, requeue: bool = False) -> None:
         later = lambda: Request.reject(self, requeue=requeue)  # noqa: E731
         if self._on_the_broker("hand back" if requeue else "reject", later):
+            if not self.acknowledged:
+                queued(self)
             super().reject(requeue=requeue)
 
     def _on_the_broker(self, what: str, later: Any) -> bool:
@@ -116,7 +153,8 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
 
         channel = _default_channel(self.connection)
         detached = 0
-        for request in held_requests(reserved_requests):
+        waiting = queued_on(channel) if channel is not None else []
+        for request in [*held_requests(reserved_requests), *waiting]:
             message = request.message
             if message.channel is not None and message.channel is channel:
                 channel.qos._delivered.pop(message.delivery_tag, None)
