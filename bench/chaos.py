@@ -3,22 +3,31 @@
 The fleet and the fault schedule are `harness/chaos.py`'s: a private redis-server (AOF
 on), moto S3 behind a proxy that can be cut, the control worker and two GPU workers with
 emulator engines; a seeded schedule of worker SIGKILLs, engine SIGKILLs and SIGSTOPs, Redis
-client kills, one Redis restart and S3 outages. The same fleet first runs the data without
-faults, then a second copy of it (other ids) under the schedule; both must end with every
-prompt exactly once and no batch parked. Goodput is prompts exported per second of wall time,
-from enqueue to the last output object.
+client kills, one Redis restart and S3 outages, placed per 1,000 prompts completed (each fault
+fires when the run's count of prompts completed reaches its point). The same fleet first runs
+the data without faults, then a second copy of it (other ids) under the schedule; both must end
+with every prompt exactly once and no batch parked. Goodput is prompts exported per second of
+wall time, from enqueue to the last output object.
 
-    python bench/chaos.py            # 1,800 prompts, 160 s of faults
-    python bench/chaos.py --quick    # the test's soak: 900 prompts, 80 s of faults, seed 4
+    python bench/chaos.py            # 3,200 prompts, 7 faults per 1,000 (24 faults, seed 4)
+    python bench/chaos.py --quick    # 1,600 prompts, the same rate (12 faults, seed 4)
 
-Every engine keeps a request log (`harness/resends.py`), so the prompts the chaos run sent
-to an engine again are printed per fault that caused them. And each GPU worker's engine is
-read twice a second (its process, and `num_running_reqs` from its /metrics): each run prints
-its engine-seconds by how full the engines were, so where the chaos run's time goes shows
-(no engine: dead, starting or frozen; idle; a quarter full or less; three quarters; more).
-With `--timeline` the chaos run is also printed second by second: each GPU worker's engine
-(requests running, `down` or `frozen`) and the faults played in that second, so the seconds a
-fault costs (an engine starting, a frozen engine holding the last prompts) can be read off.
+The goal: `goodput_vs_clean >= 0.85` and generated tokens redone at most 5 % of the tokens
+kept, every prompt exactly once.
+
+Every engine keeps a request log (`harness/resends.py`) and a count of the tokens it drew, so
+the chaos run prints per fault kind the prompts it sent to an engine again and the generated
+tokens redone: tokens the engines generated that no exported answer holds
+(`harness/redone.py`: every engine's tokens less the records' completion tokens, charged to
+the fault that threw them away), with how many answers went on from the ids they had drawn
+(records with `resumed_tokens`) and how many started over (`restarted`). And each GPU worker's
+engine is read twice a second (its process, and `num_running_reqs` from its /metrics): each run
+prints its engine-seconds by how full the engines were (no engine: dead, starting or frozen;
+idle; a quarter full or less; three quarters; more), and the chaos run its engine-seconds with
+no engine per fault kind (a look charged to the last fault that hit its worker, or that started
+it in a killed one's place). With `--timeline` the chaos run is also printed second by second:
+each GPU worker's engine (requests running, `down` or `frozen`) and the faults played in that
+second.
 
 The last line is `goodput_vs_clean: R`, chaos goodput over clean goodput.
 """
@@ -43,10 +52,20 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from genfleet.workers.observe.engine_state import engine_state_from_metrics  # noqa: E402
-from harness.chaos import Fleet, Played, fleet, soak_run  # noqa: E402
+from harness.chaos import (  # noqa: E402
+    FAULTS_PER_1000,
+    WORKER_SETTINGS,
+    Fleet,
+    Played,
+    SoakResult,
+    fleet,
+    soak_run,
+)
+from harness.redone import Redone, engine_tokens, redone_tokens, since  # noqa: E402
 from harness.resends import Sends, attribute, log_name  # noqa: E402
 
 FILLS = ("no engine", "idle", "<=25%", "<=75%", ">75%")
+GOAL_GOODPUT, GOAL_REDONE_SHARE = 0.85, 0.05
 
 
 def fill(running: int | None, cap: int) -> str:
@@ -158,15 +177,81 @@ def show(run: str, seconds: dict[str, float]) -> None:
     print(f"{run}: engine-seconds by fill: {parts}", flush=True)
 
 
+def no_engine_by_fault(
+    looks: list[Look], played: list[Played], start: float, wall_start: float, every_s: float
+) -> collections.Counter[str]:
+    """Engine-seconds with no engine (dead, starting, frozen) from `start` (monotonic; the
+    same moment `wall_start` on the faults' wall clock), each look charged to the last fault
+    before it that hit its worker or started it in a killed one's place (`none`: no fault)."""
+    seconds: collections.Counter[str] = collections.Counter()
+    for look in looks:
+        if look.at < start or look.bin != "no engine":
+            continue
+        at_s = wall_start + look.at - start
+        hit = [f for f in played if f.at_s <= at_s and look.worker in (f.target, f.started)]
+        seconds[hit[-1].action if hit else "none"] += every_s
+    return seconds
+
+
+def kept_tokens(result: SoakResult) -> int:
+    """The completion tokens of the run's exported answers."""
+    return sum(
+        int((row.get("usage") or {}).get("completion_tokens") or 0)
+        for row in result.rows
+        if row.get("error") is None
+    )
+
+
+def answers_after_cuts(result: SoakResult) -> str:
+    """How many answers went on from their ids (and the tokens carried), how many started over
+    and why."""
+    resumed = [int(row.get("resumed_tokens") or 0) for row in result.rows]
+    went_on = [n for n in resumed if n > 0]
+    restarted = [row["restarted"] for row in result.rows if row.get("restarted")]
+    reasons = collections.Counter(str(r.get("reason")) for r in restarted)
+    return (
+        f"answers that went on from their ids: {len(went_on)} ({sum(went_on)} tokens carried); "
+        f"answers that started over: {len(restarted)} "
+        f"({sum(int(r.get('tokens') or 0) for r in restarted)} tokens), {dict(reasons)}"
+    )
+
+
+def show_costs(
+    played: list[Played],
+    resent: collections.Counter[str],
+    redone: Redone,
+    kept: int,
+    no_engine: collections.Counter[str],
+) -> None:
+    """Per fault kind: how many were played, prompts sent again, tokens redone (and their
+    share of the tokens kept), engine-seconds with no engine."""
+    kinds = collections.Counter(f.action for f in played)
+    names = sorted({*kinds, *resent, *redone.by_cause, *no_engine}, key=lambda k: -kinds[k])
+    print("fault kind        played  sent again  tokens redone  of kept  no-engine s")
+    for name in names:
+        tokens = redone.by_cause[name]
+        print(
+            f"{name:<17} {kinds[name]:>6}  {resent[name]:>10}  {tokens:>13,}  "
+            f"{100 * tokens / max(kept, 1):>6.2f} %  {no_engine[name]:>11.1f}"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the test's soak (about 5 min)")
+    parser.add_argument("--quick", action="store_true", help="1,600 prompts (about 5 min)")
+    parser.add_argument("--prompts", type=int, help="the run's size (default 3,200; 1,600 quick)")
+    parser.add_argument("--faults-per-1000", type=float, default=FAULTS_PER_1000)
     parser.add_argument("--seed", type=int, default=4)
+    parser.add_argument(
+        "--checkpoint-interval-s",
+        type=float,
+        help=f"the workers' (default {WORKER_SETTINGS['checkpoint_interval_s']}, harness/chaos.py)",
+    )
     parser.add_argument(
         "--timeline", action="store_true", help="print the chaos run second by second"
     )
     args = parser.parse_args()
-    prompts, duration_s = (900, 80.0) if args.quick else (1800, 160.0)
+    prompts = args.prompts or (1600 if args.quick else 3200)
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     root = Path(tempfile.mkdtemp(prefix="genfleet-chaos-bench-"))
 
@@ -178,38 +263,69 @@ def main() -> None:
             "GENFLEET_ENGINE_API_KEY": api_key,  # the timeline reads the engines' /metrics
         }
 
-    with fleet(root, extra_env=request_log) as soak:
+    overrides = {}
+    if args.checkpoint_interval_s is not None:
+        overrides["checkpoint_interval_s"] = args.checkpoint_interval_s
+    with fleet(root, extra_env=request_log, overrides=overrides) as soak:
         timeline = EngineTimeline(soak, api_key)
         timeline.start()
         started = time.monotonic()
-        clean = soak_run(soak, "clean", prompts, None, 0.0, deadline_s=600.0)
+        tokens_before = engine_tokens(root)
+        clean = soak_run(soak, "clean", prompts, None, deadline_s=900.0)
         show("clean", timeline.seconds(started, time.monotonic()))
         sends = Sends(root)
         sends.read()  # the clean run's sends: both runs send the same texts
         before = {text: len(sent) for text, sent in sends.by_prompt.items()}
+        tokens_clean = engine_tokens(root)
+        clean_kept = kept_tokens(clean)
+        clean_generated = sum(since(tokens_clean, tokens_before).values())
         print(
             f"clean: {clean.prompts} prompts in {clean.seconds:.1f} s "
-            f"({clean.prompts_per_s:.2f} prompts/s)",
+            f"({clean.prompts_per_s:.2f} prompts/s); tokens generated {clean_generated:,}, "
+            f"kept {clean_kept:,}",
             flush=True,
         )
         started, wall_started = time.monotonic(), time.time()
-        chaos = soak_run(soak, "chaos", prompts, args.seed, duration_s, deadline_s=900.0)
+        chaos = soak_run(
+            soak, "chaos", prompts, args.seed, deadline_s=1200.0, per_1000=args.faults_per_1000
+        )
         show("chaos", timeline.seconds(started, time.monotonic()))
         timeline.stopped.set()
         timeline.join()
         if args.timeline:
             show_timeline(timeline.looks, soak.played, started, wall_started)
         print(
-            f"chaos (seed {args.seed}): {chaos.prompts} prompts in {chaos.seconds:.1f} s "
+            f"chaos (seed {args.seed}, {args.faults_per_1000:g} faults per 1,000 prompts): "
+            f"{chaos.prompts} prompts in {chaos.seconds:.1f} s "
             f"({chaos.prompts_per_s:.2f} prompts/s) through {len(chaos.actions)} faults: "
             f"{', '.join(chaos.actions)}",
             flush=True,
         )
         sends.read()
         chaotic = [sent[before.get(text, 0) :] for text, sent in sends.by_prompt.items()]
-        redone = attribute(chaotic, soak.played)
-        print(f"prompts sent again, by cause: {dict(redone.most_common())}", flush=True)
-    print(f"goodput_vs_clean: {chaos.prompts_per_s / clean.prompts_per_s:.3f}")
+        resent = attribute(chaotic, soak.played)
+        generated = since(engine_tokens(root), tokens_clean)
+        redone = redone_tokens(chaotic, sends.ended, generated, soak.played)
+        no_engine = no_engine_by_fault(
+            timeline.looks, soak.played, started, wall_started, timeline.every_s
+        )
+    kept = kept_tokens(chaos)
+    total = sum(generated.values())
+    show_costs(soak.played, resent, redone, kept, no_engine)
+    share = (total - kept) / max(kept, 1)
+    print(
+        f"tokens: generated {total:,}, kept {kept:,} (the answers' view: {redone.kept:,}), "
+        f"redone {total - kept:,} ({100 * share:.2f} % of kept; by cause above: "
+        f"{redone.total:,}; inconsistent {redone.inconsistent})"
+    )
+    print(answers_after_cuts(chaos))
+    goodput = chaos.prompts_per_s / clean.prompts_per_s
+    met = goodput >= GOAL_GOODPUT and share <= GOAL_REDONE_SHARE
+    print(
+        f"goal (goodput_vs_clean >= {GOAL_GOODPUT}, redone <= {100 * GOAL_REDONE_SHARE:g} % "
+        f"of kept, every prompt once): {'met' if met else 'not met'}"
+    )
+    print(f"goodput_vs_clean: {goodput:.3f}")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from harness.assertions import assert_exactly_once
 from harness.control import answering
 from harness.env import base_env, free_port
 from harness.processes import Worker
+from harness.resends import prompt_of
 from harness.runs import fault_settings, open_run_store, stage, wait_run_done
 from harness.services import RedisServer
 from harness.sources import write_prompts
@@ -40,14 +41,15 @@ RESENT_SHARE = 0.02  # of the prompts in flight when Redis went away
 
 
 def sends(request_log: Path) -> collections.Counter[str]:
-    """How many times the engine accepted each prompt (by its text), from its request log."""
+    """How many times the engine accepted each prompt (by its text or its hashed ids), from
+    its request log."""
     counts: collections.Counter[str] = collections.Counter()
     if not request_log.exists():
         return counts
     for line in request_log.read_bytes().splitlines():
-        entry = orjson.loads(line)
-        if entry["outcome"] in {"ok", "abort"}:
-            counts[entry["body"]["messages"][-1]["content"]] += 1
+        prompt = prompt_of(orjson.loads(line))
+        if prompt is not None:
+            counts[prompt] += 1
     return counts
 
 
