@@ -8,7 +8,6 @@ counters and the throughput window come from Redis.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import orjson
@@ -17,7 +16,7 @@ import redis
 from genfleet.common import findings, fleet_registry, keys, progress, quality_gate, summaries
 from genfleet.common.errors import InputError
 from genfleet.common.ledger import Ledger
-from genfleet.common.redis_conn import text
+from genfleet.common.redis_conn import server_time, text
 from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store
@@ -121,7 +120,8 @@ def run_status(
     size; with `verify` (or when Redis holds no reconciled copy) the store's outputs are
     listed first and the copy repaired from them (`common/progress.py`)."""
     keys.validate_run(run)
-    now = time.time() if now is None else now
+    # Redis's clock: the start, the last batch's end and the tok/s buckets are stamped by it.
+    now = server_time(client) if now is None else now
     snap = None if verify else progress.snapshot(client, run)
     ledger = Ledger(client)
     if snap is None:

@@ -18,7 +18,6 @@ While a batch runs, its lease (`genfleet.workers.lease`) says a live worker hold
 from __future__ import annotations
 
 import logging
-import time
 from typing import Any, Literal
 
 import redis
@@ -29,7 +28,7 @@ from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.errors import BatchFailed, BatchSuperseded, StoreError, ThinkingUnsupported
 from genfleet.common.ledger import Ledger, running_field
 from genfleet.common.records import WorkOrder
-from genfleet.common.redis_conn import RedisCommands
+from genfleet.common.redis_conn import RedisCommands, server_time
 from genfleet.common.routing import order_queue
 from genfleet.workers.app import app
 from genfleet.workers.context import TaskRuntime
@@ -134,7 +133,8 @@ def admit(
         # the lease (taken by `execute` before any other read), or a slow store lets the
         # reaper take a batch whose worker is alive.
         _check_model(runtime, work)
-        ledger.claim(order, worker, time.time(), runtime.presence_name)
+        # Stamped by Redis's clock, the one the reaper compares it with (not this host's).
+        ledger.claim(order, worker, server_time(client), runtime.presence_name)
     except (redis.RedisError, StoreError) as exc:
         raise Reject(
             f"{field}: Redis or the store failed before the batch started: {exc}", requeue=True

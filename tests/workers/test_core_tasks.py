@@ -171,6 +171,37 @@ def test_a_shutdown_requeues_the_batch_without_counting_a_try(
 # --- the reaper ------------------------------------------------------------------------------
 
 
+def test_a_batch_stamps_its_times_by_redis_clock_not_the_workers(make_runtime: MakeRuntime) -> None:
+    # The reaper compares a claim's time with its own pass's, both by Redis's clock: a worker
+    # whose host clock runs ten minutes ahead stamped its claims ten minutes into the future,
+    # and the reaper then left its batches alone ten minutes after it fell silent.
+    gate = threading.Event()
+    chat = FakeChat(gate=gate)
+    runtime = make_runtime(chat)
+    runtime.redis.time = lambda: (1_000, 500_000)  # type: ignore[method-assign]
+    order = stage_task(runtime, 2)
+    field = running_field(RUN, BATCH)
+
+    claims: list[float] = []
+
+    def read_claim() -> None:  # then let the batch finish
+        claims.append(orjson.loads(runtime.redis.hget(keys.running_key(), field))["claimed_at"])
+        gate.set()
+
+    claimed = meanwhile(
+        lambda: runtime.redis.hget(keys.running_key(), field), read_claim, "the batch's claim"
+    )
+    generate_batch(order)
+    claimed()
+
+    assert claims == [1_000.5]
+    # So are the run's start, its last batch's end and its tok/s bucket, which `status`
+    # compares with its own "now" and with each other.
+    counted = runtime.redis.hgetall(keys.counters_key(RUN))
+    assert (counted[b"started_at"], counted[b"last_done_at"]) == (b"1000.5", b"1000.5")
+    assert runtime.redis.hget(keys.throughput_bucket_key(RUN, 100), "")
+
+
 class Clock:
     def __init__(self) -> None:
         self.now = 0.0
