@@ -9,7 +9,6 @@ ids and `max_new_tokens = M - k` streams exactly the rest (ids and text), with t
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from itertools import accumulate
 from pathlib import Path
@@ -18,17 +17,16 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.chat_templates import DEEPSEEK, checkpoint
 from tests.support.emulator import Emulator, StartEmulator
 
 pytestmark = pytest.mark.integration
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "data" / "chat_templates"
 KEY = "tokenize-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 THINK, END_THINK, IM_START, IM_END = 151667, 151668, 151644, 151645
 # DeepSeek's EOS has no id in a checkpoint without added_tokens_decoder: the emulator's own.
 EOS_IDS = {"qwen3": IM_END, "qwen3_5": IM_END, "deepseek_v3_1": 151670}
-DEEPSEEK = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [
@@ -38,16 +36,6 @@ CHATS = [
         {"role": "user", "content": [{"type": "text", "text": "Say more about it, please."}]},
     ],
 ]
-
-
-def checkpoint(root: Path, template: str, config: dict[str, Any] | None = None) -> str:
-    """A model directory holding a published template as chat_template.jinja."""
-    model = root / template
-    model.mkdir()
-    shutil.copy(TEMPLATES / f"{template}.jinja", model / "chat_template.jinja")
-    if config is not None:
-        (model / "tokenizer_config.json").write_text(json.dumps(config))
-    return str(model)
 
 
 @pytest.fixture(scope="module")

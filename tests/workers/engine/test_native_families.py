@@ -21,8 +21,8 @@ from genfleet.workers.feeding.client import ChatResult, EngineClient, ThinkingSw
 from genfleet.workers.feeding.drawn import Drawn
 from genfleet.workers.feeding.native import NativeClient
 from genfleet.workers.feeding.transport import AiohttpTransport, Reply, Sink, Transport
+from tests.support.chat_templates import DEEPSEEK, checkpoint
 from tests.support.emulator import Emulator, StartEmulator
-from tests.workers.engine.test_emulator_tokenize import DEEPSEEK, checkpoint
 
 pytestmark = pytest.mark.integration
 
