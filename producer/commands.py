@@ -276,7 +276,8 @@ def status(
     for alarm in report["engine_alarms"]:
         out.print(f"  engine {escape(engine_alarm_text(alarm, time.time()))}", highlight=False)
     for worker, refusal in report["model_refusals"].items():
-        out.print(f"  {escape(worker)} refuses the run: {escape(refusal['why'])}", highlight=False)
+        why = escape(str(refusal.get("why")))
+        out.print(f"  {escape(worker)} refuses the run's model: {why}", highlight=False)
     if energy := energy_text(report):
         out.print(f"  energy: {energy}", highlight=False)
     if waste := waste_text(report.get("waste") or {}):

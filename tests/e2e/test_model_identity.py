@@ -109,6 +109,8 @@ def test_a_worker_of_another_model_hands_back_one_runs_orders_and_generates_the_
     assert "no worker serves the run's model" in report["unconsumed"]["message"]
     assert list(report["unconsumed"]["refused_by"]) == [odd.hostname]
     assert "quantization" in report["model_refusals"][odd.hostname]["why"]
+    printed = invoke("status", "plain", env=env)  # and on the terminal, naming the worker
+    assert printed.exit_code == 0 and odd.hostname in printed.output, printed.output
 
     healthy = start_worker({**env, "GENFLEET_PORT": str(free_port())}, name="plain")
     healthy.wait_ready()
