@@ -11,6 +11,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -28,14 +29,17 @@ from genfleet.workers.engine.families import choose
 from genfleet.workers.engine.fingerprint import checkpoint_identity
 from genfleet.workers.engine.plan import EnginePlan
 from genfleet.workers.engine.plan import check as plan_check
+from genfleet.workers.engine.sampling_defaults import read_sampling_defaults
 from genfleet.workers.engine.supervisor import EngineSupervisor
 from genfleet.workers.engine.watchdog import StallWatchdog
 from genfleet.workers.feeding import (
     DeadlinePolicy,
     EngineClient,
     Feeder,
+    NativeClient,
     ThinkingSwitch,
     default_max_inflight,
+    draws_by_ids,
     repetition_rule,
 )
 from genfleet.workers.observe.engine_state import (
@@ -147,17 +151,35 @@ class WorkerRuntime:
         log.info("%s", choice.describe().removeprefix("# "))
         self.model_identity = checkpoint_identity(settings, choice)
         api_key = local.api_key(settings)
+        chat = partial(
+            EngineClient,
+            base_url,
+            model=str(model),
+            api_key=api_key,
+            timeout_s=settings.request_timeout_s,
+            max_connections=max_inflight + 8,
+            thinking=thinking,
+            repetition=repetition_rule(settings),
+            stream_chunk_tokens=settings.stream_chunk_tokens,
+        )
+        # SGLang's native API draws answers by token ids, so a cut one goes on from them.
+        native = draws_by_ids(settings.engine_kind, info.get("version"))
+        defaults = read_sampling_defaults(str(settings.model or ""))
+        if settings.engine_kind == "emulator" and defaults is None:
+            defaults = {}  # the emulator's chat endpoint fills in no defaults either
         self.feeder = feeder = Feeder(
-            lambda: EngineClient(
-                base_url,
-                model=str(model),
-                api_key=api_key,
-                timeout_s=settings.request_timeout_s,
-                max_connections=max_inflight + 8,
-                thinking=thinking,
-                repetition=repetition_rule(settings),
-                stream_chunk_tokens=settings.stream_chunk_tokens,
-            ),
+            (
+                lambda: NativeClient(
+                    base_url,
+                    chat(),
+                    api_key=api_key,
+                    reasoning_parser=choice.reasoning_parser,
+                    sampling_defaults=defaults,
+                    max_connections=max_inflight + 8,
+                )
+            )
+            if native
+            else chat,
             engine,
             max_inflight,
             retries=settings.request_retries,
