@@ -223,5 +223,5 @@ def test_answers_kept_in_flight_go_to_the_next_try_for_their_own_prompt_only(
     summary = run(order, store, redis_client, feeder)
 
     assert set(feeder.drawn) == {("p0", 0)}
-    assert feeder.drawn[("p0", 0)].ids == [1, 2, 3]
+    assert list(feeder.drawn[("p0", 0)].ids) == [1, 2, 3]
     assert (summary.resumed, summary.completions) == (1, 3)

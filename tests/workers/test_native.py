@@ -179,7 +179,7 @@ def test_both_stream_shapes_give_the_same_answer(cumulative: bool) -> None:
         assert not stream.feed(b"data: " + __import__("orjson").dumps(chunk))
     assert stream.feed(b"data: [DONE]")
     drawn.finish()
-    assert drawn.ids == [1, 2, 3, 99, 4, 5, 6]
+    assert list(drawn.ids) == [1, 2, 3, 99, 4, 5, 6]
     assert ("".join(drawn.reasoning), "".join(drawn.content)) == ("Light scatters", "Blue.")
     assert sum(counted) == 7 and stream.finish_reason == "stop"
 
@@ -276,7 +276,7 @@ def test_a_checkpointed_answer_goes_on_with_its_split_and_guard_window() -> None
     drawn.add([1, 2, 3], "Light scat")
     drawn.add([4], "ters</th")  # a marker cut in two, held back
     again = Drawn.from_json(drawn.to_json())
-    assert again.ids == [1, 2, 3, 4]
+    assert list(again.ids) == [1, 2, 3, 4]
     again.add([99, 5], "ink>\n\nBlue.")
     again.finish()
     assert ("".join(again.reasoning), "".join(again.content)) == ("Light scatters", "Blue.")

@@ -356,7 +356,11 @@ class NativeClient:
         if before:
             drawn.resumed_tokens += before
         body = orjson.dumps(
-            {"input_ids": drawn.prompt_ids + drawn.ids, "sampling_params": sampling, "stream": True}
+            {
+                "input_ids": [*drawn.prompt_ids, *drawn.ids],
+                "sampling_params": sampling,
+                "stream": True,
+            }
         )
         stream = GenerateStream(drawn, on_begun, on_tokens)
         try:
