@@ -70,8 +70,9 @@ def claim_key(run: str) -> str:
 
 
 def model_key(run: str) -> str:
-    """The checkpoint fingerprint of the engine that generates the run, written once by the
-    first worker to generate one of its batches: workers serving another are handed back."""
+    """The model the run asks for (common/model_identity.py), written once by the producer as it
+    stages the run, before its first order: a worker serving another hands the run's orders
+    back. Runs staged by an older genfleet hold the fingerprint of their first worker here."""
     return f"{run}/model.json"
 
 
@@ -225,6 +226,14 @@ def throughput_bucket_key(run: str, bucket: int) -> str:
     """Hash "" → the run's tokens, worker → its tokens, generated in ten-second bucket
     `bucket` (common/throughput.py); expires an hour after."""
     return f"{PREFIX}:run:{run}:throughput:{bucket}"
+
+
+def model_refusals_key(run: str) -> str:
+    """Hash worker → why it does not serve the run's model (JSON), written by a worker as it
+    refuses the run and removed by one that serves it (common/model_identity.py): `status`
+    says the run's orders are held when every worker of its queue refused it. TTL: twice the
+    refusal memory (`refused_run_memory_s`), refreshed at each refusal noted."""
+    return f"{PREFIX}:run:{run}:model_refusals"
 
 
 def cancelled_key(run: str) -> str:

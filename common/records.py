@@ -190,11 +190,20 @@ class CompletionRecord:
     # start_token_estimate, block_chars (its period), repeats, block (its first characters),
     # rule, chars, completion_tokens, tokens_saved); None otherwise.
     repetition: dict[str, Any] | None = None
+    # Tokens of this answer drawn before a cut (an engine death, a worker lost) that it went
+    # on from by their ids: the answer is the model's, not started over.
+    resumed_tokens: int = 0
+    # An answer that had to start over after a cut: {"tokens": thrown away, "reason": why it
+    # could not go on (penalties, a grammar, an engine without token ids)}; None otherwise.
+    restarted: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
-        if data["previous"] is None:
-            del data["previous"]
+        for name in ("previous", "restarted"):
+            if data[name] is None:
+                del data[name]
+        if not data["resumed_tokens"]:
+            del data["resumed_tokens"]
         return data
 
     @classmethod

@@ -52,7 +52,7 @@ from genfleet.common.store import Store
 from genfleet.common.waste import WasteTally
 from genfleet.workers import checkpoint
 from genfleet.workers.crash_evidence import CrashEvidence
-from genfleet.workers.feeding import Feeder
+from genfleet.workers.feeding import Drawn, Feeder
 from genfleet.workers.lease import Lease
 from genfleet.workers.observe.live_progress import ProgressTally
 from genfleet.workers.provenance import ensure_current, read_staged
@@ -240,8 +240,12 @@ def execute(
         records = staged.records
         answers = old_answers.detach(records)  # --regenerate: never sent, copied to the output
         summary.prompts = len(records)
-        checkpointed, next_part = checkpoint.load_parts(store, order.run, order.batch)
+        checkpointed, next_part, in_flight = checkpoint.load_parts(store, order.run, order.batch)
         previous = checkpoint.kept_parts(staged, checkpointed)
+        drawn = {
+            key: Drawn.from_json(data)
+            for key, data in checkpoint.kept_drawn(staged, in_flight, previous).items()
+        }
         todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
         if answers:  # the longest-expected first: the batch does not end on a long straggler
             longest = old_answers.longest_first([i for i, _ in todo], answers)
@@ -261,7 +265,9 @@ def execute(
                     old_answers.attach(rec, answers.get(todo[j][0])), staged.digests[todo[j][0]]
                 ),
             ),
+            drawn=drawn,
         )
+        inflight = _InFlight(feeder, order, staged.digest_of())
         try:
             next_part = _follow(
                 future,
@@ -272,11 +278,14 @@ def execute(
                 checkpoint_interval_s,
                 cancelled,
                 len(todo),
+                inflight,
             )
         except BaseException as exc:
             # Stop this try's requests: the retry sends the unfinished prompts again, and
             # requests left running would do that work twice and hold in-flight slots of other
-            # batches. Only the engine failing or the worker stopping gets here.
+            # batches. Only the engine failing or the worker stopping gets here. The answers
+            # in flight are kept first: the retry goes on from their ids.
+            next_part = inflight.save(store, next_part)
             future.cancel()
             checkpoint.save_finished(store, order, next_part, collector.take_unflushed())
             error = _why(exc, order, len(collector.results), len(todo))
@@ -324,6 +333,7 @@ def _follow(
     checkpoint_interval_s: float,
     cancelled: Callable[[], bool] | None = None,
     todo: int = 0,
+    in_flight: _InFlight | None = None,
 ) -> int:
     """Wait for the batch's prompts, reporting progress and checkpointing as they finish.
 
@@ -343,6 +353,8 @@ def _follow(
         _check_cancelled(order, cancelled, len(collector.results), todo)
         reporter.report(order)
         if time.monotonic() - last_flush >= checkpoint_interval_s:
+            if in_flight is not None:
+                next_part = in_flight.save(store, next_part)
             rows = collector.take_unflushed()
             if rows:
                 try:
@@ -356,6 +368,39 @@ def _follow(
                         exc,
                     )
             last_flush = time.monotonic()
+
+
+class _InFlight:
+    """The batch's answers in flight drawn by ids, checkpointed beside its finished ones so
+    that a worker lost mid-answer costs the next one only the tokens drawn since."""
+
+    def __init__(self, feeder: Feeder, order: WorkOrder, digests: dict[tuple[str, int], str]):
+        self.feeder, self.order, self.digests = feeder, order, digests
+        self.saved: dict[tuple[str, int], int] = {}  # ids kept last, by (id, sample)
+
+    def save(self, store: Store, next_part: int) -> int:
+        """Checkpoint the answers that drew enough since they were kept; best effort: a
+        failure only means more tokens are drawn again should the worker be lost."""
+        order = self.order
+        before = dict(self.saved)
+        try:
+            answers = self.feeder.drawn_answers(order.run, order.batch, self.saved)
+        except (RuntimeError, FutureTimeout) as exc:  # the feeder's loop is gone or stuck
+            log.warning("answers in flight of %s/%s not read: %s", order.run, order.batch, exc)
+            return next_part
+        rows = [
+            checkpoint.drawn_row((name, sample), self.digests[(name, sample)], data)
+            for name, sample, data in answers
+            if (name, sample) in self.digests
+        ]
+        if not rows:
+            return next_part
+        try:
+            return checkpoint.write_rows(store, order, next_part, rows)
+        except (StoreError, BatchSuperseded) as exc:
+            self.saved = before
+            log.warning("answers in flight of %s/%s not kept: %s", order.run, order.batch, exc)
+            return next_part
 
 
 def _staged_as(record: CompletionRecord, digest: str) -> CompletionRecord:

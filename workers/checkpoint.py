@@ -7,6 +7,10 @@ part is written only while the order is still its run's (`provenance.ensure_curr
 run deleted and staged anew under its name must not receive this staging's answers. On the
 next try a part's row stands as a prompt's result only when it names that staged prompt's
 digest (`kept_parts`).
+
+A part also keeps answers still in flight that were drawn by token ids (rows with a `drawn`
+field, `workers/feeding/drawn`): the next try goes on from the longest one kept of each
+prompt, under the same digest rule (`kept_drawn`), instead of drawing it again from its start.
 """
 
 from __future__ import annotations
@@ -27,12 +31,18 @@ def is_result(row: dict[str, Any]) -> bool:
     """A checkpointed row that stands as the prompt's result: a completion or an error record.
     An aborted answer stored as a completion (by a worker before aborts were failed tries) is
     not one: its prompt is sent again."""
+    if "drawn" in row:
+        return False
     return bool(row.get("error")) or row.get("finish_reason") != "abort"
 
 
-def load_parts(store: Store, run: str, batch: str) -> tuple[dict[tuple[str, int], Any], int]:
-    """Checkpointed results of an earlier try, by (id, sample), and the next part number."""
+def load_parts(
+    store: Store, run: str, batch: str
+) -> tuple[dict[tuple[str, int], Any], int, dict[tuple[str, int], Any]]:
+    """Checkpointed results of an earlier try, by (id, sample), the next part number, and the
+    answers it had in flight (drawn by ids: the row with the most ids of each prompt)."""
     done: dict[tuple[str, int], Any] = {}
+    drawn: dict[tuple[str, int], Any] = {}
     count = 0
     for key in store.list(keys.parts_prefix(run, batch)):
         data = store.get(key)
@@ -40,9 +50,30 @@ def load_parts(store: Store, run: str, batch: str) -> tuple[dict[tuple[str, int]
         if data is None:
             continue
         for row in decode_jsonl_gz(data):
+            name = (row["id"], row.get("sample", 0))
             if is_result(row):
-                done[(row["id"], row.get("sample", 0))] = row
-    return done, count
+                done[name] = row
+            elif "drawn" in row:
+                kept = drawn.get(name)
+                if kept is None or len(row["drawn"]["ids"]) > len(kept["drawn"]["ids"]):
+                    drawn[name] = row
+    return done, count, drawn
+
+
+def drawn_row(name: tuple[str, int], digest: str, drawn: dict[str, Any]) -> dict[str, Any]:
+    """A checkpoint row of an answer in flight (`Drawn.to_json`), for the staged prompt of
+    `digest` only."""
+    return {"id": name[0], "sample": name[1], "prompt_sha256": digest, "drawn": drawn}
+
+
+def write_rows(store: Store, order: WorkOrder, part: int, rows: list[dict[str, Any]]) -> int:
+    """Checkpoint rows (answers in flight) as the next part while the order is still its
+    run's; returns the next part number."""
+    ensure_current(store, order)
+    data = encode_jsonl_gz(rows)
+    while not store.put_if_absent(keys.part_key(order.run, order.batch, part), data):
+        part += 1
+    return part + 1
 
 
 def write_part(store: Store, run: str, batch: str, part: int, rows: list[CompletionRecord]) -> int:
@@ -72,6 +103,14 @@ def save_finished(store: Store, order: WorkOrder, part: int, rows: list[Completi
         save(store, order, part, rows)
     except (StoreError, BatchSuperseded) as exc:
         log.warning("could not checkpoint %s/%s: %s", order.run, order.batch, exc)
+
+
+def kept_drawn(
+    staged: StagedInput, rows: dict[tuple[str, int], Any], done: dict[tuple[str, int], Any]
+) -> dict[tuple[str, int], dict[str, Any]]:
+    """The answers in flight checkpointed for the staged prompt of their (id, sample) and not
+    finished since, as `Drawn.to_json` data."""
+    return {key: row["drawn"] for key, row in kept_parts(staged, rows).items() if key not in done}
 
 
 def kept_parts(staged: StagedInput, rows: dict[tuple[str, int], Any]) -> dict[tuple[str, int], Any]:

@@ -16,7 +16,8 @@ from collections.abc import Callable
 
 from genfleet.common.errors import AnswerInterrupted, EngineDown
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
-from genfleet.workers.feeding.client import ChatResult
+from genfleet.workers.feeding.client import NO_TOKEN_IDS, ChatResult
+from genfleet.workers.feeding.drawn import Drawn
 from genfleet.workers.feeding.feeder import ChatClient, EngineHandle
 
 GATE_DEADLINE_S = 30.0
@@ -62,6 +63,9 @@ class FakeChat:
         self.closed = False
         self._lock = threading.Lock()
 
+    def drawing(self, record: PromptRecord, params: GenerationParams) -> Drawn | str:
+        return NO_TOKEN_IDS  # a chat endpoint's fake: answers start over
+
     async def chat(
         self,
         record: PromptRecord,
@@ -69,6 +73,7 @@ class FakeChat:
         timeout_s: float | None = None,
         on_begun: Callable[[], None] | None = None,
         on_tokens: Callable[[int], None] | None = None,
+        drawn: Drawn | None = None,
     ) -> ChatResult:
         with self._lock:
             self.calls[record.id] += 1
@@ -181,6 +186,9 @@ class CrashingEngine:
         self.last_error = "RuntimeError: poisoned" if crash else "engine exited with code -9"
         self._generation += 1
 
+    def drawing(self, record: PromptRecord, params: GenerationParams) -> Drawn | str:
+        return NO_TOKEN_IDS  # a chat endpoint's fake: answers start over
+
     async def chat(
         self,
         record: PromptRecord,
@@ -188,6 +196,7 @@ class CrashingEngine:
         timeout_s: float | None = None,
         on_begun: Callable[[], None] | None = None,
         on_tokens: Callable[[int], None] | None = None,
+        drawn: Drawn | None = None,
     ) -> ChatResult:
         self.sent[record.id] += 1
         self.events.append((time.monotonic(), "sent", record.id))

@@ -25,6 +25,7 @@ from genfleet.common.errors import (
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
 from genfleet.workers.feeding import feeder as feeder_module
 from genfleet.workers.feeding.client import ChatResult
+from genfleet.workers.feeding.drawn import Drawn
 from genfleet.workers.feeding.feeder import Feeder, default_max_inflight, retry_backoff_s
 from harness.waits import wait_for
 from tests.fakes.engine import CrashingEngine, FakeChat, FakeEngine, answer
@@ -510,6 +511,7 @@ class StreamingChat(FakeChat):
         timeout_s: float | None = None,
         on_begun: Callable[[], None] | None = None,
         on_tokens: Callable[[int], None] | None = None,
+        drawn: Drawn | None = None,
     ) -> ChatResult:
         for i, n in enumerate(self.chunks):
             if on_tokens is None:

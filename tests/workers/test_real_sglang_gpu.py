@@ -29,6 +29,7 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -116,9 +117,17 @@ class Stack:
         found = read_findings(self.client)
         return [f for f in found if cause in (f.get("cause"), f.get("verdict"))]
 
-    def run(self, run: str, count: int, tmp_path: Path, max_tokens: int | None = None) -> list[str]:
-        ids = write_prompts(tmp_path / f"{run}.jsonl", count, prefix=f"{run}-")
-        settings = self.settings
+    def run(
+        self,
+        run: str,
+        count: int,
+        tmp_path: Path,
+        max_tokens: int | None = None,
+        prefix: str | None = None,
+        **updates: Any,
+    ) -> list[str]:
+        ids = write_prompts(tmp_path / f"{run}.jsonl", count, prefix=prefix or f"{run}-")
+        settings = self.settings.model_copy(update=updates)
         if max_tokens is not None:
             settings = settings.model_copy(update={"max_tokens": max_tokens})
         stage(settings, run, tmp_path / f"{run}.jsonl")
@@ -182,8 +191,18 @@ def worker_stack(tmp: Path, model: Path, hostname: str, port: int, **extra: str)
 def mtp_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("mtp")
     # MTP given: the engine plan keeps it (it would choose by its estimate otherwise).
+    # Answers in flight checkpointed every 3 s, leases of 20 s: a lost worker's batch moves on
+    # within the test's time, and its answers go on from what was kept.
     with worker_stack(
-        tmp, Q35, "gpu0@h200", 30200, GENFLEET_ENGINE_STALL_TIMEOUT_S="20", GENFLEET_MTP="true"
+        tmp,
+        Q35,
+        "gpu0@h200",
+        30200,
+        GENFLEET_ENGINE_STALL_TIMEOUT_S="20",
+        GENFLEET_MTP="true",
+        GENFLEET_CHECKPOINT_INTERVAL_S="3",
+        GENFLEET_LEASE_TTL_S="20",
+        GENFLEET_REAPER_INTERVAL_S="5",
     ) as s:
         yield s
 
@@ -393,3 +412,104 @@ def test_engine_killed_mid_batch_is_restarted_and_its_prompts_done_once(
     assert mtp_stack.engine_pid() != killed
     _, rows = assert_exactly_once(mtp_stack.settings, "kill", ids, mtp_stack.client)
     assert all(row["error"] is None for row in rows)
+
+
+def answers(stack: Stack, run: str, ids: list[str]) -> dict[str, dict[str, Any]]:
+    """The run's rows by prompt id (each prompt exactly once, none an error)."""
+    _, rows = assert_exactly_once(stack.settings, run, ids, stack.client)
+    assert all(row["error"] is None for row in rows)
+    return {row["id"]: row for row in rows}
+
+
+def text(row: dict[str, Any]) -> str:
+    return (row.get("reasoning") or "") + "\x00" + (row.get("content") or "")
+
+
+def agreement(rows: dict[str, dict[str, Any]], twin: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """How far `rows` agree with `twin`, prompt by prompt: identical answers, and where the
+    others first differ (characters in, of their length)."""
+    same, firsts = 0, []
+    for name, row in rows.items():
+        a, b = text(row), text(twin[name])
+        if a == b:
+            same += 1
+            continue
+        first = next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+        firsts.append(min(len(a), len(b)) if first is None else first)
+    return {"answers": len(rows), "identical": same, "first_difference_chars": sorted(firsts)}
+
+
+def done(stack: Stack, run: str) -> bool:
+    return bool(stack.progress(run)["state"] == "done")
+
+
+def wait_drawn(stack: Stack, run: str, ids: list[str]) -> None:
+    """Until answers are well into their drawing: requests running, tokens streamed."""
+    assert stack.in_flight(run, ids) > 0
+    time.sleep(4.0)
+
+
+def test_answers_cut_by_an_engine_kill_go_on_from_their_ids(
+    mtp_stack: Stack, tmp_path: Path
+) -> None:
+    """Temperature 0: two uninterrupted runs of the same prompts, then a third with the engine
+    killed mid-answer. The cut answers go on from their ids (resumed_tokens, the whole budget
+    drawn, nothing started over) and agree with the first run as far as the second does."""
+    count, budget = 48, 768
+    twins = []
+    for run in ("twin-a", "twin-b"):
+        ids = mtp_stack.run(run, count, tmp_path, budget, prefix="q-", temperature=0.0)
+        wait_for(partial(done, mtp_stack, run), 300, run, 1.0)
+        twins.append(answers(mtp_stack, run, ids))
+    killed = mtp_stack.engine_pid()
+    ids = mtp_stack.run("cut", count, tmp_path, budget, prefix="q-", temperature=0.0)
+    wait_drawn(mtp_stack, "cut", ids)
+    os.killpg(os.getpgid(killed), signal.SIGKILL)
+    wait_for(lambda: mtp_stack.progress("cut")["state"] == "done", 420, "run cut", 1.0)
+    cut = answers(mtp_stack, "cut", ids)
+    resumed = {k: r for k, r in cut.items() if r.get("resumed_tokens")}
+    figures: dict[str, Any] = {
+        "twins": agreement(twins[1], twins[0]),
+        "resumed_vs_twin": agreement(resumed, twins[0]),
+        "resumed_tokens": sorted(r["resumed_tokens"] for r in resumed.values()),
+        "restarted": sum(1 for r in cut.values() if r.get("restarted")),
+    }
+    out = Path(os.environ.get("GENFLEET_GPU_OUT", "/tmp"))
+    (out / "resume_engine_kill.json").write_text(json.dumps(figures, indent=1))
+    assert resumed, "no answer was cut mid-way"
+    assert figures["restarted"] == 0
+    for row in resumed.values():  # the budget carried: drawn before + after = the budget
+        assert row["finish_reason"] == "length"
+        assert row["usage"]["completion_tokens"] == budget
+    twins_same = figures["twins"]["identical"] / count
+    resumed_same = figures["resumed_vs_twin"]["identical"] / len(resumed)
+    assert resumed_same >= twins_same - 0.25, figures
+
+
+def test_answers_of_a_lost_worker_go_on_from_its_checkpoint(
+    mtp_stack: Stack, tmp_path: Path
+) -> None:
+    """The worker and its engine SIGKILLed mid-answer: a new worker takes the batch once its
+    lease is out and goes on from the answers its checkpoint kept in flight."""
+    ids = mtp_stack.run("lost", 48, tmp_path, 1024, temperature=0.0)
+    wait_drawn(mtp_stack, "lost", ids)
+    time.sleep(4.0)  # a checkpoint of the answers in flight (every 3 s)
+    engine = mtp_stack.engine_pid()
+    mtp_stack.worker.kill(signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(os.getpgid(engine), signal.SIGKILL)
+    mtp_stack.worker.proc.wait()
+    fresh = Worker(mtp_stack.env, tmp_path / "worker2.log", "gpu0b@h200", ["worker"])
+    try:
+        fresh.wait_ready(420)
+        wait_for(lambda: mtp_stack.progress("lost")["state"] == "done", 420, "run lost", 1.0)
+        rows = answers(mtp_stack, "lost", ids)
+    finally:
+        fresh.stop(60)
+    resumed = [r for r in rows.values() if r.get("resumed_tokens")]
+    out = Path(os.environ.get("GENFLEET_GPU_OUT", "/tmp"))
+    (out / "resume_worker_kill.json").write_text(
+        json.dumps({"resumed": len(resumed), "tokens": [r["resumed_tokens"] for r in resumed]})
+    )
+    assert resumed, "no answer went on from the checkpoint"
+    assert all(r["usage"]["completion_tokens"] == 1024 for r in resumed)

@@ -37,6 +37,9 @@ class SlowClient:
     def __init__(self) -> None:
         self.release = asyncio.Event()
 
+    def drawing(self, record: object, params: object) -> str:
+        return "a fake chat endpoint"
+
     async def chat(
         self,
         record: PromptRecord,
@@ -44,6 +47,7 @@ class SlowClient:
         timeout_s: float | None = None,
         on_begun: object = None,
         on_tokens: object = None,
+        drawn: object = None,
     ) -> object:
         await self.release.wait()
         raise asyncio.CancelledError  # never reached in this test: the batch is cancelled

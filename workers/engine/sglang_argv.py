@@ -134,6 +134,9 @@ def sglang_launch(
         argv += ["--max-running-requests", str(max_running)]
     # Chunks every few dozen tokens, for the repetition guard (every release has the flag).
     argv += ["--stream-interval", str(settings.stream_chunk_tokens)]
+    # Each chunk of a streamed answer holds its new ids and text only: answers are drawn by
+    # ids (`/generate`), and cumulative chunks would resend all of them every time.
+    argv.append("--incremental-streaming-output")
     if settings.context_length is not None:
         argv += ["--context-length", str(settings.context_length)]
     if choice.reasoning_parser:

@@ -29,7 +29,7 @@ import email.utils
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import orjson
 
@@ -45,7 +45,8 @@ from genfleet.common.errors import (
 )
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
 from genfleet.workers.engine.launch import auth_headers
-from genfleet.workers.feeding.repetition import RepetitionRule, prompt_text
+from genfleet.workers.feeding.drawn import Drawn
+from genfleet.workers.feeding.repetition import Loop, RepetitionRule, prompt_text
 from genfleet.workers.feeding.stream import ChatStream
 from genfleet.workers.feeding.transport import AiohttpTransport, Transport
 
@@ -67,6 +68,7 @@ class ChatResult:
     model: str | None
     logprobs: Any = None
     repetition: dict[str, Any] | None = None  # the loop the guard stopped (finish "repetition")
+    resumed_tokens: int = 0  # tokens drawn before a cut that the answer went on from
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,17 +109,27 @@ def request_body(
         value = getattr(params, name)
         if value is not None:
             body[name] = value
+    if record.params:
+        own = dict(record.params)
+        own.pop("chat_template_kwargs", None)
+        body.update(own)
+    kwargs = template_kwargs(record, params, switch)
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    return body
+
+
+def template_kwargs(
+    record: PromptRecord, params: GenerationParams, switch: ThinkingSwitch
+) -> dict[str, Any]:
+    """The chat template's variables: the thinking switch (only where it differs from the
+    template's default), the run's `chat_template_kwargs`, the prompt's own over them."""
     kwargs: dict[str, Any] = {}
     if switch.key and (switch.default is None or params.thinking != switch.default):
         kwargs[switch.key] = params.thinking
     kwargs.update(params.chat_template_kwargs or {})
-    if record.params:
-        own = dict(record.params)
-        kwargs.update(own.pop("chat_template_kwargs", None) or {})
-        body.update(own)
-    if kwargs:
-        body["chat_template_kwargs"] = kwargs
-    return body
+    kwargs.update((record.params or {}).get("chat_template_kwargs") or {})
+    return kwargs
 
 
 def reasoning_tokens(usage: dict[str, Any]) -> int:
@@ -233,7 +245,16 @@ def stream_result(
     )
 
 
-def loop_figures(stream: ChatStream, completion: int, max_tokens: int | None) -> dict[str, Any]:
+class LoopedText(Protocol):
+    """An answer's text so far and the loop the guard found in it (`ChatStream`, `Drawn`)."""
+
+    reasoning: list[str]
+    content: list[str]
+    loop: Loop | None
+    loop_field: str | None
+
+
+def loop_figures(stream: LoopedText, completion: int, max_tokens: int | None) -> dict[str, Any]:
     """Where the stopped loop began and what stopping it saved.
 
     `completion_tokens` is the engine's count at the last chunk (continuous usage); a server
@@ -310,6 +331,8 @@ def answer_error(status: int, payload: bytes, retry_after: str | None = None) ->
 
 
 DEFAULT_RULE = RepetitionRule()
+# Why an answer drawn by a chat endpoint alone starts over after a cut.
+NO_TOKEN_IDS = "the engine's chat endpoint gives no token ids to go on from"
 
 
 class EngineClient:
@@ -354,10 +377,14 @@ class EngineClient:
         timeout_s: float | None = None,
         on_begun: Callable[[], None] | None = None,
         on_tokens: Callable[[int], None] | None = None,
+        drawn: Drawn | None = None,
     ) -> ChatResult:
         """One completion, streamed (the guard watching it); `timeout_s` is this request's
         deadline (default the client's); `on_begun()` fires at its first output text;
-        `on_tokens(n)` as its tokens stream (`ChatStream`: an estimate until a usage figure)."""
+        `on_tokens(n)` as its tokens stream (`ChatStream`: an estimate until a usage figure).
+        `drawn` is never given: `drawing` never makes one."""
+        if drawn is not None:
+            raise TypeError("the chat endpoint cannot go on from token ids")
         fields = streamed_body(request_body(record, params, self.model, self.thinking))
         body = orjson.dumps(fields)
         # An order may switch the guard off for its answers (a retry of stopped answers).
@@ -383,6 +410,10 @@ class EngineClient:
                 raise RequestFailed(200, "bad_response", f"not JSON: {exc}") from exc
             return parse_chat(data, time.monotonic() - started)
         raise answer_error(status, payload, retry_after)
+
+    def drawing(self, record: PromptRecord, params: GenerationParams) -> Drawn | str:
+        """Never by ids: the chat endpoint gives no token ids to go on from."""
+        return NO_TOKEN_IDS
 
     async def aclose(self) -> None:
         await self._transport.aclose()

@@ -67,6 +67,7 @@ from genfleet.common.waste import WasteTally
 from genfleet.workers.feeding.blame import Death, Verdict, goes_alone, judge
 from genfleet.workers.feeding.client import ChatResult
 from genfleet.workers.feeding.deadline import DeadlinePolicy, SequencePace, max_tokens_of
+from genfleet.workers.feeding.drawn import Drawn
 from genfleet.workers.feeding.limiter import InflightLimiter
 from genfleet.workers.feeding.suspects import SuspectLane
 
@@ -86,6 +87,10 @@ SERVED_WAIT_S = 120.0
 # The longest a failed request waits for its engine's exit to be counted: the supervisor sees
 # an exit within half a second and reads the process's last log lines for up to two.
 SETTLE_S = 4.0
+# An answer in flight is kept in its batch's checkpoint once it has drawn this many tokens
+# more than the copy kept last: a smaller gain is not worth rewriting its ids.
+DRAWN_SAVE_TOKENS = 64
+DRAWN_READ_S = 5.0  # the longest a batch's thread waits for the loop to list them
 
 
 class Evidence(Protocol):
@@ -139,10 +144,17 @@ class ChatClient(Protocol):
         timeout_s: float | None = None,
         on_begun: Callable[[], None] | None = None,
         on_tokens: Callable[[int], None] | None = None,
+        drawn: Drawn | None = None,
     ) -> ChatResult:
         """`on_begun()` fires at the answer's first output text (none may come); `on_tokens(n)`
         as its tokens stream (n < 0 corrects an estimate); a client that does not stream
-        need not call it."""
+        need not call it. `drawn`: the answer so far, drawn by ids and gone on from (from
+        `drawing`); None: a chat request, from the answer's beginning."""
+        ...
+
+    def drawing(self, record: PromptRecord, params: GenerationParams) -> Drawn | str:
+        """A new answer's `Drawn` when this client can draw it by ids and continue it after a
+        cut, else why not (the answer then starts over, and its record says why)."""
         ...
 
     async def aclose(self) -> None: ...
@@ -214,6 +226,11 @@ class _Tries:
     survived: bool = False
     alone: bool = False
     spent: int = 0  # tokens the engine generated in tries that failed (an abort's)
+    # The answer drawn by ids so far, gone on from after a cut (None: drawn by the chat
+    # endpoint, or not started); else why it starts over, and the tokens that cost.
+    drawn: Drawn | None = None
+    restart_reason: str | None = None
+    restarted_tokens: int = 0
 
 
 class _Streamed:
@@ -307,6 +324,9 @@ class Feeder:
         # set at each success, each prompt done with and each prompt that starts waiting to
         # be blamed: what `_served_since` waits on
         self._changed = asyncio.Event()
+        # Each running batch's prompts not yet done with, by (id, sample): what a checkpoint
+        # keeps of the answers in flight (`drawn_answers`).
+        self._live_answers: dict[tuple[str, str], dict[tuple[str, int], _Tries]] = {}
 
     async def _make(self, factory: Callable[[], ChatClient]) -> ChatClient:
         return factory()
@@ -331,12 +351,15 @@ class Feeder:
         params: GenerationParams,
         on_record: Callable[[int, CompletionRecord], None],
         on_sent: Callable[[], None] | None = None,
+        drawn: dict[tuple[str, int], Drawn] | None = None,
     ) -> Future[None]:
         """Start every prompt of a batch; `on_record(index, record)` fires as each finishes,
-        `on_sent()` once every prompt has been sent to the engine (only stragglers left)."""
+        `on_sent()` once every prompt has been sent to the engine (only stragglers left).
+        `drawn`: answers an earlier try of the batch had begun (its checkpoint), by (id,
+        sample): they go on from their ids."""
         carried = self._carried(run, batch)
         future = self.submit(
-            self._batch(run, batch, list(records), params, on_record, on_sent, carried)
+            self._batch(run, batch, list(records), params, on_record, on_sent, carried, drawn)
         )
         with self._batches_lock:
             self._batches.add(future)
@@ -389,6 +412,7 @@ class Feeder:
         on_record: Callable[[int, CompletionRecord], None],
         on_sent: Callable[[], None] | None = None,
         carried: dict[str, int] | None = None,
+        drawn: dict[tuple[str, int], Drawn] | None = None,
     ) -> None:
         name = (run, batch)
         with self._batches_lock:
@@ -411,8 +435,11 @@ class Feeder:
             if not records:
                 sent()
             async with asyncio.TaskGroup() as group:  # first hard failure cancels the rest
+                live = self._live_answers.setdefault(name, {})
                 for index, record in enumerate(records):
                     tries = _Tries(crashes=(carried or {}).get(f"{record.sample}:{record.id}", 0))
+                    tries.drawn = (drawn or {}).get((record.id, record.sample))
+                    live[(record.id, record.sample)] = tries
                     group.create_task(
                         self._one(
                             run, batch, index, record, params, on_record, (unsent, sent), tries
@@ -426,6 +453,7 @@ class Feeder:
             raise
         finally:
             self.waiting -= unsent[0]  # prompts cancelled before they were ever sent
+            self._live_answers.pop(name, None)
             with self._batches_lock:
                 if self._tasks.get(name) is task:
                     del self._tasks[name]
@@ -447,6 +475,7 @@ class Feeder:
         finally:
             self._live -= 1
             self._changed.set()
+            self._live_answers.get((run, batch), {}).pop((record.id, record.sample), None)
 
     async def _tries(
         self,
@@ -459,28 +488,36 @@ class Feeder:
         progress: tuple[list[int], Callable[[], None]],
         tries: _Tries,
     ) -> None:
+        if tries.drawn is None:
+            way = self._client.drawing(record, params)
+            if isinstance(way, Drawn):
+                tries.drawn = way
+            else:
+                tries.restart_reason = way
         while True:
             try:
                 result = await self._send(record, params, tries, progress)
             except RequestRejected as exc:
-                on_record(index, self._record(run, batch, record, exc))
+                on_record(index, self._record(run, batch, record, exc, tries.spent, tries))
                 return
             except RequestTimedOut as exc:
-                on_record(index, self._record(run, batch, record, await self._late(exc, tries)))
+                late = await self._late(exc, tries)
+                on_record(index, self._record(run, batch, record, late, tries.spent, tries))
                 return
             except EngineBusy as exc:
                 await self._busy(exc, tries)
                 continue
             except RequestFailed as exc:
-                tries.spent += exc.tokens
+                if tries.drawn is None:  # else its tokens stay with the answer
+                    tries.spent += exc.tokens
                 if await self._failed(run, batch, record, exc, tries):
-                    on_record(index, self._record(run, batch, record, exc, tries.spent))
+                    on_record(index, self._record(run, batch, record, exc, tries.spent, tries))
                     return
                 continue
             except EngineDown as exc:
                 crash = await self._down(run, batch, record, exc, tries)
                 if crash is not None:
-                    on_record(index, self._record(run, batch, record, crash))
+                    on_record(index, self._record(run, batch, record, crash, tries.spent, tries))
                     return
                 continue
             now = time.monotonic()
@@ -489,7 +526,7 @@ class Feeder:
             self.pace.add(result.usage.completion_tokens, result.latency_s)
             self._canary = (record, params)
             self._limiter.completed(now)
-            on_record(index, self._record(run, batch, record, result))
+            on_record(index, self._record(run, batch, record, result, tries=tries))
             return
 
     async def _send(
@@ -502,7 +539,8 @@ class Feeder:
         """One try: through the suspect lane when the engine died with it in flight, then a
         limiter slot, then the engine, with this request's own deadline."""
         unsent, on_sent = progress
-        timeout_s = self._deadline_s(record, params)
+        before = len(tries.drawn.ids) if tries.drawn is not None else 0
+        timeout_s = self._deadline_s(record, params, before)
         suspect = tries.deaths > 0 or tries.crashes > 0
         if suspect:
             solo = goes_alone(tries.deaths, tries.crashes)
@@ -538,8 +576,13 @@ class Feeder:
                         timeout_s,
                         lambda: self._arrived(tries, True, suspect),
                         on_tokens=streamed.add,
+                        drawn=tries.drawn,
                     )
-                    streamed.settle(result.usage.completion_tokens)
+                    streamed.settle(result.usage.completion_tokens - before)
+                except BaseException:
+                    if tries.drawn is None:  # an answer drawn by chat starts over
+                        tries.restarted_tokens += max(streamed.tokens, 0)
+                    raise
                 finally:
                     self.inflight -= 1
                     self._arrived(tries, False, suspect)
@@ -825,11 +868,14 @@ class Feeder:
         finally:
             self._unblamed -= 1
 
-    def _deadline_s(self, record: PromptRecord, params: GenerationParams) -> float | None:
-        """This request's deadline: its token budget at the engine's measured pace."""
+    def _deadline_s(
+        self, record: PromptRecord, params: GenerationParams, drawn_tokens: int = 0
+    ) -> float | None:
+        """This request's deadline: the token budget it has left (less what an answer gone on
+        from had drawn) at the engine's measured pace."""
         if self.deadline is None:
             return None
-        budget = max_tokens_of(record.params, params.max_tokens)
+        budget = max(max_tokens_of(record.params, params.max_tokens) - drawn_tokens, 1)
         return self.deadline.deadline_s(budget, self.pace.tokens_per_s())
 
     async def _serves_others(self, failing_since: float) -> bool:
@@ -862,10 +908,19 @@ class Feeder:
         record: PromptRecord,
         result: ChatResult | RequestRejected | RequestFailed,
         spent_tokens: int = 0,
+        tries: _Tries | None = None,
     ) -> CompletionRecord:
         """The prompt's output record; an error record's usage counts the tokens its failed
-        tries generated (`spent_tokens`: GPU time that bought nothing)."""
+        tries generated (`spent_tokens`, and an answer drawn by ids: GPU time that bought
+        nothing). A completion says how many of its tokens it went on from after a cut
+        (`resumed_tokens`), and an answer that had to start over, why and what that cost
+        (`restarted`)."""
+        restarted = None
+        if tries is not None and tries.restarted_tokens:
+            restarted = {"tokens": tries.restarted_tokens, "reason": tries.restart_reason}
         if isinstance(result, RequestRejected | RequestFailed):
+            if tries is not None and tries.drawn is not None:
+                spent_tokens += len(tries.drawn.ids)
             self.waste.add({"error": True, "usage": {"completion_tokens": spent_tokens}})
             self.quality.add({"error": True})
             return CompletionRecord(
@@ -882,6 +937,7 @@ class Feeder:
                 error={"type": result.kind, "message": str(result)},
                 sample=record.sample,
                 custom_id=record.custom_id,
+                restarted=restarted,
             )
         self.tokens_total += result.usage.completion_tokens
         answer = {
@@ -913,7 +969,29 @@ class Feeder:
             request_id=result.request_id,
             logprobs=result.logprobs,
             repetition=result.repetition,
+            resumed_tokens=result.resumed_tokens,
+            restarted=restarted,
         )
+
+    def drawn_answers(
+        self, run: str, batch: str, saved: dict[tuple[str, int], int]
+    ) -> list[tuple[str, int, dict[str, Any]]]:
+        """The batch's answers in flight drawn by ids, as (id, sample, `Drawn.to_json`), each
+        only when it drew `DRAWN_SAVE_TOKENS` more since `saved` (updated here) says it was
+        last kept: what its checkpoint keeps so that another worker goes on from them."""
+        return self.call(self._drawn_answers(run, batch, saved), timeout_s=DRAWN_READ_S)
+
+    async def _drawn_answers(
+        self, run: str, batch: str, saved: dict[tuple[str, int], int]
+    ) -> list[tuple[str, int, dict[str, Any]]]:
+        rows = []
+        for key, tries in self._live_answers.get((run, batch), {}).items():
+            drawn = tries.drawn
+            if drawn is None or len(drawn.ids) - saved.get(key, 0) < DRAWN_SAVE_TOKENS:
+                continue
+            saved[key] = len(drawn.ids)
+            rows.append((key[0], key[1], drawn.to_json()))
+        return rows
 
     def close(self) -> None:
         if not self._loop.is_running():

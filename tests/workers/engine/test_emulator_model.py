@@ -254,3 +254,33 @@ def test_adaptive_scheduler_draws_the_tier_accept_length() -> None:
         s.submit(Sequence(str(i), 1, 10_000, "length", i, 0.0), 0.0)
     s.step(0.01)
     assert s.tallies.spec_accept_tokens == 64  # 64 running: no drafts, one token each
+
+
+@pytest.mark.parametrize(("prompt", "first_token_step"), [(100, 1), (8_000, 17), (40_000, 82)])
+def test_prefill_costs_the_whole_input(prompt: int, first_token_step: int) -> None:
+    """A sequence's first token waits for its input's prefill (a continuation's input is its
+    prompt plus the output it carries): 40,000 tokens a second, in decode steps of 12.25 ms."""
+    m = model()
+    s = Scheduler(m, max_running=8)
+    one = seq(5, prompt=prompt)
+    one.prefill_s = m.prefill_s(prompt)
+    s.submit(one, 0.0)
+    step, now = 0, 0.0
+    while one.generated == 0:
+        step += 1
+        now += m.step_time_s(1)
+        s.step(now)
+    assert step == first_token_step
+    assert model(step_base_ms=0.0, step_per_request_ms=0.0).prefill_s(prompt) == 0.0
+
+
+def test_crash_flags_parse_and_gate() -> None:
+    flags = ["--emulator-crash-after-tokens", "40", "--emulator-crash-once", "/tmp/x"]
+    args = parse_args(["--model-path", "m", *flags, "--incremental-streaming-output"])
+    assert args.crash is not None
+    assert (args.crash.after_tokens, args.crash.once_path) == (40, "/tmp/x")
+    assert args.incremental_streaming_output
+    with pytest.raises(LaunchError):
+        parse_args(["--model-path", "m", "--emulator-crash-once", "/tmp/x"])
+    with pytest.raises(LaunchError):
+        parse_args(["--model-path", "m", "--emulator-crash-after-tokens", "0"])

@@ -182,6 +182,7 @@ def test_maximal_settings_emit_every_flag_the_builder_knows() -> None:
         "--mem-fraction-static",
         "--max-running-requests",
         "--stream-interval",
+        "--incremental-streaming-output",
         "--context-length",
         "--reasoning-parser",
         "--tool-call-parser",

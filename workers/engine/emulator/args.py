@@ -10,7 +10,11 @@ A few flags are the emulator's own, for fault tests, passed with `--engine-extra
 SGLang refuses them): it dies the way an engine does, its last log line an error:
 
     --emulator-crash-at-running 8 --emulator-crash-line "RuntimeError: ..."   # at a load level
-    --emulator-crash-on-prompt POISON     # on receiving a chat request whose messages hold it
+    --emulator-crash-on-prompt POISON     # on a generation request whose prompt holds it (chat
+                                          # messages; /generate text, or its ids decoded)
+    --emulator-crash-after-tokens 40      # once a sequence has streamed 40 output tokens
+    --emulator-crash-once /tmp/crashed    # any of the above only while that file does not
+                                          # exist (created first): a restarted engine lives
 """
 
 from __future__ import annotations
@@ -79,11 +83,15 @@ DEFAULT_CRASH_LINE = "RuntimeError: emulated engine crash (--emulator-crash-at-r
 @dataclass(frozen=True, slots=True)
 class CrashKnobs:
     """When the emulator dies on purpose: once `at_running` requests run (printing `line`
-    as its last error, as SGLang's scheduler does), or on receiving `on_prompt`."""
+    as its last error, as SGLang's scheduler does), on receiving `on_prompt`, or once a
+    sequence has streamed `after_tokens` tokens; with `once_path`, only while that file does
+    not exist (it is created just before dying)."""
 
     at_running: int | None = None
     line: str = DEFAULT_CRASH_LINE
     on_prompt: str | None = None
+    after_tokens: int | None = None
+    once_path: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,6 +122,7 @@ class EngineArgs:
     extra: dict[str, Any]
     crash: CrashKnobs | None = None
     stream_interval: int = 1  # --stream-interval: tokens between a stream's chunks
+    incremental_streaming_output: bool = False  # stream chunks carry only the new text and ids
 
     @property
     def reserved_tokens(self) -> int:
@@ -152,6 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=None)
     p.add_argument("--max-queued-requests", type=int, default=None)
     p.add_argument("--stream-interval", type=int, default=1)
+    p.add_argument("--incremental-streaming-output", action="store_true")
     p.add_argument("--context-length", type=human_int, default=None)
     p.add_argument("--reasoning-parser", default=None)
     p.add_argument("--speculative-algorithm", default=None)
@@ -179,6 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--emulator-crash-at-running", type=int, default=None)
     p.add_argument("--emulator-crash-line", default=DEFAULT_CRASH_LINE)
     p.add_argument("--emulator-crash-on-prompt", default=None)
+    p.add_argument("--emulator-crash-after-tokens", type=int, default=None)
+    p.add_argument("--emulator-crash-once", default=None)
     return p
 
 
@@ -323,6 +335,7 @@ def parse_args(argv: list[str]) -> EngineArgs:
         architectures=[str(a) for a in architectures],
         model_type=str(config.get("model_type", "emulated")),
         stream_interval=max(1, ns.stream_interval),
+        incremental_streaming_output=ns.incremental_streaming_output,
         extra={
             "tool_call_parser": ns.tool_call_parser,
             "trust_remote_code": ns.trust_remote_code,
@@ -335,12 +348,27 @@ def parse_args(argv: list[str]) -> EngineArgs:
 
 def crash_knobs(ns: argparse.Namespace) -> CrashKnobs | None:
     """The emulator's crash flags, None when none is given."""
-    if ns.emulator_crash_at_running is None and ns.emulator_crash_on_prompt is None:
+    triggers = (
+        ns.emulator_crash_at_running,
+        ns.emulator_crash_on_prompt,
+        ns.emulator_crash_after_tokens,
+    )
+    if all(t is None for t in triggers):
+        if ns.emulator_crash_once is not None:
+            raise LaunchError("--emulator-crash-once needs a crash flag to gate")
         return None
-    if ns.emulator_crash_at_running is not None and ns.emulator_crash_at_running < 1:
-        raise LaunchError("--emulator-crash-at-running must be at least 1")
+    for flag, value in (
+        ("--emulator-crash-at-running", ns.emulator_crash_at_running),
+        ("--emulator-crash-after-tokens", ns.emulator_crash_after_tokens),
+    ):
+        if value is not None and value < 1:
+            raise LaunchError(f"{flag} must be at least 1")
     return CrashKnobs(
-        ns.emulator_crash_at_running, ns.emulator_crash_line, ns.emulator_crash_on_prompt
+        ns.emulator_crash_at_running,
+        ns.emulator_crash_line,
+        ns.emulator_crash_on_prompt,
+        ns.emulator_crash_after_tokens,
+        ns.emulator_crash_once,
     )
 
 
@@ -377,6 +405,7 @@ def server_args_dict(args: EngineArgs) -> dict[str, Any]:
         "allow_auto_truncate": args.allow_auto_truncate,
         "decode_log_interval": 40,
         "stream_interval": args.stream_interval,
+        "incremental_streaming_output": args.incremental_streaming_output,
         "disable_overlap_schedule": False,
         "enable_mixed_chunk": False,
         "speculative_algorithm": spec.algorithm if spec else None,

@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from genfleet.workers.engine.emulator.args import EngineArgs, server_args_dict
-from genfleet.workers.engine.emulator.routes import chat, generate, metrics
+from genfleet.workers.engine.emulator.routes import chat, generate, metrics, tokenize
 from genfleet.workers.engine.emulator.routes.error_bodies import json_response
 from genfleet.workers.engine.emulator.sim.power import NodeKnobs, gpu_readings
 from genfleet.workers.engine.emulator.sim.stepper import TP0, Engine, Knobs
@@ -209,6 +209,10 @@ def build_app(state: State) -> web.Application:
         app.router.add_get(path, server_info)
     app.router.add_post("/v1/chat/completions", chat.chat_completions)
     app.router.add_post("/generate", generate.generate)
+    for path in ("/v1/tokenize", "/tokenize"):
+        app.router.add_post(path, tokenize.tokenize)
+    for path in ("/v1/detokenize", "/detokenize"):
+        app.router.add_post(path, tokenize.detokenize)
     app.router.add_route("*", "/flush_cache", flush_cache)
     app.router.add_get("/genfleet/power", power)
     if args.enable_metrics:

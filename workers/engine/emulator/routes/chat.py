@@ -56,6 +56,7 @@ class Choice:
     sent_reasoning: int = 0
     sent_content: int = 0
     finished: bool = False
+    eos_id: int = EOS_TOKEN_ID  # the checkpoint's EOS, what `matched_stop` names
 
     def texts(self, generated: int) -> tuple[str, str]:
         """(reasoning_content, content) after `generated` tokens; each grows by appending.
@@ -83,7 +84,7 @@ class Choice:
 
     @property
     def matched_stop(self) -> int | None:
-        return EOS_TOKEN_ID if self.seq.done and self.seq.finish_reason == "stop" else None
+        return self.eos_id if self.seq.done and self.seq.finish_reason == "stop" else None
 
 
 @dataclass(slots=True)
@@ -153,7 +154,7 @@ def parse(body: dict[str, Any], engine: Engine) -> ChatRequest:
             min_tokens=opt_int(body, "min_tokens", SCHEMA) or 0,
         )
         reasoning = engine.reasoning_tokens(seq) if thinking else 0
-        choices.append(Choice(i, seq, reasoning, separate))
+        choices.append(Choice(i, seq, reasoning, separate, eos_id=engine.eos_id))
     stream_options = body.get("stream_options")
     return ChatRequest(
         model=str(body.get("model", "default")),
@@ -310,6 +311,7 @@ async def _stream(
             out = [part for c in req.choices for part in _progress(head, c, so_far)]
             if out:
                 await resp.write(b"".join(out))
+                engine.streamed(max(c.seq.generated for c in req.choices))
             if all(c.finished for c in req.choices):
                 break
             await waker.wait()

@@ -1,8 +1,17 @@
 """POST /generate, SGLang's native API: `text` or `input_ids`, single or batched (§3).
 
+A `text` prompt is tokenized with the emulator's tokenizer; then ids are split at the last
+generation prompt of the chat template (`sim/generation_prompt.py`): what follows it is output
+the model already drew, and the answer goes on from there token-exactly (`sim/answer.py`):
+ids `prompt + first k output ids` with `max_new_tokens = M - k` stream exactly the rest of
+what `prompt` with `M` streams, with the same finish. `output_ids`/`text` hold this request's
+tokens only (never the EOS); `meta_info.prompt_tokens` is the whole input, `completion_tokens`
+what this request generated.
+
 Streams carry the cumulative `text`/`output_ids` in every chunk (SGLang's default, which
-bench_serving relies on); `meta_info` gains `finish_reason`, `e2e_latency` and the
-speculative fields only on a sequence's final chunk.
+bench_serving relies on), or with `--incremental-streaming-output` only what is new since the
+last chunk; `meta_info` gains `finish_reason`, `e2e_latency` and the speculative fields only
+on a sequence's final chunk.
 """
 
 from __future__ import annotations
@@ -25,15 +34,9 @@ from genfleet.workers.engine.emulator.routes.validate import (
     opt_int,
     read_json,
 )
+from genfleet.workers.engine.emulator.sim.answer import Answer
 from genfleet.workers.engine.emulator.sim.model import Sequence
 from genfleet.workers.engine.emulator.sim.stepper import Engine
-from genfleet.workers.engine.emulator.sim.text import (
-    EOS_TOKEN_ID,
-    count_tokens,
-    prompt_seed,
-    synth_ids,
-    synth_text,
-)
 
 SCHEMA = "GenerateReqInput"
 DEFAULT_MAX_NEW_TOKENS = 128
@@ -54,7 +57,7 @@ def meta_info(seq: Sequence, engine: Engine, final: bool) -> dict[str, Any]:
     if not final or seq.finished_s is None:
         return meta
     if seq.finish_reason == "stop":
-        meta["finish_reason"] = {"type": "stop", "matched": EOS_TOKEN_ID}
+        meta["finish_reason"] = {"type": "stop", "matched": engine.eos_id}
     else:
         meta["finish_reason"] = {"type": "length", "length": seq.generated}
     meta["e2e_latency"] = seq.finished_s - seq.arrived_s
@@ -96,18 +99,23 @@ def _timings(seq: Sequence, engine: Engine) -> dict[str, Any]:
     }
 
 
-def _prompts(body: dict[str, Any]) -> tuple[bool, list[tuple[str, int]]]:
-    """(batched?, [(seed key, prompt tokens)]) from `text` or `input_ids`."""
+def _prompts(body: dict[str, Any]) -> tuple[bool, list[str | list[int]]]:
+    """(batched?, [the text or the ids of each prompt])."""
     text, ids = body.get("text"), body.get("input_ids")
     if isinstance(text, str):
-        return False, [(text, count_tokens(text))]
+        return False, [text]
     if isinstance(text, list) and text and all(isinstance(t, str) for t in text):
-        return True, [(t, count_tokens(t)) for t in text]
-    if isinstance(ids, list) and ids and all(isinstance(i, int) for i in ids):
-        return False, [(repr(ids[:256]), len(ids))]
+        return True, list(text)
+    if isinstance(ids, list) and ids and all(_is_id(i) for i in ids):
+        return False, [ids]
     if isinstance(ids, list) and ids and all(isinstance(i, list) for i in ids):
-        return True, [(repr(i[:256]), len(i)) for i in ids]
+        if all(one and all(_is_id(i) for i in one) for one in ids):
+            return True, list(ids)
     raise ApiError(400, "Either text, input_ids or input_embeds should be provided.")
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def parse(body: dict[str, Any], engine: Engine) -> tuple[bool, list[Sequence]]:
@@ -126,15 +134,16 @@ def parse(body: dict[str, Any], engine: Engine) -> tuple[bool, list[Sequence]]:
         max_new_tokens=max_new,
     )
     max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
+    engine.check_crash_prompt(prompts)
     seqs = []
-    for i, (key, tokens) in enumerate(prompts):
-        limit = engine.check_lengths(tokens, max_new)
-        seq = engine.plan(
-            tokens,
-            prompt_seed(key, i),
+    for prompt in prompts:
+        ids = engine.tokenizer.encode(prompt, True) if isinstance(prompt, str) else prompt
+        limit = engine.check_lengths(len(ids), max_new)
+        seq = engine.plan_answer(
+            ids,
             limit,
             ignore_eos=params.get("ignore_eos") is True,
-            min_tokens=opt_int(params, "min_new_tokens", SCHEMA) or 0,
+            min_new=opt_int(params, "min_new_tokens", SCHEMA) or 0,
         )
         if isinstance(body.get("rid"), str) and not batched:
             seq.rid = body["rid"]
@@ -142,10 +151,13 @@ def parse(body: dict[str, Any], engine: Engine) -> tuple[bool, list[Sequence]]:
     return batched, seqs
 
 
-def result(seq: Sequence, engine: Engine, final: bool = True) -> dict[str, Any]:
+def result(seq: Sequence, engine: Engine, final: bool = True, since: int = 0) -> dict[str, Any]:
+    """A sequence's answer so far: its tokens from `since` on (0: all of this request's)."""
+    answer: Answer = seq.answer
+    answer.upto(seq.generated)
     return {
-        "text": synth_text(seq.seed, seq.generated),
-        "output_ids": synth_ids(seq.seed, seq.generated),
+        "text": "".join(answer.pieces[since : seq.generated]),
+        "output_ids": answer.ids[since : seq.generated],
         "meta_info": meta_info(seq, engine, final),
     }
 
@@ -204,13 +216,15 @@ async def _stream(
             for i, seq in enumerate(seqs):
                 if closed[i] or (seq.generated == sent[i] and not seq.done):
                     continue
-                chunk = result(seq, engine, final=seq.done)
+                since = sent[i] if engine.args.incremental_streaming_output else 0
+                chunk = result(seq, engine, final=seq.done, since=since)
                 if batched:
                     chunk["index"] = i
                 out.append(sse(chunk))
                 sent[i], closed[i] = seq.generated, seq.done
             if out:
                 await resp.write(b"".join(out))
+                engine.streamed(max(sent))
             if all(closed):
                 break
             await waker.wait()

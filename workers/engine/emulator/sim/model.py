@@ -20,6 +20,10 @@ So MTP wins at low concurrency (≈ accept_length / 1.35 faster per request) and
 running: with the defaults (12 ms, 0.25 ms, 2.6) the crossover is near 110 concurrent requests.
 Completion lengths are lognormal (heavy tail) with the configured mean, drawn from the prompt
 hash, so the same prompt always gets the same length.
+
+Prefill: a sequence's first token comes no earlier than `prompt_tokens / PREFILL_TOKENS_PER_S`
+(time-scaled) after its admission, so a long input (a continuation's prompt plus the output
+it carries) costs its whole length, as on a real engine; a short prompt fits in the first step.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from genfleet.workers.engine.emulator.args import SpecConfig
 SPEC_BASE_FACTOR = 1.35
 SPEC_VERIFY_COST_PER_DRAFT = 0.6
 COMPLETION_SIGMA = 0.9
+PREFILL_TOKENS_PER_S = 40_000.0  # an H100's prefill rate on a mid-size model, roughly
 DECODE_LOG_INTERVAL = 40
 # (running requests from, draft steps) of the adaptive tiers; below the first: the launch's steps.
 ADAPTIVE_TIERS = (
@@ -93,6 +98,12 @@ class TimeModel:
             verify = SPEC_VERIFY_COST_PER_DRAFT * (steps + 1)
             ms = self.step_base_ms * SPEC_BASE_FACTOR + self.step_per_request_ms * running * verify
         return ms / 1000.0 / self.time_scale
+
+    def prefill_s(self, input_tokens: int) -> float:
+        """Seconds (time-scaled) the prefill of `input_tokens` takes; 0 in zero-time mode."""
+        if self.zero_time:
+            return 0.0
+        return input_tokens / PREFILL_TOKENS_PER_S / self.time_scale
 
     def tokens_per_s(self, concurrency: int, max_running: int) -> float:
         """Steady-state generation throughput for a client keeping `concurrency` requests open."""
@@ -170,6 +181,8 @@ class Sequence:
     text_kind: str = "plain"  # "loop", a legit kind (sim/text.py) or "plain"
     loop_at: int = 0  # a loop's first token
     loop_block: int = 0  # a loop's block, in tokens
+    prefill_s: float = 0.0  # seconds (time-scaled) from admission before the first token
+    answer: Any = None  # /generate: the Answer (sim/answer.py) this sequence writes
 
     @property
     def done(self) -> bool:
@@ -261,6 +274,10 @@ class Scheduler:
         finished: list[Sequence] = []
         mean = self.model.accept_for(len(self.running))
         for seq in self.running:
+            if seq.first_token_s is None and seq.prefill_s > 0:
+                admitted = seq.admitted_s if seq.admitted_s is not None else now
+                if now < admitted + seq.prefill_s:
+                    continue  # still prefilling
             take = self._draw(mean) if spec is not None else 1
             take = min(take, seq.target_tokens - seq.generated)
             seq.generated += take

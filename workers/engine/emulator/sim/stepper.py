@@ -24,6 +24,9 @@ import orjson
 
 from genfleet.workers.engine.emulator.args import EngineArgs
 from genfleet.workers.engine.emulator.routes.error_bodies import ApiError, queue_full
+from genfleet.workers.engine.emulator.sim.answer import Answer, Plan, Writer
+from genfleet.workers.engine.emulator.sim.chat_template import ChatTemplate
+from genfleet.workers.engine.emulator.sim.generation_prompt import derive
 from genfleet.workers.engine.emulator.sim.model import (
     Scheduler,
     Sequence,
@@ -32,7 +35,13 @@ from genfleet.workers.engine.emulator.sim.model import (
     plan_length,
 )
 from genfleet.workers.engine.emulator.sim.power import EnergyMeter, PowerModel
-from genfleet.workers.engine.emulator.sim.text import draw_loop, draw_text_kind
+from genfleet.workers.engine.emulator.sim.text import (
+    EOS_TOKEN_ID,
+    draw_loop,
+    draw_text_kind,
+    prompt_ids_seed,
+)
+from genfleet.workers.engine.emulator.sim.tokenizer import SimTokenizer
 
 if TYPE_CHECKING:
     from genfleet.common.settings import Settings
@@ -126,6 +135,21 @@ class Engine:
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._last_log_s = -math.inf
+        self.tokenizer = SimTokenizer.from_checkpoint(args.model_path)
+        self.template = ChatTemplate.from_checkpoint(args.model_path)
+        self.family = derive(self.template, self.tokenizer)
+        self.writer = Writer(self.tokenizer, self.family.after_think)
+        eos = self.tokenizer.eos_id
+        self.eos_id = eos if eos is not None else EOS_TOKEN_ID
+        self._crash_armed = True  # cleared when --emulator-crash-once finds its file
+        log.info(
+            "Chat template: %s; generation prompts: %s",
+            self.template.origin,
+            ", ".join(
+                f"{p.start} after {self.tokenizer.decode(p.ids)!r}" for p in self.family.prompts
+            )
+            or "none",
+        )
 
     @property
     def enforced_max_running(self) -> int:
@@ -180,7 +204,7 @@ class Engine:
             os._exit(1)
 
     def check_crash(self, messages: Any) -> None:
-        """Die on a request whose messages hold `--emulator-crash-on-prompt`."""
+        """Die on a chat request whose messages hold `--emulator-crash-on-prompt`."""
         crash = self.args.crash
         if crash is None or crash.on_prompt is None:
             return
@@ -188,9 +212,42 @@ class Engine:
             self.log_request({"body": {"messages": messages}, "outcome": "crash", "id": None})
             self._crash(f"RuntimeError: emulated crash on a prompt holding {crash.on_prompt!r}")
 
+    def check_crash_prompt(self, prompts: list[str | list[int]]) -> None:
+        """Die on a /generate request whose prompt (its text, or its ids decoded) holds
+        `--emulator-crash-on-prompt`."""
+        crash = self.args.crash
+        if crash is None or crash.on_prompt is None:
+            return
+        for prompt in prompts:
+            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
+            if crash.on_prompt in text:
+                self._crash(f"RuntimeError: emulated crash on a prompt holding {crash.on_prompt!r}")
+
+    def streamed(self, tokens: int) -> None:
+        """A stream has sent `tokens` output tokens of one sequence: die once that reaches
+        `--emulator-crash-after-tokens` (the client has those tokens, as after a real crash)."""
+        crash = self.args.crash
+        if crash is None or crash.after_tokens is None or tokens < crash.after_tokens:
+            return
+        self._crash(
+            f"RuntimeError: emulated crash after {tokens} streamed tokens "
+            "(--emulator-crash-after-tokens)"
+        )
+
     def _crash(self, line: str) -> None:
         """Exit as SGLang's scheduler does on an exception: a traceback, its last line the
-        error, then the parent's notice."""
+        error, then the parent's notice. With `--emulator-crash-once PATH`, only while PATH
+        does not exist: it is created first, so the restarted engine lives on."""
+        once = self.args.crash.once_path if self.args.crash is not None else None
+        if not self._crash_armed:
+            return
+        if once is not None:
+            try:
+                with open(once, "x"):
+                    pass
+            except FileExistsError:
+                self._crash_armed = False
+                return
         log.error("Scheduler hit an exception: Traceback (most recent call last):", extra=TP0)
         sys.stderr.write('  File "emulator/sim/stepper.py", in submit\n' + line + "\n")
         log.error("Received sigquit from a child process. It usually means the child failed.")
@@ -250,9 +307,63 @@ class Engine:
             seed=seed,
             arrived_s=self.clock(),
             text_kind=kind,
+            prefill_s=self.model.prefill_s(prompt_tokens),
         )
         if looping:
             seq.loop_at, seq.loop_block = draw_loop(seed, target)
+        return seq
+
+    def plan_answer(
+        self,
+        input_ids: list[int],
+        max_new: int | None,
+        *,
+        ignore_eos: bool = False,
+        min_new: int = 0,
+    ) -> Sequence:
+        """A /generate sequence: the prompt is `input_ids` up to the last generation prompt,
+        the rest output already drawn (`k` tokens). The answer's plan comes from the prompt
+        alone and its caps are counted over the whole answer (`k` + this request's), so a
+        continuation writes exactly what the uninterrupted request would have from token `k`
+        on, and stops at the same length for the same reason."""
+        split = self.family.split(input_ids)
+        drawn = split.drawn
+        seed = prompt_ids_seed(input_ids[: split.prompt_len])
+        caps = [
+            self.args.context_length - split.prompt_len - self.args.reserved_tokens - 1,
+            self.knobs.max_completion_tokens,
+        ]
+        if max_new is not None:
+            caps.append(drawn + max_new)
+        kind = draw_text_kind(seed, self.knobs.loop_rate, self.knobs.legit_repeat_rate)
+        looping = kind == "loop"
+        total, reason = plan_length(
+            seed,
+            self.knobs.mean_completion_tokens,
+            caps,
+            ignore_eos or looping,
+            drawn + min_new if min_new > 0 else 0,
+        )
+        loop_at, loop_block = draw_loop(seed, total) if looping else (0, 0)
+        if looping:
+            plan = Plan.looping(seed, total, split.start, loop_at, loop_block)
+        else:  # reasoning of the uncut answer: one cut short is cut inside it, no </think>
+            natural = natural_length(seed, self.knobs.mean_completion_tokens)
+            reasoning = max(1, round(REASONING_SHARE * natural))
+            plan = Plan(seed, total, split.start, reasoning, kind)
+        seq = Sequence(
+            rid=uuid.uuid4().hex,
+            prompt_tokens=len(input_ids),
+            target_tokens=max(0, total - drawn),
+            finish_reason=reason,
+            seed=seed,
+            arrived_s=self.clock(),
+            text_kind=kind,
+            loop_at=loop_at,
+            loop_block=loop_block,
+            prefill_s=self.model.prefill_s(len(input_ids)),
+        )
+        seq.answer = Answer(self.writer, plan, drawn)
         return seq
 
     def reasoning_tokens(self, seq: Sequence) -> int:
@@ -356,6 +467,11 @@ class Engine:
                 seq.waker.set()
         for seq in finished:
             seq.waker.set()
+        crash = self.args.crash
+        if crash is not None and crash.after_tokens is not None and self._crash_armed:
+            for seq in (*s.running, *finished):  # streams check after sending (`streamed`)
+                if not seq.stream and seq.generated >= crash.after_tokens:
+                    self.streamed(seq.generated)
         if s.due_fold():
             s.fold(now)
             self._log_decode(now)

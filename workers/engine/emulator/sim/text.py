@@ -3,12 +3,14 @@
 Counting rule: one token per 4 characters, rounded up (`ceil(len(text) / 4)`, at least 1 for
 non-empty text). A chat prompt adds a template overhead per message (role markers) and an
 assistant header, like Qwen3's template. Generated text is made of 4-character units ("tok ")
-so that counting the generated text gives back the token count the time model produced.
+so that counting the generated text gives back the token count the time model produced; each
+unit is one id of the emulator's tokenizer (`sim/tokenizer.py`), which /generate answers in.
 """
 
 from __future__ import annotations
 
 import zlib
+from array import array
 from typing import Any
 
 CHARS_PER_TOKEN = 4
@@ -16,7 +18,6 @@ MESSAGE_OVERHEAD_TOKENS = 4  # <|im_start|>role\n … <|im_end|>\n
 ASSISTANT_HEADER_TOKENS = 3  # <|im_start|>assistant\n
 NO_THINK_TOKENS = 4  # "<think>\n\n</think>\n\n" the template adds when thinking is off
 EOS_TOKEN_ID = 151645  # Qwen3's <|im_end|>: what `matched_stop` names on a natural stop
-VOCAB_SIZE = 151_000
 
 _WORDS = (
     "the", "and", "for", "are", "but", "not", "you", "all", "any", "can", "had", "her", "was",
@@ -29,6 +30,15 @@ _CORPUS = "".join(
     (word + " ") if i % 13 else (word[:2] + ". ")  # every unit is 4 characters long
     for i, word in enumerate(_WORDS[(i * 2654435761 >> 7) % len(_WORDS)] for i in range(_UNITS))
 )
+
+
+FILLER_UNITS = tuple(sorted({_CORPUS[i : i + CHARS_PER_TOKEN] for i in range(0, len(_CORPUS), 4)}))
+
+
+def filler_unit(index: int) -> str:
+    """The 4-character unit at `index` of the filler stream (`synth_text` is their run)."""
+    at = (index % _UNITS) * CHARS_PER_TOKEN
+    return _CORPUS[at : at + CHARS_PER_TOKEN]
 
 
 def count_tokens(text: str) -> int:
@@ -65,6 +75,16 @@ def prompt_seed(key: str, salt: int = 0) -> int:
     return zlib.crc32(key.encode("utf-8", "surrogatepass"), salt & 0xFFFFFFFF)
 
 
+def prompt_ids_seed(ids: list[int]) -> int:
+    """`prompt_seed` of a prompt given as token ids: every id counts, so two prompts that
+    share a long system prompt still differ."""
+    try:
+        raw = array("I", ids).tobytes()
+    except OverflowError:  # an id beyond 32 bits: no real vocabulary has one, but never crash
+        raw = repr(ids).encode()
+    return zlib.crc32(raw)
+
+
 def synth_text(seed: int, tokens: int, start: int = 0) -> str:
     """`tokens` tokens of filler text, the slice [start, start + tokens) of a seeded stream."""
     if tokens <= 0:
@@ -75,11 +95,6 @@ def synth_text(seed: int, tokens: int, start: int = 0) -> str:
         return _CORPUS[begin:end]
     repeats = end // len(_CORPUS) + 1
     return (_CORPUS * repeats)[begin:end]
-
-
-def synth_ids(seed: int, tokens: int) -> list[int]:
-    """Output token ids matching `synth_text`, for /generate's `output_ids`."""
-    return [(seed + i * 7919) % VOCAB_SIZE for i in range(tokens)]
 
 
 # --- answers that repeat: loops the repetition guard must stop, structure it must not -------
@@ -121,13 +136,22 @@ def draw_loop(seed: int, target_tokens: int) -> tuple[int, int]:
     return max(0, min(start, target_tokens - 1)), block
 
 
+LOOP_BLOCK_SALT = 0x2F6B
+
+
+def loop_block_start(seed: int, block_tokens: int) -> int:
+    """Where in the filler stream a loop's block starts: the first shift whose block's
+    shortest period is its own length (so the loop repeats the whole block)."""
+    for shift in range(64):
+        block = synth_text(seed ^ LOOP_BLOCK_SALT, block_tokens, start=shift)
+        if (block + block).find(block, 1) == len(block):
+            return (seed ^ LOOP_BLOCK_SALT) + shift
+    raise AssertionError("no aperiodic block")  # filler text is never this regular
+
+
 def loop_block(seed: int, block_tokens: int) -> str:
     """The block a loop repeats: filler whose shortest period is its own length."""
-    for shift in range(64):
-        block = synth_text(seed ^ 0x2F6B, block_tokens, start=shift)
-        if (block + block).find(block, 1) == len(block):
-            return block
-    raise AssertionError("no aperiodic block")  # filler text is never this regular
+    return synth_text(loop_block_start(seed, block_tokens), block_tokens)
 
 
 def loop_text(seed: int, tokens: int, start_tokens: int, block_tokens: int) -> str:
@@ -144,7 +168,7 @@ def _word(i: int) -> str:
     return _WORDS[(i * 2654435761 >> 5) % len(_WORDS)]
 
 
-def _legit_line(kind: str, i: int, variant: int) -> str:
+def legit_line(kind: str, i: int, variant: int) -> str:
     """Line `i` of a legitimately repetitive answer: the structure repeats, the content not."""
     if kind == "table":
         head = "| # | name | value | note |\n|---|------|-------|------|\n" if i == 0 else ""
@@ -170,7 +194,7 @@ def legit_text(kind: str, seed: int, tokens: int) -> str:
         size, i = 0, 0
         want = max(chars, 2 * len(text), 16384)
         while size < want:
-            line = _legit_line(kind, i, key[1])
+            line = legit_line(kind, i, key[1])
             lines.append(line)
             size += len(line)
             i += 1

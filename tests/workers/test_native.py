@@ -1,0 +1,282 @@
+"""Answers drawn by token ids (`workers/feeding/native.py`): what may be drawn so, the sampling
+parameters the chat endpoint would have used, the reasoning split, both stream shapes, and an
+answer cut mid-stream going on from its ids.
+
+The engine's side of the wire is scripted here (`ScriptedTransport`); the emulator's and real
+SGLang's are tested against the same requests in tests/e2e and the GPU tests."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+
+from genfleet.common.errors import AnswerInterrupted, RequestFailed
+from genfleet.common.records import GenerationParams, PromptRecord
+from genfleet.workers.feeding.client import EngineClient, ThinkingSwitch
+from genfleet.workers.feeding.drawn import Drawn
+from genfleet.workers.feeding.native import (
+    GenerateStream,
+    NativeClient,
+    draws_by_ids,
+    native_refusal,
+    sampling_params,
+)
+from genfleet.workers.feeding.reasoning import ReasoningSplit, reasoning_token_count
+from tests.fakes.transport import CUT, Events, ScriptedTransport, Whole
+
+PARAMS = GenerationParams(max_tokens=100, temperature=0.6, top_p=0.95, thinking=True)
+QWEN3 = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
+
+
+def record(**params: Any) -> PromptRecord:
+    return PromptRecord("p1", [{"role": "user", "content": "Why is the sky blue?"}], params=params)
+
+
+@pytest.mark.parametrize(
+    ("own", "run", "defaults", "why"),
+    [
+        ({}, {}, QWEN3, None),
+        ({}, {}, {}, None),
+        ({"seed": 7, "stop": ["\n\n"]}, {}, QWEN3, None),
+        ({"repetition_penalty": 1.0, "presence_penalty": 0.0}, {}, QWEN3, None),
+        ({"presence_penalty": 0.5}, {}, QWEN3, "presence_penalty 0.5"),
+        ({"frequency_penalty": 0.2}, {}, QWEN3, "frequency_penalty 0.2"),
+        ({}, {"repetition_penalty": 1.1}, QWEN3, "repetition_penalty 1.1"),
+        ({}, {}, {"repetition_penalty": 1.05}, "repetition_penalty 1.05"),
+        ({"logprobs": True}, {}, QWEN3, "logprobs"),
+        ({"regex": "[a-z]+"}, {}, QWEN3, "grammar"),
+        ({"response_format": {"type": "json_object"}}, {}, QWEN3, "grammar"),
+        ({"response_format": {"type": "text"}}, {}, QWEN3, None),
+        ({}, {"response_format": {"type": "json_schema"}}, QWEN3, "grammar"),
+        ({"reasoning_effort": "none"}, {}, QWEN3, "reasoning_effort"),
+        ({}, {}, None, "generation config unread"),
+        ({"top_k": 20}, {"min_p": 0.0}, None, None),
+    ],
+)
+def test_which_answers_are_drawn_by_ids(
+    own: dict[str, Any], run: dict[str, Any], defaults: dict[str, Any] | None, why: str | None
+) -> None:
+    params = PARAMS.model_copy(update=run)
+    refusal = native_refusal(record(**own), params, defaults)
+    if why is None:
+        assert refusal is None
+    else:
+        assert refusal is not None and why in refusal
+
+
+@pytest.mark.parametrize(
+    ("own", "run", "defaults", "drawn", "expected"),
+    [
+        # the chat endpoint's order: the request's value, else the checkpoint's, else none
+        (
+            {},
+            {},
+            QWEN3,
+            0,
+            {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_new_tokens": 100},
+        ),
+        ({}, {"top_k": 40}, QWEN3, 0, {"top_k": 40}),
+        ({"top_k": 5, "temperature": 0.0}, {"top_k": 40}, QWEN3, 0, {"top_k": 5, "temperature": 0}),
+        ({}, {}, {"min_p": 0.05}, 0, {"min_p": 0.05}),
+        ({"seed": 3}, {}, {}, 0, {"sampling_seed": 3}),
+        ({"max_tokens": 50}, {}, {}, 20, {"max_new_tokens": 30}),
+        ({"min_tokens": 10}, {}, {}, 4, {"min_new_tokens": 6, "max_new_tokens": 96}),
+        ({}, {}, {}, 100, {"max_new_tokens": 0}),
+    ],
+)
+def test_sampling_params_are_the_chat_endpoints(
+    own: dict[str, Any],
+    run: dict[str, Any],
+    defaults: dict[str, Any],
+    drawn: int,
+    expected: dict[str, Any],
+) -> None:
+    sampling = sampling_params(record(**own), PARAMS.model_copy(update=run), defaults, drawn)
+    assert {k: sampling.get(k) for k in expected} == expected
+    assert "repetition_penalty" not in sampling
+
+
+@pytest.mark.parametrize(
+    ("kind", "version", "expected"),
+    [
+        ("emulator", None, True),
+        ("sglang", "0.5.15", True),
+        ("sglang", "0.5.23.post1", True),
+        ("sglang", "0.5.11", False),
+        ("sglang", None, False),
+        ("sglang", "nightly", False),
+        ("external", "0.5.23", False),
+        ("command", None, False),
+    ],
+)
+def test_which_engines_draw_by_ids(kind: str, version: str | None, expected: bool) -> None:
+    assert draws_by_ids(kind, version) is expected
+
+
+RAW = [
+    # (forced into reasoning, raw text, reasoning, content)
+    (True, "Light scatters.\n</think>\n\nRayleigh.", "Light scatters.\n", "Rayleigh."),
+    (True, "<think>\nLight scatters.</think>\n\nBlue.", "\nLight scatters.", "Blue."),
+    (False, "<think>Hmm.</think>Blue.", "Hmm.", "Blue."),
+    (False, "Blue: </think> is text here.", "", "Blue: </think> is text here."),
+    (True, "still thinking when the budget ran out", "still thinking when the budget ran out", ""),
+    (True, "ends on a partial marker </thi", "ends on a partial marker </thi", ""),
+    (False, "\n\nleading breaks <thin", "", "leading breaks <thin"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("forced", "raw", "reasoning", "content"), RAW)
+def test_the_split_is_the_same_however_the_text_is_cut(
+    forced: bool, raw: str, reasoning: str, content: str
+) -> None:
+    for cuts in [(), *((k,) for k in range(1, len(raw))), tuple(range(1, len(raw)))]:
+        split = ReasoningSplit(forced)
+        got = ["", ""]
+        bounds = [0, *cuts, len(raw)]
+        for a, b in zip(bounds, bounds[1:], strict=False):
+            r, c = split.feed(raw[a:b])
+            got[0] += r
+            got[1] += c
+        r, c = split.flush()
+        assert (got[0] + r, got[1] + c) == (reasoning, content), cuts
+
+
+def test_reasoning_tokens_count_up_to_the_end_marker() -> None:
+    assert reasoning_token_count([5, 6, 99, 7, 8], 99, True) == 3
+    assert reasoning_token_count([5, 6, 7], 99, True) == 3  # never ended: all reasoning
+    assert reasoning_token_count([5, 99, 7], 99, False) == 0
+    assert reasoning_token_count([5, 99, 7], None, True) == 0
+
+
+def chunks(pieces: list[tuple[list[int], str]], cumulative: bool, finish: str | None) -> list[Any]:
+    """SGLang's /generate stream of these (ids, text) pieces, incremental or cumulative."""
+    out: list[Any] = []
+    ids: list[int] = []
+    text = ""
+    for i, (new_ids, new_text) in enumerate(pieces):
+        ids, text = ids + new_ids, text + new_text
+        last = i == len(pieces) - 1
+        meta = {"id": "r1", "completion_tokens": len(ids), "prompt_tokens": 4}
+        meta["finish_reason"] = {"type": finish} if last and finish else None
+        if cumulative:
+            out.append({"text": text, "output_ids": list(ids), "meta_info": meta})
+        else:
+            out.append({"text": new_text, "output_ids": new_ids, "meta_info": meta})
+    return out
+
+
+PIECES = [([1, 2], "Light "), ([3, 99], "scatters</think>"), ([4, 5], "\n\nBlue"), ([6], ".")]
+
+
+@pytest.mark.parametrize("cumulative", [False, True])
+def test_both_stream_shapes_give_the_same_answer(cumulative: bool) -> None:
+    drawn = Drawn(in_reasoning=True)
+    counted: list[int] = []
+    stream = GenerateStream(drawn, on_tokens=counted.append)
+    for chunk in chunks(PIECES, cumulative, "stop"):
+        assert not stream.feed(b"data: " + __import__("orjson").dumps(chunk))
+    assert stream.feed(b"data: [DONE]")
+    drawn.finish()
+    assert list(drawn.ids) == [1, 2, 3, 99, 4, 5, 6]
+    assert ("".join(drawn.reasoning), "".join(drawn.content)) == ("Light scatters", "Blue.")
+    assert sum(counted) == 7 and stream.finish_reason == "stop"
+
+
+def native(transports: tuple[ScriptedTransport, ScriptedTransport]) -> NativeClient:
+    chat = EngineClient("http://127.0.0.1:1", model="m", transport=ScriptedTransport([]))
+    return NativeClient(
+        "http://127.0.0.1:1",
+        chat,
+        reasoning_parser="qwen3",
+        sampling_defaults=QWEN3,
+        transports=transports,
+    )
+
+
+def test_an_answer_cut_mid_stream_goes_on_from_its_ids() -> None:
+    prompt_ids = [151644, 872, 198, 151645]
+    whole = chunks(PIECES, False, "stop")
+    tokenize = ScriptedTransport(
+        [Whole(200, {"tokens": prompt_ids, "count": 4}), Whole(200, {"tokens": [99], "count": 1})]
+    )
+    # first try: two chunks, then the engine dies; the next goes on and finishes
+    generate = ScriptedTransport(
+        [Events([*whole[:2], CUT]), Events([*chunks(PIECES[2:], False, "stop"), b"[DONE]"])]
+    )
+    client = native((tokenize, generate))
+    rec = record()
+    drawn = client.drawing(rec, PARAMS)
+    assert isinstance(drawn, Drawn)
+
+    async def go() -> Any:
+        with pytest.raises(AnswerInterrupted):
+            await client.chat(rec, PARAMS, drawn=drawn)
+        return await client.chat(rec, PARAMS, drawn=drawn)
+
+    result = asyncio.run(go())
+    first, second = generate.bodies
+    assert first["input_ids"] == prompt_ids
+    assert second["input_ids"] == prompt_ids + [1, 2, 3, 99]
+    assert second["sampling_params"]["max_new_tokens"] == 100 - 4
+    assert first["sampling_params"]["top_k"] == 20  # the checkpoint's default, as chat does
+    assert len(tokenize.bodies) == 2  # rendered once; the marker's id asked once
+    assert tokenize.bodies[0]["messages"] == rec.messages
+    assert (result.reasoning, result.content) == ("Light scatters", "Blue.")
+    assert result.finish_reason == "stop" and result.resumed_tokens == 4
+    assert (result.usage.completion_tokens, result.usage.reasoning_tokens) == (7, 4)
+    assert result.usage.prompt_tokens == 4
+
+
+def test_an_abort_keeps_the_drawn_ids_and_the_next_try_goes_on() -> None:
+    tokenize = ScriptedTransport([Whole(200, {"tokens": [1]}), Whole(200, {"tokens": [99]})])
+    aborted = chunks(PIECES[:1], False, "abort")
+    generate = ScriptedTransport(
+        [Events([*aborted, b"[DONE]"]), Events([*chunks(PIECES[1:], False, "length"), b"[DONE]"])]
+    )
+    client = native((tokenize, generate))
+    drawn = client.drawing(record(), PARAMS)
+    assert isinstance(drawn, Drawn)
+
+    async def go() -> Any:
+        with pytest.raises(RequestFailed) as failed:
+            await client.chat(record(), PARAMS, drawn=drawn)
+        assert failed.value.kind == "abort"
+        return await client.chat(record(), PARAMS, drawn=drawn)
+
+    result = asyncio.run(go())
+    assert generate.bodies[1]["input_ids"] == [1, 1, 2]
+    assert result.finish_reason == "length" and result.resumed_tokens == 2
+
+
+def test_thinking_off_is_all_content_and_the_switch_reaches_the_template() -> None:
+    tokenize = ScriptedTransport([Whole(200, {"tokens": [1, 2]})])
+    generate = ScriptedTransport([Events([*chunks([([7], "Blue.")], False, "stop"), b"[DONE]"])])
+    client = native((tokenize, generate))
+    params = PARAMS.model_copy(update={"thinking": False})
+    drawn = client.drawing(record(), params)
+    assert isinstance(drawn, Drawn) and not drawn.in_reasoning
+    result = asyncio.run(client.chat(record(), params, drawn=drawn))
+    assert tokenize.bodies[0]["chat_template_kwargs"] == {"enable_thinking": False}
+    assert (result.reasoning, result.content, result.usage.reasoning_tokens) == (None, "Blue.", 0)
+
+
+def test_a_switch_off_by_default_is_read_as_the_template_will() -> None:
+    client = native((ScriptedTransport([]), ScriptedTransport([])))
+    client.thinking = ThinkingSwitch("thinking", default=False)
+    drawn = client.drawing(record(), PARAMS)
+    assert isinstance(drawn, Drawn) and drawn.in_reasoning
+    off = client.drawing(record(chat_template_kwargs={"thinking": False}), PARAMS)
+    assert isinstance(off, Drawn) and not off.in_reasoning
+
+
+def test_a_checkpointed_answer_goes_on_with_its_split_and_guard_window() -> None:
+    drawn = Drawn(in_reasoning=True)
+    drawn.add([1, 2, 3], "Light scat")
+    drawn.add([4], "ters</th")  # a marker cut in two, held back
+    again = Drawn.from_json(drawn.to_json())
+    assert list(again.ids) == [1, 2, 3, 4]
+    again.add([99, 5], "ink>\n\nBlue.")
+    again.finish()
+    assert ("".join(again.reasoning), "".join(again.content)) == ("Light scatters", "Blue.")

@@ -1,0 +1,115 @@
+"""An answer drawn so far: its token ids and its text, kept across every cut until it ends.
+
+When the engine dies or the worker is killed mid-answer, the answer goes on from the ids the
+model already drew (prompt ids + drawn ids to `/generate`, its token budget less what was
+drawn), never from its text tokenized again. Sampling depends only on the prefix, so the
+continued answer is the model's answer; engines re-prefill the same way when they retract a
+request. What rides along: the reasoning/content split (`ReasoningSplit`), the repetition
+guard's two windows (fed again from the text when an answer comes back from a checkpoint), and
+how many tokens were carried in (`resumed_tokens`, on the record).
+
+`to_json` / `from_json` are what a batch's checkpoint keeps of an answer in flight (a row with
+a `drawn` field), so a batch that moves to another worker continues its answers too.
+"""
+
+from __future__ import annotations
+
+from array import array
+from dataclasses import dataclass, field
+from typing import Any
+
+from genfleet.workers.feeding.reasoning import ReasoningSplit
+from genfleet.workers.feeding.repetition import Loop, RepetitionDetector, RepetitionRule
+
+
+@dataclass(slots=True)
+class Drawn:
+    """One answer's ids and text so far (the feeder's, per prompt)."""
+
+    in_reasoning: bool  # thinking on with a reasoning parser: the answer opens in reasoning
+    prompt_ids: list[int] | None = None  # the rendered prompt, once rendered
+    # 4 bytes an id, not a Python int's 36: a thinking answer holds tens of thousands
+    ids: array[int] = field(default_factory=lambda: array("I"))
+    reasoning: list[str] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)
+    resumed_tokens: int = 0  # tokens carried into continuations, over all of its cuts
+    loop: Loop | None = None
+    loop_field: str | None = None
+    split: ReasoningSplit = field(init=False)
+    guards: tuple[RepetitionDetector, RepetitionDetector] | None = None
+
+    def __post_init__(self) -> None:
+        self.split = ReasoningSplit(self.in_reasoning)
+
+    def watch(self, rule: RepetitionRule | None, prompt: str) -> None:
+        """Start the guard (once): fed the text already drawn, so its window spans the cut."""
+        if rule is None or self.guards is not None:
+            return
+        self.guards = (RepetitionDetector(rule, prompt), RepetitionDetector(rule, prompt))
+        for at, text in ((0, "".join(self.reasoning)), (1, "".join(self.content))):
+            if text and self.loop is None:
+                self._guard(at, "reasoning" if at == 0 else "content", text)
+
+    def add(self, ids: list[int], text: str) -> bool:
+        """Ids and their text from the engine; True when the guard says stop."""
+        self.ids.extend(ids)
+        if not text:
+            return False
+        reasoning, content = self.split.feed(text)
+        return self._text(reasoning, content)
+
+    def finish(self) -> bool:
+        """The answer ended: text held back as a possible marker is text after all."""
+        return self._text(*self.split.flush())
+
+    def _text(self, reasoning: str, content: str) -> bool:
+        stop = False
+        if reasoning:
+            self.reasoning.append(reasoning)
+            stop = self._guard(0, "reasoning", reasoning)
+        if content:
+            self.content.append(content)
+            stop = self._guard(1, "content", content) or stop
+        return stop
+
+    def _guard(self, at: int, name: str, text: str) -> bool:
+        if self.guards is None or self.loop is not None:
+            return False
+        loop = self.guards[at].feed(text)
+        if loop is None:
+            return False
+        self.loop, self.loop_field = loop, name
+        return True
+
+    @property
+    def chars(self) -> int:
+        return sum(map(len, self.reasoning)) + sum(map(len, self.content))
+
+    def to_json(self) -> dict[str, Any]:
+        """What a checkpoint keeps: enough to go on from the same ids with the same split."""
+        return {
+            "ids": list(self.ids),
+            "reasoning": "".join(self.reasoning),
+            "content": "".join(self.content),
+            "in_reasoning": self.split.in_reasoning,
+            "started": self.split.started,
+            "held": self.split.held,
+            "content_begun": self.split.content_begun,
+            "opened_in_reasoning": self.in_reasoning,
+            "resumed_tokens": self.resumed_tokens,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Drawn:
+        drawn = cls(bool(data["opened_in_reasoning"]))
+        drawn.ids = array("I", (int(i) for i in data["ids"]))
+        drawn.reasoning = [data["reasoning"]] if data.get("reasoning") else []
+        drawn.content = [data["content"]] if data.get("content") else []
+        drawn.resumed_tokens = int(data.get("resumed_tokens") or 0)
+        drawn.split.restore(
+            in_reasoning=bool(data["in_reasoning"]),
+            started=bool(data["started"]),
+            held=str(data.get("held") or ""),
+            content_begun=bool(data["content_begun"]),
+        )
+        return drawn

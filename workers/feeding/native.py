@@ -1,0 +1,460 @@
+"""Answers drawn by token ids through SGLang's native API, so a cut answer goes on where it was.
+
+A prompt is rendered to ids by the engine itself (`POST /v1/tokenize` with the chat's
+`messages` and `chat_template_kwargs`: the very template and tokenizer its chat endpoint
+uses), and the answer streams from `POST /generate` with those `input_ids`. Each chunk brings
+the new output ids and their text (`--incremental-streaming-output`, which genfleet starts
+SGLang with; a server streaming cumulative chunks is read too). The ids are kept (`Drawn`):
+when the engine dies or the worker is killed mid-answer, the next try sends prompt ids + the
+drawn ids with `max_new_tokens` less what was drawn, and the answer goes on token-exactly.
+
+What the chat endpoint would have done is done here, so an answer drawn this way is the one
+the chat endpoint would have sampled:
+- sampling: the run's values, a prompt's own, else the checkpoint's generation-config
+  defaults (`workers/engine/sampling_defaults`), as the chat endpoint fills them;
+- reasoning apart from content (`workers/feeding/reasoning`), reasoning tokens counted;
+- finish reasons `stop`/`length`; an `abort`, an in-stream error or a cut stream is a failed
+  try (its ids kept), exactly as `EngineClient` maps them.
+Where a term of the answer depends on what was drawn before (repetition/presence/frequency
+penalties), on a grammar (response_format, regex, ebnf) or on the chat endpoint's own output
+(logprobs), the answer is drawn by the chat endpoint and starts over after a cut, and its
+record says why (`native_refusal`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import orjson
+
+from genfleet.common.errors import (
+    AnswerInterrupted,
+    ConfigError,
+    EngineDown,
+    EngineUnreachable,
+    RequestFailed,
+    RequestTimedOut,
+)
+from genfleet.common.records import GenerationParams, PromptRecord, Usage
+from genfleet.workers.engine.launch import auth_headers
+from genfleet.workers.engine.sglang_argv import parse_release
+from genfleet.workers.feeding.client import (
+    ChatResult,
+    EngineClient,
+    ThinkingSwitch,
+    answer_error,
+    loop_figures,
+    template_kwargs,
+)
+from genfleet.workers.feeding.drawn import Drawn
+from genfleet.workers.feeding.reasoning import THINK_END, reasoning_token_count
+from genfleet.workers.feeding.repetition import RepetitionRule, prompt_text
+from genfleet.workers.feeding.stream import DATA, DONE
+from genfleet.workers.feeding.transport import AiohttpTransport, Transport
+
+# A prompt's own fields drawn by ids as given (OpenAI name → SGLang sampling_params name).
+SAMPLING_NAMES = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "seed": "sampling_seed",
+    "stop": "stop",
+    "stop_token_ids": "stop_token_ids",
+    "ignore_eos": "ignore_eos",
+    "skip_special_tokens": "skip_special_tokens",
+}
+# Fields that make the answer depend on more than its prefix, or that only the chat endpoint
+# answers: such answers start over after a cut, and say why.
+PENALTIES = {"repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+GRAMMARS = ("response_format", "regex", "ebnf")
+CHAT_ONLY = {
+    "logprobs": "logprobs come from the chat endpoint",
+    "top_logprobs": "logprobs come from the chat endpoint",
+    "logit_bias": "logit_bias is the chat endpoint's",
+    "reasoning_effort": "reasoning_effort is rendered by the chat endpoint",
+}
+# Fields that change nothing of what is drawn.
+IGNORED = ("max_tokens", "min_tokens", "chat_template_kwargs", "user", "n")
+DEFAULTED = ("top_k", "min_p")  # filled from the checkpoint's generation config when unset
+
+
+# The oldest SGLang whose /v1/tokenize renders a chat (`messages`) with its template (read in
+# 0.5.15's serving_tokenize.py; 0.5.11's tokenizes plain prompts only).
+TOKENIZE_CHAT_SGLANG = (0, 5, 15)
+
+
+def draws_by_ids(engine_kind: str | None, version: str | None) -> bool:
+    """Whether a worker's engine can render prompts to ids and draw answers by them: the
+    emulator, or SGLang from TOKENIZE_CHAT_SGLANG on (an unknown version: no)."""
+    if engine_kind == "emulator":
+        return True
+    if engine_kind != "sglang" or not version:
+        return False
+    try:
+        return parse_release(version) >= TOKENIZE_CHAT_SGLANG
+    except ConfigError:
+        return False
+
+
+def native_refusal(
+    record: PromptRecord, params: GenerationParams, defaults: Mapping[str, Any] | None
+) -> str | None:
+    """Why this answer cannot be drawn by ids and continued after a cut (None: it can).
+
+    Pure: the run's parameters, the prompt's own fields and the checkpoint's sampling
+    defaults (None: unread) decide."""
+    own = dict(record.params or {})
+    for name, why in CHAT_ONLY.items():
+        if own.get(name) not in (None, False):
+            return why
+    fmt = own.get("response_format", params.response_format)
+    if any(own.get(name) for name in ("regex", "ebnf")) or (
+        isinstance(fmt, dict) and fmt.get("type") not in (None, "text")
+    ):
+        return "a grammar (response_format, regex, ebnf) starts from the answer's beginning"
+    for name, neutral in PENALTIES.items():
+        value = own.get(name, getattr(params, name, None))
+        if value is None and defaults is not None:
+            value = defaults.get(name)
+        if value is not None and float(value) != neutral:
+            return f"{name} {value} depends on the tokens drawn before the cut"
+    unknown = [name for name in own if name not in SAMPLING_NAMES and name not in IGNORED]
+    unknown = [name for name in unknown if name not in PENALTIES and name not in GRAMMARS]
+    if unknown:
+        return f"{', '.join(sorted(unknown))}: the chat endpoint's"
+    if defaults is None:
+        unset = [n for n in DEFAULTED if own.get(n) is None and getattr(params, n) is None]
+        if unset:
+            return (
+                f"{', '.join(unset)} unset and the checkpoint's generation config unread: "
+                "only the chat endpoint knows its defaults"
+            )
+    return None
+
+
+def sampling_params(
+    record: PromptRecord,
+    params: GenerationParams,
+    defaults: Mapping[str, Any] | None,
+    drawn_tokens: int,
+) -> dict[str, Any]:
+    """`/generate`'s sampling_params for an answer `drawn_tokens` into its budget: the run's
+    values, the prompt's own over them, the checkpoint's defaults for what both leave unset
+    (as the chat endpoint's `to_sampling_params`), the budget less what was drawn."""
+    own = dict(record.params or {})
+    sampling: dict[str, Any] = dict(defaults or {})
+    sampling.pop("repetition_penalty", None)  # neutral, or the answer is not drawn here
+    sampling.update({"temperature": params.temperature, "top_p": params.top_p})
+    for name in DEFAULTED:
+        if getattr(params, name) is not None:
+            sampling[name] = getattr(params, name)
+    for name, engine_name in SAMPLING_NAMES.items():
+        if own.get(name) is not None:
+            sampling[engine_name] = own[name]
+    max_tokens = int(own.get("max_tokens") or params.max_tokens)
+    sampling["max_new_tokens"] = max(max_tokens - drawn_tokens, 0)
+    if own.get("min_tokens"):
+        sampling["min_new_tokens"] = max(int(own["min_tokens"]) - drawn_tokens, 0)
+    return sampling
+
+
+def finish_of(meta: Mapping[str, Any]) -> str | None:
+    """`meta_info.finish_reason` → the chat endpoint's finish_reason (None: not finished)."""
+    reason = meta.get("finish_reason")
+    if reason is None:
+        return None
+    kind = reason.get("type") if isinstance(reason, dict) else reason
+    return str(kind) if kind else None
+
+
+class GenerateStream:
+    """One `/generate` stream into the answer's `Drawn`; `feed(line)` → True once it must
+    stop. Reads incremental chunks (new ids and text) and cumulative ones (all so far)."""
+
+    __slots__ = (
+        "drawn",
+        "finish_reason",
+        "error",
+        "done",
+        "request_id",
+        "new_ids",
+        "new_chars",
+        "on_begun",
+        "on_tokens",
+    )
+
+    def __init__(
+        self,
+        drawn: Drawn,
+        on_begun: Callable[[], None] | None = None,
+        on_tokens: Callable[[int], None] | None = None,
+    ) -> None:
+        self.drawn = drawn
+        self.finish_reason: str | None = None
+        self.error: dict[str, Any] | None = None
+        self.done = False
+        self.request_id: str | None = None
+        self.new_ids = 0  # ids this stream added
+        self.new_chars = 0  # characters of text this stream added (cumulative chunks)
+        self.on_begun = on_begun
+        self.on_tokens = on_tokens
+
+    def feed(self, line: bytes) -> bool:
+        if not line.startswith(DATA):
+            return False
+        payload = line[len(DATA) :].strip()
+        if payload == DONE:
+            self.done = True
+            return True
+        try:
+            chunk = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise RequestFailed(200, "bad_response", f"not a stream chunk: {exc}") from exc
+        if not isinstance(chunk, dict):
+            raise RequestFailed(200, "bad_response", f"not a stream chunk: {payload[:200]!r}")
+        if "error" in chunk:
+            self.error = chunk["error"] if isinstance(chunk["error"], dict) else chunk
+            return True
+        meta = chunk.get("meta_info") or {}
+        if self.request_id is None:
+            self.request_id = meta.get("id")
+        ids, text = self._delta(chunk, meta)
+        stop = False
+        if ids or text:
+            if self.on_begun is not None:
+                self.on_begun()
+                self.on_begun = None
+            self.new_ids += len(ids)
+            self.new_chars += len(text)
+            stop = self.drawn.add(ids, text)
+            if ids and self.on_tokens is not None:
+                self.on_tokens(len(ids))
+        finish = finish_of(meta)
+        if finish is not None:
+            self.finish_reason = finish
+        return stop
+
+    def _delta(self, chunk: dict[str, Any], meta: Mapping[str, Any]) -> tuple[list[int], str]:
+        """The ids and text this chunk adds. A chunk whose ids are as many as the request's
+        `completion_tokens` so far holds all of them (cumulative), else only the new ones."""
+        ids = chunk.get("output_ids") or []
+        text = chunk.get("text") or ""
+        so_far = meta.get("completion_tokens")
+        if isinstance(so_far, int) and self.new_ids and len(ids) == so_far:
+            return list(ids[self.new_ids :]), text[self.new_chars :]
+        return list(ids), text
+
+
+def stream_failure(stream: GenerateStream) -> None:
+    """Raise what a 200 stream that did not finish stands for, as `EngineClient` maps it:
+    an in-stream error as its code's status; an abort or a cut stream as a failed try (the
+    ids it drew stay with the answer)."""
+    drawn = stream.drawn
+    if stream.error is not None:
+        code = stream.error.get("code")
+        code = code if isinstance(code, int) and 400 <= code < 600 else 500
+        error = answer_error(code, orjson.dumps({"error": stream.error}))
+        if isinstance(error, RequestFailed) and code == 500:
+            error = RequestFailed(200, error.kind, f"in-stream error: {error}")
+        raise error
+    if drawn.loop is None and stream.finish_reason is None:
+        raise RequestFailed(
+            200,
+            "bad_response",
+            f"the stream ended before its finish (request {stream.request_id}, "
+            f"{stream.new_ids} tokens drawn in it, kept)",
+            tokens=stream.new_ids,
+        )
+    if stream.finish_reason == "abort":
+        raise RequestFailed(
+            200,
+            "abort",
+            f"the engine aborted the request after {len(drawn.ids)} tokens "
+            f"(request {stream.request_id}; the drawn ones kept)",
+            tokens=stream.new_ids,
+        )
+
+
+class NativeClient:
+    """The client of an engine with SGLang's native API (SGLang, the emulator): answers that
+    can be continued are drawn by ids (`draw`), the others through the chat endpoint."""
+
+    def __init__(
+        self,
+        base_url: str,
+        chat: EngineClient,
+        *,
+        api_key: str | None = None,
+        reasoning_parser: str | None = None,
+        sampling_defaults: Mapping[str, Any] | None = None,
+        max_connections: int = 256,
+        transports: tuple[Transport, Transport] | None = None,
+    ) -> None:
+        """`chat`: the chat endpoint's client, for what cannot be drawn by ids (its thinking
+        switch, guard and timeout are this client's too). `reasoning_parser`: the engine's
+        (None: no reasoning is split out, as its chat endpoint would not). `transports`:
+        (tokenize, generate), by default aiohttp to `base_url`."""
+        self.chat_client = chat
+        self.model = chat.model
+        self.thinking: ThinkingSwitch = chat.thinking
+        self.repetition: RepetitionRule | None = chat.repetition
+        self.timeout_s = chat.timeout_s
+        self.reasoning_parser = reasoning_parser
+        self.sampling_defaults = sampling_defaults
+        self.think_end_id: int | None = None
+        if transports is None:
+            headers = {"Content-Type": "application/json", **auth_headers(api_key)}
+            root = base_url.rstrip("/")
+            transports = (
+                AiohttpTransport(root + "/v1/tokenize", headers, 60.0, max_connections),
+                AiohttpTransport(root + "/generate", headers, chat.timeout_s, max_connections),
+            )
+        self._tokenize, self._generate = transports
+
+    def drawing(self, record: PromptRecord, params: GenerationParams) -> Drawn | str:
+        """A new answer's `Drawn` when it can be drawn by ids, else why not."""
+        refusal = native_refusal(record, params, self.sampling_defaults)
+        if refusal is not None:
+            return refusal
+        return Drawn(in_reasoning=bool(self.reasoning_parser) and self._thinks(record, params))
+
+    def _thinks(self, record: PromptRecord, params: GenerationParams) -> bool:
+        """Whether the answer is to think: the switch's value as the template will see it."""
+        kwargs = template_kwargs(record, params, self.thinking)
+        key = self.thinking.key
+        if key and key in kwargs:
+            return bool(kwargs[key])
+        return params.thinking
+
+    async def chat(
+        self,
+        record: PromptRecord,
+        params: GenerationParams,
+        timeout_s: float | None = None,
+        on_begun: Callable[[], None] | None = None,
+        on_tokens: Callable[[int], None] | None = None,
+        drawn: Drawn | None = None,
+    ) -> ChatResult:
+        """One try at the answer: by ids, going on from `drawn`, or (None) by the chat
+        endpoint, from its beginning."""
+        if drawn is None:
+            return await self.chat_client.chat(record, params, timeout_s, on_begun, on_tokens)
+        started = time.monotonic()
+        if drawn.prompt_ids is None:
+            drawn.prompt_ids = await self._render(record, params, timeout_s)
+        if self.think_end_id is None and drawn.in_reasoning:
+            self.think_end_id = await self._single_id(THINK_END, timeout_s)
+        rule = None if params.repetition_guard is False else self.repetition
+        drawn.watch(rule, prompt_text(record.messages) if rule is not None else "")
+        before = len(drawn.ids)
+        sampling = sampling_params(record, params, self.sampling_defaults, before)
+        if before and sampling["max_new_tokens"] == 0:
+            return self._result(drawn, "length", started, None, params, record)
+        if before:
+            drawn.resumed_tokens += before
+        body = orjson.dumps(
+            {
+                "input_ids": [*drawn.prompt_ids, *drawn.ids],
+                "sampling_params": sampling,
+                "stream": True,
+            }
+        )
+        stream = GenerateStream(drawn, on_begun, on_tokens)
+        try:
+            status, payload, retry_after = await self._generate.stream(body, stream, timeout_s)
+        except (EngineUnreachable, RequestTimedOut):
+            raise
+        except EngineDown as exc:
+            if stream.new_ids:
+                raise AnswerInterrupted(f"{exc} (after {stream.new_ids} tokens)") from exc
+            raise
+        if status != 200:
+            raise answer_error(status, payload, retry_after)
+        stream_failure(stream)
+        return self._result(drawn, stream.finish_reason, started, stream.request_id, params, record)
+
+    def _result(
+        self,
+        drawn: Drawn,
+        finish: str | None,
+        started: float,
+        request_id: str | None,
+        params: GenerationParams,
+        record: PromptRecord,
+    ) -> ChatResult:
+        drawn.finish()
+        completion = len(drawn.ids)
+        repetition = None
+        if drawn.loop is not None:
+            finish = "repetition"
+            budget = int((record.params or {}).get("max_tokens") or params.max_tokens)
+            repetition = loop_figures(drawn, completion, budget)
+        reasoning = "".join(drawn.reasoning)
+        return ChatResult(
+            content="".join(drawn.content),
+            reasoning=reasoning or None,
+            finish_reason=finish,
+            usage=Usage(
+                prompt_tokens=len(drawn.prompt_ids or ()),
+                completion_tokens=completion,
+                reasoning_tokens=reasoning_token_count(
+                    drawn.ids, self.think_end_id, drawn.in_reasoning
+                ),
+            ),
+            latency_s=time.monotonic() - started,
+            request_id=request_id,
+            model=self.model,
+            repetition=repetition,
+            resumed_tokens=drawn.resumed_tokens,
+        )
+
+    async def _render(
+        self, record: PromptRecord, params: GenerationParams, timeout_s: float | None
+    ) -> list[int]:
+        """The prompt's ids, rendered by the engine's own chat template."""
+        fields: dict[str, Any] = {"model": self.model, "messages": record.messages}
+        kwargs = template_kwargs(record, params, self.thinking)
+        if kwargs:
+            fields["chat_template_kwargs"] = kwargs
+        tokens = await self._post(self._tokenize, fields, timeout_s)
+        if not isinstance(tokens, list) or not all(isinstance(i, int) for i in tokens):
+            raise RequestFailed(200, "bad_response", f"/v1/tokenize gave no ids: {tokens!r:.200}")
+        return tokens
+
+    async def _single_id(self, text: str, timeout_s: float | None) -> int | None:
+        """The id of a marker the tokenizer holds as one token (else None: not counted)."""
+        tokens = await self._post(
+            self._tokenize,
+            {"model": self.model, "prompt": text, "add_special_tokens": False},
+            timeout_s,
+        )
+        return tokens[0] if isinstance(tokens, list) and len(tokens) == 1 else None
+
+    @staticmethod
+    async def _post(transport: Transport, fields: dict[str, Any], timeout_s: float | None) -> Any:
+        status, payload, retry_after = await transport.stream(
+            orjson.dumps(fields), _NoStream(), timeout_s
+        )
+        if status != 200:
+            raise answer_error(status, payload, retry_after)
+        try:
+            return orjson.loads(payload).get("tokens")
+        except (orjson.JSONDecodeError, AttributeError) as exc:
+            raise RequestFailed(200, "bad_response", f"/v1/tokenize: not JSON: {exc}") from exc
+
+    async def aclose(self) -> None:
+        await self._tokenize.aclose()
+        await self._generate.aclose()
+        await self.chat_client.aclose()
+
+
+class _NoStream:
+    """The sink of a request whose answer is one JSON body, never an event stream."""
+
+    done = True
+
+    def feed(self, line: bytes) -> bool:
+        return True
