@@ -62,6 +62,15 @@ class Drawn:
         """The answer ended: text held back as a possible marker is text after all."""
         return self._text(*self.split.flush())
 
+    def retext(self, text: str) -> None:
+        """The answer's whole text, decoded again from its ids: split anew, as streamed."""
+        self.split = ReasoningSplit(self.in_reasoning)
+        self.reasoning, self.content = [], []
+        reasoning, content = self.split.feed(text)
+        more_reasoning, more_content = self.split.flush()
+        self.reasoning = [reasoning + more_reasoning] if reasoning + more_reasoning else []
+        self.content = [content + more_content] if content + more_content else []
+
     def _text(self, reasoning: str, content: str) -> bool:
         stop = False
         if reasoning:

@@ -91,12 +91,13 @@ def client(emu: Emulator, family: str, cut_after: int) -> NativeClient:
     headers = {"Content-Type": "application/json"}
     tokenize = AiohttpTransport(emu.base_url + "/v1/tokenize", headers, 30.0, 8)
     generate = AiohttpTransport(emu.base_url + "/generate", headers, 60.0, 8)
+    detokenize = AiohttpTransport(emu.base_url + "/v1/detokenize", headers, 30.0, 8)
     return NativeClient(
         emu.base_url,
         chat,
         reasoning_parser=parser,
         sampling_defaults={},
-        transports=(tokenize, Cutting(generate, cut_after)),
+        transports=(tokenize, Cutting(generate, cut_after), detokenize),
     )
 
 
