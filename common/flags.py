@@ -207,7 +207,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "emulator_legit_repeat_rate": (EMULATOR, "share of answers that repeat legitimately"),
     "emulator_usage_shape": (EMULATOR, "sglang or openai (completion_tokens_details)"),
     "emulator_effective_max_running_requests": (EMULATOR, "enforce fewer running than configured"),
-    "emulator_request_log": (EMULATOR, "a file: one JSON line per chat request received"),
+    "emulator_request_log": (EMULATOR, "a file: one JSON line per request (chat, /generate)"),
     "emulator_unclaimed_gpus": (EMULATOR, "GPUs of the emulated node no worker claims"),
     "emulator_foreign_process_mib": (EMULATOR, "MiB a stranger process holds on the engine's GPU"),
 }

@@ -256,7 +256,7 @@ class Settings(BaseSettings):
     # Enforce fewer running requests than configured, as SGLang does when KV or the mamba
     # pool is short (reported as internal_states[i].effective_max_running_requests_per_dp).
     emulator_effective_max_running_requests: int | None = Field(default=None, ge=1)
-    emulator_request_log: str | None = None  # a file: one JSON line per chat request received
+    emulator_request_log: str | None = None  # a file: one JSON line per chat or /generate request
     # The emulated node's other GPUs, which no worker claims, and a stranger process holding
     # memory on the engine's GPU: what the power-watch's unclaimed_gpu / foreign_process see.
     emulator_unclaimed_gpus: int = Field(default=0, ge=0)

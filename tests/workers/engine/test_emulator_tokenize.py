@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
 from tests.support.chat_templates import DEEPSEEK, checkpoint
@@ -333,8 +334,14 @@ def test_crash_after_tokens_once_then_the_restarted_engine_continues(
 
 
 @pytest.mark.fault
-def test_crash_on_prompt_fires_for_generate_by_ids(start_emulator: StartEmulator) -> None:
-    emu = start_emulator("--emulator-crash-on-prompt", "POISON-7")
+def test_crash_on_prompt_fires_for_generate_by_ids(
+    start_emulator: StartEmulator, tmp_path: Path
+) -> None:
+    """The engine dies on the prompt, and its request log names the chat that killed it."""
+    log = tmp_path / "requests.jsonl"
+    emu = start_emulator(
+        "--emulator-crash-on-prompt", "POISON-7", env={"GENFLEET_EMULATOR_REQUEST_LOG": str(log)}
+    )
     chat = [{"role": "user", "content": "Please repeat POISON-7 back to me."}]
     with httpx.Client(base_url=emu.base_url, timeout=10) as client:
         prompt = tokenize(client, chat)  # rendering is no generation: no crash
@@ -343,3 +350,5 @@ def test_crash_on_prompt_fires_for_generate_by_ids(start_emulator: StartEmulator
             client.post("/generate", json={"input_ids": prompt})
     assert emu.proc.wait(timeout=10) != 0
     assert "emulated crash on a prompt holding 'POISON-7'" in emu.log()
+    last = orjson.loads(log.read_bytes().splitlines()[-1])
+    assert (last["outcome"], last["body"]["messages"]) == ("crash", chat)

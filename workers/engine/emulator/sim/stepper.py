@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from genfleet.workers.engine.emulator.args import EngineArgs
+from genfleet.workers.engine.emulator.request_log import CHAT_ENDPOINT, RequestLog
 from genfleet.workers.engine.emulator.routes.error_bodies import ApiError, queue_full
 from genfleet.workers.engine.emulator.sim.answer import Answer, Plan, Writer
 from genfleet.workers.engine.emulator.sim.chat_template import ChatTemplate
@@ -131,7 +132,7 @@ class Engine:
         self.scheduler.tallies.interval_start_s = self.clock()
         self.received = 0
         self._faults = random.Random(0)  # the same run of 429s and aborts every time
-        self._request_log = open(knobs.request_log, "ab") if knobs.request_log else None  # noqa: SIM115
+        self._request_log = RequestLog(knobs.request_log) if knobs.request_log else None
         self._work = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._last_log_s = -math.inf
@@ -160,7 +161,8 @@ class Engine:
         return min(configured, effective) if effective else configured
 
     def draw_fault(self) -> str | None:
-        """ "429", "abort" or None for the next chat request, at the configured rates."""
+        """ "429", "abort" or None for the next chat or /generate request, at the configured
+        rates (one seeded sequence over both routes, in the order requests arrive)."""
         roll = self._faults.random()
         if roll < self.knobs.rate_429:
             return "429"
@@ -169,14 +171,51 @@ class Engine:
         return None
 
     def log_request(self, entry: dict[str, Any]) -> None:
-        """Append what a chat request asked and what it got to the request log, if kept, with
-        how many requests the engine held (running and waiting) when it arrived and when
-        (`ts`, this host's wall clock: a soak on one machine orders sends and faults by it)."""
+        """Append what a request asked and what it got to the request log (`request_log.py`),
+        if kept, with how many requests the engine held (running and waiting) when it arrived
+        and when (`ts`, this host's wall clock: a soak on one machine orders sends and faults
+        by it)."""
         if self._request_log is not None:
             s = self.scheduler
             entry = {**entry, "in_engine": len(s.running) + len(s.waiting), "ts": time.time()}
-            self._request_log.write(orjson.dumps(entry) + b"\n")
-            self._request_log.flush()
+            self._request_log.write(entry)
+
+    def remember_rendering(self, ids: list[int], request: dict[str, Any]) -> None:
+        """/v1/tokenize rendered `request`'s messages to `ids`: kept (when a request log is)
+        so that a /generate of those ids is logged as the chat it stands for."""
+        if self._request_log is not None:
+            self._request_log.remember(ids, request)
+
+    def log_generate(
+        self,
+        input_ids: list[int],
+        request: dict[str, Any],
+        sampling: dict[str, Any],
+        outcome: str,
+        rid: str | None,
+    ) -> None:
+        """Log one /generate prompt (its prompt ids, then any output already drawn) as the
+        chat request it stands for; nothing when no log is kept."""
+        entry = self.generate_entry(input_ids, request, sampling, outcome, rid)
+        if entry is not None:
+            self.log_request(entry)
+
+    def generate_entry(
+        self,
+        input_ids: list[int],
+        request: dict[str, Any],
+        sampling: dict[str, Any],
+        outcome: str,
+        rid: str | None,
+    ) -> dict[str, Any] | None:
+        """The log entry of one /generate prompt (None: no log is kept)."""
+        if self._request_log is None:
+            return None
+        split = self.family.split(input_ids)
+        entry = self._request_log.generate_entry(
+            input_ids[: split.prompt_len], split.drawn, request, sampling, self.tokenizer.decode
+        )
+        return {**entry, "outcome": outcome, "id": rid}
 
     def start(self) -> None:
         if not self.model.zero_time:
@@ -209,19 +248,27 @@ class Engine:
         if crash is None or crash.on_prompt is None:
             return
         if crash.on_prompt in orjson.dumps(messages).decode():
-            self.log_request({"body": {"messages": messages}, "outcome": "crash", "id": None})
-            self._crash(f"RuntimeError: emulated crash on a prompt holding {crash.on_prompt!r}")
+            body = {"messages": messages}
+            entry = {"body": body, "endpoint": CHAT_ENDPOINT, "drawn_tokens": 0}
+            self._crash(
+                f"RuntimeError: emulated crash on a prompt holding {crash.on_prompt!r}",
+                {**entry, "outcome": "crash", "id": None},
+            )
 
-    def check_crash_prompt(self, prompts: list[str | list[int]]) -> None:
-        """Die on a /generate request whose prompt (its text, or its ids decoded) holds
-        `--emulator-crash-on-prompt`."""
+    def check_crash_prompt(
+        self, prompts: list[list[int]], request: dict[str, Any], sampling: dict[str, Any]
+    ) -> None:
+        """Die on a /generate request whose prompt (its ids decoded) holds
+        `--emulator-crash-on-prompt`, logged as a `crash`."""
         crash = self.args.crash
         if crash is None or crash.on_prompt is None:
             return
         for prompt in prompts:
-            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
-            if crash.on_prompt in text:
-                self._crash(f"RuntimeError: emulated crash on a prompt holding {crash.on_prompt!r}")
+            if crash.on_prompt in self.tokenizer.decode(prompt):
+                self._crash(
+                    f"RuntimeError: emulated crash on a prompt holding {crash.on_prompt!r}",
+                    self.generate_entry(prompt, request, sampling, "crash", None),
+                )
 
     def streamed(self, tokens: int) -> None:
         """A stream has sent `tokens` output tokens of one sequence: die once that reaches
@@ -234,10 +281,11 @@ class Engine:
             "(--emulator-crash-after-tokens)"
         )
 
-    def _crash(self, line: str) -> None:
+    def _crash(self, line: str, entry: dict[str, Any] | None = None) -> None:
         """Exit as SGLang's scheduler does on an exception: a traceback, its last line the
         error, then the parent's notice. With `--emulator-crash-once PATH`, only while PATH
-        does not exist: it is created first, so the restarted engine lives on."""
+        does not exist: it is created first, so the restarted engine lives on. `entry`: the
+        request that kills it, logged (when a log is kept) only when it does."""
         once = self.args.crash.once_path if self.args.crash is not None else None
         if not self._crash_armed:
             return
@@ -248,6 +296,8 @@ class Engine:
             except FileExistsError:
                 self._crash_armed = False
                 return
+        if entry is not None:
+            self.log_request(entry)
         log.error("Scheduler hit an exception: Traceback (most recent call last):", extra=TP0)
         sys.stderr.write('  File "emulator/sim/stepper.py", in submit\n' + line + "\n")
         log.error("Received sigquit from a child process. It usually means the child failed.")
