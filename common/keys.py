@@ -335,7 +335,8 @@ def engine_alarms_key() -> str:
     a cool-down, not taking work) or dying the same way on every restart (a crash loop, with
     the error and any known workaround). Written by the worker when that happens, removed
     when its engine serves again or the worker stops; `status` shows the entries of a run's
-    queue. No TTL: a worker killed outright leaves its entry, which carries its time."""
+    queue. No TTL: a worker killed outright leaves its entry until the power-watch forgets the
+    silent worker (common/engine_alarms.py)."""
     return f"{PREFIX}:engine-alarms"
 
 

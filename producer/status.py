@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import orjson
 import redis
 
 from genfleet.common import (
@@ -22,9 +21,10 @@ from genfleet.common import (
     quality_gate,
     summaries,
 )
+from genfleet.common.engine_alarms import of_queue as alarms_of_queue
 from genfleet.common.errors import InputError
 from genfleet.common.ledger import Ledger
-from genfleet.common.redis_conn import server_time, text
+from genfleet.common.redis_conn import server_time
 from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store
@@ -78,16 +78,8 @@ def energy_text(figures: dict[str, Any]) -> str:
 
 def engine_alarms(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
     """The engines of `queue`'s workers that need a person, as the workers published them
-    (`keys.engine_alarms_key`): restart budget spent (in a cool-down) or a crash loop."""
-    alarms = []
-    for worker, raw in sorted(client.hgetall(keys.engine_alarms_key()).items()):
-        try:
-            alarm = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(alarm, dict) and alarm.get("queue") == queue:
-            alarms.append({**alarm, "worker": text(worker)})
-    return alarms
+    (`common.engine_alarms`): restart budget spent (in a cool-down) or a crash loop."""
+    return alarms_of_queue(client, queue)
 
 
 def engine_alarm_text(alarm: dict[str, Any], now: float) -> str:

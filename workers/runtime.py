@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import findings, keys
+from genfleet.common import engine_alarms, findings
 from genfleet.common.redis_conn import connect
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
@@ -297,10 +297,7 @@ class WorkerRuntime:
 
     def _publish_alarm(self, alarm: dict[str, Any] | None) -> None:
         try:
-            if alarm is None:
-                self.redis.hdel(keys.engine_alarms_key(), self.hostname)
-            else:
-                self.redis.hset(keys.engine_alarms_key(), self.hostname, orjson.dumps(alarm))
+            engine_alarms.publish(self.redis, self.hostname, alarm)
         except redis.RedisError as exc:
             log.warning("could not publish the engine's state: %s", exc)
 
