@@ -21,6 +21,10 @@ RECONCILE_TASK = "genfleet.reconcile_progress"
 # `celery result` read the last hour's; a round a minute kept the week batch results are
 # would be 10,000 power-watch results of a row per GPU.
 BEAT_RESULT_EXPIRES_S = 3600
+# The same for an order a worker handed back because it does not serve the run's model: while
+# no worker serves a run, each of its refusing workers' batch slots hands one back per rest
+# (workers/admission.py), thousands a day that say nothing after the hour.
+HANDED_BACK_RESULT_EXPIRES_S = 3600
 
 
 def celery_config(settings: Settings) -> dict[str, Any]:

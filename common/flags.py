@@ -159,6 +159,14 @@ FIELDS: dict[str, tuple[str, str]] = {
     "shutdown_grace_s": (FEEDING, "on SIGTERM, running batches finish for this long"),
     "lease_ttl_s": (FEEDING, "a batch without lease for this long is re-enqueued"),
     "max_deliveries": (FEEDING, "a batch whose worker died this often is parked as poison"),
+    "refused_run_memory_s": (
+        FEEDING,
+        "a worker that does not serve a run's model remembers it (and status shows why) this long",
+    ),
+    "refused_order_rest_s": (
+        FEEDING,
+        "after handing back an order of a run it does not serve, a batch slot rests this long",
+    ),
     "reaper_interval_s": (FEEDING, "how often expired leases and lost orders are looked for"),
     "reconcile_interval_s": (
         FEEDING,

@@ -70,8 +70,9 @@ def claim_key(run: str) -> str:
 
 
 def model_key(run: str) -> str:
-    """The checkpoint fingerprint of the engine that generates the run, written once by the
-    first worker to generate one of its batches: workers serving another are handed back."""
+    """The model the run asks for (common/model_identity.py), written once by the producer as it
+    stages the run, before its first order: a worker serving another hands the run's orders
+    back. Runs staged by an older genfleet hold the fingerprint of their first worker here."""
     return f"{run}/model.json"
 
 
@@ -227,6 +228,14 @@ def throughput_bucket_key(run: str, bucket: int) -> str:
     return f"{PREFIX}:run:{run}:throughput:{bucket}"
 
 
+def model_refusals_key(run: str) -> str:
+    """Hash worker → why it does not serve the run's model (JSON), written by a worker as it
+    refuses the run and removed by one that serves it (common/model_identity.py): `status`
+    says the run's orders are held when every worker of its queue refused it. TTL: twice the
+    refusal memory (`refused_run_memory_s`), refreshed at each refusal noted."""
+    return f"{PREFIX}:run:{run}:model_refusals"
+
+
 def cancelled_key(run: str) -> str:
     """Set by `genfleet cancel` (value: when): workers start no batch of the run and stop the
     running ones; the next enqueue of the run clears it. No TTL."""
@@ -326,7 +335,8 @@ def engine_alarms_key() -> str:
     a cool-down, not taking work) or dying the same way on every restart (a crash loop, with
     the error and any known workaround). Written by the worker when that happens, removed
     when its engine serves again or the worker stops; `status` shows the entries of a run's
-    queue. No TTL: a worker killed outright leaves its entry, which carries its time."""
+    queue. No TTL: a worker killed outright leaves its entry until the power-watch forgets the
+    silent worker (common/engine_alarms.py)."""
     return f"{PREFIX}:engine-alarms"
 
 

@@ -93,6 +93,18 @@ class RedisCommands(Protocol):
 
     def eval(self, script: str, numkeys: int, /, *keys_and_args: str) -> Any: ...
 
+    def time(self) -> Any: ...
+
+
+def server_time(client: RedisCommands) -> float:
+    """Redis's clock (TIME), in seconds since the epoch: the one clock every host of a fleet
+    reads alike. A time one process writes and another compares with its own "now" (when a
+    batch was claimed, against the reaper's pass) is taken here, never from a host's wall
+    clock: a worker whose clock runs ten minutes ahead must not hide its batch from the
+    reaper for ten minutes."""
+    seconds, micros = client.time()
+    return int(seconds) + int(micros) / 1_000_000
+
 
 def _satisfies(client: redis.Redis) -> RedisCommands:
     return client  # mypy checks here that redis.Redis is a RedisCommands

@@ -185,6 +185,13 @@ class Settings(BaseSettings):
     # A batch whose worker died or vanished this many times is parked in the failed set
     # (a batch that crashes its worker would otherwise travel the fleet forever).
     max_deliveries: int = Field(default=3, ge=1)
+    # A worker that does not serve a run's model (common/model_identity.py) hands the run's
+    # orders back and remembers the run for this long (no store read per order; `status`
+    # shows the refusal as long); the batch slot that handed one back rests
+    # refused_order_rest_s before taking another, so that a queue only refusing workers
+    # consume goes round slowly, never in a hot loop (workers/admission.py).
+    refused_run_memory_s: float = Field(default=600.0, gt=0)
+    refused_order_rest_s: float = Field(default=2.0, ge=0)
     reaper_interval_s: float = Field(default=30.0, gt=0)
     # How often the control worker lists running runs' outputs and repairs Redis's progress
     # copy from them (what `status` reads): a lost count is right again within this long.

@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from harness.control import answering
@@ -19,12 +20,23 @@ from harness.waits import wait_for
 class Worker:
     """A real `python -m genfleet.workers worker` process (with its emulator engine)."""
 
-    def __init__(self, env: dict[str, str], log: Path, hostname: str, args: list[str]) -> None:
+    def __init__(
+        self,
+        env: dict[str, str],
+        log: Path,
+        hostname: str,
+        args: list[str],
+        prefix: Sequence[str] = (),
+        broker_url: str | None = None,
+    ) -> None:
+        """`prefix` runs it through another command that execs it (`ip netns exec NODE`: a
+        worker of another node, harness/nodes.py); `broker_url` is where this process asks
+        whether it is ready, when the worker's own Redis URL is not reachable from here."""
         self.hostname = hostname
         self.log = log
-        self.broker_url = env["GENFLEET_REDIS_URL"]
+        self.broker_url = broker_url or env["GENFLEET_REDIS_URL"]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "genfleet.workers", *args, "--hostname", hostname],
+            [*prefix, sys.executable, "-m", "genfleet.workers", *args, "--hostname", hostname],
             env=env,
             cwd=ROOT,
             stdout=log.open("ab"),

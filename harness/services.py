@@ -31,12 +31,20 @@ from harness.waits import wait_for
 class RedisServer:
     """A private redis-server with AOF on; `restart()` keeps its port, password and data dir."""
 
-    def __init__(self, directory: Path, port: int, password: str) -> None:
+    def __init__(
+        self, directory: Path, port: int, password: str, bind: tuple[str, ...] = ("127.0.0.1",)
+    ) -> None:
+        """`bind`: its addresses, the first one in `url` (`url_at` names another)."""
         self.directory = directory
         self.port = port
         self.password = password
-        self.url = f"redis://:{password}@127.0.0.1:{port}/0"
+        self.bind = bind
+        self.url = self.url_at(bind[0])
         self.proc: subprocess.Popen[bytes] | None = None
+
+    def url_at(self, address: str) -> str:
+        """Its URL at `address`, one of those it binds."""
+        return f"redis://:{self.password}@{address}:{self.port}/0"
 
     def client(self) -> redis.Redis:
         return redis.Redis.from_url(self.url, socket_connect_timeout=2)
@@ -45,7 +53,7 @@ class RedisServer:
         argv = [
             "redis-server",
             "--port", str(self.port),
-            "--bind", "127.0.0.1",
+            "--bind", *self.bind,
             "--requirepass", self.password,
             "--appendonly", "yes",
             "--appendfsync", "always",

@@ -151,7 +151,11 @@ def queue_check(settings: Settings) -> QueueCheck:
             consumers = worker_queues(app)
         finally:
             app.close()
-        return unconsumed_queue(queue, model, engine, settings.queue, consumers, loading)
+        refused = {
+            str(worker): str(entry.get("why"))
+            for worker, entry in (report.get("model_refusals") or {}).items()
+        }
+        return unconsumed_queue(queue, model, engine, settings.queue, consumers, loading, refused)
 
     return check
 
@@ -271,6 +275,9 @@ def status(
         out.print(f"  … and {report['batches_failed'] - len(report['failed']):,} more failed")
     for alarm in report["engine_alarms"]:
         out.print(f"  engine {escape(engine_alarm_text(alarm, time.time()))}", highlight=False)
+    for worker, refusal in report["model_refusals"].items():
+        why = escape(str(refusal.get("why")))
+        out.print(f"  {escape(worker)} refuses the run's model: {why}", highlight=False)
     if energy := energy_text(report):
         out.print(f"  energy: {energy}", highlight=False)
     if waste := waste_text(report.get("waste") or {}):

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import orjson
 
-from genfleet.common import keys, quality_gate, run_registry
+from genfleet.common import keys, model_identity, quality_gate, run_registry
 from genfleet.common.errors import ConfigError, InputError, RunMismatch
 from genfleet.common.manifest import BatchEntry, Manifest, ManifestWriter
 from genfleet.common.quality import gate_settings
@@ -205,6 +205,7 @@ class Prepared:
     params: GenerationParams
     ref: ModelRef
     label: str  # the manifest's `source`
+    model: dict[str, Any] | None = None  # the run's recorded model (common/model_identity.py)
 
     def records(self) -> Iterator[PromptRecord]:
         with self.path.open("rb") as handle:
@@ -258,6 +259,11 @@ def stage(
         str(source),
         None if prepared else lambda: first_difference(store, run, source, options, settings),
     )
+    # The run's model is decided here, before its first order: no worker decides it by
+    # taking one first. A retry round's is its run's own (none for a run staged before).
+    model = model_identity.asked(settings) if prepared is None else prepared.model
+    if model is not None:
+        model_identity.record(store, run, model)
     stored = store_response_format(store, run, params)
     done = done_batches(store, run)  # a run staged before but never finished its manifest
     writer = ManifestWriter(store, run, staging_id)  # one shard's entries held at a time
@@ -337,6 +343,7 @@ def stage(
         # Nothing was staged: the claim binds no batch, so the same run may be staged again
         # with other settings (typically --regenerate).
         store.delete_prefix(keys.claim_key(run))
+        model_identity.withdraw(store, run)
         raise InputError(reason)
     if fingerprint is not None and digest.hexdigest() != fingerprint:
         raise InputError(

@@ -8,16 +8,23 @@ counters and the throughput window come from Redis.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
-import orjson
 import redis
 
-from genfleet.common import findings, fleet_registry, keys, progress, quality_gate, summaries
+from genfleet.common import (
+    findings,
+    fleet_registry,
+    keys,
+    model_identity,
+    progress,
+    quality_gate,
+    summaries,
+)
+from genfleet.common.engine_alarms import of_queue as alarms_of_queue
 from genfleet.common.errors import InputError
 from genfleet.common.ledger import Ledger
-from genfleet.common.redis_conn import text
+from genfleet.common.redis_conn import server_time
 from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store
@@ -71,16 +78,8 @@ def energy_text(figures: dict[str, Any]) -> str:
 
 def engine_alarms(client: redis.Redis, queue: str) -> list[dict[str, Any]]:
     """The engines of `queue`'s workers that need a person, as the workers published them
-    (`keys.engine_alarms_key`): restart budget spent (in a cool-down) or a crash loop."""
-    alarms = []
-    for worker, raw in sorted(client.hgetall(keys.engine_alarms_key()).items()):
-        try:
-            alarm = orjson.loads(raw)
-        except orjson.JSONDecodeError:
-            continue
-        if isinstance(alarm, dict) and alarm.get("queue") == queue:
-            alarms.append({**alarm, "worker": text(worker)})
-    return alarms
+    (`common.engine_alarms`): restart budget spent (in a cool-down) or a crash loop."""
+    return alarms_of_queue(client, queue)
 
 
 def engine_alarm_text(alarm: dict[str, Any], now: float) -> str:
@@ -121,7 +120,8 @@ def run_status(
     size; with `verify` (or when Redis holds no reconciled copy) the store's outputs are
     listed first and the copy repaired from them (`common/progress.py`)."""
     keys.validate_run(run)
-    now = time.time() if now is None else now
+    # Redis's clock: the start, the last batch's end and the tok/s buckets are stamped by it.
+    now = server_time(client) if now is None else now
     snap = None if verify else progress.snapshot(client, run)
     ledger = Ledger(client)
     if snap is None:
@@ -199,6 +199,9 @@ def run_status(
             client,
             work_queue(queue_prefix, ModelRef(str(summary["engine"]), str(summary["model"]))),
         ),
+        # Workers of the run's queue that do not serve its model, and why (a worker notes its
+        # refusal as it hands the run's orders back): `unconsumed_queue` says when it is all.
+        "model_refusals": model_identity.refusals(client, run),
         "store": store.url,
         "reconciled_at": snap.reconciled_at,
         **energy_figures(counters, gpu_hour_cost),
@@ -262,10 +265,13 @@ def unconsumed_queue(
     prefix: str,
     worker_queues: dict[str, list[str]] | None,
     loading: dict[str, str] | None = None,
+    refused: dict[str, str] | None = None,
 ) -> dict[str, Any] | None:
-    """Why a run's orders sit unread, when no live worker consumes its `queue`; None when one
-    does, when one is loading its engine to consume it (`loading`: worker → the queue it will
-    consume), or when the workers could not be asked (`worker_queues` None).
+    """Why a run's orders sit untaken: no live worker consumes its `queue`, or every one that
+    does refused the run's model (`refused`: worker → why, `common.model_identity`). None when
+    a worker serves it, when one is loading its engine to consume the queue (`loading`: worker
+    → the queue it will consume), or when the workers could not be asked (`worker_queues`
+    None).
 
     Runs go to their model's queue (`gpu.emulator`, `gpu.<model>`): a run enqueued for a
     model the fleet does not serve waits forever unless someone is told. A worker loading its
@@ -273,6 +279,9 @@ def unconsumed_queue(
 
         unconsumed_queue("gpu.q3", "q3", "sglang", "gpu", {"w@h": ["gpu.emulator"]})["message"]
         # 'no live worker consumes queue gpu.q3 (model q3); workers consume: gpu.emulator. …'
+        unconsumed_queue("gpu.emulator", "emulator", "emulator", "gpu",
+                         {"w@h": ["gpu.emulator"]}, refused={"w@h": "quantization: …"})
+        # {'held': True, 'message': "orders held: no worker serves the run's model: …", …}
     """
     if worker_queues is None or queue in (loading or {}).values():
         return None
@@ -280,7 +289,7 @@ def unconsumed_queue(
         {q for qs in worker_queues.values() for q in qs if q.startswith(f"{prefix}.")}
     )
     if queue in consumed:
-        return None
+        return held_orders(queue, model, worker_queues, refused or {})
     start = "--engine emulator" if engine == "emulator" else f"--model {model}"
     if consumed:
         seen = f"workers consume: {', '.join(consumed)}"
@@ -299,6 +308,31 @@ def unconsumed_queue(
         "message": (
             f"no live worker consumes queue {queue} (model {model}); {seen}. Its orders wait "
             f"until one does: {other}start a worker for it with `genfleet worker {start}`"
+        ),
+    }
+
+
+def held_orders(
+    queue: str, model: str, worker_queues: dict[str, list[str]], refused: dict[str, str]
+) -> dict[str, Any] | None:
+    """The run's orders are held when every live worker of its queue refused its model: they
+    go round the queue (handed back by each) until a worker that serves the model comes."""
+    consumers = sorted(w for w, qs in worker_queues.items() if queue in qs)
+    if not consumers or any(w not in refused for w in consumers):
+        return None
+    each = "; ".join(f"{w}: {refused[w]}" for w in consumers[:5])
+    more = f"; and {len(consumers) - 5} more" if len(consumers) > 5 else ""
+    return {
+        "queue": queue,
+        "model": model,
+        "worker_queues": [queue],
+        "workers_answering": len(worker_queues),
+        "held": True,
+        "refused_by": {w: refused[w] for w in consumers},
+        "message": (
+            f"orders held: no worker serves the run's model. Every worker consuming {queue} "
+            f"refused it ({each}{more}); its orders wait in the queue, not failed, until a "
+            f"worker started with the settings the run was staged with takes them"
         ),
     }
 

@@ -331,6 +331,19 @@ def test_the_producer_sends_orders_to_the_queue_its_workers_consume() -> None:
     assert target(settings("producer", {})) == dry
     assert target(settings("producer", gpu, engine="emulator")) == dry
 
+    # and the model the producer records for a run is the one those workers serve, a
+    # --quantization among the engine's extra args included (common/model_identity.py)
+    from genfleet.common.model_identity import asked, judge
+    from genfleet.workers.engine.families import choose
+    from genfleet.workers.engine.fingerprint import checkpoint_identity
+
+    def serves(worker: Settings, producer: Settings) -> bool:
+        return judge(asked(producer), checkpoint_identity(worker, choose(worker, None))).serves
+
+    fp8 = {**gpu, "GENFLEET_ENGINE_EXTRA_ARGS": "--quantization fp8"}
+    assert serves(settings("worker", fp8), settings("producer", fp8))
+    assert serves(settings("worker-dry", fp8), settings("producer", fp8, engine="emulator"))
+
 
 def test_producer_is_a_tool_run_on_demand() -> None:
     producer = load_compose()["services"]["producer"]

@@ -10,7 +10,10 @@ Checked when a batch starts (or resumes, on a redelivery) and, for cancel, while
   deleted, and an order names its staging, so no clock of two hosts is compared (the
   store's claim is checked again before every write: `genfleet.workers.provenance`);
 - an order of a cancelled run is parked: acknowledged, not generated; its checkpoint stays,
-  and enqueueing the run again (`genfleet enqueue --resume RUN`) sends it anew.
+  and enqueueing the run again (`genfleet enqueue --resume RUN`) sends it anew;
+- an order of a run whose model (recorded at staging, `common.model_identity`) this worker does
+  not serve goes back to the end of its queue for another worker: not failed, no try spent,
+  and this worker goes on with other runs' orders (`workers.refusals`: no hot loop on it).
 
 While a batch runs, its lease (`genfleet.workers.lease`) says a live worker holds it.
 """
@@ -24,17 +27,17 @@ from typing import Any, Literal
 import redis
 from celery.exceptions import Reject
 
-from genfleet.common import keys
+from genfleet.common import keys, model_identity
 from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.errors import BatchFailed, BatchSuperseded, StoreError, ThinkingUnsupported
 from genfleet.common.ledger import Ledger, running_field
 from genfleet.common.records import WorkOrder
-from genfleet.common.redis_conn import RedisCommands
+from genfleet.common.redis_conn import RedisCommands, server_time
 from genfleet.common.routing import order_queue
 from genfleet.workers.app import app
 from genfleet.workers.context import TaskRuntime
 from genfleet.workers.observe.headlines import not_generated_headline
-from genfleet.workers.provenance import ensure_current, model_refusal, thinking_refusal
+from genfleet.workers.provenance import ensure_current, thinking_refusal
 
 log = logging.getLogger("genfleet.tasks")
 
@@ -133,8 +136,11 @@ def admit(
         # Also before the claim: its store read must not stand between the running entry and
         # the lease (taken by `execute` before any other read), or a slow store lets the
         # reaper take a batch whose worker is alive.
-        _check_model(runtime, work)
-        ledger.claim(order, worker, time.time(), runtime.presence_name)
+        refused = _check_model(runtime, work)
+        if refused is not None:
+            return _hand_back_refused(runtime, work, order, refused)
+        # Stamped by Redis's clock, the one the reaper compares it with (not this host's).
+        ledger.claim(order, worker, server_time(client), runtime.presence_name)
     except (redis.RedisError, StoreError) as exc:
         raise Reject(
             f"{field}: Redis or the store failed before the batch started: {exc}", requeue=True
@@ -147,8 +153,9 @@ def admit(
 
 
 def _hand_back(order: dict[str, Any], queue: str, field: str) -> None:
-    """Send the order to its own model's queue; when the broker does not take it, put this
-    message back instead (acking it would lose the only copy of the order).
+    """Send the order to the end of `queue` (its own model's, or this worker's for a run it
+    does not serve); when the broker does not take it, put this message back instead (acking
+    it would lose the only copy of the order).
 
     Any failure counts, not only kombu's OperationalError: after a publish failed with the
     connection, the next one on the same producer can raise AttributeError from inside kombu
@@ -162,27 +169,101 @@ def _hand_back(order: dict[str, Any], queue: str, field: str) -> None:
         ) from exc
 
 
-def _check_model(runtime: TaskRuntime, work: WorkOrder) -> None:
-    """Refuse an order this worker's model cannot answer as the run asks: another checkpoint
-    than the run's is handed back (this worker stops taking work, saying why); `--no-thinking`
-    on a model without a switch fails the batch (no worker of this model could honour it)."""
+def _check_model(runtime: TaskRuntime, work: WorkOrder) -> model_identity.Verdict | None:
+    """None when this worker's model answers the order as the run asks; the verdict when the
+    run's recorded model (`common.model_identity`) is not the one this worker serves, judged
+    once per run and staging (`workers.refusals`). On the run's model, `--no-thinking` where
+    the model has no switch fails the batch (no worker of this model could honour it)."""
     identity = runtime.model_identity
     if identity is None:
-        return
+        return None
+    verdicts = runtime.model_verdicts
+    verdict = verdicts.known(work.run, work.staging)
+    if verdict is None:
+        verdict = model_identity.judge(model_identity.read(runtime.store, work.run), identity)
+        verdicts.remember(work.run, work.staging, verdict)
+        _tell(runtime, work, verdict)
+    if not verdict.serves:
+        return verdict  # another worker's to judge, thinking and all
     refused = thinking_refusal(work, identity)
     if refused is not None:
         error = ThinkingUnsupported(refused)
         fail_order(runtime.redis, work, f"{type(error).__name__}: {error}", error)
         raise BatchFailed(refused) from error
-    if work.run in runtime.model_runs:
+    return None
+
+
+def _hand_back_refused(
+    runtime: TaskRuntime,
+    work: WorkOrder,
+    order: dict[str, Any],
+    verdict: model_identity.Verdict,
+) -> dict[str, Any]:
+    """Send an order of a run this worker does not serve to the end of its queue, for another
+    worker (not failed, no try spent, nothing claimed); then this batch slot rests
+    `refused_order_rest_s` before it takes another order, so that a queue whose only workers
+    refuse the run goes round slowly, never in a hot loop, while the worker's other slots go
+    on with other runs' orders.
+
+    The copy goes out at once, the rest after: the broker hands a message to the consumer
+    that has waited longest, and this worker's has only just asked again, so a worker that
+    serves the run gets it first. (Resting first and handing back after would give it to this
+    worker again, whose request would then be the oldest.)"""
+    _hand_back(order, runtime.queue, running_field(work.run, work.batch))
+    rest_s = runtime.settings.refused_order_rest_s
+    if rest_s > 0:
+        time.sleep(rest_s)
+    result = {
+        "run": work.run,
+        "batch": work.batch,
+        "handed_back": True,
+        "queue": runtime.queue,
+        "refused": verdict.why(),
+    }
+    return {"summary": not_generated_headline(result), **result}
+
+
+def _tell(runtime: TaskRuntime, work: WorkOrder, verdict: model_identity.Verdict) -> None:
+    """Say once per verdict what this worker found about the run's model: a refusal as a
+    finding naming the worker, the run and the difference, and in the run's refusals that
+    `status` reads; a run served by name where content could not be compared, in the log."""
+    worker = runtime.hostname
+    if verdict.serves:
+        if verdict.note:
+            log.warning("%s: run %s judged by name: %s", worker, work.run, verdict.note)
+        try:
+            model_identity.clear_refusal(runtime.redis, work.run, worker)
+        except redis.RedisError as exc:
+            log.warning("could not clear a refusal of run %s: %s", work.run, exc)
         return
-    reason = model_refusal(runtime.store, work.run, identity)
-    if reason is None:
-        runtime.model_runs.add(work.run)
-        return
-    log.error("%s/%s: %s", work.run, work.batch, reason)
-    runtime.refuse_work(f"{work.run}/{work.batch} handed back: {reason}")
-    raise Reject(reason, requeue=True)
+    log.error(
+        "%s does not serve the model of run %s (%s): its orders are handed back; this worker "
+        "goes on with other runs",
+        worker,
+        work.run,
+        verdict.why(),
+    )
+    memory_s = runtime.settings.refused_run_memory_s
+    try:
+        model_identity.note_refusal(
+            runtime.redis, work.run, worker, work.staging, verdict, memory_s
+        )
+    except redis.RedisError as exc:
+        log.warning("could not note the refusal of run %s: %s", work.run, exc)
+    identity = runtime.model_identity or {}
+    runtime.finding(
+        "model_mismatch",
+        {
+            **verdict.to_json(),
+            "checkpoint": identity.get("checkpoint"),
+            "fingerprint": identity.get("fingerprint"),
+        },
+        f"run {work.run}: {verdict.why()}. This worker hands the run's orders back and goes "
+        f"on with other runs'; a worker serving the run's model generates it (start one with "
+        f"the run's --model and engine settings)",
+        verdict="refused",
+        run=work.run,
+    )
 
 
 def fail_order(client: RedisCommands, work: WorkOrder, reason: str, exc: BaseException) -> None:

@@ -47,7 +47,7 @@ from genfleet.common.records import (
     WorkOrder,
     encode_jsonl_gz,
 )
-from genfleet.common.redis_conn import RedisCommands
+from genfleet.common.redis_conn import RedisCommands, server_time
 from genfleet.common.store import Store
 from genfleet.common.waste import WasteTally
 from genfleet.workers import checkpoint
@@ -252,7 +252,7 @@ def execute(
             todo = [(i, records[i]) for i in longest]
         summary.resumed = len(records) - len(todo)
 
-        _telemetry("the start time", counters.mark_started, client, order.run, time.time())
+        _telemetry("the start time", _mark_started, client, order.run)
         collector = _Collector()
         future = feeder.run_batch(
             order.run,
@@ -546,13 +546,20 @@ def _mark_done(client: RedisCommands, order: WorkOrder) -> None:
     Ledger(client).done(order.run, order.batch, prompts=order.prompts)
 
 
+def _mark_started(client: RedisCommands, run: str) -> None:
+    """The run's start, by Redis's clock: `status` compares it with its own "now" and with the
+    last batch's end, which other hosts stamp."""
+    counters.mark_started(client, run, server_time(client))
+
+
 def _count(client: RedisCommands, order: WorkOrder, summary: BatchSummary) -> None:
-    """Live counters, after the output is in the store (the store is the truth)."""
+    """Live counters, after the output is in the store (the store is the truth); the end time
+    by Redis's clock, as the start's."""
     tally = Tally(
         summary.errors,
         summary.completion_tokens,
         summary.reasoning_tokens,
-        time.time(),
+        server_time(client),
         more=summary.waste | summary.quality,
     )
     Ledger(client).done(order.run, order.batch, tally, prompts=summary.prompts)

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from celery import Task
 
-from genfleet.common.celery_config import BEAT_RESULT_EXPIRES_S
+from genfleet.common.celery_config import BEAT_RESULT_EXPIRES_S, HANDED_BACK_RESULT_EXPIRES_S
 from genfleet.common.errors import EngineError
 
 if TYPE_CHECKING:
@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from genfleet.workers.feeding import Feeder
     from genfleet.workers.observe.live_progress import ProgressTally
     from genfleet.workers.observe.sampler import Monitor
+    from genfleet.workers.refusals import RunVerdicts
 
 
 class TaskRuntime(Protocol):
@@ -68,11 +69,22 @@ class TaskRuntime(Protocol):
         """The checkpoint fingerprint the worker computed at start (`engine.fingerprint`)."""
 
     @property
-    def model_runs(self) -> set[str]:
-        """The runs already found to be generated with this worker's checkpoint."""
+    def model_verdicts(self) -> RunVerdicts:
+        """Whether this worker serves each run's model, as judged (workers/refusals.py)."""
 
     def refuse_work(self, message: str) -> None:
         """The engine refuses this worker itself (401/403/404): stop consuming, say why."""
+
+    def finding(
+        self,
+        cause: str,
+        numbers: dict[str, Any],
+        suggestion: str,
+        verdict: str = "unresponsive",
+        run: str | None = None,
+    ) -> None:
+        """A finding the worker makes about itself (or about itself and `run`): the log,
+        `gpu_report` and the findings stream."""
 
     def batch_ended(self, run: str, batch: str) -> None:
         """The batch's task is over: the slot it handed on when every prompt was in the
@@ -83,7 +95,9 @@ class TaskRuntime(Protocol):
 
 
 class BatchTask(Task):  # type: ignore[misc]
-    """The base of `generate_batch`: its `runtime`, set by the engine bootstep."""
+    """The base of `generate_batch`: its `runtime`, set by the engine bootstep. The result of
+    an order handed back as not this worker's model's expires after
+    HANDED_BACK_RESULT_EXPIRES_S, not after the backend's week (as `BeatTask`'s)."""
 
     runtime: TaskRuntime | None = None
 
@@ -92,6 +106,19 @@ class BatchTask(Task):  # type: ignore[misc]
         if runtime is None:
             raise EngineError("this process has no genfleet worker runtime (engine not started)")
         return runtime
+
+    def after_return(
+        self,
+        status: str,
+        retval: Any,
+        task_id: str,
+        args: Any,
+        kwargs: Any,
+        einfo: Any,
+    ) -> None:
+        if isinstance(retval, dict) and retval.get("refused"):
+            key = self.backend.get_key_for_task(task_id)
+            self.backend.expire(key, HANDED_BACK_RESULT_EXPIRES_S)
 
 
 class BeatTask(Task):  # type: ignore[misc]

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import findings, keys
+from genfleet.common import engine_alarms, findings
 from genfleet.common.redis_conn import connect
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
@@ -52,6 +52,7 @@ from genfleet.workers.observe.liveness import Presence, connection_name
 from genfleet.workers.observe.power_watch import fleet_state
 from genfleet.workers.observe.sampler import Monitor, make_sampler
 from genfleet.workers.process.slots import PrefetchSlots
+from genfleet.workers.refusals import RunVerdicts
 
 log = logging.getLogger("genfleet.worker")
 # How long a written request that failed waits for its engine's exit to show while the process
@@ -107,10 +108,10 @@ class WorkerRuntime:
         self.plan: EnginePlan | None = None  # the engine plan its SGLang was launched with
         self.watchdog: StallWatchdog | None = None
         self.celery_worker: Any = None  # the WorkController, set by the engine bootstep
-        # The checkpoint fingerprint (`engine.fingerprint`), and the runs already found to
-        # match it (so the run's record is read once per run, not per batch).
+        # The model identity (`engine.fingerprint`), and each run's verdict against it (so a
+        # run's record is read once per run, not per batch; a refused run's orders go back).
         self.model_identity: dict[str, Any] | None = None
-        self.model_runs: set[str] = set()
+        self.model_verdicts = RunVerdicts(settings.refused_run_memory_s)
         self.slots = PrefetchSlots(lambda: self.celery_worker)
 
     @property
@@ -131,7 +132,7 @@ class WorkerRuntime:
         if self.plan is not None:
             cut = plan_check(self.plan, info, enforced_cap(info))
             if cut is not None:
-                self._finding("engine_plan_cut", self.plan.to_json(), cut, "underused")
+                self.finding("engine_plan_cut", self.plan.to_json(), cut, "underused")
         # Sized from the cap the engine enforces, which may be below the configured one.
         cap = enforced_cap(info) or settings.max_running_requests
         max_inflight = settings.max_inflight or default_max_inflight(cap)
@@ -246,7 +247,7 @@ class WorkerRuntime:
             if self.feeder is not None:
                 self.feeder.cancel_all()  # checkpointed and handed back to the queue
         if acted:
-            self._finding("engine_stalled", figures, suggestion)
+            self.finding("engine_stalled", figures, suggestion)
 
     def engine_alarm(self) -> dict[str, Any] | None:
         """The engine's state when it needs a person: its restart budget spent (a cool-down)
@@ -275,7 +276,7 @@ class WorkerRuntime:
         alarm = self.engine_alarm()
         crash = alarm["crash"] if alarm is not None else None
         if crash and crash["loop"] and crash["repeats"] == CRASH_LOOP_REPEATS:
-            self._finding("crash_loop", alarm or {}, loop_suggestion(crash), "underused")
+            self.finding("crash_loop", alarm or {}, loop_suggestion(crash), "underused")
         self._publish_alarm(alarm)
 
     def _engine_exhausted(self, message: str) -> None:
@@ -283,7 +284,7 @@ class WorkerRuntime:
         the findings and the alarms key, for the cool-down."""
         alarm = self.engine_alarm()
         if alarm is not None:
-            self._finding("restart_budget_spent", alarm, budget_suggestion(alarm), "underused")
+            self.finding("restart_budget_spent", alarm, budget_suggestion(alarm), "underused")
         self._publish_alarm(alarm)
         if self.on_exhausted is not None:
             self.on_exhausted(message)
@@ -296,21 +297,20 @@ class WorkerRuntime:
 
     def _publish_alarm(self, alarm: dict[str, Any] | None) -> None:
         try:
-            if alarm is None:
-                self.redis.hdel(keys.engine_alarms_key(), self.hostname)
-            else:
-                self.redis.hset(keys.engine_alarms_key(), self.hostname, orjson.dumps(alarm))
+            engine_alarms.publish(self.redis, self.hostname, alarm)
         except redis.RedisError as exc:
             log.warning("could not publish the engine's state: %s", exc)
 
-    def _finding(
+    def finding(
         self,
         cause: str,
         numbers: dict[str, Any],
         suggestion: str,
         verdict: str = "unresponsive",
+        run: str | None = None,
     ) -> None:
-        """A finding the worker itself makes: log, `gpu_report`, and the findings stream."""
+        """A finding the worker itself makes (about itself, or itself and `run`): log,
+        `gpu_report`, and the findings stream."""
         finding = {
             "worker": self.hostname,
             "gpu_uuid": None,
@@ -319,7 +319,7 @@ class WorkerRuntime:
             "numbers": numbers,
             "suggestion": suggestion,
             "ts": time.time(),
-            "run": None,
+            "run": run,
         }
         log.error(
             "%s on %s: %s — %s",

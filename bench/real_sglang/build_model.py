@@ -63,8 +63,13 @@ def build_tokenizer(out: Path, vocab: int):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(corpus(), trainer)
+    # model_max_length as Qwen's own tokenizer_config.json sets it: without it transformers
+    # reports 1e30, which SGLang 0.5.15's /v1/tokenize fails to serialize (a 500).
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>"
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=262144,
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)

@@ -25,7 +25,7 @@ from typing import Any
 
 import orjson
 
-from genfleet.common import keys
+from genfleet.common import keys, model_identity
 from genfleet.common.errors import GenfleetError, InputError, RunMismatch
 from genfleet.common.ledger import Ledger
 from genfleet.common.manifest import Manifest
@@ -160,10 +160,8 @@ def retry_records(
             params=params,
             ref=run_model(manifest),
             label=f"retry {number} of {run}: {', '.join(result.kinds)}",
+            model=model_identity.read(store, run),  # the run's model: a worker serving another
         )
-        model = store.get(keys.model_key(run))
-        if model is not None:  # the run's checkpoint: a worker serving another is refused
-            store.put_if_absent(keys.model_key(child), model)
         enqueued: EnqueueResult = enqueue_run(
             settings, child, None, reader_options(settings), prepared=prepared
         )

@@ -8,6 +8,7 @@ as a default `redis.Redis` returns them (bytes).
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -15,6 +16,7 @@ import redis
 
 from genfleet.common import keys
 from genfleet.common.ledger import Ledger
+from genfleet.common.redis_conn import server_time
 from harness.waits import wait_for
 
 
@@ -150,3 +152,10 @@ def test_a_set_scanned_in_steps_gives_every_member(db: Any) -> None:
         f"m{i}".encode() for i in range(2500)
     }
     assert list(db.sscan_iter("none", count=10)) == []
+
+
+def test_time_is_the_servers_wall_clock_in_seconds(db: Any) -> None:
+    seconds, micros = db.time()
+    assert 0 <= int(micros) < 1_000_000
+    # The server runs on this machine here: its clock is this one.
+    assert abs(server_time(db) - time.time()) < 5

@@ -3,11 +3,14 @@ every loop is stopped within 2,000 tokens of its start and kept apart, no other 
 stopped, and status, report and export say so.
 
 Which prompts loop, and where, is the emulator's own plan for each prompt (its seed), read
-with the emulator's functions: the ground truth the guard is held to.
+with the emulator's functions: the ground truth the guard is held to. The worker draws these
+answers by ids (`/v1/tokenize`, then `/generate`), so the seed is the one `/generate` draws:
+of the prompt's ids as the emulator's own template and tokenizer render them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -19,12 +22,11 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.report import build_report, render_report
 from genfleet.producer.status import run_status
-from genfleet.workers.engine.emulator.sim.text import (
-    chat_prompt,
-    draw_loop,
-    draw_text_kind,
-    prompt_seed,
-)
+from genfleet.workers.engine.emulator.sim.chat_template import ChatTemplate
+from genfleet.workers.engine.emulator.sim.generation_prompt import Family, derive
+from genfleet.workers.engine.emulator.sim.text import draw_loop, draw_text_kind, prompt_ids_seed
+from genfleet.workers.engine.emulator.sim.tokenizer import SimTokenizer
+from genfleet.workers.engine.kinds import EMULATED_MODEL
 from harness.env import base_env
 from harness.processes import Worker
 from harness.runs import export_rows, stage, wait_run_ended
@@ -39,11 +41,23 @@ LEGIT_RATE = 0.10
 MAX_TOKENS = 8192
 
 
+@functools.cache
+def checkpoint() -> tuple[ChatTemplate, SimTokenizer, Family]:
+    """The emulated model's template, tokenizer and generation prompts, as its engine loads
+    them (`Engine.__init__`)."""
+    template = ChatTemplate.from_checkpoint(EMULATED_MODEL)
+    tokenizer = SimTokenizer.from_checkpoint(EMULATED_MODEL)
+    return template, tokenizer, derive(template, tokenizer)
+
+
 def planned(text: str) -> tuple[str, int, int]:
     """The emulator's plan for a prompt: its kind of answer and, for a loop, its first token
-    and its block's tokens."""
-    key, _ = chat_prompt([{"role": "user", "content": text}], thinking=True)
-    seed = prompt_seed(key, 0)
+    and its block's tokens. Seeded as `/generate` seeds it (`Engine.plan_answer`): by the ids
+    of the rendered prompt (thinking on: the template's default, so no template variable)."""
+    template, tokenizer, family = checkpoint()
+    messages = template.prepare_messages([{"role": "user", "content": text}])
+    ids = tokenizer.encode(template.render(messages))
+    seed = prompt_ids_seed(ids[: family.split(ids).prompt_len])
     kind = draw_text_kind(seed, LOOP_RATE, LEGIT_RATE)
     loop_at, block = draw_loop(seed, MAX_TOKENS) if kind == "loop" else (0, 0)
     return kind, loop_at, block

@@ -64,6 +64,33 @@ def test_unconsumed_queue(
     assert f"genfleet worker {start}" in found["message"]
 
 
+@pytest.mark.parametrize(
+    ("consumers", "refused", "held_by"),
+    [
+        ({"a@h": ["gpu.emulator"]}, {}, None),  # a worker serves the run
+        ({"a@h": ["gpu.emulator"]}, {"a@h": "quantization: …"}, ["a@h"]),
+        # one of two refused: the other serves it
+        ({"a@h": ["gpu.emulator"], "b@h": ["gpu.emulator"]}, {"a@h": "quantization: …"}, None),
+        (
+            {"a@h": ["gpu.emulator"], "b@h": ["gpu.emulator"], "c@h": ["control"]},
+            {"a@h": "quantization: …", "b@h": "reasoning_parser: …", "gone@h": "…"},
+            ["a@h", "b@h"],
+        ),
+    ],
+)
+def test_orders_are_held_when_every_worker_of_the_queue_refused_the_runs_model(
+    consumers: dict[str, list[str]], refused: dict[str, str], held_by: list[str] | None
+) -> None:
+    found = unconsumed_queue("gpu.emulator", "emulator", "emulator", "gpu", consumers, {}, refused)
+    if held_by is None:
+        assert found is None
+        return
+    assert found is not None and found["held"] is True
+    assert list(found["refused_by"]) == held_by
+    assert "no worker serves the run's model" in found["message"]
+    assert all(refused[w] in found["message"] for w in held_by)
+
+
 def test_stall_reason_names_the_unconsumed_queue_first() -> None:
     found = unconsumed_queue("gpu.q3", "q3", "sglang", "gpu", {"w@h": ["gpu.emulator"]})
     reason = stall_reason(

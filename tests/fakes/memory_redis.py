@@ -58,6 +58,12 @@ class MemoryRedis:
         self._expires: dict[bytes, float] = {}
         self._lock = threading.RLock()
 
+    def time(self) -> tuple[int, int]:
+        """TIME: the server's wall clock as (seconds, microseconds), like Redis's."""
+        self._check()
+        now = time.time()
+        return int(now), int((now % 1) * 1_000_000)
+
     # --- plumbing ---------------------------------------------------------------------------
 
     def _check(self) -> None:

@@ -1,6 +1,6 @@
 """The worker runtime `generate_batch` runs with (`workers.context.TaskRuntime`), made of fakes:
 a real Feeder (over FakeChat), a MemoryStore and a MemoryRedis. It records what the task asked
-of the worker: batches finished, refusals, slots handed back."""
+of the worker: batches finished, refusals, findings, slots handed back."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from genfleet.workers.batch import BatchSummary
 from genfleet.workers.context import TaskRuntime
 from genfleet.workers.feeding.feeder import Feeder
 from genfleet.workers.observe.live_progress import ProgressTally
+from genfleet.workers.refusals import RunVerdicts
 from tests.fakes.memory_redis import MemoryRedis
 from tests.fakes.memory_store import MemoryStore
 
@@ -32,7 +33,8 @@ class FakeRuntime:
 
     refused: list[str] = field(default_factory=list)
     model_identity: dict[str, Any] | None = None
-    model_runs: set[str] = field(default_factory=set)
+    model_verdicts: RunVerdicts = field(default_factory=lambda: RunVerdicts(600.0))
+    findings: list[dict[str, Any]] = field(default_factory=list)
     ended: list[tuple[str, str]] = field(default_factory=list)
     presence_name: str | None = None
 
@@ -41,6 +43,19 @@ class FakeRuntime:
 
     def refuse_work(self, message: str) -> None:
         self.refused.append(message)
+
+    def finding(
+        self,
+        cause: str,
+        numbers: dict[str, Any],
+        suggestion: str,
+        verdict: str = "unresponsive",
+        run: str | None = None,
+    ) -> None:
+        self.findings.append(
+            {"worker": self.hostname, "cause": cause, "verdict": verdict, "run": run}
+            | {"numbers": numbers, "suggestion": suggestion}
+        )
 
     @property
     def lease_redis(self) -> MemoryRedis:

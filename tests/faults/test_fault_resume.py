@@ -139,3 +139,38 @@ def test_a_lost_worker_costs_only_what_was_drawn_since_its_checkpoint(
     resumed = [row for row in lost.values() if row.get("resumed_tokens")]
     assert resumed, "no answer went on from the checkpoint"
     same_answers(lost, twin)
+
+
+def test_an_answer_with_a_penalty_starts_over_and_says_why(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    """A repetition penalty weighs every token drawn before: such an answer cannot go on from
+    its ids, so after the engine's death it is drawn again from its start (by the chat
+    endpoint), and its record says how many tokens that threw away and why."""
+    store_url = (tmp_path / "store").as_uri()
+    crash = f"--emulator-crash-after-tokens 120 --emulator-crash-once {tmp_path / 'crashed'}"
+    env = base_env(
+        redis_url,
+        store_url,
+        emulator_time_scale=20,
+        emulator_mean_completion_tokens=300,
+        max_tokens=BUDGET,
+        engine_extra_args=crash,
+        log_dir=tmp_path,
+    )
+    start_worker(env).wait_ready()
+    settings = fault_settings(
+        redis_url, store_url, max_tokens=BUDGET, batch_size=PROMPTS, repetition_penalty=1.1
+    )
+    ids = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
+    stage(settings, "penalty", tmp_path / "prompts.jsonl")
+    wait_run_done(settings, redis_client, "penalty", 120)
+    assert (tmp_path / "crashed").exists(), "the engine never died"
+    rows = rows_of(settings, "penalty", ids, redis_client)
+    restarted = [row["restarted"] for row in rows.values() if row.get("restarted")]
+    assert len(restarted) >= PROMPTS // 2
+    assert all(r["tokens"] > 0 and "repetition_penalty 1.1" in r["reason"] for r in restarted)
+    assert not any(row.get("resumed_tokens") for row in rows.values())

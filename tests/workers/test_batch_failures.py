@@ -29,6 +29,7 @@ from genfleet.common.records import (
 )
 from genfleet.common.store import FileStore
 from genfleet.workers.batch import execute
+from genfleet.workers.feeding import Drawn
 from tests.support.core import PARAMS
 
 pytestmark = pytest.mark.integration
@@ -50,7 +51,9 @@ class StubFeeder:
         params: GenerationParams,
         on_record: Callable[[int, CompletionRecord], None],
         on_sent: Callable[[], None] | None = None,
+        drawn: dict[tuple[str, int], Drawn] | None = None,
     ) -> Future[None]:
+        self.drawn = drawn or {}
         for index, record in enumerate(list(records)[: self.finish]):
             on_record(index, completion(run, batch, record))
         if self.error is None:
@@ -58,6 +61,11 @@ class StubFeeder:
         else:
             self.future.set_exception(self.error)
         return self.future
+
+    def drawn_answers(
+        self, run: str, batch: str, saved: dict[tuple[str, int], int]
+    ) -> list[tuple[str, int, dict[str, Any]]]:
+        return []  # answers drawn by the chat endpoint only: none is kept in flight
 
 
 def completion(run: str, batch: str, record: PromptRecord) -> CompletionRecord:
@@ -179,3 +187,41 @@ def test_an_aborted_answer_in_a_checkpoint_is_sent_again_not_kept(
     assert (summary.resumed, summary.completions) == (1, 3)
     rows = list(decode_jsonl_gz(store.get(keys.output_key("r", "batch-000000")) or b""))
     assert [row["finish_reason"] for row in rows] == ["stop", "stop", "stop"]
+
+
+def test_answers_kept_in_flight_go_to_the_next_try_for_their_own_prompt_only(
+    tmp_path: Path, redis_client: redis.Redis
+) -> None:
+    """A checkpoint row of an answer in flight (drawn by ids) reaches the feeder for the
+    staged prompt whose digest it names, the longest of its copies; a row naming another
+    digest (a run staged anew under the same ids) and one of a finished prompt do not."""
+    store = FileStore(tmp_path)
+    order = staged(store, 3)
+
+    def digest(i: int) -> str:
+        record = PromptRecord(f"p{i}", [{"role": "user", "content": f"q{i}"}])
+        return hashlib.sha256(orjson.dumps(record.to_json())).hexdigest()
+
+    def drawn(ids: list[int]) -> dict[str, Any]:
+        answer = Drawn(in_reasoning=True)
+        answer.add(ids, "x" * len(ids))
+        return answer.to_json()
+
+    p2 = PromptRecord("p2", [{"role": "user", "content": "q2"}])
+    finished = completion("r", "batch-000000", p2)
+    finished.prompt_sha256 = digest(2)
+    rows = [
+        {"id": "p0", "sample": 0, "prompt_sha256": digest(0), "drawn": drawn([1, 2])},
+        {"id": "p0", "sample": 0, "prompt_sha256": digest(0), "drawn": drawn([1, 2, 3])},
+        {"id": "p1", "sample": 0, "prompt_sha256": "0" * 64, "drawn": drawn([4])},
+        {"id": "p2", "sample": 0, "prompt_sha256": digest(2), "drawn": drawn([5])},
+        finished.to_json(),
+    ]
+    store.put(keys.part_key("r", "batch-000000", 0), encode_jsonl_gz(rows))
+    feeder = StubFeeder(finish=3, error=None)
+
+    summary = run(order, store, redis_client, feeder)
+
+    assert set(feeder.drawn) == {("p0", 0)}
+    assert list(feeder.drawn[("p0", 0)].ids) == [1, 2, 3]
+    assert (summary.resumed, summary.completions) == (1, 3)

@@ -15,14 +15,17 @@ from typing import Any
 
 import orjson
 import pytest
+import redis
 from celery.exceptions import Reject
 
-from genfleet.common import keys
+from genfleet.common import keys, model_identity
 from genfleet.common.errors import EngineBusy, EngineConfigError, EngineDown, RequestFailed
-from genfleet.common.ledger import Ledger, running_field
+from genfleet.common.ledger import Ledger, running_field, work_order_of
 from genfleet.common.records import (
+    PromptRecord,
     WorkOrder,
     decode_jsonl_gz,
+    encode_jsonl_gz,
 )
 from genfleet.common.routing import ModelRef
 from genfleet.common.settings import Settings
@@ -43,6 +46,7 @@ from tests.support.core import (
     TTL_S,
     MakeRuntime,
     batch_state,
+    core_order,
     running_order,
     stage_task,
 )
@@ -169,6 +173,37 @@ def test_a_shutdown_requeues_the_batch_without_counting_a_try(
 
 
 # --- the reaper ------------------------------------------------------------------------------
+
+
+def test_a_batch_stamps_its_times_by_redis_clock_not_the_workers(make_runtime: MakeRuntime) -> None:
+    # The reaper compares a claim's time with its own pass's, both by Redis's clock: a worker
+    # whose host clock runs ten minutes ahead stamped its claims ten minutes into the future,
+    # and the reaper then left its batches alone ten minutes after it fell silent.
+    gate = threading.Event()
+    chat = FakeChat(gate=gate)
+    runtime = make_runtime(chat)
+    runtime.redis.time = lambda: (1_000, 500_000)  # type: ignore[method-assign]
+    order = stage_task(runtime, 2)
+    field = running_field(RUN, BATCH)
+
+    claims: list[float] = []
+
+    def read_claim() -> None:  # then let the batch finish
+        claims.append(orjson.loads(runtime.redis.hget(keys.running_key(), field))["claimed_at"])
+        gate.set()
+
+    claimed = meanwhile(
+        lambda: runtime.redis.hget(keys.running_key(), field), read_claim, "the batch's claim"
+    )
+    generate_batch(order)
+    claimed()
+
+    assert claims == [1_000.5]
+    # So are the run's start, its last batch's end and its tok/s bucket, which `status`
+    # compares with its own "now" and with each other.
+    counted = runtime.redis.hgetall(keys.counters_key(RUN))
+    assert (counted[b"started_at"], counted[b"last_done_at"]) == (b"1000.5", b"1000.5")
+    assert runtime.redis.hget(keys.throughput_bucket_key(RUN, 100), "")
 
 
 class Clock:
@@ -397,33 +432,56 @@ def identity(**settings: Any) -> dict[str, Any]:
     return checkpoint_identity(chosen, choose(chosen, None))
 
 
-def test_a_worker_serving_another_checkpoint_hands_the_run_back_saying_why(
-    make_runtime: MakeRuntime,
+@pytest.mark.integration
+def test_a_worker_serving_another_model_hands_that_runs_orders_back_and_takes_others(
+    make_runtime: MakeRuntime, redis_client: redis.Redis
 ) -> None:
-    first = make_runtime(FakeChat())
-    first.model_identity = identity()
-    order = stage_task(first, 3)
-    assert generate_batch(order)["completions"] == 3  # the run is bound to its model
-    first.store.delete_prefix(keys.output_key(RUN, BATCH))
-    first.redis.sadd(keys.queued_key(RUN), BATCH)
     chat = FakeChat()
-    other = make_runtime(chat)  # the same served name, another reasoning parser
-    other.store, other.redis = first.store, first.redis
-    other.model_identity = identity(reasoning_parser="deepseek-r1")
+    runtime = make_runtime(chat)  # the emulator with another reasoning parser
+    runtime.model_identity = identity(reasoning_parser="deepseek-r1")
+    runtime.settings = runtime.settings.model_copy(update={"refused_order_rest_s": 0.0})
+    model_identity.record(runtime.store, RUN, model_identity.asked(Settings()))  # at staging
+    order = stage_task(runtime, 3)
 
-    with pytest.raises(Reject) as refused:
-        generate_batch(order)
+    result = generate_batch(order)
 
-    assert refused.value.requeue is True
+    # A copy at the end of the run's queue (the real broker), for another worker; this
+    # delivery acked. Not generated, not failed, no try spent, nothing claimed.
+    assert (result["handed_back"], result["queue"]) == (True, "gpu.emulator")
+    assert [work_order_of(m) for m in redis_client.lrange("gpu.emulator", 0, -1)] == [(RUN, BATCH)]
     assert sum(chat.calls.values()) == 0
-    assert not other.store.exists(keys.output_key(RUN, BATCH))
-    assert len(other.refused) == 1 and "reasoning_parser" in other.refused[0]
-    assert batch_state(other.redis) == {
+    assert not runtime.store.exists(keys.output_key(RUN, BATCH))
+    assert runtime.refused == []  # the worker goes on consuming
+    assert batch_state(runtime.redis) == {
         "running": False,
         "attempts": 0,
         "failed": None,
         "queued": True,
     }
+    [finding] = runtime.findings
+    assert (finding["cause"], finding["run"], finding["worker"]) == (
+        "model_mismatch",
+        RUN,
+        "w@test",
+    )
+    differences = finding["numbers"]["differences"]
+    assert [d.split(":")[0] for d in differences] == ["reasoning_parser"]
+    assert differences[0] in result["refused"]
+    noted = model_identity.refusals(runtime.redis, RUN)
+    assert list(noted) == ["w@test"] and noted["w@test"]["differences"] == differences
+
+    assert generate_batch(order)["handed_back"]  # remembered: handed back again, judged once
+    assert len(runtime.findings) == 1 and redis_client.llen("gpu.emulator") == 2
+
+    other = core_order(run="r2", prompts=2)  # a run staged for this worker's model
+    model_identity.record(
+        runtime.store, "r2", model_identity.asked(Settings(reasoning_parser="deepseek-r1"))
+    )
+    records = [
+        PromptRecord(id=f"p{i}", messages=[{"role": "user", "content": "q"}]) for i in (0, 1)
+    ]
+    runtime.store.put(other.key, encode_jsonl_gz(r.to_json() for r in records))
+    assert generate_batch(other.model_dump(mode="json"))["completions"] == 2
 
 
 def test_no_thinking_on_a_model_without_a_switch_is_refused_not_ignored(

@@ -179,33 +179,43 @@ def test_both_stream_shapes_give_the_same_answer(cumulative: bool) -> None:
         assert not stream.feed(b"data: " + __import__("orjson").dumps(chunk))
     assert stream.feed(b"data: [DONE]")
     drawn.finish()
-    assert drawn.ids == [1, 2, 3, 99, 4, 5, 6]
+    assert list(drawn.ids) == [1, 2, 3, 99, 4, 5, 6]
     assert ("".join(drawn.reasoning), "".join(drawn.content)) == ("Light scatters", "Blue.")
     assert sum(counted) == 7 and stream.finish_reason == "stop"
 
 
-def native(transports: tuple[ScriptedTransport, ScriptedTransport]) -> NativeClient:
+def native(
+    transports: tuple[ScriptedTransport, ScriptedTransport],
+    detokenize: ScriptedTransport | None = None,
+) -> NativeClient:
     chat = EngineClient("http://127.0.0.1:1", model="m", transport=ScriptedTransport([]))
     return NativeClient(
         "http://127.0.0.1:1",
         chat,
         reasoning_parser="qwen3",
         sampling_defaults=QWEN3,
-        transports=transports,
+        transports=(*transports, detokenize or ScriptedTransport([])),
     )
 
 
 def test_an_answer_cut_mid_stream_goes_on_from_its_ids() -> None:
     prompt_ids = [151644, 872, 198, 151645]
-    whole = chunks(PIECES, False, "stop")
     tokenize = ScriptedTransport(
         [Whole(200, {"tokens": prompt_ids, "count": 4}), Whole(200, {"tokens": [99], "count": 1})]
     )
     # first try: two chunks, then the engine dies; the next goes on and finishes
+    held_back = [([1, 2], "Light "), ([3, 99], "catters</think>")]  # an "s" never streamed
     generate = ScriptedTransport(
-        [Events([*whole[:2], CUT]), Events([*chunks(PIECES[2:], False, "stop"), b"[DONE]"])]
+        [
+            Events([*chunks(held_back, False, None), CUT]),
+            Events([*chunks(PIECES[2:], False, "stop"), b"[DONE]"]),
+        ]
     )
-    client = native((tokenize, generate))
+    # The engine streams text a character at a time: the bytes of one cut between two tokens
+    # wait for the next token, so what streamed before a cut may lack them. The answer's text
+    # is decoded again from all of its ids.
+    detokenize = ScriptedTransport([Whole(200, {"text": "Light scatters</think>\n\nBlue."})])
+    client = native((tokenize, generate), detokenize)
     rec = record()
     drawn = client.drawing(rec, PARAMS)
     assert isinstance(drawn, Drawn)
@@ -225,6 +235,7 @@ def test_an_answer_cut_mid_stream_goes_on_from_its_ids() -> None:
     assert tokenize.bodies[0]["messages"] == rec.messages
     assert (result.reasoning, result.content) == ("Light scatters", "Blue.")
     assert result.finish_reason == "stop" and result.resumed_tokens == 4
+    assert detokenize.bodies[0]["tokens"] == [1, 2, 3, 99, 4, 5, 6]
     assert (result.usage.completion_tokens, result.usage.reasoning_tokens) == (7, 4)
     assert result.usage.prompt_tokens == 4
 
@@ -235,7 +246,8 @@ def test_an_abort_keeps_the_drawn_ids_and_the_next_try_goes_on() -> None:
     generate = ScriptedTransport(
         [Events([*aborted, b"[DONE]"]), Events([*chunks(PIECES[1:], False, "length"), b"[DONE]"])]
     )
-    client = native((tokenize, generate))
+    detokenize = ScriptedTransport([Whole(200, {"text": "Light scatters</think>"})])
+    client = native((tokenize, generate), detokenize)
     drawn = client.drawing(record(), PARAMS)
     assert isinstance(drawn, Drawn)
 
@@ -276,7 +288,7 @@ def test_a_checkpointed_answer_goes_on_with_its_split_and_guard_window() -> None
     drawn.add([1, 2, 3], "Light scat")
     drawn.add([4], "ters</th")  # a marker cut in two, held back
     again = Drawn.from_json(drawn.to_json())
-    assert again.ids == [1, 2, 3, 4]
+    assert list(again.ids) == [1, 2, 3, 4]
     again.add([99, 5], "ink>\n\nBlue.")
     again.finish()
     assert ("".join(again.reasoning), "".join(again.content)) == ("Light scatters", "Blue.")
@@ -297,3 +309,31 @@ def test_which_answers_in_flight_the_next_checkpoint_keeps(
     drawn: int, kept: int | None, keep: bool
 ) -> None:
     assert worth_keeping(drawn, kept) is keep
+
+
+def test_an_engine_whose_tokenize_fails_is_fed_by_its_chat_endpoint_and_says_why() -> None:
+    """SGLang 0.5.15 answers /v1/tokenize with a 500 for a checkpoint whose tokenizer sets no
+    model_max_length: the answer goes through the chat endpoint instead (its template is the
+    same), and every later answer too, each drawing refused with the reason."""
+    tokenize = ScriptedTransport([Whole(500, {"error": {"message": "Integer exceeds 64-bit"}})])
+    chat_stream = [
+        {"id": "c1", "choices": [{"index": 0, "delta": {"content": "Blue."}}]},
+        {"id": "c1", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+        b"[DONE]",
+    ]
+    chat = EngineClient(
+        "http://127.0.0.1:1", model="m", transport=ScriptedTransport([Events(chat_stream)])
+    )
+    client = NativeClient(
+        "http://127.0.0.1:1",
+        chat,
+        reasoning_parser="qwen3",
+        sampling_defaults=QWEN3,
+        transports=(tokenize, ScriptedTransport([]), ScriptedTransport([])),
+    )
+    drawn = client.drawing(record(), PARAMS)
+    assert isinstance(drawn, Drawn)
+    result = asyncio.run(client.chat(record(), PARAMS, drawn=drawn))
+    assert result.content == "Blue." and result.finish_reason == "stop"
+    later = client.drawing(record(), PARAMS)
+    assert isinstance(later, str) and "/v1/tokenize fails" in later

@@ -15,7 +15,7 @@ import pytest
 import redis
 from pydantic import SecretStr
 
-from genfleet.common import keys, summaries
+from genfleet.common import engine_alarms, keys, summaries
 from genfleet.common.settings import Settings
 from genfleet.workers.observe import pushed
 from genfleet.workers.observe.power_watch import watch_pass
@@ -56,6 +56,8 @@ def test_a_worker_silent_for_long_is_pruned_and_one_that_stopped_is_gone(
     settings = Settings(redis_url=SecretStr(redis_url))
     for worker in ("w1@n1", "w2@n1", "w3@n1"):
         pushed.push(redis_client, worker, summary(worker))
+        # each with its engine's alarm (restart budget spent): w2 is then killed outright
+        engine_alarms.publish(redis_client, worker, {"queue": "gpu.m", "ts": time.time()})
     watch_pass(redis_client, settings, time.time())  # all three seen
     age(redis_client, "w2@n1", pushed.FORGET_S + 1)
     pushed.withdraw(redis_client, "w3@n1")  # stopped cleanly
@@ -66,6 +68,11 @@ def test_a_worker_silent_for_long_is_pruned_and_one_that_stopped_is_gone(
     assert redis_client.zrange(keys.pushed_key(), 0, -1) == [b"w1@n1"]
     assert set(redis_client.hkeys(keys.summaries_key())) == {b"w1@n1"}
     assert b"w2@n1" not in redis_client.hkeys(keys.workers_key())
+    # the dead worker's alarm is forgotten with it, not shown by status forever
+    assert [a["worker"] for a in engine_alarms.of_queue(redis_client, "gpu.m")] == [
+        "w1@n1",
+        "w3@n1",
+    ]
     assert redis_client.ttl(keys.summaries_key()) > 0  # the keys go if the fleet does
 
 

@@ -478,9 +478,10 @@ def test_answers_cut_by_an_engine_kill_go_on_from_their_ids(
     (out / "resume_engine_kill.json").write_text(json.dumps(figures, indent=1))
     assert resumed, "no answer was cut mid-way"
     assert figures["restarted"] == 0
-    for row in resumed.values():  # the budget carried: drawn before + after = the budget
-        assert row["finish_reason"] == "length"
-        assert row["usage"]["completion_tokens"] == budget
+    print("RESUME_ENGINE_KILL", json.dumps(figures))
+    for row in resumed.values():  # the budget carried: drawn before + after, never more
+        tokens = row["usage"]["completion_tokens"]
+        assert tokens == budget if row["finish_reason"] == "length" else tokens < budget
     twins_same = figures["twins"]["identical"] / count
     resumed_same = figures["resumed_vs_twin"]["identical"] / len(resumed)
     assert resumed_same >= twins_same - 0.25, figures
@@ -511,5 +512,8 @@ def test_answers_of_a_lost_worker_go_on_from_its_checkpoint(
     (out / "resume_worker_kill.json").write_text(
         json.dumps({"resumed": len(resumed), "tokens": [r["resumed_tokens"] for r in resumed]})
     )
+    print("RESUME_WORKER_KILL", len(resumed), sorted(r["resumed_tokens"] for r in resumed))
     assert resumed, "no answer went on from the checkpoint"
-    assert all(r["usage"]["completion_tokens"] == 1024 for r in resumed)
+    for row in resumed:
+        tokens = row["usage"]["completion_tokens"]
+        assert tokens == 1024 if row["finish_reason"] == "length" else tokens < 1024

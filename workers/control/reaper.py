@@ -14,7 +14,6 @@ the ledger's facts, with `now` a parameter and Redis's looks kept by `Lapses`.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -23,7 +22,7 @@ import redis
 
 from genfleet.common import keys
 from genfleet.common.ledger import Delivery, Ledger, Running, UnackedIndex, running_field
-from genfleet.common.redis_conn import RedisCommands, text
+from genfleet.common.redis_conn import RedisCommands, server_time, text
 from genfleet.common.store import Store
 from genfleet.workers.control.lost_orders import reconcile_orders
 from genfleet.workers.observe.liveness import present
@@ -42,21 +41,18 @@ def one_pass(
     sent again through `send`, unless the last round's pass still runs."""
     token = uuid.uuid4().hex
     lock, ttl_ms = keys.reaping_key(), max(int(lease_ttl_s * 1000), 1)
+    # Redis's clock, as the claims' times are (workers/admission.py): a control worker on a
+    # host whose clock is off (or moved to another host) judges every claim and look alike.
+    now = server_time(client)
     if not client.set(lock, token, nx=True, px=ttl_ms):
         # The last beat's pass still runs (slow under load, or Redis was away): one at a time.
         empty: dict[str, list[str]] = {k: [] for k in REAPED}
-        return {**empty, "ts": time.time(), "resent": [], "skipped": True}
+        return {**empty, "ts": now, "resent": [], "skipped": True}
     try:
-        reaped = reap(
-            client,
-            store,
-            lease_ttl_s,
-            time.time(),
-            send,
-            max_deliveries,
-            present=present(client),
+        reaped = reap(client, store, lease_ttl_s, now, send, max_deliveries, present(client))
+        lost = reconcile_orders(
+            client, store, lease_ttl_s, lambda o: send(o.model_dump()), server_time(client)
         )
-        lost = reconcile_orders(client, store, lease_ttl_s, lambda o: send(o.model_dump()))
     finally:
         if client.get(lock) == token.encode():
             client.delete(lock)

@@ -1,42 +1,42 @@
-"""What a worker's engine serves, beyond its name: the checkpoint's fingerprint.
+"""What a worker's engine serves, beyond its name: the checkpoint's identity.
 
 Two workers can serve the same served name from different checkpoints, quantizations,
 reasoning parsers or thinking switches; their answers are not the same model's. A worker
-computes its fingerprint once at start (`checkpoint_identity`, pure but for reading two small
-files of a local checkpoint); the first worker to generate a batch of a run records it in the
-run (`RUN/model.json`, write-once), and a worker whose fingerprint differs hands the order back
-and says which fields differ (`differences`).
+computes its identity once at start (`checkpoint_identity`: pure but for reading its
+checkpoint folder's small files and a few MiB of each weight file), and compares it with the
+model each run recorded at staging (`common.model_identity.judge`): a worker that does not serve a
+run's model hands that run's orders back and keeps taking other runs'.
 
-The config and weight-index hashes are known only for a checkpoint on local disk (a path); for
-a hub id or an external engine the fingerprint is the name, engine, quantization, parser and
-switch.
+The identity holds:
+
+- the engine kind, the served name (`routing.model_ref`), the checkpoint `--model` names and
+  its content digest (`common.checkpoint_digest`: the small files whole, each weight file's
+  name, size and sampled MiB) where it is a folder here; a hub id is a name only, and the
+  emulator has no checkpoint (it is a model of its own);
+- `serves`: each knob that changes answers under one name (quantization, reasoning parser,
+  thinking switch) as this worker serves it, and its default (the checkpoint's own
+  quantization, the family's parser and switch), so that a run that asked for none is served
+  only by a worker that did not override it;
+- the fields an older genfleet recorded (hashes of `config.json` and the weight index, the
+  resolved knobs), for runs whose first worker wrote their `RUN/model.json`;
+- `fingerprint`: sha256 over all of it, a short name for logs and findings.
 """
 
 from __future__ import annotations
 
 import hashlib
-import shlex
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from genfleet.common.model_identity import checkpoint_of, quantization_flag
 from genfleet.common.routing import model_ref
 from genfleet.common.settings import Settings
-from genfleet.workers.engine.families import ModelChoice
+from genfleet.workers.engine.families import NONE, ModelChoice, choose
 
 CONFIG_FILE = "config.json"
 INDEX_FILE = "model.safetensors.index.json"
-FIELDS = (
-    "engine",
-    "model",
-    "config_sha256",
-    "weights_index_sha256",
-    "quantization",
-    "reasoning_parser",
-    "thinking_switch",
-    "thinking_default",
-)
 
 
 def _file_sha256(path: Path) -> str | None:
@@ -46,14 +46,10 @@ def _file_sha256(path: Path) -> str | None:
         return None
 
 
-def _quantization(settings: Settings, config: Path) -> str | None:
-    """`--quantization X` among the engine's extra args, else config.json's quant_method."""
-    args = shlex.split(settings.engine_extra_args or "")
-    for i, arg in enumerate(args):
-        if arg == "--quantization" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--quantization="):
-            return arg.split("=", 1)[1]
+def _config_quantization(config: Path | None) -> str | None:
+    """config.json's `quantization_config.quant_method`: the checkpoint's own quantization."""
+    if config is None:
+        return None
     try:
         data = orjson.loads(config.read_bytes())
     except (OSError, orjson.JSONDecodeError):
@@ -68,25 +64,37 @@ def checkpoint_identity(settings: Settings, choice: ModelChoice) -> dict[str, An
     ref = model_ref(settings)
     root = Path(settings.model).expanduser() if settings.model else None
     local = root is not None and root.is_dir()
+    checkpoint, content = checkpoint_of(settings)
+    own_quantization = _config_quantization(root / CONFIG_FILE if local and root else None)
+    quantization = quantization_flag(settings.engine_extra_args) or own_quantization
+    # The family's own choices: what a run that names no parser or switch asks for.
+    own = choose(
+        settings.model_copy(update={"reasoning_parser": None, "thinking_switch": None}),
+        choice.arch,
+    )
     identity: dict[str, Any] = {
         "engine": ref.engine,
         "model": ref.model,
+        "checkpoint": checkpoint,
+        "content_sha256": content,
+        "serves": {
+            "quantization": {"value": quantization, "default": own_quantization},
+            "reasoning_parser": {
+                "value": choice.reasoning_parser or NONE,
+                "default": own.reasoning_parser or NONE,
+            },
+            "thinking_switch": {
+                "value": choice.thinking_key or NONE,
+                "default": own.thinking_key or NONE,
+            },
+        },
         "config_sha256": _file_sha256(root / CONFIG_FILE) if local and root else None,
         "weights_index_sha256": _file_sha256(root / INDEX_FILE) if local and root else None,
-        "quantization": _quantization(settings, root / CONFIG_FILE if root else Path("/-")),
+        "quantization": quantization,
         "reasoning_parser": choice.reasoning_parser,
         "thinking_switch": choice.thinking_key,
         "thinking_default": choice.thinking_default,
     }
-    canonical = orjson.dumps({k: identity[k] for k in FIELDS}, option=orjson.OPT_SORT_KEYS)
+    canonical = orjson.dumps(identity, option=orjson.OPT_SORT_KEYS)
     identity["fingerprint"] = hashlib.sha256(canonical).hexdigest()
     return identity
-
-
-def differences(recorded: dict[str, Any], mine: dict[str, Any]) -> list[str]:
-    """`field: the run has X, this worker Y` for each field that differs."""
-    return [
-        f"{name}: the run has {recorded.get(name)!r}, this worker {mine.get(name)!r}"
-        for name in FIELDS
-        if recorded.get(name) != mine.get(name)
-    ]

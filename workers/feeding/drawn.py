@@ -14,6 +14,7 @@ a `drawn` field), so a batch that moves to another worker continues its answers 
 
 from __future__ import annotations
 
+from array import array
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,7 +43,8 @@ class Drawn:
 
     in_reasoning: bool  # thinking on with a reasoning parser: the answer opens in reasoning
     prompt_ids: list[int] | None = None  # the rendered prompt, once rendered
-    ids: list[int] = field(default_factory=list)
+    # 4 bytes an id, not a Python int's 36: a thinking answer holds tens of thousands
+    ids: array[int] = field(default_factory=lambda: array("I"))
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     resumed_tokens: int = 0  # tokens carried into continuations, over all of its cuts
@@ -74,6 +76,15 @@ class Drawn:
     def finish(self) -> bool:
         """The answer ended: text held back as a possible marker is text after all."""
         return self._text(*self.split.flush())
+
+    def retext(self, text: str) -> None:
+        """The answer's whole text, decoded again from its ids: split anew, as streamed."""
+        self.split = ReasoningSplit(self.in_reasoning)
+        self.reasoning, self.content = [], []
+        reasoning, content = self.split.feed(text)
+        more_reasoning, more_content = self.split.flush()
+        self.reasoning = [reasoning + more_reasoning] if reasoning + more_reasoning else []
+        self.content = [content + more_content] if content + more_content else []
 
     def _text(self, reasoning: str, content: str) -> bool:
         stop = False
@@ -115,7 +126,7 @@ class Drawn:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Drawn:
         drawn = cls(bool(data["opened_in_reasoning"]))
-        drawn.ids = [int(i) for i in data["ids"]]
+        drawn.ids = array("I", (int(i) for i in data["ids"]))
         drawn.reasoning = [data["reasoning"]] if data.get("reasoning") else []
         drawn.content = [data["content"]] if data.get("content") else []
         drawn.resumed_tokens = int(data.get("resumed_tokens") or 0)

@@ -536,6 +536,7 @@ class Feeder:
         """One try: through the suspect lane when the engine died with it in flight, then a
         limiter slot, then the engine, with this request's own deadline."""
         unsent, on_sent = progress
+        self._recheck_drawing(record, params, tries)
         before = len(tries.drawn.ids) if tries.drawn is not None else 0
         timeout_s = self._deadline_s(record, params, before)
         suspect = tries.deaths > 0 or tries.crashes > 0
@@ -612,6 +613,18 @@ class Feeder:
             if suspect:
                 self._lane.leave(ok, tries.lane is Lane.SOLO)
                 tries.lane = Lane.OUT
+
+    def _recheck_drawing(
+        self, record: PromptRecord, params: GenerationParams, tries: _Tries
+    ) -> None:
+        """Nothing drawn by ids yet: the client may have found since that it cannot draw by
+        ids after all (its engine cannot render prompts); the answer then starts over after a
+        cut, and says why."""
+        if tries.drawn is None or tries.drawn.prompt_ids is not None:
+            return
+        way = self._client.drawing(record, params)
+        if isinstance(way, str):
+            tries.drawn, tries.restart_reason = None, way
 
     async def _slot(self, suspect: bool) -> None:
         """A limiter slot. A fresh prompt waits while a solo suspect holds the lane (`calm`

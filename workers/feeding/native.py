@@ -23,6 +23,7 @@ record says why (`native_refusal`).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -53,6 +54,8 @@ from genfleet.workers.feeding.reasoning import THINK_END, reasoning_token_count
 from genfleet.workers.feeding.repetition import RepetitionRule, prompt_text
 from genfleet.workers.feeding.stream import DATA, DONE
 from genfleet.workers.feeding.transport import AiohttpTransport, Transport
+
+log = logging.getLogger("genfleet.feeder")
 
 # A prompt's own fields drawn by ids as given (OpenAI name → SGLang sampling_params name).
 SAMPLING_NAMES = {
@@ -177,6 +180,7 @@ class GenerateStream:
     __slots__ = (
         "drawn",
         "finish_reason",
+        "matched",
         "error",
         "done",
         "request_id",
@@ -194,6 +198,7 @@ class GenerateStream:
     ) -> None:
         self.drawn = drawn
         self.finish_reason: str | None = None
+        self.matched: str | None = None  # the stop string the engine matched, if one
         self.error: dict[str, Any] | None = None
         self.done = False
         self.request_id: str | None = None
@@ -235,6 +240,9 @@ class GenerateStream:
         finish = finish_of(meta)
         if finish is not None:
             self.finish_reason = finish
+            reason = meta.get("finish_reason")
+            matched = reason.get("matched") if isinstance(reason, dict) else None
+            self.matched = matched if isinstance(matched, str) else None
         return stop
 
     def _delta(self, chunk: dict[str, Any], meta: Mapping[str, Any]) -> tuple[list[int], str]:
@@ -291,12 +299,12 @@ class NativeClient:
         reasoning_parser: str | None = None,
         sampling_defaults: Mapping[str, Any] | None = None,
         max_connections: int = 256,
-        transports: tuple[Transport, Transport] | None = None,
+        transports: tuple[Transport, Transport, Transport] | None = None,
     ) -> None:
         """`chat`: the chat endpoint's client, for what cannot be drawn by ids (its thinking
         switch, guard and timeout are this client's too). `reasoning_parser`: the engine's
         (None: no reasoning is split out, as its chat endpoint would not). `transports`:
-        (tokenize, generate), by default aiohttp to `base_url`."""
+        (tokenize, generate, detokenize), by default aiohttp to `base_url`."""
         self.chat_client = chat
         self.model = chat.model
         self.thinking: ThinkingSwitch = chat.thinking
@@ -305,17 +313,23 @@ class NativeClient:
         self.reasoning_parser = reasoning_parser
         self.sampling_defaults = sampling_defaults
         self.think_end_id: int | None = None
+        # Why this engine cannot render prompts to ids after all (its /v1/tokenize failed with
+        # a server error): every answer goes through the chat endpoint from then on.
+        self.unrendered: str | None = None
         if transports is None:
             headers = {"Content-Type": "application/json", **auth_headers(api_key)}
             root = base_url.rstrip("/")
             transports = (
                 AiohttpTransport(root + "/v1/tokenize", headers, 60.0, max_connections),
                 AiohttpTransport(root + "/generate", headers, chat.timeout_s, max_connections),
+                AiohttpTransport(root + "/v1/detokenize", headers, 60.0, max_connections),
             )
-        self._tokenize, self._generate = transports
+        self._tokenize, self._generate, self._detokenize = transports
 
     def drawing(self, record: PromptRecord, params: GenerationParams) -> Drawn | str:
         """A new answer's `Drawn` when it can be drawn by ids, else why not."""
+        if self.unrendered is not None:
+            return self.unrendered
         refusal = native_refusal(record, params, self.sampling_defaults)
         if refusal is not None:
             return refusal
@@ -340,11 +354,17 @@ class NativeClient:
     ) -> ChatResult:
         """One try at the answer: by ids, going on from `drawn`, or (None) by the chat
         endpoint, from its beginning."""
-        if drawn is None:
+        if drawn is None or (self.unrendered is not None and drawn.prompt_ids is None):
             return await self.chat_client.chat(record, params, timeout_s, on_begun, on_tokens)
         started = time.monotonic()
         if drawn.prompt_ids is None:
-            drawn.prompt_ids = await self._render(record, params, timeout_s)
+            try:
+                drawn.prompt_ids = await self._render(record, params, timeout_s)
+            except RequestFailed as exc:
+                if not 500 <= exc.status < 600:
+                    raise
+                self._unrenderable(exc)
+                return await self.chat_client.chat(record, params, timeout_s, on_begun, on_tokens)
         if self.think_end_id is None and drawn.in_reasoning:
             self.think_end_id = await self._single_id(THINK_END, timeout_s)
         rule = None if params.repetition_guard is False else self.repetition
@@ -356,7 +376,11 @@ class NativeClient:
         if before:
             drawn.resumed_tokens += before
         body = orjson.dumps(
-            {"input_ids": drawn.prompt_ids + drawn.ids, "sampling_params": sampling, "stream": True}
+            {
+                "input_ids": [*drawn.prompt_ids, *drawn.ids],
+                "sampling_params": sampling,
+                "stream": True,
+            }
         )
         stream = GenerateStream(drawn, on_begun, on_tokens)
         try:
@@ -370,7 +394,30 @@ class NativeClient:
         if status != 200:
             raise answer_error(status, payload, retry_after)
         stream_failure(stream)
+        if drawn.resumed_tokens and drawn.loop is None:
+            skip = bool(sampling.get("skip_special_tokens", True))
+            await self._retext(drawn, stream.matched, skip, timeout_s)
         return self._result(drawn, stream.finish_reason, started, stream.request_id, params, record)
+
+    async def _retext(
+        self, drawn: Drawn, matched: str | None, skip_special: bool, timeout_s: float | None
+    ) -> None:
+        """An answer gone on from a cut: its text is decoded again from all of its ids. The
+        engine's streamed text holds back the bytes of a character cut between two tokens
+        until the next one completes it, so the pieces streamed before and after a cut need
+        not add up to the answer's text; the ids do. A stop string the engine matched is
+        trimmed, as it trims it from a streamed answer."""
+        fields = {
+            "model": self.model,
+            "tokens": list(drawn.ids),
+            "skip_special_tokens": skip_special,
+        }
+        text = (await self._post(self._detokenize, fields, timeout_s)).get("text")
+        if not isinstance(text, str):
+            raise RequestFailed(200, "bad_response", f"/v1/detokenize gave no text: {text!r:.200}")
+        if matched and text.endswith(matched):
+            text = text[: -len(matched)]
+        drawn.retext(text)
 
     def _result(
         self,
@@ -407,6 +454,18 @@ class NativeClient:
             resumed_tokens=drawn.resumed_tokens,
         )
 
+    def _unrenderable(self, exc: RequestFailed) -> None:
+        """The engine's /v1/tokenize fails (SGLang 0.5.15 answers 500 for a checkpoint whose
+        tokenizer sets no model_max_length): answers are drawn by the chat endpoint, which
+        renders the same template, and start over after a cut. Said once, loudly."""
+        if self.unrendered is None:
+            self.unrendered = f"the engine's /v1/tokenize fails ({exc}): no prompt ids to draw from"
+            log.error(
+                "%s; every answer goes through the chat endpoint and starts over after a cut "
+                "(set model_max_length in the checkpoint's tokenizer_config.json)",
+                self.unrendered,
+            )
+
     async def _render(
         self, record: PromptRecord, params: GenerationParams, timeout_s: float | None
     ) -> list[int]:
@@ -415,35 +474,39 @@ class NativeClient:
         kwargs = template_kwargs(record, params, self.thinking)
         if kwargs:
             fields["chat_template_kwargs"] = kwargs
-        tokens = await self._post(self._tokenize, fields, timeout_s)
+        tokens = (await self._post(self._tokenize, fields, timeout_s)).get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(i, int) for i in tokens):
             raise RequestFailed(200, "bad_response", f"/v1/tokenize gave no ids: {tokens!r:.200}")
         return tokens
 
     async def _single_id(self, text: str, timeout_s: float | None) -> int | None:
         """The id of a marker the tokenizer holds as one token (else None: not counted)."""
-        tokens = await self._post(
-            self._tokenize,
-            {"model": self.model, "prompt": text, "add_special_tokens": False},
-            timeout_s,
-        )
+        fields = {"model": self.model, "prompt": text, "add_special_tokens": False}
+        tokens = (await self._post(self._tokenize, fields, timeout_s)).get("tokens")
         return tokens[0] if isinstance(tokens, list) and len(tokens) == 1 else None
 
     @staticmethod
-    async def _post(transport: Transport, fields: dict[str, Any], timeout_s: float | None) -> Any:
+    async def _post(
+        transport: Transport, fields: dict[str, Any], timeout_s: float | None
+    ) -> dict[str, Any]:
+        """One JSON request, one JSON object back (mapped like any answer when not a 200)."""
         status, payload, retry_after = await transport.stream(
             orjson.dumps(fields), _NoStream(), timeout_s
         )
         if status != 200:
             raise answer_error(status, payload, retry_after)
         try:
-            return orjson.loads(payload).get("tokens")
-        except (orjson.JSONDecodeError, AttributeError) as exc:
-            raise RequestFailed(200, "bad_response", f"/v1/tokenize: not JSON: {exc}") from exc
+            data = orjson.loads(payload)
+        except orjson.JSONDecodeError as exc:
+            raise RequestFailed(200, "bad_response", f"not JSON: {exc}") from exc
+        if not isinstance(data, dict):
+            raise RequestFailed(200, "bad_response", f"not a JSON object: {payload[:200]!r}")
+        return data
 
     async def aclose(self) -> None:
         await self._tokenize.aclose()
         await self._generate.aclose()
+        await self._detokenize.aclose()
         await self.chat_client.aclose()
 
 

@@ -15,6 +15,8 @@ A marker split across two chunks is held back until the next one shows what it i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 THINK_START = "<think>"
 THINK_END = "</think>"
 
@@ -86,7 +88,9 @@ def _marker_prefix(text: str, marker: str) -> int:
     return 0
 
 
-def reasoning_token_count(output_ids: list[int], think_end_id: int | None, thinking: bool) -> int:
+def reasoning_token_count(
+    output_ids: Sequence[int], think_end_id: int | None, thinking: bool
+) -> int:
     """The answer's reasoning tokens: up to and including the `</think>` id, or all of them
     while the reasoning never ended (SGLang's `reasoning_tokens` counts the same way)."""
     if not thinking or think_end_id is None:

@@ -135,6 +135,11 @@ def not_generated_headline(result: Mapping[str, Any]) -> str:
     """One line for a work order a worker took and did not generate (`lifecycle.gate`, a
     cancel mid-batch): `run/batch-000004: the run is cancelled: parked`."""
     where = f"{result.get('run')}/{result.get('batch')}"
+    if result.get("refused"):
+        return _clean(
+            f"{where}: this worker does not serve the run's model: handed back to "
+            f"{result.get('queue')} ({result.get('refused')})"
+        )
     if result.get("handed_back"):
         return _clean(f"{where}: an order for another model: handed back to {result.get('queue')}")
     if result.get("superseded"):

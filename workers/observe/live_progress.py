@@ -20,7 +20,7 @@ from collections.abc import Callable
 import redis
 
 from genfleet.common.ledger import Ledger
-from genfleet.common.redis_conn import RedisCommands
+from genfleet.common.redis_conn import RedisCommands, server_time
 
 log = logging.getLogger("genfleet.batch")
 
@@ -65,7 +65,8 @@ class ProgressTally:
             return False
         try:
             counts = {run: (prompts, tokens) for run, (prompts, tokens) in taken.items()}
-            Ledger(client).progress(worker, counts, time.time())
+            # Tokens go to the ten-second bucket of Redis's clock, which `status` reads by.
+            Ledger(client).progress(worker, counts, server_time(client))
         except redis.RedisError as exc:
             for run, (prompts, tokens) in taken.items():
                 self.add(run, prompts, tokens)

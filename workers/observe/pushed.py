@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import fleet_registry, keys
+from genfleet.common import engine_alarms, fleet_registry, keys
 from genfleet.common.summaries import FORGET_S, Pushed
 
 log = logging.getLogger("genfleet.pushed")
@@ -71,6 +71,7 @@ def prune(client: redis.Redis, found: Pushed) -> None:
     pipe.zrem(keys.pushed_key(), *found.pruned)
     pipe.hdel(keys.summaries_key(), *found.pruned)
     fleet_registry.forget(pipe, found.pruned)
+    engine_alarms.forget(pipe, found.pruned)  # a worker killed outright never cleared its own
     pipe.execute()
 
 

@@ -9,26 +9,25 @@ ids and `max_new_tokens = M - k` streams exactly the rest (ids and text), with t
 from __future__ import annotations
 
 import json
-import shutil
 from collections.abc import Iterator
 from itertools import accumulate
 from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 
+from tests.support.chat_templates import DEEPSEEK, checkpoint
 from tests.support.emulator import Emulator, StartEmulator
 
 pytestmark = pytest.mark.integration
 
-TEMPLATES = Path(__file__).resolve().parents[2] / "data" / "chat_templates"
 KEY = "tokenize-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
 THINK, END_THINK, IM_START, IM_END = 151667, 151668, 151644, 151645
 # DeepSeek's EOS has no id in a checkpoint without added_tokens_decoder: the emulator's own.
 EOS_IDS = {"qwen3": IM_END, "qwen3_5": IM_END, "deepseek_v3_1": 151670}
-DEEPSEEK = {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>"}
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [
@@ -38,16 +37,6 @@ CHATS = [
         {"role": "user", "content": [{"type": "text", "text": "Say more about it, please."}]},
     ],
 ]
-
-
-def checkpoint(root: Path, template: str, config: dict[str, Any] | None = None) -> str:
-    """A model directory holding a published template as chat_template.jinja."""
-    model = root / template
-    model.mkdir()
-    shutil.copy(TEMPLATES / f"{template}.jinja", model / "chat_template.jinja")
-    if config is not None:
-        (model / "tokenizer_config.json").write_text(json.dumps(config))
-    return str(model)
 
 
 @pytest.fixture(scope="module")
@@ -345,8 +334,14 @@ def test_crash_after_tokens_once_then_the_restarted_engine_continues(
 
 
 @pytest.mark.fault
-def test_crash_on_prompt_fires_for_generate_by_ids(start_emulator: StartEmulator) -> None:
-    emu = start_emulator("--emulator-crash-on-prompt", "POISON-7")
+def test_crash_on_prompt_fires_for_generate_by_ids(
+    start_emulator: StartEmulator, tmp_path: Path
+) -> None:
+    """The engine dies on the prompt, and its request log names the chat that killed it."""
+    log = tmp_path / "requests.jsonl"
+    emu = start_emulator(
+        "--emulator-crash-on-prompt", "POISON-7", env={"GENFLEET_EMULATOR_REQUEST_LOG": str(log)}
+    )
     chat = [{"role": "user", "content": "Please repeat POISON-7 back to me."}]
     with httpx.Client(base_url=emu.base_url, timeout=10) as client:
         prompt = tokenize(client, chat)  # rendering is no generation: no crash
@@ -355,3 +350,5 @@ def test_crash_on_prompt_fires_for_generate_by_ids(start_emulator: StartEmulator
             client.post("/generate", json={"input_ids": prompt})
     assert emu.proc.wait(timeout=10) != 0
     assert "emulated crash on a prompt holding 'POISON-7'" in emu.log()
+    last = orjson.loads(log.read_bytes().splitlines()[-1])
+    assert (last["outcome"], last["body"]["messages"]) == ("crash", chat)

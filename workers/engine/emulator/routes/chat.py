@@ -15,6 +15,7 @@ from typing import Any
 
 from aiohttp import web
 
+from genfleet.workers.engine.emulator.request_log import CHAT_ENDPOINT
 from genfleet.workers.engine.emulator.routes.error_bodies import (
     SSE_DONE,
     ApiError,
@@ -240,6 +241,12 @@ def abort_early(req: ChatRequest) -> None:
         c.seq.finish_reason = "abort"
 
 
+def _log(engine: Engine, body: dict[str, Any], outcome: str, rid: str | None) -> None:
+    engine.log_request(
+        {"body": body, "outcome": outcome, "id": rid, "endpoint": CHAT_ENDPOINT, "drawn_tokens": 0}
+    )
+
+
 async def chat_completions(request: web.Request) -> web.StreamResponse:
     """POST /v1/chat/completions (each request logged with its outcome when a log is kept)."""
     engine: Engine = request.app["engine"]
@@ -251,12 +258,12 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     engine.check_crash(body.get("messages"))
     fault = engine.draw_fault()
     if fault == "429":
-        engine.log_request({"body": body, "outcome": "429", "id": None})
+        _log(engine, body, "429", None)
         return rate_limited(engine.knobs.retry_after_s)
     try:
         req = parse(body, engine)
     except ApiError as exc:
-        engine.log_request({"body": body, "outcome": str(exc.status), "id": None})
+        _log(engine, body, str(exc.status), None)
         return json_response(exc.body_a(), exc.status)
     if fault == "abort":
         abort_early(req)
@@ -264,11 +271,11 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     try:
         engine.submit(req.seqs, waker, req.stream)
     except ApiError as exc:
-        engine.log_request({"body": body, "outcome": str(exc.status), "id": None})
+        _log(engine, body, str(exc.status), None)
         if req.stream:
             return await _stream_error(request, exc)
         return json_response(exc.body_a(), exc.status)
-    engine.log_request({"body": body, "outcome": fault or "ok", "id": req.choices[0].seq.rid})
+    _log(engine, body, fault or "ok", req.choices[0].seq.rid)
     if not req.stream:
         await engine.wait(req.seqs, waker)
         engine.log_end(req.choices[0].seq.rid, req.seqs)

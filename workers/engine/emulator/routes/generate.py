@@ -12,6 +12,14 @@ Streams carry the cumulative `text`/`output_ids` in every chunk (SGLang's defaul
 bench_serving relies on), or with `--incremental-streaming-output` only what is new since the
 last chunk; `meta_info` gains `finish_reason`, `e2e_latency` and the speculative fields only
 on a sequence's final chunk.
+
+Refusals are SGLang's: before a stream starts body A (a malformed request, the 503 of a full
+queue) or body B (a ValueError of the tokenizer manager: a prompt longer than the context, a
+budget past it, a sampling value out of range); once streaming, a 200 whose one chunk is
+`{"error": {"message", "type": "invalid_request_error", "code", "retryable"}}`. The emulated
+faults are the chat route's, drawn from the same seeded sequence: a 429 (`rate_limited`) and an
+abort (`abort_early`). Each prompt is logged, when a request log is kept, as the chat request
+it stands for (`request_log.py`).
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ from genfleet.workers.engine.emulator.sim.stepper import Engine
 
 SCHEMA = "GenerateReqInput"
 DEFAULT_MAX_NEW_TOKENS = 128
+ABORT_MESSAGE = "Abort in running batch (emulated: --emulator-abort-rate)."
 
 
 def meta_info(seq: Sequence, engine: Engine, final: bool) -> dict[str, Any]:
@@ -58,6 +67,13 @@ def meta_info(seq: Sequence, engine: Engine, final: bool) -> dict[str, Any]:
         return meta
     if seq.finish_reason == "stop":
         meta["finish_reason"] = {"type": "stop", "matched": engine.eos_id}
+    elif seq.finish_reason == "abort":
+        meta["finish_reason"] = {
+            "type": "abort",
+            "message": ABORT_MESSAGE,
+            "status_code": None,
+            "err_type": None,
+        }
     else:
         meta["finish_reason"] = {"type": "length", "length": seq.generated}
     meta["e2e_latency"] = seq.finished_s - seq.arrived_s
@@ -118,13 +134,22 @@ def _is_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse(body: dict[str, Any], engine: Engine) -> tuple[bool, list[Sequence]]:
+def inputs(body: dict[str, Any], engine: Engine) -> tuple[bool, list[list[int]], dict[str, Any]]:
+    """(batched?, each prompt's ids, the sampling_params); a `text` prompt is tokenized."""
     batched, prompts = _prompts(body)
     params = body.get("sampling_params") or {}
     if isinstance(params, list):
         params = params[0] if params else {}
     if not isinstance(params, dict):
         raise ApiError(400, "sampling_params must be a dict.")
+    encode = engine.tokenizer.encode
+    ids = [encode(prompt, True) if isinstance(prompt, str) else prompt for prompt in prompts]
+    return batched, ids, params
+
+
+def parse(prompts: list[list[int]], params: dict[str, Any], engine: Engine) -> list[Sequence]:
+    """Validate the sampling_params and plan one sequence a prompt; raises ApiError like
+    SGLang's tokenizer manager."""
     max_new = opt_int(params, "max_new_tokens", SCHEMA)
     check_sampling(
         temperature=opt_float(params, "temperature", SCHEMA),
@@ -134,10 +159,8 @@ def parse(body: dict[str, Any], engine: Engine) -> tuple[bool, list[Sequence]]:
         max_new_tokens=max_new,
     )
     max_new = DEFAULT_MAX_NEW_TOKENS if max_new is None else max_new
-    engine.check_crash_prompt(prompts)
     seqs = []
-    for prompt in prompts:
-        ids = engine.tokenizer.encode(prompt, True) if isinstance(prompt, str) else prompt
+    for ids in prompts:
         limit = engine.check_lengths(len(ids), max_new)
         seq = engine.plan_answer(
             ids,
@@ -145,10 +168,27 @@ def parse(body: dict[str, Any], engine: Engine) -> tuple[bool, list[Sequence]]:
             ignore_eos=params.get("ignore_eos") is True,
             min_new=opt_int(params, "min_new_tokens", SCHEMA) or 0,
         )
-        if isinstance(body.get("rid"), str) and not batched:
-            seq.rid = body["rid"]
         seqs.append(seq)
-    return batched, seqs
+    return seqs
+
+
+def abort_early(seqs: list[Sequence]) -> None:
+    """The scheduler aborts these sequences a third of the way through what this request was
+    to write: a 200 whose final meta_info says `{"type": "abort", …}`, the tokens drawn so far
+    sent (as SGLang streams a request aborted while running)."""
+    for seq in seqs:
+        seq.target_tokens = min(seq.target_tokens, max(1, seq.target_tokens // 3))
+        seq.finish_reason = "abort"
+
+
+def rate_limited(retry_after_s: float) -> web.Response:
+    """A 429 with Retry-After. SGLang itself has no 429; this is the shape its HTTPException
+    handler gives any status it raises (as its queue-full 503 on /generate: body A, the type
+    the status code)."""
+    body = ApiError(429, "Rate limit reached, retry after the time in Retry-After.", "429")
+    response = json_response(body.body_a(), 429)
+    response.headers["Retry-After"] = f"{retry_after_s:g}"
+    return response
 
 
 def result(seq: Sequence, engine: Engine, final: bool = True, since: int = 0) -> dict[str, Any]:
@@ -163,7 +203,9 @@ def result(seq: Sequence, engine: Engine, final: bool = True, since: int = 0) ->
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
-    """POST /generate."""
+    """POST /generate; each prompt logged with its outcome, as the chat request it stands for,
+    when a request log is kept (`request_log.py`). The emulated faults are drawn as on the
+    chat route: a 429 (`rate_limited`) or an abort (`abort_early`)."""
     engine: Engine = request.app["engine"]
     engine.count_request()
     try:
@@ -171,15 +213,33 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except ApiError as exc:
         return json_response(exc.body_a(), exc.status)
     stream = body.get("stream") is True
+    try:
+        batched, prompts, params = inputs(body, engine)
+    except ApiError as exc:
+        return await _refuse(request, exc, stream)
+    logged = {"max_new_tokens": DEFAULT_MAX_NEW_TOKENS, **params}  # the budget, said or not
+
+    def log(outcome: str, seqs: list[Sequence] | None = None) -> None:
+        for i, ids in enumerate(prompts):
+            engine.log_generate(ids, body, logged, outcome, seqs[i].rid if seqs else None)
+
+    engine.check_crash_prompt(prompts, body, logged)
+    fault = engine.draw_fault()
+    if fault == "429":
+        log("429")
+        return rate_limited(engine.knobs.retry_after_s)
     waker = asyncio.Event()
     try:
-        batched, seqs = parse(body, engine)
+        seqs = parse(prompts, params, engine)
+        if isinstance(body.get("rid"), str) and not batched:
+            seqs[0].rid = body["rid"]
+        if fault == "abort":
+            abort_early(seqs)
         engine.submit(seqs, waker, stream)
     except ApiError as exc:
-        if stream:
-            return await _stream_error(request, exc)
-        return json_response(exc.body_a() if exc.status == 503 else exc.body_b(), exc.status)
-    engine.log_generate(seqs)
+        log(str(exc.status))
+        return await _refuse(request, exc, stream)
+    log(fault or "ok", seqs)
     if not stream:
         await engine.wait(seqs, waker)
         for seq in seqs:
@@ -195,11 +255,14 @@ def _sse_response() -> web.StreamResponse:
     )
 
 
-async def _stream_error(request: web.Request, exc: ApiError) -> web.StreamResponse:
-    resp = _sse_response()
-    await resp.prepare(request)
-    await resp.write(sse(exc.generate_stream_chunk()) + SSE_DONE)
-    return resp
+async def _refuse(request: web.Request, exc: ApiError, stream: bool) -> web.StreamResponse:
+    """A refusal as SGLang answers it: in-stream when streaming, else body B (A for a 503)."""
+    if stream:
+        resp = _sse_response()
+        await resp.prepare(request)
+        await resp.write(sse(exc.generate_stream_chunk()) + SSE_DONE)
+        return resp
+    return json_response(exc.body_a() if exc.status == 503 else exc.body_b(), exc.status)
 
 
 async def _stream(

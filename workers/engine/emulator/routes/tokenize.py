@@ -9,7 +9,8 @@ only, and only where the checkpoint adds a BOS).
 Response: `{"tokens": [ids], "count": n, "max_model_len": context length}`; a list of prompts
 gives a list of id lists and a list of counts. Refusals are SGLang's 400s: a schema error
 (type "Bad Request"), "Messages cannot be empty." or the template's own exception (type
-"BadRequestError").
+"BadRequestError"). A rendered chat is remembered for the request log, so that a /generate of
+its ids is logged as that chat (`request_log.py`).
 
 Detokenize (DetokenizeRequest): `{"tokens": [ids] or [[ids], …], "skip_special_tokens": true}`
 → `{"text": str or [str, …]}`; with `skip_special_tokens` (the default) the tokens the
@@ -51,6 +52,7 @@ def tokenize_body(body: dict[str, Any], engine: Engine) -> dict[str, Any]:
     tok = engine.tokenizer
     if messages is not None:
         ids = tok.encode(render(body, engine))
+        engine.remember_rendering(ids, body)
         return {"tokens": ids, "count": len(ids), "max_model_len": limit}
     if isinstance(prompt, str):
         ids = tok.encode(prompt, special)

@@ -183,7 +183,6 @@ class Sequence:
     loop_block: int = 0  # a loop's block, in tokens
     prefill_s: float = 0.0  # seconds (time-scaled) from admission before the first token
     answer: Any = None  # /generate: the Answer (sim/answer.py) this sequence writes
-    prompt_key: str = ""  # /generate with a request log: its prompt's ids, hashed
 
     @property
     def done(self) -> bool:

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from genfleet.workers.engine.emulator.args import EngineArgs
+from genfleet.workers.engine.emulator.request_log import CHAT_ENDPOINT, RequestLog
 from genfleet.workers.engine.emulator.routes.error_bodies import ApiError, queue_full
 from genfleet.workers.engine.emulator.sim.answer import Answer, Plan, Writer
 from genfleet.workers.engine.emulator.sim.chat_template import ChatTemplate
@@ -145,7 +146,7 @@ class Engine:
         self.scheduler.tallies.interval_start_s = self.clock()
         self.received = 0
         self._faults = random.Random(0)  # the same run of 429s and aborts every time
-        self._request_log = open(knobs.request_log, "ab") if knobs.request_log else None  # noqa: SIM115
+        self._request_log = RequestLog(knobs.request_log) if knobs.request_log else None
         self.pid = os.getpid()
         self._tokens_fd: int | None = None
         self._tokens_written = -1
@@ -180,7 +181,8 @@ class Engine:
         return min(configured, effective) if effective else configured
 
     def draw_fault(self) -> str | None:
-        """ "429", "abort" or None for the next chat request, at the configured rates."""
+        """ "429", "abort" or None for the next chat or /generate request, at the configured
+        rates (one seeded sequence over both routes, in the order requests arrive)."""
         roll = self._faults.random()
         if roll < self.knobs.rate_429:
             return "429"
@@ -188,32 +190,58 @@ class Engine:
             return "abort"
         return None
 
-    @property
-    def logs_requests(self) -> bool:
-        return self._request_log is not None
-
     def log_request(self, entry: dict[str, Any]) -> None:
-        """Append what a request asked and what it got to the request log, if kept, with how
-        many requests the engine held (running and waiting) when it arrived, this process
-        (`pid`: an engine restarted under the same log is another) and when (`ts`, this host's
-        wall clock: a soak on one machine orders sends and faults by it).
-
-        A chat request's line holds its `body`; a /generate request's one line per prompt
-        (`route` "generate") its prompt's ids hashed (`prompt`) and the output tokens it
-        carries in (`drawn`: an answer going on after a cut). Each request that ends, finished
-        or aborted, adds an `end` line with the output tokens it generated."""
+        """Append what a request asked and what it got to the request log (`request_log.py`),
+        if kept, with how many requests the engine held (running and waiting) when it arrived
+        this process (`pid`: an engine restarted under the same log is another) and when (`ts`,
+        this host's wall clock: a soak on one machine orders sends and faults by it). Each
+        request that ends, finished or aborted, adds an `end` line with the output tokens it
+        generated (`log_end`)."""
         if self._request_log is not None:
             s = self.scheduler
             in_engine = len(s.running) + len(s.waiting)
             entry = {**entry, "in_engine": in_engine, "pid": self.pid, "ts": time.time()}
-            self._request_log.write(orjson.dumps(entry) + b"\n")
-            self._request_log.flush()
+            self._request_log.write(entry)
 
-    def log_generate(self, seqs: list[Sequence]) -> None:
-        """The start line of each prompt of a /generate request the scheduler took."""
-        for seq in seqs:
-            entry = {"route": "generate", "prompt": seq.prompt_key, "outcome": "ok"}
-            self.log_request({**entry, "drawn": seq.answer.offset, "id": seq.rid})
+    def remember_rendering(self, ids: list[int], request: dict[str, Any]) -> None:
+        """/v1/tokenize rendered `request`'s messages to `ids`: kept (when a request log is)
+        so that a /generate of those ids is logged as the chat it stands for."""
+        if self._request_log is not None:
+            self._request_log.remember(ids, request)
+
+    def log_generate(
+        self,
+        input_ids: list[int],
+        request: dict[str, Any],
+        sampling: dict[str, Any],
+        outcome: str,
+        rid: str | None,
+    ) -> None:
+        """Log one /generate prompt (its prompt ids, then any output already drawn) as the
+        chat request it stands for; nothing when no log is kept."""
+        entry = self.generate_entry(input_ids, request, sampling, outcome, rid)
+        if entry is not None:
+            self.log_request(entry)
+
+    def generate_entry(
+        self,
+        input_ids: list[int],
+        request: dict[str, Any],
+        sampling: dict[str, Any],
+        outcome: str,
+        rid: str | None,
+    ) -> dict[str, Any] | None:
+        """The log entry of one /generate prompt (None: no log is kept)."""
+        if self._request_log is None:
+            return None
+        split = self.family.split(input_ids)
+        prompt = input_ids[: split.prompt_len]
+        entry = self._request_log.generate_entry(
+            prompt, split.drawn, request, sampling, self.tokenizer.decode
+        )
+        # `route`, `prompt` (its ids hashed) and `drawn`: what harness/resends.py counts by
+        keyed = {"route": "generate", "prompt": prompt_key(prompt), "drawn": split.drawn}
+        return {**entry, **keyed, "outcome": outcome, "id": rid}
 
     def log_end(self, rid: str, seqs: list[Sequence]) -> None:
         """Request `rid` ended (its sequences finished or aborted): what it generated."""
@@ -261,20 +289,27 @@ class Engine:
         if crash is None or crash.on_prompt is None:
             return
         if crash.on_prompt in orjson.dumps(messages).decode():
-            self.log_request({"body": {"messages": messages}, "outcome": "crash", "id": None})
-            self._crash(f"RuntimeError: emulated crash on a prompt holding {crash.on_prompt!r}")
+            body = {"messages": messages}
+            entry = {"body": body, "endpoint": CHAT_ENDPOINT, "drawn_tokens": 0}
+            self._crash(
+                f"RuntimeError: emulated crash on a prompt holding {crash.on_prompt!r}",
+                {**entry, "outcome": "crash", "id": None},
+            )
 
-    def check_crash_prompt(self, prompts: list[str | list[int]]) -> None:
-        """Die on a /generate request whose prompt (its text, or its ids decoded) holds
-        `--emulator-crash-on-prompt`."""
+    def check_crash_prompt(
+        self, prompts: list[list[int]], request: dict[str, Any], sampling: dict[str, Any]
+    ) -> None:
+        """Die on a /generate request whose prompt (its ids decoded) holds
+        `--emulator-crash-on-prompt`, logged as a `crash`."""
         crash = self.args.crash
         if crash is None or crash.on_prompt is None:
             return
         for prompt in prompts:
-            text = prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
-            if crash.on_prompt in text:
-                self.log_request({"route": "generate", "outcome": "crash", "id": None})
-                self._crash(f"RuntimeError: emulated crash on a prompt holding {crash.on_prompt!r}")
+            if crash.on_prompt in self.tokenizer.decode(prompt):
+                self._crash(
+                    f"RuntimeError: emulated crash on a prompt holding {crash.on_prompt!r}",
+                    self.generate_entry(prompt, request, sampling, "crash", None),
+                )
 
     def streamed(self, tokens: int) -> None:
         """A stream has sent `tokens` output tokens of one sequence: die once that reaches
@@ -287,10 +322,11 @@ class Engine:
             "(--emulator-crash-after-tokens)"
         )
 
-    def _crash(self, line: str) -> None:
+    def _crash(self, line: str, entry: dict[str, Any] | None = None) -> None:
         """Exit as SGLang's scheduler does on an exception: a traceback, its last line the
         error, then the parent's notice. With `--emulator-crash-once PATH`, only while PATH
-        does not exist: it is created first, so the restarted engine lives on."""
+        does not exist: it is created first, so the restarted engine lives on. `entry`: the
+        request that kills it, logged (when a log is kept) only when it does."""
         once = self.args.crash.once_path if self.args.crash is not None else None
         if not self._crash_armed:
             return
@@ -301,6 +337,8 @@ class Engine:
             except FileExistsError:
                 self._crash_armed = False
                 return
+        if entry is not None:
+            self.log_request(entry)
         log.error("Scheduler hit an exception: Traceback (most recent call last):", extra=TP0)
         sys.stderr.write('  File "emulator/sim/stepper.py", in submit\n' + line + "\n")
         log.error("Received sigquit from a child process. It usually means the child failed.")
@@ -417,8 +455,6 @@ class Engine:
             prefill_s=self.model.prefill_s(len(input_ids)),
         )
         seq.answer = Answer(self.writer, plan, drawn)
-        if self.logs_requests:
-            seq.prompt_key = prompt_key(input_ids[: split.prompt_len])
         return seq
 
     def reasoning_tokens(self, seq: Sequence) -> int:
