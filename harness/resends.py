@@ -149,3 +149,12 @@ def cause_of(send: Send, until_s: float, causes: Sequence[Played], last: bool = 
         f for f in between if f.target is None
     ]
     return cause[-1 if last else 0].action if cause else UNEXPLAINED
+
+
+def sent_lines(path: Path) -> list[dict[str, Any]]:
+    """An engine's request log without its `end` lines: one line per request it was sent
+    (a chat request, or one /generate prompt), as the chat request each stands for."""
+    if not path.exists():
+        return []
+    lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    return [line for line in lines if line.get("outcome") != "end"]

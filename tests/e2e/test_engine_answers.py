@@ -11,7 +11,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-import orjson
 import pytest
 import redis
 
@@ -19,6 +18,7 @@ from genfleet.common import keys
 from genfleet.common.settings import Settings
 from harness.env import base_env
 from harness.processes import Worker
+from harness.resends import sent_lines
 from harness.runs import export_rows, stage, wait_run_ended
 from harness.sources import lines
 
@@ -62,7 +62,7 @@ def test_bad_answers_end_as_completions_or_error_records_never_as_wrong_data(
 
     _, rows = export_rows(settings, "answers", tmp_path / "out.jsonl")
     assert [row["id"] for row in rows] == ids  # every prompt ends, once
-    log = [orjson.loads(line) for line in request_log.read_bytes().splitlines()]
+    log = sent_lines(request_log)
     outcomes = [entry["outcome"] for entry in log]
     assert outcomes.count("429") > 0 and outcomes.count("abort") > 0
     aborted = {entry["id"] for entry in log if entry["outcome"] == "abort"}

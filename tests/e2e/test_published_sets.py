@@ -24,6 +24,7 @@ from genfleet.common.store import open_store
 from genfleet.producer.status import run_status
 from harness.env import TEST_REDIS_URL, base_env
 from harness.processes import Worker
+from harness.resends import sent_lines
 from harness.waits import wait_for
 from tests.support.commands import invoke
 
@@ -187,7 +188,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             assert result.exit_code == 0, result.output
             rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
             exports[sample] = {row["id"]: row for row in rows}
-        bodies = [orjson.loads(line)["body"] for line in request_log.read_bytes().splitlines()]
+        bodies = [line["body"] for line in sent_lines(request_log)]
         yield Fleet([body["messages"] for body in bodies], bodies, exports, reports, rejects)
     finally:
         worker.stop()

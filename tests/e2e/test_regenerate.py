@@ -12,6 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from harness.env import ROOT, base_env
+from harness.resends import sent_lines
 from tests.support.commands import genfleet, invoke
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -47,8 +48,8 @@ def test_regenerate_end_to_end_through_the_cli(tmp_path: Path, redis_url: str) -
 
     old = {line["id"]: line["conversations"][-1]["value"] for line in lines}
     sent: dict[str, list[dict[str, Any]]] = {}
-    for line in request_log.read_bytes().splitlines():
-        body = orjson.loads(line)["body"]
+    for entry in sent_lines(request_log):
+        body = entry["body"]
         messages = body["messages"]
         assert messages[-1]["role"] != "assistant", messages
         raw = orjson.dumps(body).decode()

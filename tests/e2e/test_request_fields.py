@@ -18,6 +18,7 @@ from genfleet.common.store import open_store
 from genfleet.producer.status import run_status
 from harness.env import base_env
 from harness.processes import Worker
+from harness.resends import sent_lines
 from harness.waits import wait_for
 from tests.support.commands import invoke
 
@@ -102,8 +103,7 @@ def test_every_field_reaches_the_engine_and_an_unsupported_one_is_a_reject(
         lambda: run_status(store, redis_client, "fields")["state"] == "done", 60, "the run", 0.3
     )
     bodies = {}
-    for line in request_log.read_bytes().splitlines():
-        entry = orjson.loads(line)
+    for entry in sent_lines(request_log):
         body = entry["body"]
         bodies.setdefault(body["messages"][0]["content"], []).append(body)
 

@@ -8,6 +8,7 @@ import httpx
 import orjson
 
 from genfleet.workers.feeding.repetition import RepetitionDetector, RepetitionRule
+from harness.resends import sent_lines
 from tests.support.emulator import StartEmulator
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 64}
@@ -161,7 +162,7 @@ def test_a_generate_is_logged_as_the_chat_it_stands_for(
         assert client.post("/generate", json=body).status_code == 200
         body = {"text": "Hello there", "sampling_params": {"top_p": 0.9}}
         assert client.post("/generate", json=body).status_code == 200
-    entries = [orjson.loads(line) for line in log.read_bytes().splitlines()]
+    entries = sent_lines(log)
     assert [
         (e["endpoint"], e["outcome"], e["drawn_tokens"], e["messages_decoded"]) for e in entries
     ] == [
@@ -207,7 +208,7 @@ def test_faults_are_one_seeded_sequence_over_chat_and_generate(
                 else:
                     body = {"input_ids": _render(client, messages), "stream": True}
                     client.post("/generate", json=body)
-        entries = [orjson.loads(line) for line in log.read_bytes().splitlines()]
+        entries = sent_lines(log)
         outcomes.append([(e["endpoint"], e["outcome"]) for e in entries])
     assert outcomes[0] == outcomes[1] and len(outcomes[0]) == 16
     seen = {(endpoint, outcome) for endpoint, outcome in outcomes[0]}
