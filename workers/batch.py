@@ -353,13 +353,13 @@ def _follow(
         _check_cancelled(order, cancelled, len(collector.results), todo)
         reporter.report(order)
         if time.monotonic() - last_flush >= checkpoint_interval_s:
-            if in_flight is not None:
-                next_part = in_flight.save(store, next_part)
+            flushed = True
             rows = collector.take_unflushed()
             if rows:
                 try:
                     next_part = checkpoint.save(store, order, next_part, rows)
                 except StoreError as exc:
+                    flushed = False
                     collector.give_back_rows(rows)
                     log.warning(
                         "checkpoint of %s/%s failed (%s): kept for the next one",
@@ -367,6 +367,10 @@ def _follow(
                         order.batch,
                         exc,
                     )
+            if in_flight is not None:
+                # The answers finished since the last copy are in the store now (else the
+                # last copy stays: it is all that holds them)
+                next_part = in_flight.save(store, next_part, drop_previous=flushed)
             last_flush = time.monotonic()
 
 
@@ -377,10 +381,14 @@ class _InFlight:
     def __init__(self, feeder: Feeder, order: WorkOrder, digests: dict[tuple[str, int], str]):
         self.feeder, self.order, self.digests = feeder, order, digests
         self.saved: dict[tuple[str, int], int] = {}  # ids kept last, by (id, sample)
+        self.last_key: str | None = None  # the part holding this try's last copy
 
-    def save(self, store: Store, next_part: int) -> int:
-        """Checkpoint the answers that drew enough since they were kept; best effort: a
-        failure only means more tokens are drawn again should the worker be lost."""
+    def save(self, store: Store, next_part: int, drop_previous: bool = False) -> int:
+        """Checkpoint every answer in flight once any drew since it was kept; best effort: a
+        failure only means more tokens are drawn again should the worker be lost. Each copy
+        is whole, so with `drop_previous` (the finished answers are in the store) the one
+        before is deleted: a batch keeps one copy of its answers in flight, not one for each
+        interval it ran, and its next try reads only that."""
         order = self.order
         before = dict(self.saved)
         try:
@@ -396,11 +404,19 @@ class _InFlight:
         if not rows:
             return next_part
         try:
-            return checkpoint.write_rows(store, order, next_part, rows)
+            after = checkpoint.write_rows(store, order, next_part, rows)
         except (StoreError, BatchSuperseded) as exc:
             self.saved = before
             log.warning("answers in flight of %s/%s not kept: %s", order.run, order.batch, exc)
             return next_part
+        previous, self.last_key = self.last_key, keys.part_key(order.run, order.batch, after - 1)
+        if previous is not None and drop_previous:
+            try:
+                # A part's key is the prefix of no other key: this deletes that part alone.
+                store.delete_prefix(previous)
+            except StoreError as exc:
+                log.warning("an older copy of %s/%s stays: %s", order.run, order.batch, exc)
+        return after
 
 
 def _staged_as(record: CompletionRecord, digest: str) -> CompletionRecord:

@@ -28,7 +28,8 @@ from genfleet.common.records import (
     encode_jsonl_gz,
 )
 from genfleet.common.store import FileStore
-from genfleet.workers.batch import execute
+from genfleet.workers import checkpoint
+from genfleet.workers.batch import _InFlight, execute
 from genfleet.workers.feeding import Drawn
 from tests.support.core import PARAMS
 
@@ -225,3 +226,49 @@ def test_answers_kept_in_flight_go_to_the_next_try_for_their_own_prompt_only(
     assert set(feeder.drawn) == {("p0", 0)}
     assert list(feeder.drawn[("p0", 0)].ids) == [1, 2, 3]
     assert (summary.resumed, summary.completions) == (1, 3)
+
+
+class InFlightFeeder(StubFeeder):
+    """Its batch's answers in flight grow by `step` ids between two looks."""
+
+    def __init__(self, step: int) -> None:
+        super().__init__(finish=0, error=None)
+        self.step, self.looks = step, 0
+
+    def drawn_answers(
+        self, run: str, batch: str, saved: dict[tuple[str, int], int]
+    ) -> list[tuple[str, int, dict[str, Any]]]:
+        self.looks += 1
+        rows = []
+        for i in range(3):
+            answer = Drawn(in_reasoning=False)
+            answer.add(list(range(self.looks * self.step)), "x")
+            saved[(f"p{i}", 0)] = len(answer.ids)
+            rows.append((f"p{i}", 0, answer.to_json()))
+        return rows
+
+
+def test_a_batch_keeps_one_copy_of_its_answers_in_flight_not_one_per_interval(
+    tmp_path: Path,
+) -> None:
+    """Each copy holds every answer in flight, so the one before is deleted once the answers
+    finished since are in the store; while they are not, the older copy stays."""
+    store = FileStore(tmp_path)
+    order = staged(store, 3)
+    digests = {(f"p{i}", 0): "0" * 64 for i in range(3)}
+    in_flight = _InFlight(InFlightFeeder(step=4), order, digests)  # type: ignore[arg-type]
+    parts = keys.parts_prefix("r", "batch-000000")
+
+    part = in_flight.save(store, 0, drop_previous=True)
+    part = in_flight.save(store, part, drop_previous=True)
+    part = in_flight.save(store, part, drop_previous=True)
+    assert len(list(store.list(parts))) == 1
+    part = in_flight.save(store, part, drop_previous=False)  # a results part failed meanwhile
+    assert len(list(store.list(parts))) == 2
+
+    _, _, kept = checkpoint.load_parts(store, "r", "batch-000000")
+    assert {key: len(row["drawn"]["ids"]) for key, row in kept.items()} == {
+        ("p0", 0): 16,
+        ("p1", 0): 16,
+        ("p2", 0): 16,
+    }

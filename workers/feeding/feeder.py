@@ -986,19 +986,24 @@ class Feeder:
     def drawn_answers(
         self, run: str, batch: str, saved: dict[tuple[str, int], int]
     ) -> list[tuple[str, int, dict[str, Any]]]:
-        """The batch's answers in flight drawn by ids, as (id, sample, `Drawn.to_json`), each
-        when `worth_keeping` says so of what `saved` (updated here) says was kept last: what
-        its checkpoint keeps so that another worker goes on from them."""
+        """The batch's answers in flight drawn by ids, as (id, sample, `Drawn.to_json`): every
+        one that drew a token, as soon as `worth_keeping` says so of any of them against what
+        `saved` (updated here) says was kept last; else none. What its checkpoint keeps so that
+        another worker goes on from them: each copy whole, so the one before can go."""
         return self.call(self._drawn_answers(run, batch, saved), timeout_s=DRAWN_READ_S)
 
     async def _drawn_answers(
         self, run: str, batch: str, saved: dict[tuple[str, int], int]
     ) -> list[tuple[str, int, dict[str, Any]]]:
+        live = [
+            (key, tries.drawn)
+            for key, tries in self._live_answers.get((run, batch), {}).items()
+            if tries.drawn is not None and len(tries.drawn.ids)
+        ]
+        if not any(worth_keeping(len(drawn.ids), saved.get(key)) for key, drawn in live):
+            return []
         rows = []
-        for key, tries in self._live_answers.get((run, batch), {}).items():
-            drawn = tries.drawn
-            if drawn is None or not worth_keeping(len(drawn.ids), saved.get(key)):
-                continue
+        for key, drawn in live:
             saved[key] = len(drawn.ids)
             rows.append((key[0], key[1], drawn.to_json()))
         return rows
