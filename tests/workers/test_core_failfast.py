@@ -152,7 +152,13 @@ def test_a_retry_waits_out_its_backoff_under_a_lease_then_goes_straight_to_the_q
 
     def look() -> None:
         lease = keys.lease_key(RUN, BATCH)
-        wait_for(lambda: runtime.redis.get(lease), 10, "the lease held in the backoff", 0.01)
+        # In the backoff: the first try counted (the lease is held from the try's start on).
+        wait_for(
+            lambda: runtime.redis.get(lease) and batch_state(runtime.redis)["attempts"] == 1,
+            10,
+            "the lease held in the backoff",
+            0.01,
+        )
         seen.update(batch_state(runtime.redis), holder=runtime.redis.get(lease))
 
     looker = threading.Thread(target=look)
