@@ -192,18 +192,24 @@ def streamed_body(body: dict[str, Any]) -> dict[str, Any]:
     return {**body, **STREAM_FIELDS}
 
 
+def in_stream_error(error: dict[str, Any]) -> Exception:
+    """An error chunk in a 200 stream, mapped as its `code`'s status would be (a 5xx or no
+    code: a failed try)."""
+    code = error.get("code")
+    status = code if isinstance(code, int) and 400 <= code < 600 else 500
+    mapped = answer_error(status, orjson.dumps({"error": error}))
+    if isinstance(mapped, RequestFailed) and status == 500:
+        mapped = RequestFailed(200, mapped.kind, f"in-stream error: {mapped}")
+    return mapped
+
+
 def stream_result(
     stream: ChatStream, latency_s: float, max_tokens: int | None = None
 ) -> ChatResult:
     """A finished (or stopped) stream → ChatResult, mapped like a non-streamed answer:
     an in-stream error as its code's status, an abort or a cut stream as a failed try."""
     if stream.error is not None:
-        code = stream.error.get("code")
-        status = code if isinstance(code, int) and 400 <= code < 600 else 500
-        error = answer_error(status, orjson.dumps({"error": stream.error}))
-        if isinstance(error, RequestFailed) and status == 500:
-            error = RequestFailed(200, error.kind, f"in-stream error: {error}")
-        raise error
+        raise in_stream_error(stream.error)
     usage = stream.usage or {}
     completion = int(usage.get("completion_tokens") or 0)
     repetition: dict[str, Any] | None = None

@@ -46,13 +46,14 @@ from genfleet.workers.feeding.client import (
     EngineClient,
     ThinkingSwitch,
     answer_error,
+    in_stream_error,
     loop_figures,
     template_kwargs,
 )
 from genfleet.workers.feeding.drawn import Drawn
 from genfleet.workers.feeding.reasoning import THINK_END, reasoning_token_count
 from genfleet.workers.feeding.repetition import RepetitionRule, prompt_text
-from genfleet.workers.feeding.stream import DATA, DONE
+from genfleet.workers.feeding.stream import END, sse_event
 from genfleet.workers.feeding.transport import AiohttpTransport, Transport
 
 log = logging.getLogger("genfleet.feeder")
@@ -208,18 +209,12 @@ class GenerateStream:
         self.on_tokens = on_tokens
 
     def feed(self, line: bytes) -> bool:
-        if not line.startswith(DATA):
+        chunk = sse_event(line)
+        if chunk is None:
             return False
-        payload = line[len(DATA) :].strip()
-        if payload == DONE:
+        if chunk is END:
             self.done = True
             return True
-        try:
-            chunk = orjson.loads(payload)
-        except orjson.JSONDecodeError as exc:
-            raise RequestFailed(200, "bad_response", f"not a stream chunk: {exc}") from exc
-        if not isinstance(chunk, dict):
-            raise RequestFailed(200, "bad_response", f"not a stream chunk: {payload[:200]!r}")
         if "error" in chunk:
             self.error = chunk["error"] if isinstance(chunk["error"], dict) else chunk
             return True
@@ -262,12 +257,7 @@ def stream_failure(stream: GenerateStream) -> None:
     ids it drew stay with the answer)."""
     drawn = stream.drawn
     if stream.error is not None:
-        code = stream.error.get("code")
-        code = code if isinstance(code, int) and 400 <= code < 600 else 500
-        error = answer_error(code, orjson.dumps({"error": stream.error}))
-        if isinstance(error, RequestFailed) and code == 500:
-            error = RequestFailed(200, error.kind, f"in-stream error: {error}")
-        raise error
+        raise in_stream_error(stream.error)
     if drawn.loop is None and stream.finish_reason is None:
         raise RequestFailed(
             200,

@@ -29,6 +29,25 @@ from genfleet.workers.feeding.repetition import Loop, RepetitionDetector, Repeti
 
 DATA = b"data:"
 DONE = b"[DONE]"
+END: dict[str, Any] = {}  # `sse_event`'s answer to `data: [DONE]` (compared by identity)
+
+
+def sse_event(line: bytes) -> dict[str, Any] | None:
+    """The JSON object one `data:` line of an answer's stream carries; `END` for
+    `data: [DONE]`; None for any other line (blank separators, SSE comments). A line that is
+    no JSON object is a RequestFailed: the engine's stream cannot be read."""
+    if not line.startswith(DATA):
+        return None
+    payload = line[len(DATA) :].strip()
+    if payload == DONE:
+        return END
+    try:
+        chunk = orjson.loads(payload)
+    except orjson.JSONDecodeError as exc:
+        raise RequestFailed(200, "bad_response", f"not a stream chunk: {exc}") from exc
+    if not isinstance(chunk, dict):
+        raise RequestFailed(200, "bad_response", f"not a stream chunk: {payload[:200]!r}")
+    return chunk
 
 
 class ChatStream:
@@ -90,18 +109,12 @@ class ChatStream:
 
     def feed(self, line: bytes) -> bool:
         """One line of the body; True when the answer must stop (a loop, an error, the end)."""
-        if not line.startswith(DATA):
-            return False  # blank separators, SSE comments
-        payload = line[len(DATA) :].strip()
-        if payload == DONE:
+        chunk = sse_event(line)
+        if chunk is None:
+            return False
+        if chunk is END:
             self.done = True
             return True
-        try:
-            chunk = orjson.loads(payload)
-        except orjson.JSONDecodeError as exc:
-            raise RequestFailed(200, "bad_response", f"not a stream chunk: {exc}") from exc
-        if not isinstance(chunk, dict):
-            raise RequestFailed(200, "bad_response", f"not a stream chunk: {payload[:200]!r}")
         if "error" in chunk:
             self.error = chunk["error"] if isinstance(chunk["error"], dict) else chunk
             return True
