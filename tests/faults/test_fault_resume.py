@@ -50,15 +50,10 @@ def same_answers(cut: dict[str, Any], twin: dict[str, Any]) -> None:
         assert "restarted" not in row
 
 
-def test_an_engine_death_costs_no_drawn_token(
-    tmp_path: Path,
-    redis_url: str,
-    redis_client: redis.Redis,
-    start_worker: Callable[..., Worker],
-) -> None:
+def dying_engine_worker(tmp_path: Path, redis_url: str, start_worker: Callable[..., Worker]) -> str:
+    """A worker whose engine dies once (the marker file), when an answer has streamed 120
+    tokens: every answer in flight is then part-way. Returns the store's URL."""
     store_url = (tmp_path / "store").as_uri()
-    # The engine dies once (the marker file), when an answer has streamed 120 tokens: every
-    # answer in flight is then part-way.
     crash = f"--emulator-crash-after-tokens 120 --emulator-crash-once {tmp_path / 'crashed'}"
     env = base_env(
         redis_url,
@@ -70,6 +65,16 @@ def test_an_engine_death_costs_no_drawn_token(
         log_dir=tmp_path,
     )
     start_worker(env).wait_ready()
+    return store_url
+
+
+def test_an_engine_death_costs_no_drawn_token(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    store_url = dying_engine_worker(tmp_path, redis_url, start_worker)
     settings = fault_settings(redis_url, store_url, max_tokens=BUDGET, batch_size=PROMPTS)
     ids = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
     stage(settings, "cut", tmp_path / "prompts.jsonl")
@@ -150,18 +155,7 @@ def test_an_answer_with_a_penalty_starts_over_and_says_why(
     """A repetition penalty weighs every token drawn before: such an answer cannot go on from
     its ids, so after the engine's death it is drawn again from its start (by the chat
     endpoint), and its record says how many tokens that threw away and why."""
-    store_url = (tmp_path / "store").as_uri()
-    crash = f"--emulator-crash-after-tokens 120 --emulator-crash-once {tmp_path / 'crashed'}"
-    env = base_env(
-        redis_url,
-        store_url,
-        emulator_time_scale=20,
-        emulator_mean_completion_tokens=300,
-        max_tokens=BUDGET,
-        engine_extra_args=crash,
-        log_dir=tmp_path,
-    )
-    start_worker(env).wait_ready()
+    store_url = dying_engine_worker(tmp_path, redis_url, start_worker)
     settings = fault_settings(
         redis_url, store_url, max_tokens=BUDGET, batch_size=PROMPTS, repetition_penalty=1.1
     )
