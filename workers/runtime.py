@@ -163,7 +163,7 @@ class WorkerRuntime:
             stream_chunk_tokens=settings.stream_chunk_tokens,
         )
         # SGLang's native API draws answers by token ids, so a cut one goes on from them.
-        native = draws_by_ids(settings.engine_kind, info.get("version"))
+        native = draws_by_ids(settings.engine_kind, info)
         defaults = read_sampling_defaults(str(settings.model or ""))
         if settings.engine_kind == "emulator" and defaults is None:
             defaults = {}  # the emulator's chat endpoint fills in no defaults either

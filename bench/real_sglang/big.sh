@@ -133,9 +133,11 @@ gf_phase() {  # N prompts direct, then the same through genfleet on the same eng
   cat "$W/direct.json"; echo
   redis-server --port $RPORT --bind 127.0.0.1 --save "" --appendonly no --daemonize yes --dir "$W" --logfile "$W/logs/redis.txt"
   for _ in $(seq 50); do redis-cli -p $RPORT ping >/dev/null 2>&1 && break; sleep 0.1; done
-  export GENFLEET_REDIS_URL=redis://127.0.0.1:$RPORT/0 GENFLEET_STORE=file://$W/store GENFLEET_LOG_DIR=$W/logs
+  # The run is made for the engine the worker serves (an external one): its model.json says so.
+  export GENFLEET_ENGINE=external GENFLEET_ENGINE_URL=http://127.0.0.1:$PORT GENFLEET_REDIS_URL=redis://127.0.0.1:$RPORT/0 GENFLEET_STORE=file://$W/store GENFLEET_LOG_DIR=$W/logs
   export GENFLEET_MAX_TOKENS=$MAXTOK GENFLEET_BATCH_SIZE=$(( cap > 16 ? cap : 16 )) GENFLEET_TOP_P=1.0
-  export GENFLEET_POWER_WATCH_INTERVAL_S=20 GENFLEET_POWER_WINDOW_S=20
+  # Random weights: answers run to max_tokens, which the quality gate would pause the run for.
+  export GENFLEET_POWER_WATCH_INTERVAL_S=20 GENFLEET_POWER_WINDOW_S=20 GENFLEET_QUALITY_GATE=false
   python3 - "$W/prompts.jsonl" "$n" <<PY
 import json, sys
 sys.path.insert(0, "$HERE")
@@ -158,9 +160,10 @@ PY
     [ "${state%% *}" = done ] && break
     if [ $(( $(date +%s) - last_top )) -ge 15 ]; then
       last_top=$(date +%s)
-      { echo "## t=$(date +%s)"; timeout 20 genfleet top --once --json 2>&1; } >>"$W/top.txt"
+      { echo "## t=$(date +%s.%N)"; timeout 20 genfleet top --once --json 2>&1; } >>"$W/top.txt"
     fi
     [ "$(left)" -lt 30 ] && { say "genfleet: deadline, state $state"; break; }
+    case "${state%% *}" in paused|failed|cancelled) say "genfleet: run $state"; break;; esac
     sleep 1
   done
   local t_done; t_done=$(date +%s.%N)

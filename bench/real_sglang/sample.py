@@ -1,6 +1,6 @@
 """1 Hz GPU and engine sampler: `sample.py nvml OUT.jsonl` (NVML power, energy counter, limit,
 util, SM clock, memory, throttle reasons) or `sample.py metrics URL OUT.jsonl` (SGLang's
-/metrics gauges and counters, histogram buckets dropped, every 2 s). Runs until killed."""
+/metrics gauges and counters, histogram buckets dropped, every second). Runs until killed."""
 
 import json
 import sys
@@ -75,7 +75,7 @@ def metrics(url, path):
                 f.flush()
             except Exception as exc:
                 f.write(json.dumps({"t": round(t, 3), "err": repr(exc)[:200]}) + "\n")
-            time.sleep(max(0.0, 2.0 - (time.time() - t)))
+            time.sleep(max(0.0, 1.0 - (time.time() - t)))
 
 
 if __name__ == "__main__":

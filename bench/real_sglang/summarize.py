@@ -134,6 +134,53 @@ try:
     s["genfleet_vs_direct_steady_engine"] = round(b / a, 3)
 except (KeyError, TypeError, ZeroDivisionError):
     pass
+def engine_rate(t0, t1):
+    """The engine's decode rate over (t0, t1]: its gauge where requests ran, 0 where none did
+    (the gauge holds its last value through idle seconds)."""
+    ms = [r for r in metr if t0 < r["t"] <= t1 and "sglang:gen_throughput" in r]
+    if not ms:
+        return None
+    live = [r["sglang:gen_throughput"] if r.get("sglang:num_running_reqs", 0) > 0 else 0.0 for r in ms]
+    return statistics.mean(live)
+
+
+def top_rows():
+    """`genfleet top --once --json` rows from top.txt: (the sample's time, its row)."""
+    p = W / "top.txt"
+    if not p.exists():
+        return []
+    out, at = [], None
+    for line in p.read_text().splitlines():
+        if line.startswith("## t="):
+            at = float(line[5:])
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        for r in row if isinstance(row, list) else [row]:
+            if isinstance(r, dict) and "tokens_per_s" in r:
+                out.append((float(r.get("ts") or at or 0), r))
+    return out
+
+
+# top's tok/s (tokens streamed over its window) against the engine's decode rate over the
+# same seconds, idle ones counted as 0: one line per `top` call.
+s["top_vs_engine"] = []
+for t, r in top_rows():
+    w = float(r.get("window_s") or 20.0)
+    ref = engine_rate(t - w, t)
+    s["top_vs_engine"].append(
+        {
+            "t": round(t, 1),
+            "top_tok_s": r.get("tokens_per_s"),
+            "engine_tok_s": None if ref is None else round(ref, 1),
+            "ratio": round(r["tokens_per_s"] / ref, 3) if ref and r.get("tokens_per_s") is not None else None,
+            "verdict": r.get("verdict"),
+            "cause": r.get("cause"),
+        }
+    )
+
 for f in ("findings.json", "server_info.json"):
     v = load(f)
     if v is not None:
@@ -198,6 +245,7 @@ print(
             "genfleet",
             "genfleet_vs_direct_end_to_end",
             "genfleet_vs_direct_steady_engine",
+            "top_vs_engine",
             "server_info",
         )
     }

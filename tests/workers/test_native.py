@@ -98,21 +98,28 @@ def test_sampling_params_are_the_chat_endpoints(
     assert "repetition_penalty" not in sampling
 
 
+SGLANG_ARGS = {"model_path": "/models/q36", "tp_size": 1}
+
+
 @pytest.mark.parametrize(
-    ("kind", "version", "expected"),
+    ("kind", "info", "expected"),
     [
-        ("emulator", None, True),
-        ("sglang", "0.5.15", True),
-        ("sglang", "0.5.23.post1", True),
-        ("sglang", "0.5.11", False),
-        ("sglang", None, False),
-        ("sglang", "nightly", False),
-        ("external", "0.5.23", False),
-        ("command", None, False),
+        ("emulator", {}, True),
+        ("sglang", {"version": "0.5.15"}, True),
+        ("sglang", {"version": "0.5.23.post1"}, True),
+        ("sglang", {"version": "0.5.11"}, False),
+        ("sglang", {}, False),
+        ("sglang", {"version": "nightly"}, False),
+        # an external engine draws by ids where its /server_info is a recent SGLang's
+        ("external", {**SGLANG_ARGS, "version": "0.5.23"}, True),
+        ("external", {**SGLANG_ARGS, "version": "0.5.11"}, False),
+        ("external", {"version": "0.5.23"}, False),  # not SGLang's server args
+        ("external", {}, False),  # no /server_info: another kind of engine
+        ("command", {**SGLANG_ARGS, "version": "0.5.23"}, False),
     ],
 )
-def test_which_engines_draw_by_ids(kind: str, version: str | None, expected: bool) -> None:
-    assert draws_by_ids(kind, version) is expected
+def test_which_engines_draw_by_ids(kind: str, info: dict[str, Any], expected: bool) -> None:
+    assert draws_by_ids(kind, info) is expected
 
 
 RAW = [

@@ -90,12 +90,18 @@ DEFAULTED = ("top_k", "min_p")  # filled from the checkpoint's generation config
 TOKENIZE_CHAT_SGLANG = (0, 5, 15)
 
 
-def draws_by_ids(engine_kind: str | None, version: str | None) -> bool:
+def draws_by_ids(engine_kind: str | None, info: Mapping[str, Any]) -> bool:
     """Whether a worker's engine can render prompts to ids and draw answers by them: the
-    emulator, or SGLang from TOKENIZE_CHAT_SGLANG on (an unknown version: no)."""
+    emulator, or SGLang from TOKENIZE_CHAT_SGLANG on — supervised, or an external engine whose
+    /server_info is SGLang's (its server args with `model_path` and `tp_size`, and its
+    `version`). An unknown version, or an external engine of another kind: no."""
     if engine_kind == "emulator":
         return True
-    if engine_kind != "sglang" or not version:
+    version = info.get("version")
+    sglang = engine_kind == "sglang" or (
+        engine_kind == "external" and "model_path" in info and "tp_size" in info
+    )
+    if not sglang or not isinstance(version, str) or not version:
         return False
     try:
         return parse_release(version) >= TOKENIZE_CHAT_SGLANG
