@@ -258,7 +258,7 @@ def stream_failure(stream: GenerateStream) -> None:
     drawn = stream.drawn
     if stream.error is not None:
         raise in_stream_error(stream.error)
-    if drawn.loop is None and stream.finish_reason is None:
+    if drawn.guard.loop is None and stream.finish_reason is None:
         raise RequestFailed(
             200,
             "bad_response",
@@ -384,7 +384,7 @@ class NativeClient:
         if status != 200:
             raise answer_error(status, payload, retry_after)
         stream_failure(stream)
-        if drawn.resumed_tokens and drawn.loop is None:
+        if drawn.resumed_tokens and drawn.guard.loop is None:
             skip = bool(sampling.get("skip_special_tokens", True))
             await self._retext(drawn, stream.matched, skip, timeout_s)
         return self._result(drawn, stream.finish_reason, started, stream.request_id, params, record)
@@ -421,7 +421,7 @@ class NativeClient:
         drawn.finish()
         completion = len(drawn.ids)
         repetition = None
-        if drawn.loop is not None:
+        if drawn.guard.loop is not None:
             finish = "repetition"
             budget = int((record.params or {}).get("max_tokens") or params.max_tokens)
             repetition = loop_figures(drawn, completion, budget)
