@@ -421,5 +421,8 @@ class EngineClient:
         """Never by ids: the chat endpoint gives no token ids to go on from."""
         return NO_TOKEN_IDS
 
+    def refusal(self, record: PromptRecord, params: GenerationParams) -> str | None:
+        return NO_TOKEN_IDS
+
     async def aclose(self) -> None:
         await self._transport.aclose()
