@@ -66,6 +66,9 @@ class FakeChat:
     def drawing(self, record: PromptRecord, params: GenerationParams) -> Drawn | str:
         return NO_TOKEN_IDS  # a chat endpoint's fake: answers start over
 
+    def refusal(self, record: PromptRecord, params: GenerationParams) -> str | None:
+        return NO_TOKEN_IDS
+
     async def chat(
         self,
         record: PromptRecord,
@@ -188,6 +191,9 @@ class CrashingEngine:
 
     def drawing(self, record: PromptRecord, params: GenerationParams) -> Drawn | str:
         return NO_TOKEN_IDS  # a chat endpoint's fake: answers start over
+
+    def refusal(self, record: PromptRecord, params: GenerationParams) -> str | None:
+        return NO_TOKEN_IDS
 
     async def chat(
         self,

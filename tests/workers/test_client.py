@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,6 +37,8 @@ from genfleet.workers.feeding.client import (
     request_body,
     retry_after_s,
 )
+from genfleet.workers.feeding.drawn import Drawn
+from genfleet.workers.feeding.native import NativeClient
 from genfleet.workers.feeding.stream import ChatStream
 from harness.env import free_port
 from tests.fakes.transport import CUT, Answer, Cut, Events, ScriptedTransport, Whole, encoded
@@ -107,6 +109,7 @@ class HttpEngine:
 
 
 WIRES = ["http", "in-process"]
+GUARDED = [*WIRES, "native"]  # the guard's cases: the chat stream, and ids from /generate
 
 
 @contextlib.asynccontextmanager
@@ -148,8 +151,11 @@ def ask(
     params: GenerationParams = PARAMS,
     **client_args: Any,
 ) -> Answered:
-    """One `chat` of `record` by a client whose engine answers `answers`, over `wire`."""
+    """One `chat` of `record` by a client whose engine answers `answers`, over `wire`
+    (`GUARDED`: "native" draws the same answer by ids from `/generate`)."""
     client_args.setdefault("timeout_s", 10.0)
+    if wire == "native":
+        return ask_native(answers, record, params, **client_args)
     if wire == "in-process":
         transport = ScriptedTransport(answers)
         client = EngineClient("http://unused", model="m", transport=transport, **client_args)
@@ -181,6 +187,56 @@ def ask(
 
     result = run(served())
     return Answered(result, engine.bodies, engine.closed_early, engine.headers)
+
+
+def as_generate(events: Iterable[Any]) -> Iterator[Any]:
+    """A chat stream's chunks as SGLang's `/generate` streams the same answer (reasoning
+    only, as the model writes it inside its thinking): each chunk's text, an id a 4
+    characters, the finish in its meta_info."""
+    drawn = 0
+    for event in events:
+        if not isinstance(event, dict):
+            yield event  # [DONE]
+            continue
+        if not event["choices"]:
+            continue  # the usage chunk: /generate's meta_info carries it
+        choice = event["choices"][0]
+        text = (choice["delta"] or {}).get("reasoning_content") or ""
+        drawn += len(text) // 4
+        finish = choice.get("finish_reason")
+        meta = {"id": "r1", "completion_tokens": drawn, "finish_reason": None}
+        if finish:
+            meta["finish_reason"] = {"type": finish}
+        yield {"text": text, "output_ids": [7] * (len(text) // 4), "meta_info": meta}
+
+
+def ask_native(
+    answers: list[Answer], record: PromptRecord, params: GenerationParams, **client_args: Any
+) -> Answered:
+    """`ask` of a client drawing by ids, its `/generate` streaming `answers` (chat streams)."""
+    chat = EngineClient("http://unused", model="m", **client_args)
+    tokenize = ScriptedTransport([Whole(200, {"tokens": [1, 2]}), Whole(200, {"tokens": [99]})])
+    generate = ScriptedTransport(
+        [Events(as_generate(a.events)) if isinstance(a, Events) else a for a in answers]
+    )
+    client = NativeClient(
+        "http://unused",
+        chat,
+        reasoning_parser="qwen3",
+        sampling_defaults={},
+        transports=(tokenize, generate, ScriptedTransport([])),
+    )
+    drawn = client.drawing(record, params)
+    assert isinstance(drawn, Drawn)
+
+    async def local() -> ChatResult:
+        try:
+            return await client.chat(record, params, drawn=drawn)
+        finally:
+            await client.aclose()
+
+    result = run(local())
+    return Answered(result, generate.bodies, generate.closed_early, [])
 
 
 @pytest.mark.parametrize("wire", WIRES)
@@ -536,7 +592,7 @@ def looping(prefix: str, block: str, max_chunks: int, tokens_per_chunk: int = 32
     yield b"[DONE]"
 
 
-@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("wire", GUARDED)
 def test_a_looping_stream_is_stopped_at_once_and_kept_as_repetition(wire: str) -> None:
     prefix = "Let me think about the sum of the first odd numbers. " * 3
     block = "Wait, let me recount the odd numbers once more from the start. "
@@ -559,7 +615,7 @@ def test_a_looping_stream_is_stopped_at_once_and_kept_as_repetition(wire: str) -
     assert loop["repeats"] * len(block) >= 3000
 
 
-@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("wire", GUARDED)
 @pytest.mark.parametrize(
     ("prompt", "stopped"),
     [
@@ -577,7 +633,7 @@ def test_the_guard_reads_the_prompt(wire: str, prompt: str, stopped: bool) -> No
     assert answered.closed_early == [stopped]
 
 
-@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("wire", GUARDED)
 def test_with_the_guard_off_a_loop_runs_to_its_end(wire: str) -> None:
     block = "Wait, let me recount the odd numbers once more from the start. "
     answered = ask(wire, [Events(looping("", block, max_chunks=60))], repetition=None)
@@ -587,7 +643,7 @@ def test_with_the_guard_off_a_loop_runs_to_its_end(wire: str) -> None:
     assert answered.closed_early == [False]
 
 
-@pytest.mark.parametrize("wire", WIRES)
+@pytest.mark.parametrize("wire", GUARDED)
 def test_an_order_with_the_guard_off_lets_a_loop_run_and_sends_no_such_field(wire: str) -> None:
     """`retry --stopped --no-repetition-guard`: its orders switch the worker's guard off for
     their answers alone; the engine never sees the field."""

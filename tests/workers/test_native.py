@@ -1,6 +1,7 @@
 """Answers drawn by token ids (`workers/feeding/native.py`): what may be drawn so, the sampling
-parameters the chat endpoint would have used, the reasoning split, both stream shapes, and an
-answer cut mid-stream going on from its ids.
+parameters the chat endpoint would have used, the reasoning split, both stream shapes, an
+answer cut mid-stream going on from its ids, and, through the real Feeder, what a
+`/v1/tokenize` server error does: once, a failed try; in a row, the chat endpoint for good.
 
 The engine's side of the wire is scripted here (`ScriptedTransport`); the emulator's and real
 SGLang's are tested against the same requests in tests/e2e and the GPU tests."""
@@ -13,18 +14,22 @@ from typing import Any
 import pytest
 
 from genfleet.common.errors import AnswerInterrupted, RequestFailed
-from genfleet.common.records import GenerationParams, PromptRecord
+from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
 from genfleet.workers.feeding.client import EngineClient, ThinkingSwitch
 from genfleet.workers.feeding.drawn import Drawn, worth_keeping
+from genfleet.workers.feeding.feeder import Feeder
 from genfleet.workers.feeding.native import (
+    TOKENIZE_FAILURES_IN_A_ROW,
     GenerateStream,
     NativeClient,
+    Rendering,
     draws_by_ids,
     native_refusal,
     sampling_params,
 )
 from genfleet.workers.feeding.reasoning import ReasoningSplit, reasoning_token_count
-from tests.fakes.transport import CUT, Events, ScriptedTransport, Whole
+from tests.fakes.engine import FakeEngine
+from tests.fakes.transport import CUT, Answer, Events, ScriptedTransport, Whole
 
 PARAMS = GenerationParams(max_tokens=100, temperature=0.6, top_p=0.95, thinking=True)
 QWEN3 = {"temperature": 0.6, "top_p": 0.95, "top_k": 20}
@@ -194,11 +199,17 @@ def test_both_stream_shapes_give_the_same_answer(cumulative: bool) -> None:
 def native(
     transports: tuple[ScriptedTransport, ScriptedTransport],
     detokenize: ScriptedTransport | None = None,
+    chat: list[Answer] | None = None,
+    kind: type[NativeClient] = NativeClient,
 ) -> NativeClient:
-    chat = EngineClient("http://127.0.0.1:1", model="m", transport=ScriptedTransport([]))
-    return NativeClient(
+    """A client drawing by ids whose engine answers (tokenize, generate), `detokenize`, and
+    on its chat endpoint `chat`."""
+    endpoint = EngineClient(
+        "http://127.0.0.1:1", model="m", transport=ScriptedTransport(chat or [])
+    )
+    return kind(
         "http://127.0.0.1:1",
-        chat,
+        endpoint,
         reasoning_parser="qwen3",
         sampling_defaults=QWEN3,
         transports=(*transports, detokenize or ScriptedTransport([])),
@@ -318,29 +329,152 @@ def test_which_answers_in_flight_the_next_checkpoint_keeps(
     assert worth_keeping(drawn, kept) is keep
 
 
-def test_an_engine_whose_tokenize_fails_is_fed_by_its_chat_endpoint_and_says_why() -> None:
-    """SGLang 0.5.15 answers /v1/tokenize with a 500 for a checkpoint whose tokenizer sets no
-    model_max_length: the answer goes through the chat endpoint instead (its template is the
-    same), and every later answer too, each drawing refused with the reason."""
-    tokenize = ScriptedTransport([Whole(500, {"error": {"message": "Integer exceeds 64-bit"}})])
-    chat_stream = [
-        {"id": "c1", "choices": [{"index": 0, "delta": {"content": "Blue."}}]},
-        {"id": "c1", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
-        b"[DONE]",
-    ]
-    chat = EngineClient(
-        "http://127.0.0.1:1", model="m", transport=ScriptedTransport([Events(chat_stream)])
-    )
-    client = NativeClient(
-        "http://127.0.0.1:1",
-        chat,
-        reasoning_parser="qwen3",
-        sampling_defaults=QWEN3,
-        transports=(tokenize, ScriptedTransport([]), ScriptedTransport([])),
-    )
+@pytest.mark.parametrize(
+    ("answers", "failures", "unrendered"),
+    [
+        ("", 0, False),
+        ("x", 1, False),  # one server error: a blip
+        ("xx", 2, False),
+        ("xxx", 3, True),  # three in a row: the engine renders no prompt
+        ("xx.x", 1, False),  # a rendered prompt between: the count starts again
+        ("x.x.x.x", 1, False),
+        ("xx.xxx", 3, True),
+        ("xxx.", 0, True),  # for good: nothing rendered later takes it back
+        ("xxxxx", 5, True),
+    ],
+)
+def test_only_server_errors_in_a_row_say_the_engine_renders_no_prompt(
+    answers: str, failures: int, unrendered: bool
+) -> None:
+    """`x`: /v1/tokenize answers a 5xx; `.`: it renders the prompt."""
+    rendering = Rendering()
+    said = []
+    for answer in answers:
+        if answer == "x":
+            said.append(rendering.failed("engine answered 500: Integer exceeds 64-bit"))
+        else:
+            rendering.rendered()
+    assert rendering.failures == failures
+    assert (rendering.unrendered is not None) is unrendered
+    assert said.count(True) == int(unrendered)  # said once, by the error that decided it
+    if unrendered:
+        assert "64-bit" in (rendering.unrendered or "")
+
+
+CHAT_ANSWER = [
+    {"id": "c1", "choices": [{"index": 0, "delta": {"content": "Blue."}}]},
+    {"id": "c1", "choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]},
+    b"[DONE]",
+]
+SERVER_ERROR = Whole(500, {"error": {"message": "Integer exceeds 64-bit"}})
+
+
+def test_a_tokenize_server_error_fails_the_try_and_the_next_goes_on_by_ids() -> None:
+    """One 5xx of /v1/tokenize (an engine restarting, overloaded) is a failed try of that
+    answer, never an answer from another endpoint, and switches nothing off: the next try
+    renders the prompt and draws it by ids."""
+    answer = Events([*chunks(PIECES, False, "stop"), b"[DONE]"])
+    tokenize = [SERVER_ERROR, Whole(200, {"tokens": [1, 2]}), Whole(200, {"tokens": [99]})]
+    client = native((ScriptedTransport(tokenize), ScriptedTransport([answer])))
     drawn = client.drawing(record(), PARAMS)
     assert isinstance(drawn, Drawn)
-    result = asyncio.run(client.chat(record(), PARAMS, drawn=drawn))
-    assert result.content == "Blue." and result.finish_reason == "stop"
+
+    async def go() -> Any:
+        with pytest.raises(RequestFailed) as failed:
+            await client.chat(record(), PARAMS, drawn=drawn)
+        assert failed.value.status == 500 and failed.value.tokens == 0
+        assert client.refusal(record(), PARAMS) is None
+        return await client.chat(record(), PARAMS, drawn=drawn)
+
+    result = asyncio.run(go())
+    assert (result.reasoning, result.content, result.finish_reason) == (
+        "Light scatters",
+        "Blue.",
+        "stop",
+    )
+    assert drawn.prompt_ids == [1, 2] and client.rendering.failures == 0
+    assert isinstance(client.drawing(record(), PARAMS), Drawn)
+
+
+def fed(
+    client: NativeClient,
+    records: list[PromptRecord],
+    drawn: dict[tuple[str, int], Drawn] | None = None,
+) -> tuple[list[CompletionRecord], Feeder]:
+    """The records a Feeder stores for `records` sent through `client` (no backoff)."""
+    feeder = Feeder(lambda: client, FakeEngine(), 1, retries=5, backoff_s=lambda attempt: 0.0)
+    results: dict[int, CompletionRecord] = {}
+    future = feeder.run_batch("r", "b", records, PARAMS, results.__setitem__, drawn=drawn)
+    try:
+        future.result(timeout=30)
+    finally:
+        feeder.close()
+    return [results[i] for i in range(len(records))], feeder
+
+
+def test_an_answer_whose_render_failed_once_is_stored_as_drawn_by_ids() -> None:
+    answer = Events([*chunks(PIECES, False, "stop"), b"[DONE]"])
+    tokenize = [SERVER_ERROR, Whole(200, {"tokens": [1, 2]}), Whole(200, {"tokens": [99]})]
+    client = native((ScriptedTransport(tokenize), ScriptedTransport([answer])))
+    (stored,), feeder = fed(client, [record()])
+    assert stored.error is None and (stored.reasoning, stored.content) == (
+        "Light scatters",
+        "Blue.",
+    )
+    assert stored.usage.prompt_tokens == 2 and stored.restarted is None
+    assert feeder.failed_tries_total == 1
+    assert client.rendering.unrendered is None
+
+
+def test_an_engine_whose_tokenize_always_fails_is_fed_by_its_chat_endpoint_and_says_why() -> None:
+    """SGLang 0.5.15 answers /v1/tokenize with a 500 for a checkpoint whose tokenizer sets no
+    model_max_length: three in a row, and the answer goes through the chat endpoint (its
+    template is the same), as does every later answer, each drawing refused with the reason;
+    the try that found it out is not counted against the answer."""
+    client = native(
+        (ScriptedTransport([SERVER_ERROR] * 3), ScriptedTransport([])), chat=[Events(CHAT_ANSWER)]
+    )
+    (stored,), feeder = fed(client, [record()])
+    assert stored.error is None and stored.content == "Blue." and stored.finish_reason == "stop"
+    assert feeder.failed_tries_total == TOKENIZE_FAILURES_IN_A_ROW - 1
     later = client.drawing(record(), PARAMS)
-    assert isinstance(later, str) and "/v1/tokenize fails" in later
+    assert isinstance(later, str) and "/v1/tokenize failed 3 times in a row" in later
+
+
+def test_an_answer_carried_in_starts_over_by_chat_and_says_what_that_cost() -> None:
+    """Ids a checkpoint carried in, and an engine that renders no prompt: the answer starts
+    over through the chat endpoint, and its record says why and how many tokens it lost."""
+    client = native(
+        (ScriptedTransport([SERVER_ERROR] * 3), ScriptedTransport([])), chat=[Events(CHAT_ANSWER)]
+    )
+    carried = Drawn(in_reasoning=True)
+    carried.add([1, 2, 3], "Light scat")
+    (stored,), _ = fed(client, [record()], {("p1", 0): carried})
+    assert stored.error is None and stored.content == "Blue."
+    assert stored.restarted is not None and stored.restarted["tokens"] == 3
+    assert "/v1/tokenize failed" in stored.restarted["reason"]
+
+
+class Counting(NativeClient):
+    """A NativeClient that counts the `Drawn`s it makes."""
+
+    made = 0
+
+    def drawing(self, record: PromptRecord, params: GenerationParams) -> Drawn | str:
+        way = super().drawing(record, params)
+        self.made += isinstance(way, Drawn)
+        return way
+
+
+def test_an_answer_gets_one_drawn_however_often_it_is_asked_again() -> None:
+    """Whether an answer is still drawn by ids is asked before each try (`refusal`); only
+    the answer's first asking makes its `Drawn`."""
+    aborted = Events([*chunks(PIECES[:1], False, "abort"), b"[DONE]"])
+    rest = Events([*chunks(PIECES[1:], False, "stop"), b"[DONE]"])
+    tokenize = ScriptedTransport([Whole(200, {"tokens": [1]}), Whole(200, {"tokens": [99]})])
+    detokenize = ScriptedTransport([Whole(200, {"text": "Light scatters</think>\n\nBlue."})])
+    client = native((tokenize, ScriptedTransport([aborted, rest])), detokenize, kind=Counting)
+    assert isinstance(client, Counting)
+    (stored,), _ = fed(client, [record()])
+    assert stored.error is None and stored.resumed_tokens == 2
+    assert client.made == 1

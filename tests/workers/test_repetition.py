@@ -5,10 +5,14 @@ least 95 % of loops caught in time."""
 
 from __future__ import annotations
 
+import ast
+from pathlib import Path
+
 import pytest
 
 from genfleet.workers.engine.emulator.sim.text import LEGIT_KINDS, legit_text, synth_text
 from genfleet.workers.feeding.repetition import (
+    AnswerGuard,
     Loop,
     RepetitionDetector,
     RepetitionRule,
@@ -366,3 +370,30 @@ def test_where_a_loop_is_found_does_not_depend_on_how_the_stream_was_cut(block_c
     assert small is not None and whole is not None
     assert abs(whole.chars - small.chars) <= RULE.check_every_chars
     assert whole.chars < len(text) - RULE.check_every_chars
+
+
+def test_an_answers_guard_keeps_the_first_loop_of_either_field() -> None:
+    loop = "Wait, let me recount the odd numbers once more from the start. " * 200
+    guard = AnswerGuard(RULE)
+    stopped = [
+        guard.feed(loop[at : at + CHUNK_CHARS], "") for at in range(0, len(loop), CHUNK_CHARS)
+    ]
+    assert stopped.count(True) == 1 and guard.loop_field == "reasoning"
+    found = guard.loop
+    assert not guard.feed("", loop) and guard.loop is found  # nothing fed after it
+    off = AnswerGuard()
+    assert not off.on and not off.feed(loop, loop) and off.loop is None
+
+
+def test_an_answers_detectors_are_built_by_its_guard_alone() -> None:
+    """Both ways of drawing an answer (the chat stream, ids from /generate) keep their
+    guard's state in one `AnswerGuard`: no other module builds a RepetitionDetector."""
+    workers = Path(__file__).resolve().parents[2] / "workers"
+    builders = []
+    for path in sorted(workers.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            func = node.func if isinstance(node, ast.Call) else None
+            name = getattr(func, "id", None) or getattr(func, "attr", None)
+            if name == "RepetitionDetector":
+                builders.append(path.relative_to(workers).as_posix())
+    assert set(builders) == {"feeding/repetition.py"}

@@ -40,6 +40,9 @@ class SlowClient:
     def drawing(self, record: object, params: object) -> str:
         return "a fake chat endpoint"
 
+    def refusal(self, record: object, params: object) -> str:
+        return "a fake chat endpoint"
+
     async def chat(
         self,
         record: PromptRecord,

@@ -46,7 +46,7 @@ from genfleet.common.errors import (
 from genfleet.common.records import GenerationParams, PromptRecord, Usage
 from genfleet.workers.engine.launch import auth_headers
 from genfleet.workers.feeding.drawn import Drawn
-from genfleet.workers.feeding.repetition import Loop, RepetitionRule, prompt_text
+from genfleet.workers.feeding.repetition import AnswerGuard, RepetitionRule, prompt_text
 from genfleet.workers.feeding.stream import ChatStream
 from genfleet.workers.feeding.transport import AiohttpTransport, Transport
 
@@ -214,7 +214,7 @@ def stream_result(
     completion = int(usage.get("completion_tokens") or 0)
     repetition: dict[str, Any] | None = None
     finish = stream.finish_reason
-    if stream.loop is not None:
+    if stream.guard.loop is not None:
         finish = "repetition"
         repetition = loop_figures(stream, completion, max_tokens)
         completion = int(repetition["completion_tokens"])
@@ -252,12 +252,11 @@ def stream_result(
 
 
 class LoopedText(Protocol):
-    """An answer's text so far and the loop the guard found in it (`ChatStream`, `Drawn`)."""
+    """An answer's text so far and its guard (`ChatStream`, `Drawn`)."""
 
     reasoning: list[str]
     content: list[str]
-    loop: Loop | None
-    loop_field: str | None
+    guard: AnswerGuard
 
 
 def loop_figures(stream: LoopedText, completion: int, max_tokens: int | None) -> dict[str, Any]:
@@ -268,17 +267,18 @@ def loop_figures(stream: LoopedText, completion: int, max_tokens: int | None) ->
     `tokens_estimated`. `start_token_estimate` scales the loop's first character by the
     answer's own characters per token; `tokens_saved` is the budget not spent.
     """
-    assert stream.loop is not None
+    loop = stream.guard.loop
+    assert loop is not None
     reasoning_chars = sum(map(len, stream.reasoning))
     chars = reasoning_chars + sum(map(len, stream.content))
     estimated = completion == 0
     if estimated:
         completion = (chars + 3) // 4
-    before = reasoning_chars if stream.loop_field == "content" else 0
-    start = before + stream.loop.start_char
+    before = reasoning_chars if stream.guard.loop_field == "content" else 0
+    start = before + loop.start_char
     figures: dict[str, Any] = {
-        "field": stream.loop_field,
-        **stream.loop.to_json(),
+        "field": stream.guard.loop_field,
+        **loop.to_json(),
         "start_token_estimate": round(start * completion / chars) if chars else 0,
         "completion_tokens": completion,
         "tokens_saved": max(0, max_tokens - completion) if max_tokens else None,
@@ -419,6 +419,9 @@ class EngineClient:
 
     def drawing(self, record: PromptRecord, params: GenerationParams) -> Drawn | str:
         """Never by ids: the chat endpoint gives no token ids to go on from."""
+        return NO_TOKEN_IDS
+
+    def refusal(self, record: PromptRecord, params: GenerationParams) -> str | None:
         return NO_TOKEN_IDS
 
     async def aclose(self) -> None:

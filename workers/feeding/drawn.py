@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from genfleet.workers.feeding.reasoning import ReasoningSplit
-from genfleet.workers.feeding.repetition import Loop, RepetitionDetector, RepetitionRule
+from genfleet.workers.feeding.repetition import AnswerGuard, RepetitionRule
 
 
 def worth_keeping(drawn_tokens: int, kept_tokens: int | None) -> bool:
@@ -48,22 +48,18 @@ class Drawn:
     reasoning: list[str] = field(default_factory=list)
     content: list[str] = field(default_factory=list)
     resumed_tokens: int = 0  # tokens carried into continuations, over all of its cuts
-    loop: Loop | None = None
-    loop_field: str | None = None
     split: ReasoningSplit = field(init=False)
-    guards: tuple[RepetitionDetector, RepetitionDetector] | None = None
+    guard: AnswerGuard = field(default_factory=AnswerGuard)  # off until `watch`
 
     def __post_init__(self) -> None:
         self.split = ReasoningSplit(self.in_reasoning)
 
     def watch(self, rule: RepetitionRule | None, prompt: str) -> None:
         """Start the guard (once): fed the text already drawn, so its window spans the cut."""
-        if rule is None or self.guards is not None:
+        if rule is None or self.guard.on:
             return
-        self.guards = (RepetitionDetector(rule, prompt), RepetitionDetector(rule, prompt))
-        for at, text in ((0, "".join(self.reasoning)), (1, "".join(self.content))):
-            if text and self.loop is None:
-                self._guard(at, "reasoning" if at == 0 else "content", text)
+        self.guard = AnswerGuard(rule, prompt)
+        self.guard.feed("".join(self.reasoning), "".join(self.content))
 
     def add(self, ids: list[int], text: str) -> bool:
         """Ids and their text from the engine; True when the guard says stop."""
@@ -87,23 +83,11 @@ class Drawn:
         self.content = [content + more_content] if content + more_content else []
 
     def _text(self, reasoning: str, content: str) -> bool:
-        stop = False
         if reasoning:
             self.reasoning.append(reasoning)
-            stop = self._guard(0, "reasoning", reasoning)
         if content:
             self.content.append(content)
-            stop = self._guard(1, "content", content) or stop
-        return stop
-
-    def _guard(self, at: int, name: str, text: str) -> bool:
-        if self.guards is None or self.loop is not None:
-            return False
-        loop = self.guards[at].feed(text)
-        if loop is None:
-            return False
-        self.loop, self.loop_field = loop, name
-        return True
+        return self.guard.feed(reasoning, content)
 
     @property
     def chars(self) -> int:

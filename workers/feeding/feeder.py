@@ -154,6 +154,11 @@ class ChatClient(Protocol):
         cut, else why not (the answer then starts over, and its record says why)."""
         ...
 
+    def refusal(self, record: PromptRecord, params: GenerationParams) -> str | None:
+        """Why this answer cannot be drawn by ids now (None: it can), `drawing`'s reason,
+        asked again before each try: an engine may be found since to render no prompt."""
+        ...
+
     async def aclose(self) -> None: ...
 
 
@@ -507,6 +512,8 @@ class Feeder:
             except RequestFailed as exc:
                 if tries.drawn is None:  # else its tokens stay with the answer
                     tries.spent += exc.tokens
+                elif self._recheck_drawing(record, params, tries):
+                    continue  # the way failed, not the answer: no try counted against it
                 if await self._failed(run, batch, record, exc, tries):
                     on_record(index, self._record(run, batch, record, exc, tries.spent, tries))
                     return
@@ -616,15 +623,19 @@ class Feeder:
 
     def _recheck_drawing(
         self, record: PromptRecord, params: GenerationParams, tries: _Tries
-    ) -> None:
-        """Nothing drawn by ids yet: the client may have found since that it cannot draw by
-        ids after all (its engine cannot render prompts); the answer then starts over after a
-        cut, and says why."""
+    ) -> bool:
+        """An answer to be drawn by ids whose prompt is not rendered yet: the client may have
+        found since that it cannot draw by ids after all (its engine renders no prompt). The
+        answer then goes through the chat endpoint: it starts over (from the ids a checkpoint
+        carried in, too) and says why. True when it does so now."""
         if tries.drawn is None or tries.drawn.prompt_ids is not None:
-            return
-        way = self._client.drawing(record, params)
-        if isinstance(way, str):
-            tries.drawn, tries.restart_reason = None, way
+            return False
+        why = self._client.refusal(record, params)
+        if why is None:
+            return False
+        tries.restarted_tokens += len(tries.drawn.ids)
+        tries.drawn, tries.restart_reason = None, why
+        return True
 
     async def _slot(self, suspect: bool) -> None:
         """A limiter slot. A fresh prompt waits while a solo suspect holds the lane (`calm`

@@ -19,6 +19,11 @@ Where a term of the answer depends on what was drawn before (repetition/presence
 penalties), on a grammar (response_format, regex, ebnf) or on the chat endpoint's own output
 (logprobs), the answer is drawn by the chat endpoint and starts over after a cut, and its
 record says why (`native_refusal`).
+
+A server error of `/v1/tokenize` fails that try of the answer (the feeder sends it again, and
+it is rendered again: it keeps its ids); only TOKENIZE_FAILURES_IN_A_ROW of them with no
+rendered prompt between say that the engine renders none (`Rendering`): every answer then
+goes through the chat endpoint, for good.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -88,6 +94,40 @@ DEFAULTED = ("top_k", "min_p")  # filled from the checkpoint's generation config
 # The oldest SGLang whose /v1/tokenize renders a chat (`messages`) with its template (read in
 # 0.5.15's serving_tokenize.py; 0.5.11's tokenizes plain prompts only).
 TOKENIZE_CHAT_SGLANG = (0, 5, 15)
+
+
+# Server errors of /v1/tokenize in a row, no prompt rendered between them, that say the engine
+# renders no prompt at all. SGLang 0.5.15 answers 500 to every one for a checkpoint whose
+# tokenizer sets no model_max_length: its first answers fail at once, three of them within
+# the first second of a batch. An engine restarting or overloaded answers the odd 5xx between
+# prompts it renders, and one of those must not switch a run off going on from ids. Each
+# error below the count costs its answer one failed try (sent again after its backoff).
+TOKENIZE_FAILURES_IN_A_ROW = 3
+
+
+@dataclass(slots=True)
+class Rendering:
+    """Whether the engine renders prompts to ids, from its /v1/tokenize answers: the server
+    errors in a row (`failures`; a prompt rendered sets it back to 0) and, once they reach
+    TOKENIZE_FAILURES_IN_A_ROW, why it renders none (`unrendered`, for good)."""
+
+    failures: int = 0
+    unrendered: str | None = None
+
+    def rendered(self) -> None:
+        self.failures = 0
+
+    def failed(self, error: str) -> bool:
+        """One more server error (`error`, the last one's words); True when it is the one
+        that says the engine renders no prompt."""
+        self.failures += 1
+        if self.unrendered is not None or self.failures < TOKENIZE_FAILURES_IN_A_ROW:
+            return False
+        self.unrendered = (
+            f"the engine's /v1/tokenize failed {self.failures} times in a row (the last: "
+            f"{error}): no prompt ids to draw from"
+        )
+        return True
 
 
 def draws_by_ids(engine_kind: str | None, info: Mapping[str, Any]) -> bool:
@@ -264,7 +304,7 @@ def stream_failure(stream: GenerateStream) -> None:
     drawn = stream.drawn
     if stream.error is not None:
         raise in_stream_error(stream.error)
-    if drawn.loop is None and stream.finish_reason is None:
+    if drawn.guard.loop is None and stream.finish_reason is None:
         raise RequestFailed(
             200,
             "bad_response",
@@ -309,9 +349,7 @@ class NativeClient:
         self.reasoning_parser = reasoning_parser
         self.sampling_defaults = sampling_defaults
         self.think_end_id: int | None = None
-        # Why this engine cannot render prompts to ids after all (its /v1/tokenize failed with
-        # a server error): every answer goes through the chat endpoint from then on.
-        self.unrendered: str | None = None
+        self.rendering = Rendering()
         if transports is None:
             headers = {"Content-Type": "application/json", **auth_headers(api_key)}
             root = base_url.rstrip("/")
@@ -322,11 +360,16 @@ class NativeClient:
             )
         self._tokenize, self._generate, self._detokenize = transports
 
+    def refusal(self, record: PromptRecord, params: GenerationParams) -> str | None:
+        """Why this answer cannot be drawn by ids (None: it can): the prompt's fields, or an
+        engine that renders no prompt."""
+        if self.rendering.unrendered is not None:
+            return self.rendering.unrendered
+        return native_refusal(record, params, self.sampling_defaults)
+
     def drawing(self, record: PromptRecord, params: GenerationParams) -> Drawn | str:
         """A new answer's `Drawn` when it can be drawn by ids, else why not."""
-        if self.unrendered is not None:
-            return self.unrendered
-        refusal = native_refusal(record, params, self.sampling_defaults)
+        refusal = self.refusal(record, params)
         if refusal is not None:
             return refusal
         return Drawn(in_reasoning=bool(self.reasoning_parser) and self._thinks(record, params))
@@ -349,18 +392,14 @@ class NativeClient:
         drawn: Drawn | None = None,
     ) -> ChatResult:
         """One try at the answer: by ids, going on from `drawn`, or (None) by the chat
-        endpoint, from its beginning."""
-        if drawn is None or (self.unrendered is not None and drawn.prompt_ids is None):
+        endpoint, from its beginning. A prompt the engine fails to render is a failed try
+        (RequestFailed), never an answer from another endpoint: whether the next try goes
+        by ids is `refusal`'s to say."""
+        if drawn is None:
             return await self.chat_client.chat(record, params, timeout_s, on_begun, on_tokens)
         started = time.monotonic()
         if drawn.prompt_ids is None:
-            try:
-                drawn.prompt_ids = await self._render(record, params, timeout_s)
-            except RequestFailed as exc:
-                if not 500 <= exc.status < 600:
-                    raise
-                self._unrenderable(exc)
-                return await self.chat_client.chat(record, params, timeout_s, on_begun, on_tokens)
+            drawn.prompt_ids = await self._render(record, params, timeout_s)
         if self.think_end_id is None and drawn.in_reasoning:
             self.think_end_id = await self._single_id(THINK_END, timeout_s)
         rule = None if params.repetition_guard is False else self.repetition
@@ -390,7 +429,7 @@ class NativeClient:
         if status != 200:
             raise answer_error(status, payload, retry_after)
         stream_failure(stream)
-        if drawn.resumed_tokens and drawn.loop is None:
+        if drawn.resumed_tokens and drawn.guard.loop is None:
             skip = bool(sampling.get("skip_special_tokens", True))
             await self._retext(drawn, stream.matched, skip, timeout_s)
         return self._result(drawn, stream.finish_reason, started, stream.request_id, params, record)
@@ -427,7 +466,7 @@ class NativeClient:
         drawn.finish()
         completion = len(drawn.ids)
         repetition = None
-        if drawn.loop is not None:
+        if drawn.guard.loop is not None:
             finish = "repetition"
             budget = int((record.params or {}).get("max_tokens") or params.max_tokens)
             repetition = loop_figures(drawn, completion, budget)
@@ -450,29 +489,31 @@ class NativeClient:
             resumed_tokens=drawn.resumed_tokens,
         )
 
-    def _unrenderable(self, exc: RequestFailed) -> None:
-        """The engine's /v1/tokenize fails (SGLang 0.5.15 answers 500 for a checkpoint whose
-        tokenizer sets no model_max_length): answers are drawn by the chat endpoint, which
-        renders the same template, and start over after a cut. Said once, loudly."""
-        if self.unrendered is None:
-            self.unrendered = f"the engine's /v1/tokenize fails ({exc}): no prompt ids to draw from"
-            log.error(
-                "%s; every answer goes through the chat endpoint and starts over after a cut "
-                "(set model_max_length in the checkpoint's tokenizer_config.json)",
-                self.unrendered,
-            )
-
     async def _render(
         self, record: PromptRecord, params: GenerationParams, timeout_s: float | None
     ) -> list[int]:
-        """The prompt's ids, rendered by the engine's own chat template."""
+        """The prompt's ids, rendered by the engine's own chat template; its server errors
+        counted (`Rendering`). The one that says the engine renders no prompt (SGLang 0.5.15
+        answers 500 for a checkpoint whose tokenizer sets no model_max_length) is said once,
+        loudly: answers are drawn by the chat endpoint from then on, which renders the same
+        template, and start over after a cut."""
         fields: dict[str, Any] = {"model": self.model, "messages": record.messages}
         kwargs = template_kwargs(record, params, self.thinking)
         if kwargs:
             fields["chat_template_kwargs"] = kwargs
-        tokens = (await self._post(self._tokenize, fields, timeout_s)).get("tokens")
+        try:
+            tokens = (await self._post(self._tokenize, fields, timeout_s)).get("tokens")
+        except RequestFailed as exc:
+            if 500 <= exc.status < 600 and self.rendering.failed(str(exc)):
+                log.error(
+                    "%s; every answer goes through the chat endpoint and starts over after a "
+                    "cut (set model_max_length in the checkpoint's tokenizer_config.json)",
+                    self.rendering.unrendered,
+                )
+            raise
         if not isinstance(tokens, list) or not all(isinstance(i, int) for i in tokens):
             raise RequestFailed(200, "bad_response", f"/v1/tokenize gave no ids: {tokens!r:.200}")
+        self.rendering.rendered()
         return tokens
 
     async def _single_id(self, text: str, timeout_s: float | None) -> int | None:

@@ -401,3 +401,38 @@ def _run_start(tail: str, start: int, period: int) -> int:
     while start > 0 and tail[start - 1] == tail[start - 1 + period]:
         start -= 1
     return start
+
+
+class AnswerGuard:
+    """The guard of one answer, however it is drawn (the chat stream, `ChatStream`; ids from
+    `/generate`, `Drawn`): a detector over its reasoning and one over its content. The first
+    loop either finds is the answer's (`loop`, in `loop_field`); nothing is fed after it.
+    Without a rule it is off and finds none."""
+
+    __slots__ = ("_detectors", "loop", "loop_field")
+
+    def __init__(self, rule: RepetitionRule | None = None, prompt: str = "") -> None:
+        self._detectors = (
+            None
+            if rule is None
+            else (RepetitionDetector(rule, prompt), RepetitionDetector(rule, prompt))
+        )
+        self.loop: Loop | None = None
+        self.loop_field: str | None = None
+
+    @property
+    def on(self) -> bool:
+        return self._detectors is not None
+
+    def feed(self, reasoning: str, content: str) -> bool:
+        """The answer's next reasoning and content text; True when a loop is found in it."""
+        if self._detectors is None or self.loop is not None:
+            return False
+        for detector, name, text in zip(
+            self._detectors, ("reasoning", "content"), (reasoning, content), strict=True
+        ):
+            loop = detector.feed(text) if text else None
+            if loop is not None:
+                self.loop, self.loop_field = loop, name
+                return True
+        return False

@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from genfleet.common.errors import RequestFailed
-from genfleet.workers.feeding.repetition import Loop, RepetitionDetector, RepetitionRule
+from genfleet.workers.feeding.repetition import AnswerGuard, RepetitionRule
 
 DATA = b"data:"
 DONE = b"[DONE]"
@@ -63,13 +63,11 @@ class ChatStream:
         "logprobs",
         "error",
         "done",
-        "loop",
-        "loop_field",
+        "guard",
         "on_begun",
         "on_tokens",
         "chunk_tokens",
         "streamed_tokens",
-        "_guards",
     )
 
     def __init__(
@@ -95,17 +93,11 @@ class ChatStream:
         self.logprobs: list[Any] | None = None
         self.error: dict[str, Any] | None = None
         self.done = False  # `data: [DONE]` arrived
-        self.loop: Loop | None = None
-        self.loop_field: str | None = None
+        self.guard = AnswerGuard(rule, prompt)
         self.on_begun = on_begun
         self.on_tokens = on_tokens
         self.chunk_tokens = chunk_tokens
         self.streamed_tokens = 0
-        self._guards = (
-            (RepetitionDetector(rule, prompt), RepetitionDetector(rule, prompt))
-            if rule is not None
-            else None
-        )
 
     def feed(self, line: bytes) -> bool:
         """One line of the body; True when the answer must stop (a loop, an error, the end)."""
@@ -160,32 +152,18 @@ class ChatStream:
             if self.logprobs is None:
                 self.logprobs = []
             self.logprobs.extend(logprobs["content"])
-        stop = False
-        if self.on_begun is not None and (delta.get("reasoning_content") or delta.get("content")):
+        reasoning = delta.get("reasoning_content") or ""
+        content = delta.get("content") or ""
+        if self.on_begun is not None and (reasoning or content):
             self.on_begun()
             self.on_begun = None
-        text = delta.get("reasoning_content")
-        if text:
-            self.reasoning.append(text)
-            stop = self._guard(0, "reasoning", text)
-        text = delta.get("content")
-        if text:
-            self.content.append(text)
-            stop = self._guard(1, "content", text) or stop
-        return stop
-
-    def _guard(self, at: int, name: str, text: str) -> bool:
-        if self._guards is None or self.loop is not None:
-            return False
-        loop = self._guards[at].feed(text)
-        if loop is None:
-            return False
-        self.loop, self.loop_field = loop, name
-        return True
+        if reasoning:
+            self.reasoning.append(reasoning)
+        if content:
+            self.content.append(content)
+        return self.guard.feed(reasoning, content)
 
     @property
     def chars(self) -> int:
         """Characters of reasoning and content received."""
-        if self._guards is not None:
-            return self._guards[0].chars + self._guards[1].chars
         return sum(map(len, self.reasoning)) + sum(map(len, self.content))
