@@ -40,7 +40,9 @@ from genfleet.workers.feeding import (
     ThinkingSwitch,
     default_max_inflight,
     draws_by_ids,
+    engine_reasoning_parser,
     repetition_rule,
+    splits_reasoning,
 )
 from genfleet.workers.observe.engine_state import (
     EngineState,
@@ -162,8 +164,17 @@ class WorkerRuntime:
             repetition=repetition_rule(settings),
             stream_chunk_tokens=settings.stream_chunk_tokens,
         )
-        # SGLang's native API draws answers by token ids, so a cut one goes on from them.
+        # SGLang's native API draws answers by token ids, so a cut one goes on from them;
+        # their reasoning is split by the worker as the engine's own parser splits a chat's.
+        parser = engine_reasoning_parser(settings.engine_kind, info, choice.reasoning_parser)
         native = draws_by_ids(settings.engine_kind, info)
+        if native and not splits_reasoning(parser):
+            native = False
+            log.info(
+                "answers drawn by the chat endpoint: the engine's reasoning parser %s marks "
+                "reasoning in a way the worker does not split (a cut answer starts over)",
+                parser,
+            )
         defaults = read_sampling_defaults(str(settings.model or ""))
         if settings.engine_kind == "emulator" and defaults is None:
             defaults = {}  # the emulator's chat endpoint fills in no defaults either
@@ -173,7 +184,7 @@ class WorkerRuntime:
                     base_url,
                     chat(),
                     api_key=api_key,
-                    reasoning_parser=choice.reasoning_parser,
+                    reasoning_parser=parser,
                     sampling_defaults=defaults,
                     max_connections=max_inflight + 8,
                 )

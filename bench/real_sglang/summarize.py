@@ -134,13 +134,17 @@ try:
     s["genfleet_vs_direct_steady_engine"] = round(b / a, 3)
 except (KeyError, TypeError, ZeroDivisionError):
     pass
+
+
 def engine_rate(t0, t1):
     """The engine's decode rate over (t0, t1]: its gauge where requests ran, 0 where none did
     (the gauge holds its last value through idle seconds)."""
     ms = [r for r in metr if t0 < r["t"] <= t1 and "sglang:gen_throughput" in r]
     if not ms:
         return None
-    live = [r["sglang:gen_throughput"] if r.get("sglang:num_running_reqs", 0) > 0 else 0.0 for r in ms]
+    live = [
+        r["sglang:gen_throughput"] if r.get("sglang:num_running_reqs", 0) > 0 else 0.0 for r in ms
+    ]
     return statistics.mean(live)
 
 
@@ -175,7 +179,9 @@ for t, r in top_rows():
             "t": round(t, 1),
             "top_tok_s": r.get("tokens_per_s"),
             "engine_tok_s": None if ref is None else round(ref, 1),
-            "ratio": round(r["tokens_per_s"] / ref, 3) if ref and r.get("tokens_per_s") is not None else None,
+            "ratio": round(r["tokens_per_s"] / ref, 3)
+            if ref and r.get("tokens_per_s") is not None
+            else None,
             "verdict": r.get("verdict"),
             "cause": r.get("cause"),
         }

@@ -4,6 +4,7 @@ finishes with every prompt exactly once."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from harness.runs import (
 )
 from harness.sources import write_prompts
 from harness.waits import wait_for
+from tests.support.chat_templates import checkpoint
 
 pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 
@@ -104,12 +106,21 @@ def test_frozen_engine_is_killed_restarted_and_the_run_finishes(
     )
 
 
-def emulator_process(env: dict[str, str], port: int, log: Path) -> subprocess.Popen[bytes]:
-    """An emulator someone else runs (for `--engine external`), serving the model `ext`."""
-    argv = [sys.executable, "-m", "genfleet.workers.engine.emulator", "--model-path", "ext"]
+def emulator_process(
+    env: dict[str, str], port: int, log: Path, model: str
+) -> subprocess.Popen[bytes]:
+    """An emulator someone else runs (for `--engine external`), serving `model` as `ext` with
+    Qwen3's reasoning parser (which the worker, reading no checkpoint, learns from the engine)."""
+    argv = [sys.executable, "-m", "genfleet.workers.engine.emulator", "--model-path", model]
     argv += ["--served-model-name", "ext", "--port", str(port), "--enable-metrics"]
+    argv += ["--reasoning-parser", "qwen3"]
+    requests = {"GENFLEET_EMULATOR_REQUEST_LOG": str(log.with_suffix(".requests"))}
     return subprocess.Popen(
-        argv, env=env, stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True
+        argv,
+        env={**env, **requests},
+        stdout=log.open("ab"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
 
 
@@ -122,7 +133,12 @@ def test_frozen_external_engine_stops_the_worker_consuming(
     store_url = (tmp_path / "store").as_uri()
     env = base_env(redis_url, store_url, emulator_time_scale=4, checkpoint_interval_s=1)
     ports = [free_port(), free_port()]
-    engines = [emulator_process(env, port, tmp_path / f"external-{port}.log") for port in ports]
+    # Qwen3.5's published template opens the reasoning in the prompt: the answer's first
+    # tokens are reasoning, which only the engine's parser says.
+    model = checkpoint(tmp_path, "qwen3_5")
+    engines = [
+        emulator_process(env, port, tmp_path / f"external-{port}.log", model) for port in ports
+    ]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
 
     def external_worker(url: str, name: str) -> Worker:
@@ -141,8 +157,17 @@ def test_frozen_external_engine_stops_the_worker_consuming(
     try:
         watched = external_worker(urls[0], "external")
         ids = write_prompts(tmp_path / "prompts.jsonl", 100)
+        # The sampling the engine's unread generation config would fill in, set by the run:
+        # its answers are drawn by ids.
         settings = fault_settings(
-            redis_url, store_url, engine="external", engine_url=urls[0], served_model_name="ext"
+            redis_url,
+            store_url,
+            engine="external",
+            engine_url=urls[0],
+            served_model_name="ext",
+            top_k=-1,
+            min_p=0.0,
+            repetition_penalty=1.0,
         )
         watched.wait_ready()
         store = open_run_store(settings)
@@ -172,7 +197,11 @@ def test_frozen_external_engine_stops_the_worker_consuming(
         healthy = external_worker(urls[1], "healthy")
         healthy.wait_ready()
         wait_run_done(settings, redis_client, "extfrozen", 120, store)
-        assert_exactly_once(settings, "extfrozen", ids, redis_client, store)
+        _, rows = assert_exactly_once(settings, "extfrozen", ids, redis_client, store)
+        # Drawn by ids, split as the engine's own parser splits a chat answer.
+        assert all(row["reasoning"] and "think>" not in row["content"] for row in rows)
+        logged = (tmp_path / f"external-{ports[1]}.requests").read_text().splitlines()
+        assert {json.loads(line).get("endpoint") for line in logged} == {"/generate", None}
     finally:
         for engine in engines:
             os.killpg(engine.pid, signal.SIGKILL)

@@ -24,8 +24,10 @@ from genfleet.workers.feeding.native import (
     NativeClient,
     Rendering,
     draws_by_ids,
+    engine_reasoning_parser,
     native_refusal,
     sampling_params,
+    splits_reasoning,
 )
 from genfleet.workers.feeding.reasoning import ReasoningSplit, reasoning_token_count
 from tests.fakes.engine import FakeEngine
@@ -57,7 +59,8 @@ def record(**params: Any) -> PromptRecord:
         ({}, {"response_format": {"type": "json_schema"}}, QWEN3, "grammar"),
         ({"reasoning_effort": "none"}, {}, QWEN3, "reasoning_effort"),
         ({}, {}, None, "generation config unread"),
-        ({"top_k": 20}, {"min_p": 0.0}, None, None),
+        ({"top_k": 20}, {"min_p": 0.0}, None, "repetition_penalty unset"),
+        ({"top_k": 20}, {"min_p": 0.0, "repetition_penalty": 1.0}, None, None),
     ],
 )
 def test_which_answers_are_drawn_by_ids(
@@ -478,3 +481,28 @@ def test_an_answer_gets_one_drawn_however_often_it_is_asked_again() -> None:
     (stored,), _ = fed(client, [record()])
     assert stored.error is None and stored.resumed_tokens == 2
     assert client.made == 1
+
+
+@pytest.mark.parametrize(
+    ("kind", "info", "chosen", "parser", "splits"),
+    [
+        # a supervised engine runs the parser the worker started it with
+        ("sglang", {"reasoning_parser": "deepseek-r1"}, "qwen3", "qwen3", True),
+        ("emulator", {}, "qwen3", "qwen3", True),
+        # an external engine runs what it was started with, whatever the worker would choose
+        ("external", {**SGLANG_ARGS, "reasoning_parser": "qwen3"}, None, "qwen3", True),
+        ("external", {**SGLANG_ARGS, "reasoning_parser": None}, "qwen3", None, True),
+        ("external", {**SGLANG_ARGS, "reasoning_parser": "deepseek-v3"}, None, "deepseek-v3", True),
+        # markers other than <think> … </think>: the chat endpoint's parser splits them
+        ("external", {**SGLANG_ARGS, "reasoning_parser": "kimi_k2"}, "qwen3", "kimi_k2", False),
+        ("external", {**SGLANG_ARGS, "reasoning_parser": "gpt-oss"}, None, "gpt-oss", False),
+        ("sglang", {}, "glm45", "glm45", False),
+        # an external engine with no /server_info: the worker's choice stands
+        ("external", {}, "qwen3", "qwen3", True),
+    ],
+)
+def test_which_reasoning_parser_an_answer_drawn_by_ids_is_split_by(
+    kind: str, info: dict[str, Any], chosen: str | None, parser: str | None, splits: bool
+) -> None:
+    assert engine_reasoning_parser(kind, info, chosen) == parser
+    assert splits_reasoning(parser) is splits

@@ -13,7 +13,12 @@ from genfleet.workers.feeding.client import ChatResult, EngineClient, ThinkingSw
 from genfleet.workers.feeding.deadline import DeadlinePolicy
 from genfleet.workers.feeding.drawn import Drawn
 from genfleet.workers.feeding.feeder import Feeder, default_max_inflight
-from genfleet.workers.feeding.native import NativeClient, draws_by_ids
+from genfleet.workers.feeding.native import (
+    NativeClient,
+    draws_by_ids,
+    engine_reasoning_parser,
+    splits_reasoning,
+)
 from genfleet.workers.feeding.repetition import repetition_rule
 
 __all__ = [
@@ -26,5 +31,7 @@ __all__ = [
     "ThinkingSwitch",
     "default_max_inflight",
     "draws_by_ids",
+    "engine_reasoning_parser",
     "repetition_rule",
+    "splits_reasoning",
 ]

@@ -130,6 +130,31 @@ class Rendering:
         return True
 
 
+# SGLang's reasoning parsers whose reasoning sits between `<think>` and `</think>` in the raw
+# text, as ReasoningSplit splits it (parser/reasoning_parser.py). Others mark it otherwise
+# (kimi's ◁think▷, gpt-oss's channels) or add their own rules (glm45, minimax's appended
+# `<think>`): their answers are drawn by the chat endpoint, whose parser splits them.
+THINK_MARKER_PARSERS = frozenset({"qwen3", "qwen3-thinking", "deepseek-r1", "deepseek-v3"})
+
+
+def engine_reasoning_parser(
+    engine_kind: str | None, info: Mapping[str, Any], chosen: str | None
+) -> str | None:
+    """The reasoning parser the engine's chat endpoint runs: for an external engine what its
+    /server_info says it was started with (the worker cannot choose it), else the one the
+    worker started it with (`chosen`)."""
+    if engine_kind == "external" and "reasoning_parser" in info:
+        parser = info.get("reasoning_parser")
+        return parser if isinstance(parser, str) and parser else None
+    return chosen
+
+
+def splits_reasoning(parser: str | None) -> bool:
+    """Whether an answer drawn by ids can be split into reasoning and content as the engine's
+    parser `parser` splits a chat answer (no parser: all content, nothing to split)."""
+    return parser is None or parser in THINK_MARKER_PARSERS
+
+
 def draws_by_ids(engine_kind: str | None, info: Mapping[str, Any]) -> bool:
     """Whether a worker's engine can render prompts to ids and draw answers by them: the
     emulator, or SGLang from TOKENIZE_CHAT_SGLANG on — supervised, or an external engine whose
@@ -176,7 +201,13 @@ def native_refusal(
     if unknown:
         return f"{', '.join(sorted(unknown))}: the chat endpoint's"
     if defaults is None:
-        unset = [n for n in DEFAULTED if own.get(n) is None and getattr(params, n) is None]
+        # What the checkpoint's generation config would fill in, the chat endpoint knows and
+        # this worker does not: a repetition_penalty in it would make the answer start over.
+        unset = [
+            n
+            for n in (*DEFAULTED, "repetition_penalty")
+            if own.get(n) is None and getattr(params, n) is None
+        ]
         if unset:
             return (
                 f"{', '.join(unset)} unset and the checkpoint's generation config unread: "
