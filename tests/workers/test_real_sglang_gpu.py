@@ -16,6 +16,7 @@ noise and the draft is never accepted (accept length 1.0), which is what MTP INE
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import importlib.util
 import json
@@ -42,6 +43,7 @@ from genfleet.producer.status import read_findings, run_status
 from genfleet.workers.engine.kinds import engine_launch
 from genfleet.workers.engine.supervisor import EngineSupervisor
 from genfleet.workers.observe.engine_state import enforced_cap
+from harness import continuation
 from harness.assertions import assert_exactly_once
 from harness.env import ROOT, base_env, free_port
 from harness.processes import Worker, live_children, pid_alive
@@ -517,3 +519,27 @@ def test_answers_of_a_lost_worker_go_on_from_its_checkpoint(
     for row in resumed:
         tokens = row["usage"]["completion_tokens"]
         assert tokens == 1024 if row["finish_reason"] == "length" else tokens < 1024
+
+
+def test_a_continuation_by_ids_draws_what_one_uninterrupted_draw_does(
+    mtp_stack: Stack, tmp_path: Path
+) -> None:
+    """No fault: 48 prompts drawn whole twice, and drawn to 193 tokens then on from prompt +
+    those ids, greedy, compared id by id (`harness/continuation.py`). Going on from ids agrees
+    with the first draw as far as the second draw does."""
+    limits = httpx.Limits(max_connections=64)
+
+    async def measure() -> dict[str, Any]:
+        async with httpx.AsyncClient(
+            base_url=mtp_stack.engine_url, headers=mtp_stack.auth, timeout=600, limits=limits
+        ) as client:
+            engine = continuation.Engine(client, str(Q35))
+            return await continuation.probe(engine, continuation.texts(48), 768, 193)
+
+    figures = asyncio.run(measure())
+    out = Path(os.environ.get("GENFLEET_GPU_OUT", "/tmp"))
+    (out / "resume_ids.json").write_text(json.dumps(figures, indent=1))
+    print("RESUME_IDS", json.dumps(figures))
+    twins = figures["twins"]["identical"]
+    assert figures["heads_vs_twin"]["identical"] >= twins - 12, figures
+    assert figures["continued_vs_twin"]["identical"] >= twins - 12, figures
