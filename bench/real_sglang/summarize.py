@@ -136,16 +136,37 @@ except (KeyError, TypeError, ZeroDivisionError):
     pass
 
 
+def live_rates():
+    """(t, the engine's decode rate) at each /metrics sample: its gauge while it moves, 0 where
+    no request runs and after the first sample of a value held for over STALE_S (the scheduler
+    sets the gauge, and `num_running_reqs`, only when it logs a decode batch: an engine gone
+    idle keeps reporting its last batch)."""
+    rows = [r for r in metr if "sglang:gen_throughput" in r]
+    out, i = [], 0
+    while i < len(rows):
+        j = i
+        while (
+            j + 1 < len(rows)
+            and rows[j + 1]["sglang:gen_throughput"] == rows[i]["sglang:gen_throughput"]
+        ):
+            j += 1
+        held = rows[j]["t"] - rows[i]["t"] > STALE_S
+        for k in range(i, j + 1):
+            r = rows[k]
+            idle = r.get("sglang:num_running_reqs", 0) <= 0 or (held and k > i)
+            out.append((r["t"], 0.0 if idle else r["sglang:gen_throughput"]))
+        i = j + 1
+    return out
+
+
+STALE_S = 4.0
+RATES = live_rates()
+
+
 def engine_rate(t0, t1):
-    """The engine's decode rate over (t0, t1]: its gauge where requests ran, 0 where none did
-    (the gauge holds its last value through idle seconds)."""
-    ms = [r for r in metr if t0 < r["t"] <= t1 and "sglang:gen_throughput" in r]
-    if not ms:
-        return None
-    live = [
-        r["sglang:gen_throughput"] if r.get("sglang:num_running_reqs", 0) > 0 else 0.0 for r in ms
-    ]
-    return statistics.mean(live)
+    """The engine's mean decode rate over (t0, t1] (`live_rates`)."""
+    rates = [g for t, g in RATES if t0 < t <= t1]
+    return statistics.mean(rates) if rates else None
 
 
 def top_rows():
