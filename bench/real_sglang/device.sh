@@ -16,6 +16,7 @@
 #   golden   record_golden.py against q35 -> $OUT/golden.tar.gz (tests/golden/sglang-0.5.15)
 #   crash    crash_probe.py: CUDA-graph variants under genfleet's load -> $OUT/crash.tar.gz
 #   tests    python3 -m pytest -q -m gpu tests/workers/test_real_sglang_gpu.py -> $OUT/gpu_tests.txt
+#            (TESTS_K: -k; GENFLEET_GPU_ENGINE_EXTRA: flags added to the engines the tests start)
 #   bench    per model (BENCH_MODELS, default "q35 dense"): one engine with genfleet's argv, a
 #            saturating direct client (plain, then streamed), then genfleet's worker + control
 #            on the same engine

@@ -55,11 +55,15 @@ from tests.support.commands import genfleet
 
 MODELS = Path(os.environ.get("GENFLEET_GPU_MODELS", "/tmp/m"))
 Q35, Q35_NOMTP, DENSE = MODELS / "q35", MODELS / "q35_nomtp", MODELS / "dense"
+ENGINE_EXTRA = os.environ.get("GENFLEET_GPU_ENGINE_EXTRA", "")
 # What the carried SGLang needs (bench/real_sglang/README.md): no FA3 kernels, no flashinfer JIT.
 ENGINE_ENV = {
     "GENFLEET_ATTENTION_BACKEND": "triton",
     "GENFLEET_MEM_FRACTION_STATIC": "0.6",
-    "GENFLEET_ENGINE_EXTRA_ARGS": "--sampling-backend pytorch --grammar-backend none",
+    # GENFLEET_GPU_ENGINE_EXTRA adds flags of a measurement (--enable-deterministic-inference).
+    "GENFLEET_ENGINE_EXTRA_ARGS": " ".join(
+        ["--sampling-backend pytorch --grammar-backend none", *ENGINE_EXTRA.split()]
+    ),
     "GENFLEET_STARTUP_TIMEOUT_S": "400",
     "GENFLEET_GPUS": "0",
 }
