@@ -123,13 +123,14 @@ step_point() {
 gf_phase() {  # N prompts direct, then the same through genfleet on the same engine
   local cap=$1 infl=$2
   local n=$(( cap * ${GF_WAVES:-2} ))
-  local need; need=$(python3 -c "print(int(2.4 * $n * $MAXTOK / max(1.0, 30.0 * $cap)) + 60)")
+  local need; need=$(python3 -c "print(int(2.4 * $n * $MAXTOK / max(1.0, 30.0 * $cap)) + 80)")
   [ "$(left)" -lt "$need" ] && { say "genfleet phase skipped: needs ~$need s, $(left) left"; return 0; }
   say "direct: $n prompts x $MAXTOK tokens"
   mark direct_start
   timeout $(( ($(left) - 40) / 2 )) python3 "$HERE/load.py" --url http://127.0.0.1:$PORT --model $M --concurrency $infl \
     --prompts $n --max-tokens $MAXTOK --stream --json-out "$W/direct.json" >/dev/null
   mark direct_end
+  local direct_end_s; direct_end_s=$(date +%s)
   cat "$W/direct.json"; echo
   redis-server --port $RPORT --bind 127.0.0.1 --save "" --appendonly no --daemonize yes --dir "$W" --logfile "$W/logs/redis.txt"
   for _ in $(seq 50); do redis-cli -p $RPORT ping >/dev/null 2>&1 && break; sleep 0.1; done
@@ -151,6 +152,9 @@ PY
     $mtp_flag --hostname "gpu0@big" >"$W/logs/worker.txt" 2>&1 & local wpg=$!; PIDS+=($wpg)
   setsid python3 -m genfleet.workers control --hostname "control@big" >"$W/logs/control.txt" 2>&1 & local cpg=$!; PIDS+=($cpg)
   for _ in $(seq 120); do grep -q "feeding http" "$W/logs/worker.txt" && break; sleep 0.5; done
+  # `top`'s first window (GENFLEET_POWER_WINDOW_S) holds none of the direct client's tokens.
+  local quiet=$(( 21 - ($(date +%s) - direct_end_s) ))
+  [ "$quiet" -gt 0 ] && sleep "$quiet"
   mark gf_start
   local t_enq; t_enq=$(date +%s.%N)
   genfleet enqueue "$W/prompts.jsonl" --run "big-$NAME" --model $M 2>&1 | tail -2
