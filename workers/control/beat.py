@@ -47,7 +47,12 @@ def reap_leases() -> dict[str, Any]:
         )
 
     return reaper.one_pass(
-        connect(settings), store_of(settings), settings.lease_ttl_s, settings.max_deliveries, send
+        connect(settings),
+        store_of(settings),
+        settings.lease_ttl_s,
+        settings.max_deliveries,
+        send,
+        lambda order: order_queue(settings.queue, order),
     )
 
 
