@@ -30,11 +30,8 @@ log = logging.getLogger("genfleet.worker")
 
 # Threads per batch slot. A batch whose prompts are all in the engine hands its slot to the
 # next batch (the worker's runtime raises the prefetch count while only its stragglers run),
-# so the pool needs threads beyond `worker_concurrency` for those batches to finish on. At 4 a
-# worker of 3 slots held 12 batches: of 25 prompts on an engine of 256 (the chaos bench) its
-# engine drained to a few requests while all 12 waited on their longest answers, with orders
-# waiting; a thread that waits on its batch's stragglers costs little.
-THREADS_PER_SLOT = 16
+# so the pool needs threads beyond `worker_concurrency` for those batches to finish on.
+THREADS_PER_SLOT = 4
 
 
 class TaskPool(ThreadTaskPool):  # type: ignore[misc]
