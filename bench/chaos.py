@@ -47,10 +47,13 @@ from pathlib import Path
 from typing import NamedTuple
 
 import httpx
+import redis
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from genfleet.common import keys  # noqa: E402
+from genfleet.common.routing import worker_queue  # noqa: E402
 from genfleet.workers.observe.engine_state import engine_state_from_metrics  # noqa: E402
 from harness.chaos import (  # noqa: E402
     FAULTS_PER_1000,
@@ -113,6 +116,7 @@ class EngineTimeline(threading.Thread):
         self.soak = soak
         self.every_s = every_s
         self.looks: list[Look] = []
+        self.queued: list[tuple[float, int]] = []  # (monotonic, work orders waiting)
         self.stopped = threading.Event()
         self._http = httpx.Client(
             timeout=0.4, headers={"Authorization": f"Bearer {api_key}"}, trust_env=False
@@ -122,10 +126,20 @@ class EngineTimeline(threading.Thread):
         with self._http:
             while not self.stopped.wait(self.every_s):
                 now = time.monotonic()
+                self.queued.append((now, self._queued()))
                 for worker in list(self.soak.workers):
                     if worker.proc.poll() is None:
                         state, cap = self._look(engine_of(worker.proc.pid))
                         self.looks.append(Look(now, worker.hostname, state, cap))
+
+    def _queued(self) -> int:
+        """Work orders waiting in the run's queue (-1 while Redis cannot be asked)."""
+        try:
+            with self.soak.redis.client() as client:
+                names = keys.broker_queue_keys(worker_queue(self.soak.settings()))
+                return sum(int(client.llen(name)) for name in names)
+        except redis.RedisError:
+            return -1
 
     def _look(self, engine: tuple[int, str] | None) -> tuple[str, int]:
         """What `engine` (its pid and process state) is doing (requests running, "down" when
@@ -151,10 +165,18 @@ class EngineTimeline(threading.Thread):
         return {name: counts[name] * self.every_s for name in FILLS}
 
 
-def show_timeline(looks: list[Look], played: list[Played], start: float, wall_start: float) -> None:
+def show_timeline(
+    looks: list[Look],
+    queued: list[tuple[float, int]],
+    played: list[Played],
+    start: float,
+    wall_start: float,
+) -> None:
     """One line per second from `start` (monotonic; `wall_start` the same moment on the wall
-    clock the faults were stamped with): each worker's engine at the second's last look, then
-    the faults played in it. Workers are numbered in the order they first appear."""
+    clock the faults were stamped with): the work orders waiting and each worker's engine at
+    the second's last look, then the faults played in it. Workers are numbered in the order
+    they first appear."""
+    waiting = {int(at - start): count for at, count in queued if at >= start}
     names: dict[str, str] = {}
     seconds: dict[int, dict[str, str]] = collections.defaultdict(dict)
     for at, worker, state, _ in looks:
@@ -165,10 +187,14 @@ def show_timeline(looks: list[Look], played: list[Played], start: float, wall_st
     for fault in played:
         target = f" {names.setdefault(fault.target, f'w{len(names)}')}" if fault.target else ""
         faults[int(fault.at_s - wall_start)].append(f"{fault.action}{target}")
-    print("chaos timeline (s: each worker's engine, requests running; then the faults):")
+    print(
+        "chaos timeline (s: orders waiting, each worker's engine, requests running; then the "
+        "faults):"
+    )
     for second in range(max([*seconds, *faults], default=-1) + 1):
         engines = "  ".join(f"{names[w]} {s:>6}" for w, s in seconds.get(second, {}).items())
-        print(f"{second:4d}  {engines:<34}{'  '.join(faults.get(second, []))}".rstrip())
+        line = f"{second:4d}  q {waiting.get(second, -1):>3}  {engines:<34}"
+        print(f"{line}{'  '.join(faults.get(second, []))}".rstrip())
 
 
 def show(run: str, seconds: dict[str, float]) -> None:
@@ -293,7 +319,7 @@ def main() -> None:
         timeline.stopped.set()
         timeline.join()
         if args.timeline:
-            show_timeline(timeline.looks, soak.played, started, wall_started)
+            show_timeline(timeline.looks, timeline.queued, soak.played, started, wall_started)
         print(
             f"chaos (seed {args.seed}, {args.faults_per_1000:g} faults per 1,000 prompts): "
             f"{chaos.prompts} prompts in {chaos.seconds:.1f} s "

@@ -152,6 +152,22 @@ def broker_queue_keys(queue: str) -> list[str]:
     return [queue if step == 0 else f"{queue}{PRIORITY_SEP}{step}" for step in PRIORITY_STEPS]
 
 
+def broker_queue_key(queue: str, priority: object) -> str:
+    """The list of `queue` a message of `priority` (its `properties.priority`, as kombu reads
+    it: 0 to 9, anything else 0) waits in: the step at or below it.
+
+    >>> [broker_queue_key("q", p) for p in (None, 0, 2, 3, 9, 12)] == ["q"] * 3 + [
+    ...     "q\x06\x163", "q\x06\x169", "q\x06\x169"]
+    True
+    """
+    try:
+        level = max(min(int(priority), 9), 0)  # type: ignore[call-overload]
+    except (TypeError, ValueError):
+        level = 0
+    step = max(s for s in PRIORITY_STEPS if s <= level)
+    return broker_queue_keys(queue)[PRIORITY_STEPS.index(step)]
+
+
 PREFIX = "genfleet"
 
 

@@ -43,6 +43,7 @@ from __future__ import annotations
 import base64
 import contextlib
 import itertools
+import uuid
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -65,6 +66,16 @@ PARK_SCRIPT = """
 if redis.call('EXISTS', KEYS[1], KEYS[2]) == 0 then return 0 end
 redis.call('SREM', KEYS[3], ARGV[1])
 redis.call('HDEL', KEYS[4], ARGV[2])
+return 1
+"""
+# Move an unacknowledged delivery to the consuming end of a queue list, only while kombu still
+# holds it as read (`Ledger.redeliver`): KEYS unacked, unacked index, queue list; ARGV tag,
+# the entry as read, the message to push.
+REDELIVER_SCRIPT = """
+if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+redis.call('HDEL', KEYS[1], ARGV[1])
+redis.call('ZREM', KEYS[2], ARGV[1])
+redis.call('RPUSH', KEYS[3], ARGV[3])
 return 1
 """
 # Remove a running entry only if its order is of the given staging (`release_staging`): an
@@ -466,6 +477,28 @@ class Ledger:
             pipe.zrem(keys.UNACKED_INDEX, *tags)
             pipe.execute()
 
+    def redeliver(self, tag: str, queue: str) -> bool:
+        """Called by the reaper for a dead worker's copy of an order: moved to the consuming
+        end of `queue` (its priority's list), so the next worker to take an order takes it,
+        not after every order queued (a new copy would wait there). kombu's own restore of a
+        lost delivery, done at once, under a new delivery tag (the old one names the dead
+        worker's delivery). False when kombu no longer holds it as read."""
+        raw = self.client.hget(keys.UNACKED, tag)
+        if raw is None:
+            return False
+        try:
+            message, _exchange, _routing_key = orjson.loads(raw)
+            properties = message.setdefault("properties", {})
+            message.setdefault("headers", {})["redelivered"] = True  # as kombu marks a restore
+            properties.setdefault("delivery_info", {})["redelivered"] = True
+            properties["delivery_tag"] = uuid.uuid4().hex
+            moved = orjson.dumps(message).decode()
+            target = keys.broker_queue_key(queue, properties.get("priority"))
+        except (ValueError, TypeError, AttributeError):
+            return False
+        keys_args = (keys.UNACKED, keys.UNACKED_INDEX, target, tag, text(raw), moved)
+        return bool(self.client.eval(REDELIVER_SCRIPT, 3, *keys_args))
+
     def delivered(self, tag: str, worker: str, presence: str | None) -> None:
         """Called by a worker as it receives a work order (before its admission reads the
         store): whose it is until it is claimed, so that the reaper can give back the order
@@ -522,3 +555,10 @@ class UnackedIndex:
         """Delivery tags of the unacknowledged copies of one batch's order."""
         self.orders()
         return list(self._tags.get((run, batch), ()))
+
+    def carrying(self, order: Mapping[str, Any]) -> list[str]:
+        """Delivery tags of the unacknowledged copies that carry exactly `order`."""
+        run, batch = str(order.get("run")), str(order.get("batch"))
+        return [
+            u.tag for u in self.orders() if (u.run, u.batch) == (run, batch) and u.order == order
+        ]

@@ -404,6 +404,9 @@ class WorkerRuntime:
         if self.on_exhausted is not None:
             self.on_exhausted(message)
 
+    def consumer_started(self, qos: Any) -> None:
+        self.slots.count_on(qos)
+
     def batch_ended(self, run: str, batch: str) -> None:
         """The batch's task is over (done, failed or handed back): the prefetch slot it
         handed on, if it did, is taken back."""

@@ -64,6 +64,9 @@ class FakeRuntime:
     def batch_ended(self, run: str, batch: str) -> None:
         self.ended.append((run, batch))  # no Celery consumer whose prefetch to restore
 
+    def consumer_started(self, qos: Any) -> None:
+        return None  # no Celery consumer: nothing handed on to count
+
 
 def _is_a_task_runtime(fake: FakeRuntime) -> TaskRuntime:
     return fake  # mypy checks here that the fake is a TaskRuntime

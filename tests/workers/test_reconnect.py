@@ -38,3 +38,18 @@ def request(channel: Any, state: str = "RECEIVED") -> Any:
 )
 def test_a_queued_ack_not_yet_done_moves_with_the_connection(held: Any, moved: bool) -> None:
     assert (queued_on(OLD, [held]) == [held]) is moved
+
+
+def test_every_task_of_the_worker_app_acks_on_the_new_channel_after_a_blip() -> None:
+    """Only a `HeldRequest` has its ack moved to the new channel: the progress repair's was a
+    plain request, and when it ended while Redis restarted its queued ack ran on the old
+    channel and ended the control worker (the chaos bench's, with its reaper)."""
+    import genfleet.workers.control.beat  # noqa: F401 - registers the beat tasks
+    import genfleet.workers.tasks  # noqa: F401 - registers the generate task
+    from genfleet.workers.app import app
+    from genfleet.workers.process.reconnect import HeldRequest
+
+    ours = {name: task for name, task in app.tasks.items() if name.startswith("genfleet.")}
+    assert len(ours) >= 4
+    plain = [n for n, t in ours.items() if not issubclass(t.Request, HeldRequest)]
+    assert plain == []

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 import redis
+from kombu.asynchronous import Hub
+from kombu.common import QoS
 
 from genfleet.common import keys
 from genfleet.common.records import CompletionRecord, GenerationParams, PromptRecord
@@ -22,6 +24,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.status import run_status
 from genfleet.workers.feeding.feeder import Feeder
+from genfleet.workers.process.slots import PrefetchSlots
 from harness.env import base_env
 from harness.processes import Worker
 from harness.runs import stage_questions, wait_run_done
@@ -131,3 +134,57 @@ def test_the_next_batch_starts_while_stragglers_run(
     status = run_status(open_store(store), redis_client, "slots")
     assert status["prompts_done"] == 24 and status["batches_failed"] == 0
     assert redis_client.hlen(keys.running_key()) == 0
+
+
+class _Worker:
+    """What `PrefetchSlots` reads of Celery's WorkController: the consumer's prefetch count
+    (kombu's own `QoS`, replaced by a new one at each reconnect) and the pool's spare threads."""
+
+    def __init__(self, spare_threads: int) -> None:
+        self.pool = type("Pool", (), {"spare_threads": spare_threads})()
+        self.consumer = type("Consumer", (), {})()
+        self.hub = Hub()  # kombu's event loop, never started here: its ready callbacks count
+        self.reconnect()
+
+    def reconnect(self) -> None:
+        self.consumer.qos = QoS(lambda prefetch_count: None, 3)  # the initial count, 3 slots
+
+
+@pytest.mark.parametrize(
+    ("steps", "prefetch"),
+    [
+        (["sent b0", "sent b1"], 5),
+        (["sent b0", "sent b1", "ended b0"], 4),
+        # the new consumer's count holds the slots still handed on, not its initial 3 alone
+        (["sent b0", "sent b1", "reconnect"], 5),
+        (["sent b0", "sent b1", "reconnect", "ended b1"], 4),
+        (["sent b0", "reconnect", "sent b1", "reconnect", "ended b0"], 4),
+        (["sent b0", "sent b1", "sent b2", "reconnect"], 5),  # two spare threads only
+        (["sent b0", "ended b0", "reconnect"], 3),
+        (["ended b0", "reconnect"], 3),  # a batch that never handed its slot on
+    ],
+)
+def test_the_slots_handed_on_are_counted_on_the_consumer_after_a_reconnect(
+    steps: list[str], prefetch: int
+) -> None:
+    worker = _Worker(spare_threads=2)
+    slots = PrefetchSlots(lambda: worker)
+    for step in steps:
+        if step == "reconnect":
+            worker.reconnect()
+            slots.count_on(worker.consumer.qos)  # the consumer's event loop starts again
+            continue
+        what, batch = step.split()
+        (slots.batch_sent if what == "sent" else slots.batch_ended)("r", batch)
+    assert worker.consumer.qos.value == prefetch
+
+
+def test_a_slot_handed_on_wakes_the_consumers_loop_at_once() -> None:
+    """The raised count is applied by the consumer's event loop; woken, it fetches the next
+    batch now, not at its next timer tick (a second later)."""
+    worker = _Worker(spare_threads=1)
+    slots = PrefetchSlots(lambda: worker)
+    slots.batch_sent("r", "b0")
+    assert len(worker.hub._ready) == 1  # one wake-up waiting for the loop
+    slots.batch_sent("r", "b1")  # no spare thread left: the count stays, nothing to wake for
+    assert worker.consumer.qos.value == 4 and len(worker.hub._ready) == 1

@@ -47,7 +47,12 @@ def reap_leases() -> dict[str, Any]:
         )
 
     return reaper.one_pass(
-        connect(settings), store_of(settings), settings.lease_ttl_s, settings.max_deliveries, send
+        connect(settings),
+        store_of(settings),
+        settings.lease_ttl_s,
+        settings.max_deliveries,
+        send,
+        lambda order: order_queue(settings.queue, order),
     )
 
 
@@ -58,7 +63,7 @@ def power_watch() -> dict[str, Any]:
     return run_power_watch(app, settings_of(app))
 
 
-@app.task(name=RECONCILE_TASK, base=BeatTask)  # type: ignore[untyped-decorator]
+@app.task(name=RECONCILE_TASK, base=BeatTask, Request=HeldRequest)  # type: ignore[untyped-decorator]
 def reconcile_progress() -> dict[str, Any]:
     """Repair every running run's progress copy in Redis from its outputs in the store."""
     settings = settings_of(app)

@@ -2,10 +2,14 @@
 
 A running batch whose worker died (its lease lapsed, or its named Redis connection is gone:
 `workers.observe.liveness`) and that has no output is re-enqueued, once; an order delivered to
-a dead worker and never claimed is given back; a batch whose worker died `max_deliveries`
-times is parked in the failed set as poison (it would otherwise crash the fleet one worker at
-a time, forever). Then the orders a run counts as queued that nothing holds are sent again
-(`workers.control.lost_orders`).
+a dead worker and never claimed is given back. Either goes to the front of its queue: the dead
+worker's copy of the order is moved to the consuming end (`Ledger.redeliver`), so the batch,
+its answers in flight checkpointed, is taken by the next worker with room, not after every
+order queued (a run of 100,000 batches would hold it back for hours, and its resumed answers
+with it); only when no copy of that very order is left is a new one sent (to the back). A
+batch whose worker died `max_deliveries` times is parked in the failed set as poison (it would
+otherwise crash the fleet one worker at a time, forever). Then the orders a run counts as
+queued that nothing holds are sent again (`workers.control.lost_orders`).
 
 One pass at a time (`one_pass` takes a lock in Redis); `reap` decides and applies one pass over
 the ledger's facts, with `now` a parameter and Redis's looks kept by `Lapses`.
@@ -36,9 +40,11 @@ def one_pass(
     lease_ttl_s: float,
     max_deliveries: int,
     send: Callable[[dict[str, Any]], object],
+    queue_of: Callable[[dict[str, Any]], str] | None = None,
 ) -> dict[str, Any]:
-    """One reaper round of the control worker's beat: gone workers' batches and lost orders
-    sent again through `send`, unless the last round's pass still runs."""
+    """One reaper round of the control worker's beat: gone workers' batches moved to the front
+    of their queue (`queue_of`) or sent again through `send`, and lost orders sent again,
+    unless the last round's pass still runs."""
     token = uuid.uuid4().hex
     lock, ttl_ms = keys.reaping_key(), max(int(lease_ttl_s * 1000), 1)
     # Redis's clock, as the claims' times are (workers/admission.py): a control worker on a
@@ -49,7 +55,9 @@ def one_pass(
         empty: dict[str, list[str]] = {k: [] for k in REAPED}
         return {**empty, "ts": now, "resent": [], "skipped": True}
     try:
-        reaped = reap(client, store, lease_ttl_s, now, send, max_deliveries, present(client))
+        reaped = reap(
+            client, store, lease_ttl_s, now, send, max_deliveries, present(client), queue_of
+        )
         lost = reconcile_orders(
             client, store, lease_ttl_s, lambda o: send(o.model_dump()), server_time(client)
         )
@@ -70,11 +78,14 @@ def reap(
     requeue: Callable[[dict[str, Any]], object],
     max_deliveries: int = 3,
     present: set[str] | None = None,
+    queue_of: Callable[[dict[str, Any]], str] | None = None,
 ) -> dict[str, Any]:
     """One reaper pass over the running batches: a batch whose worker is gone is finished
-    when its output exists (its entry is dropped), else `requeue`d with its work order, once;
-    or parked in the failed set when its worker died `max_deliveries` times. Then the orders
-    delivered to a gone worker and never claimed go the same way.
+    when its output exists (its entry is dropped), else sent again, once: the dead worker's
+    copy of its order moved to the front of its queue (`queue_of(order)`, when given), or
+    else a new one `requeue`d; or parked in the failed set when its worker died
+    `max_deliveries` times. Then the orders delivered to a gone worker and never claimed go
+    the same way.
 
     Gone, on two looks half a lease apart: its lease expired, or (`present`: the names of the
     workers' connections Redis holds, None when unknown) its worker's connection is not
@@ -104,7 +115,7 @@ def reap(
             continue  # nothing to redo: parked (unless resumed meanwhile: lost, below)
         if not ledger.release_claim(claimed):
             continue  # another reaper won this one, or a live worker claimed it again
-        outcome = _lost(ledger, unacked, claimed, requeue, max_deliveries)
+        outcome = _lost(ledger, unacked, claimed, requeue, max_deliveries, queue_of)
         found[outcome].append(claimed.field)
     claimed_fields = {c.field for c in running}
     orphans = _unclaimed(ledger, unacked, deliveries, claimed_fields, present, lapses, now)
@@ -112,7 +123,7 @@ def reap(
         if store.exists(keys.output_key(orphan.run, orphan.batch)):
             ledger.drop_unacked(unacked.copies(orphan.run, orphan.batch))
             continue
-        outcome = _lost(ledger, unacked, orphan, requeue, max_deliveries)
+        outcome = _lost(ledger, unacked, orphan, requeue, max_deliveries, queue_of)
         found["given_back" if outcome == "requeued" else outcome].append(orphan.field)
     lapses.forget_others()
     return {**found, "ts": now}
@@ -159,9 +170,14 @@ def _lost(
     claimed: Running,
     requeue: Callable[[dict[str, Any]], object],
     max_deliveries: int,
+    queue_of: Callable[[dict[str, Any]], str] | None = None,
 ) -> str:
     """A delivery ended with its worker dead or vanished: re-enqueue it, or park it as poison
     once that has happened `max_deliveries` times. Returns "requeued" or "parked".
+
+    Re-enqueued at the front of its queue when a copy of this very order is still held for
+    the dead worker (`queue_of` given): that copy is moved there. A copy of another order of
+    the batch (an earlier staging's) is never the one moved: it would be dropped as superseded.
 
     The broker's unacked copies of the order (the dead worker's delivery) would be delivered
     again after its visibility timeout, hours later, a copy the reaper has replaced; and
@@ -180,23 +196,41 @@ def _lost(
         ledger.drop_unacked(dead)
         log.error("%s/%s: %s", run, batch, reason)
         return "parked"
+    order = claimed.order()
     try:
-        requeue(claimed.order())
+        front = _to_the_front(ledger, unacked, order, queue_of)
+        if not front:
+            requeue(order)
     except Exception:
         # Not sent: give the entry back so the next round tries again (never lose the order).
         ledger.unlose(claimed)
         raise
     ledger.drop_unacked(dead)
     log.warning(
-        "%s/%s: its worker %s is gone and it has no output: re-enqueued (delivery %d of at "
-        "most %d ended with its worker gone)",
+        "%s/%s: its worker %s is gone and it has no output: re-enqueued %s (delivery %d of "
+        "at most %d ended with its worker gone)",
         run,
         batch,
         claimed.worker,
+        "at the front" if front else "at the back",
         lost,
         max_deliveries,
     )
     return "requeued"
+
+
+def _to_the_front(
+    ledger: Ledger,
+    unacked: UnackedIndex,
+    order: dict[str, Any],
+    queue_of: Callable[[dict[str, Any]], str] | None,
+) -> bool:
+    """Move one unacknowledged copy of exactly `order` to the consuming end of its queue;
+    False when there is none (or none is known to be its queue)."""
+    if queue_of is None:
+        return False
+    queue = queue_of(order)
+    return any(ledger.redeliver(tag, queue) for tag in unacked.carrying(order))
 
 
 def lapse_confirmed(first_seen_s: float | None, now: float, lease_ttl_s: float) -> bool:

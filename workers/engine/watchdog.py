@@ -9,6 +9,9 @@ notices. So a thread of the worker watches two things while requests are in flig
   from `/metrics` (`sglang:generation_tokens_total`, `sglang:realtime_tokens_total`);
 - after `stall_timeout_s` without any, a `/health_generate` probe (SGLang generates one token
   for it). Only when that fails too is the engine stalled, and `on_stall` gets the figures.
+  The probe is sent through the window's last `probe_timeout_s` (`probe_due`), so a probe
+  that times out has its answer as the window closes: sent after it, its own timeout was
+  added to every stall (2 of the 10-12 s a frozen engine was held in the chaos bench).
 
 The decision is the pure `advance()`; the thread only gathers its inputs.
 """
@@ -56,6 +59,19 @@ def advance(
     if inflight <= 0 or progress != clock.progress:
         return StallClock(now, progress)
     return clock
+
+
+def probe_due(stalled_s: float, stall_timeout_s: float, probe_timeout_s: float) -> bool:
+    """Whether an engine still for `stalled_s` (requests in flight) is probed now: once the
+    probe, were it to time out, would end at the window's close; never in the window's first
+    half (a probe timeout as long as the window would otherwise probe a moving engine).
+
+    >>> probe_due(5.9, 8.0, 2.0), probe_due(6.0, 8.0, 2.0), probe_due(275.0, 300.0, 25.0)
+    (False, True, True)
+    >>> probe_due(0.4, 1.0, 2.0), probe_due(0.5, 1.0, 2.0)
+    (False, True)
+    """
+    return stalled_s >= max(stall_timeout_s - probe_timeout_s, stall_timeout_s / 2)
 
 
 def parse_counters(text: str, names: tuple[str, ...] = PROGRESS_COUNTERS) -> dict[str, float]:
@@ -154,12 +170,14 @@ class StallWatchdog:
                 inflight = self.engine.inflight()
                 clock = advance(clock, time.monotonic(), inflight, self._progress(client))
                 stalled_s = clock.stalled_s(time.monotonic())
-                if stalled_s < self.stall_timeout_s:
+                if not probe_due(stalled_s, self.stall_timeout_s, self.probe_timeout_s):
                     continue
                 health = self._probe(client)
                 if health is None or self._stop.is_set():
                     clock = StallClock(time.monotonic(), clock.progress)
                     continue
+                if clock.stalled_s(time.monotonic()) < self.stall_timeout_s:
+                    continue  # the probe failed before the window closed: asked again
                 self.stalls += 1
                 figures = {
                     "stalled_s": round(time.monotonic() - clock.moved_at, 1),

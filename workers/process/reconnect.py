@@ -21,6 +21,11 @@ reconnect, and on the old channel, whose connection is gone, it raised (`'NoneTy
 no attribute 'client'`), an unrecoverable error that ended the worker (the chaos soak's control
 worker, its reaper with it, at a Redis restart). Those messages are moved to the new channel
 too (`queued_on`), so the queued ack is done there.
+
+The consumer's prefetch count is new after a reconnect, at its initial value: the slots the
+worker's running batches handed on (`workers.process.slots`) are counted on it as the event
+loop starts (`Consumer.loop_args`), or the batches moved to the new channel would fill it and
+the worker would take nothing more until they all ended.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ from typing import Any
 
 from celery.worker.consumer import Consumer as CeleryConsumer
 from celery.worker.request import Request
+
+from genfleet.workers.context import BatchTask
 
 log = logging.getLogger("genfleet.worker")
 
@@ -202,6 +209,14 @@ class Consumer(CeleryConsumer):  # type: ignore[misc]
             except Exception:  # noqa: BLE001 - one message's ack must not stop the consumer
                 log.exception("a deferred ack failed: the broker delivers that message again")
         return connection
+
+    def loop_args(self) -> Any:
+        """The event loop's arguments, once the consumer (re)connected and made its prefetch
+        count: the slots handed on by the batches that still run are counted on it first."""
+        runtime = BatchTask.runtime
+        if runtime is not None:
+            runtime.consumer_started(self.qos)
+        return super().loop_args()
 
 
 def _default_channel(connection: Any) -> Any:

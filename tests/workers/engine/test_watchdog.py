@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from genfleet.workers.engine.watchdog import StallClock, advance, parse_counters
+from genfleet.workers.engine.watchdog import StallClock, advance, parse_counters, probe_due
 
 
 @pytest.mark.parametrize(
@@ -22,6 +22,24 @@ def test_advance(
 ) -> None:
     clock = advance(StallClock(0.0, before), 30.0, inflight, after)
     assert clock.stalled_s(30.0) == stalled_s
+
+
+@pytest.mark.parametrize(
+    ("stalled_s", "stall_timeout_s", "probe_timeout_s", "due"),
+    [
+        (5.9, 8.0, 2.0, False),  # the bench's window: probed from 6 s, answered by 8 s
+        (6.0, 8.0, 2.0, True),
+        (274.9, 300.0, 25.0, False),  # the default window and SGLang's health timeout
+        (275.0, 300.0, 25.0, True),
+        (0.4, 1.0, 2.0, False),  # a probe as long as the window waits for its second half
+        (0.5, 1.0, 2.0, True),
+        (0.0, 8.0, 2.0, False),  # a moving engine is never probed
+    ],
+)
+def test_probe_due(
+    stalled_s: float, stall_timeout_s: float, probe_timeout_s: float, due: bool
+) -> None:
+    assert probe_due(stalled_s, stall_timeout_s, probe_timeout_s) is due
 
 
 def test_advance_keeps_the_first_still_moment() -> None:
