@@ -59,7 +59,7 @@ from genfleet.workers.feeding.client import (
 from genfleet.workers.feeding.drawn import Drawn
 from genfleet.workers.feeding.reasoning import THINK_END, reasoning_token_count
 from genfleet.workers.feeding.repetition import RepetitionRule, prompt_text
-from genfleet.workers.feeding.stream import END, sse_event
+from genfleet.workers.feeding.stream import END, json_object, sse_event
 from genfleet.workers.feeding.transport import AiohttpTransport, Transport
 
 log = logging.getLogger("genfleet.feeder")
@@ -563,13 +563,7 @@ class NativeClient:
         )
         if status != 200:
             raise answer_error(status, payload, retry_after)
-        try:
-            data = orjson.loads(payload)
-        except orjson.JSONDecodeError as exc:
-            raise RequestFailed(200, "bad_response", f"not JSON: {exc}") from exc
-        if not isinstance(data, dict):
-            raise RequestFailed(200, "bad_response", f"not a JSON object: {payload[:200]!r}")
-        return data
+        return json_object(payload, "not a JSON object")
 
     async def aclose(self) -> None:
         await self._tokenize.aclose()

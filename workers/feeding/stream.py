@@ -41,13 +41,19 @@ def sse_event(line: bytes) -> dict[str, Any] | None:
     payload = line[len(DATA) :].strip()
     if payload == DONE:
         return END
+    return json_object(payload, "not a stream chunk")
+
+
+def json_object(payload: bytes, what: str) -> dict[str, Any]:
+    """The JSON object an engine's 200 carries; anything else is a RequestFailed (`what`, and
+    why) that a try cannot read."""
     try:
-        chunk = orjson.loads(payload)
+        data = orjson.loads(payload)
     except orjson.JSONDecodeError as exc:
-        raise RequestFailed(200, "bad_response", f"not a stream chunk: {exc}") from exc
-    if not isinstance(chunk, dict):
-        raise RequestFailed(200, "bad_response", f"not a stream chunk: {payload[:200]!r}")
-    return chunk
+        raise RequestFailed(200, "bad_response", f"{what}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise RequestFailed(200, "bad_response", f"{what}: {payload[:200]!r}")
+    return data
 
 
 class ChatStream:
