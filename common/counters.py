@@ -8,7 +8,8 @@ never read back by a writer (the store stays the truth of what is done):
   in the ledger's `progress` pipeline (`add_generated`);
 - `errors`, `completion_tokens`, `reasoning_tokens`, where the tokens went
   (common/waste.py) and `last_done_at`: by the copy of a batch that wrote its output, in the
-  ledger's `done` transaction (`add_done`);
+  ledger's `done` transaction (`add_done`); the late copies and what they threw away by a
+  copy that found the output written by another, in its `done` transaction (`add_late_copy`);
 - `prompts_done`: the prompts of the batches done, added in that same transaction by
   common/progress.py (`add_prompts_done`) and recomputed by its reconcile from the done hash
   (`recount_prompts_done`);
@@ -59,10 +60,16 @@ def add_done(
 ) -> None:
     """Queue, in the ledger's `done` transaction of the copy that wrote a batch's output:
     add each (field, count) of the batch, in order, and stamp `last_done_at`."""
+    add_late_copy(pipe, run, counts)
+    pipe.hset(keys.counters_key(run), "last_done_at", done_at)
+
+
+def add_late_copy(pipe: RedisPipeline, run: str, counts: Iterable[tuple[str, int]]) -> None:
+    """Queue, in the ledger's `done` transaction of a copy that found the batch's output
+    written by another: add each (field, count), what it threw away (common/waste.py)."""
     name = keys.counters_key(run)
     for field, count in counts:
         pipe.hincrby(name, field, count)
-    pipe.hset(name, "last_done_at", done_at)
 
 
 def add_prompts_done(pipe: RedisPipeline, run: str, prompts: int) -> None:

@@ -53,6 +53,7 @@ import orjson
 from genfleet.common import counters, keys, progress, throughput
 from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.redis_conn import RedisCommands, text
+from genfleet.common.waste import WasteTally
 
 # A failed batch's reason is shown by `status`; a traceback-sized message is cut here.
 REASON_MAX_CHARS = 2000
@@ -293,11 +294,20 @@ class Ledger:
 
     # --- outcomes of a try -----------------------------------------------------------------
 
-    def done(self, run: str, batch: str, tally: Tally | None = None, prompts: int = 0) -> None:
+    def done(
+        self,
+        run: str,
+        batch: str,
+        tally: Tally | None = None,
+        prompts: int = 0,
+        late_copy_tokens: int | None = None,
+    ) -> None:
         """Called once the batch's output exists in the store: no order outstanding, not
         failed, in the run's progress copy with its `prompts` (common/progress.py). With
         `tally` (the copy that wrote the output, not a duplicate) the run's done counters and
-        `prompts_done` move in the same transaction. The store's listing stays the truth."""
+        `prompts_done` move in the same transaction. With `late_copy_tokens` (a copy that
+        generated the batch and found its output written by another) the run counts the late
+        copy and what it threw away. The store's listing stays the truth."""
         pipe = self.client.pipeline()
         pipe.srem(keys.queued_key(run), batch)
         pipe.hdel(keys.failed_key(run), batch)
@@ -312,6 +322,9 @@ class Ledger:
             progress.mark_written(pipe, run, batch, prompts)
         else:
             progress.mark_seen(pipe, run, batch, prompts)
+            if late_copy_tokens is not None:
+                late = WasteTally.late_copy(late_copy_tokens).to_counters()
+                counters.add_late_copy(pipe, run, late.items())
         pipe.execute()
 
     def progress(self, worker: str, counts: Mapping[str, tuple[int, int]], now: float) -> None:

@@ -9,7 +9,11 @@ Every record falls in one kind, the first that applies:
 - `kept`: everything else.
 
 Each kind is a count of records and of generated (completion) tokens; a stopped loop also
-counts the budget it did not spend (`tokens_saved`, max_tokens minus what it generated). The
+counts the budget it did not spend (`tokens_saved`, max_tokens minus what it generated).
+Apart from the records: the late copies, copies of a batch that generated it while another
+copy wrote its output first (a node cut off past its lease, a message delivered twice), and
+the tokens they threw away (`late_copies`, `late_copy_tokens`: the write-once put kept the
+other copy's answers, so these are in no record). The
 workers add a batch's tally to the run's Redis counters when its output is written (`status`
 reads them); `report` tallies the records themselves. Pure: no Redis, no store.
 
@@ -66,6 +70,8 @@ class WasteTally:
     records: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(KINDS, 0))
     tokens_saved: int = 0
+    late_copies: int = 0
+    late_copy_tokens: int = 0
 
     def add(self, record: Mapping[str, Any], short: bool | None = None) -> None:
         kind = waste_kind(record, short)
@@ -79,13 +85,17 @@ class WasteTally:
             self.records[kind] += other.records[kind]
             self.tokens[kind] += other.tokens[kind]
         self.tokens_saved += other.tokens_saved
+        self.late_copies += other.late_copies
+        self.late_copy_tokens += other.late_copy_tokens
 
     def to_counters(self) -> dict[str, int]:
         """The run's Redis counter increments: `waste_<kind>_records`, `waste_<kind>_tokens`,
-        `waste_tokens_saved` (zeros left out)."""
+        `waste_tokens_saved`, `waste_late_copies`, `waste_late_copy_tokens` (zeros left out)."""
         counters = {f"waste_{k}_records": n for k, n in self.records.items()}
         counters |= {f"waste_{k}_tokens": n for k, n in self.tokens.items()}
         counters["waste_tokens_saved"] = self.tokens_saved
+        counters["waste_late_copies"] = self.late_copies
+        counters["waste_late_copy_tokens"] = self.late_copy_tokens
         return {name: value for name, value in counters.items() if value}
 
     @classmethod
@@ -95,6 +105,8 @@ class WasteTally:
             tally.records[kind] = int(counters.get(f"waste_{kind}_records", 0))
             tally.tokens[kind] = int(counters.get(f"waste_{kind}_tokens", 0))
         tally.tokens_saved = int(counters.get("waste_tokens_saved", 0))
+        tally.late_copies = int(counters.get("waste_late_copies", 0))
+        tally.late_copy_tokens = int(counters.get("waste_late_copy_tokens", 0))
         return tally
 
     def figures(self, j_per_token: float | None = None) -> dict[str, Any]:
@@ -118,7 +130,15 @@ class WasteTally:
             "loops_stopped": self.records["stopped"],
             "tokens_saved": self.tokens_saved,
             "tokens_saved_share": round(self.tokens_saved / would_have, 4) if would_have else 0.0,
+            "late_copies": self.late_copies,
+            "late_copy_tokens": self.late_copy_tokens,
         }
+
+    @classmethod
+    def late_copy(cls, generated_tokens: int) -> WasteTally:
+        """One copy of a batch that found its output written by another: what it generated
+        for nothing."""
+        return cls(late_copies=1, late_copy_tokens=generated_tokens)
 
 
 def waste_text(figures: Mapping[str, Any]) -> str:
@@ -134,5 +154,10 @@ def waste_text(figures: Mapping[str, Any]) -> str:
         line += (
             f"; {figures['loops_stopped']:,} loops stopped, {figures['tokens_saved']:,} tokens "
             f"saved ({figures['tokens_saved_share']:.1%})"
+        )
+    if figures.get("late_copies"):
+        line += (
+            f"; {figures['late_copies']:,} late copies of batches written by another copy "
+            f"threw away {figures['late_copy_tokens']:,} tokens"
         )
     return line

@@ -32,6 +32,21 @@ def answering(broker_url: str, hostnames: list[str], timeout_s: float = 0.5) -> 
     return {name for reply in replies for name in reply} & set(hostnames)
 
 
+def running_batches(
+    broker_url: str, hostnames: list[str], timeout_s: float = 1.0
+) -> set[str] | None:
+    """The batches ("run.batch") the Celery workers `hostnames` run now (their active
+    generate tasks, whose ids are `run.batch.<suffix>`); None while one of them does not
+    answer (what it runs is unknown, not none)."""
+    with control_app(broker_url) as app:
+        replies = app.control.inspect(destination=hostnames, timeout=timeout_s).active() or {}
+    if set(replies) != set(hostnames):
+        return None
+    return {
+        str(task.get("id", "")).rsplit(".", 1)[0] for tasks in replies.values() for task in tasks
+    }
+
+
 def worker_report(broker_url: str, hostname: str, timeout_s: float = 1.0) -> dict[str, Any]:
     """Worker `hostname`'s `gpu_report` inspect reply now (its telemetry window, its engine
     state, its recent findings); {} when it does not answer."""

@@ -39,12 +39,12 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import keys
+from genfleet.common import counters, keys
 from genfleet.common.celery_config import GENERATE_TASK
 from genfleet.common.redis_conn import text
 from genfleet.common.settings import Settings
 from harness.assertions import assert_exactly_once
-from harness.control import answering
+from harness.control import answering, running_batches
 from harness.env import base_env, free_port
 from harness.nodes import Node, clock_env, second_node
 from harness.processes import Worker
@@ -253,8 +253,9 @@ class Figures:
 
 
 def batch_results(client: redis.Redis, run: str) -> list[dict[str, Any]]:
-    """The generate tasks' results for `run` in the result backend (one per try that ran to
-    its end: written, skipped or refused as a duplicate)."""
+    """The generate tasks' results for `run` in the result backend: one per task id, the
+    first to succeed (Celery keeps a success: a copy of the same order that ends later, on
+    the other node, leaves it as it is)."""
     found = []
     for key in client.scan_iter(match="celery-task-meta-*", count=500):
         meta = orjson.loads(client.get(key) or b"{}")
@@ -372,23 +373,26 @@ def play(fleet: TwoNodes, fault: str, run: str, prompts: int, deadline_s: float 
         figures.total_s = time.monotonic() - started
         if fault == "cut":
             # Node 2's late copies end once their store calls get through: refused by the
-            # write-once put, or (a copy that had not generated all yet) skipped.
-            wait_for(
-                lambda: held <= {r["batch"] for r in _late(batch_results(client, run), node2)},
-                60,
-                f"node 2's late copies of {sorted(held)} to end",
-                0.25,
-            )
+            # write-once put, or (a copy that had not generated all yet) skipped. Their task
+            # results are not kept (the result of a task id that succeeded on node 1 stays),
+            # so node 2 is asked what it still runs.
+            def ended() -> bool:
+                running = running_batches(fleet.redis.url, sorted(node2))
+                return running is not None and not running & {f"{run}.{b}" for b in held}
+
+            wait_for(ended, 60, f"node 2's late copies of {sorted(held)} to end", 0.25)
         result, rows = assert_exactly_once(settings, run, ids, client, store)
         parked = client.hgetall(keys.failed_key(run))
         assert not parked, f"batches parked: {parked}"
         figures.redone = len(client.hgetall(keys.lost_key(run)))
         results = batch_results(client, run)
+        counters_now = counters.read(client, run)
     exported = [row["id"] for row in rows]
     figures.held = sorted(held)
     figures.duplicates = result.duplicates + len(exported) - len(set(exported))
     figures.lost = len(set(ids) - set(exported))
-    figures.refused = sum(1 for r in _late(results, node2) if r.get("duplicate"))
+    # The copies the write-once put refused, as the run counts them (common/waste.py)
+    figures.refused = int(counters_now.get("waste_late_copies", 0))
     figures.node2_wrote = len(
         {r["batch"] for r in results if r.get("worker") in node2}
         - {r["batch"] for r in _late(results, node2)}

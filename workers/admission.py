@@ -181,8 +181,8 @@ def _check_model(runtime: TaskRuntime, work: WorkOrder) -> model_identity.Verdic
     verdict = verdicts.known(work.run, work.staging)
     if verdict is None:
         verdict = model_identity.judge(model_identity.read(runtime.store, work.run), identity)
-        verdicts.remember(work.run, work.staging, verdict)
-        _tell(runtime, work, verdict)
+        if verdicts.remember(work.run, work.staging, verdict):
+            _tell(runtime, work, verdict)
     if not verdict.serves:
         return verdict  # another worker's to judge, thinking and all
     refused = thinking_refusal(work, identity)

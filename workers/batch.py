@@ -312,7 +312,9 @@ def execute(
             _with_retries("the done counters", _count, client, order, summary)
             _telemetry("the quality gate", _judge, client, order, quality, gate, worker)
         else:
-            _with_retries("the batch as done", _mark_done, client, order)
+            _with_retries(
+                "the batch as done", _mark_done, client, order, summary.generated_tokens
+            )
     # Last, and best effort: once the output exists the parts are garbage. Failing here used
     # to fail the try after the output was written, and the retry (which finds the output
     # and skips) never counted the batch's tokens and errors.
@@ -556,10 +558,15 @@ def _judge(
         log.error("%s paused by the quality gate: %s", order.run, verdict.message())
 
 
-def _mark_done(client: RedisCommands, order: WorkOrder) -> None:
+def _mark_done(
+    client: RedisCommands, order: WorkOrder, late_copy_tokens: int | None = None
+) -> None:
     """The batch's output exists: no work order outstanding, not failed, done (another copy
-    wrote it and counted its prompts; the store's listing repairs a count that was lost)."""
-    Ledger(client).done(order.run, order.batch, prompts=order.prompts)
+    wrote it and counted its prompts; the store's listing repairs a count that was lost).
+    `late_copy_tokens`: this copy generated the batch all the same, and threw that away."""
+    Ledger(client).done(
+        order.run, order.batch, prompts=order.prompts, late_copy_tokens=late_copy_tokens
+    )
 
 
 def _mark_started(client: RedisCommands, run: str) -> None:

@@ -39,12 +39,18 @@ class RunVerdicts:
                 return None
             return refused[0]
 
-    def remember(self, run: str, staging: str, verdict: Verdict) -> None:
+    def remember(self, run: str, staging: str, verdict: Verdict) -> bool:
+        """Keep `verdict`; True when no other batch thread remembered one for the run's
+        staging in the meantime. Several slots can judge the same run at once (each found
+        nothing known): only the first says what it found, once, not once per slot."""
         with self._lock:
             now = self._clock()
             self._refused = {k: v for k, v in self._refused.items() if v[1] > now}
+            key = (run, staging)
+            first = key not in self._served and key not in self._refused
             if verdict.serves:
-                self._served[(run, staging)] = verdict
-                self._refused.pop((run, staging), None)
+                self._served[key] = verdict
+                self._refused.pop(key, None)
             else:
-                self._refused[(run, staging)] = (verdict, now + self.memory_s)
+                self._refused[key] = (verdict, now + self.memory_s)
+            return first

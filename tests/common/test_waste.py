@@ -54,3 +54,20 @@ def test_shares_energy_and_tokens_saved() -> None:
 def test_no_energy_without_a_counter_and_nothing_before_any_token() -> None:
     assert WasteTally().figures(None)["energy_kwh"] is None
     assert waste_text(WasteTally().figures()) == ""
+
+
+def test_a_late_copy_counts_apart_from_the_records_shares() -> None:
+    """A copy whose output another wrote first threw its tokens away: counted, shown, and
+    kept out of the shares of what the records hold."""
+    tally = WasteTally()
+    tally.add(row("stop", LONG, 900))
+    before = tally.figures()["tokens_share"]
+    tally.merge(WasteTally.late_copy(4000))
+    tally.merge(WasteTally.late_copy(0))  # it found the output before generating much
+    figures = tally.figures()
+    assert (figures["late_copies"], figures["late_copy_tokens"]) == (2, 4000)
+    assert figures["tokens_share"] == before and figures["generated_tokens"] == 900
+    assert WasteTally.from_counters(tally.to_counters()).figures() == figures
+    assert "2 late copies of batches written by another copy threw away 4,000 tokens" in (
+        waste_text(figures)
+    )

@@ -230,6 +230,9 @@ def test_a_duplicate_delivery_that_loses_the_race_counts_nothing(
     figures = counters(db)
     assert "completion_tokens" not in figures  # the winner counts the batch, not this copy
     assert figures["prompts_generated"] == 3  # the GPU work was done all the same
+    # ... and thrown away: the run says so (common/waste.py's late copies)
+    assert figures["waste_late_copies"] == 1
+    assert figures["waste_late_copy_tokens"] == summary.generated_tokens > 0
     assert db.smembers(keys.queued_key(RUN)) == set()
 
 

@@ -10,6 +10,8 @@ under A's file names, FP8 is quantized in its own config.
 
 from __future__ import annotations
 
+import threading
+
 import shutil
 from pathlib import Path
 from typing import Any
@@ -272,10 +274,32 @@ def test_a_worker_remembers_a_refusal_for_a_while_and_a_served_run_for_good() ->
     now = [0.0]
     verdicts = RunVerdicts(memory_s=60.0, clock=lambda: now[0])
     refused, served = Verdict(False, "name", ("quantization: …",)), Verdict(True, "name")
-    verdicts.remember("a", "s1", refused)
-    verdicts.remember("b", "s1", served)
+    assert verdicts.remember("a", "s1", refused) is True
+    assert verdicts.remember("b", "s1", served) is True
     now[0] = 59.0
     assert verdicts.known("a", "s1") == refused and verdicts.known("a", "s2") is None
     now[0] = 61.0
     assert verdicts.known("a", "s1") is None  # judged again: one store read
     assert verdicts.known("b", "s1") == served
+    assert verdicts.remember("a", "s1", refused) is True  # the refusal is news again
+
+
+def test_batch_slots_that_judge_a_run_at_once_say_so_once() -> None:
+    """Every slot found nothing known and judged the run: one of them tells (one finding),
+    the others only remember."""
+    verdicts = RunVerdicts(memory_s=60.0)
+    refused = Verdict(False, "name", ("quantization: …",))
+    start = threading.Barrier(8)
+    firsts: list[bool] = []
+
+    def slot() -> None:
+        start.wait()
+        assert verdicts.known("a", "s1") in (None, refused)
+        firsts.append(verdicts.remember("a", "s1", refused))
+
+    threads = [threading.Thread(target=slot) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(firsts) == [False] * 7 + [True]
