@@ -312,9 +312,7 @@ def execute(
             _with_retries("the done counters", _count, client, order, summary)
             _telemetry("the quality gate", _judge, client, order, quality, gate, worker)
         else:
-            _with_retries(
-                "the batch as done", _mark_done, client, order, summary.generated_tokens
-            )
+            _with_retries("the batch as done", _mark_done, client, order, summary.generated_tokens)
     # Last, and best effort: once the output exists the parts are garbage. Failing here used
     # to fail the try after the output was written, and the retry (which finds the output
     # and skips) never counted the batch's tokens and errors.

@@ -10,9 +10,8 @@ under A's file names, FP8 is quantized in its own config.
 
 from __future__ import annotations
 
-import threading
-
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
