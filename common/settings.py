@@ -154,8 +154,10 @@ class Settings(BaseSettings):
     # `worker --gpus … --tp-size …`: how often each child worker that dies is restarted.
     worker_restart_budget: int = Field(default=5, ge=0)
     # An engine with requests in flight that produced nothing (no completion, no generated
-    # token in /metrics) for this long and fails /health_generate is killed and restarted
-    # (an external one: the worker stops consuming). 0 turns the watchdog off.
+    # token in /metrics) for a window and fails /health_generate is killed and restarted
+    # (an external one: the worker stops consuming). The window is this long until the engine
+    # has worked this long, then 4x its longest pause, at least a quarter of this
+    # (workers/engine/watchdog.py). 0 turns the watchdog off.
     engine_stall_timeout_s: float = Field(default=300.0, ge=0)
     min_accept_length: float = Field(default=1.2, ge=1.0)
     log_dir: str | None = None  # engine logs; None: a temporary directory

@@ -106,6 +106,59 @@ def test_frozen_engine_is_killed_restarted_and_the_run_finishes(
     )
 
 
+def test_a_warm_engine_that_freezes_is_found_by_its_own_pauses_not_the_whole_timeout(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    """An engine that has moved for a whole stall timeout, pausing at most a look, gets a
+    window of a quarter of it: frozen then, it is killed in seconds, not after the timeout;
+    the run ends exactly once."""
+    stall_timeout_s = 12.0
+    store_url = (tmp_path / "store").as_uri()
+    env = base_env(
+        redis_url,
+        store_url,
+        log_dir=tmp_path,
+        port=free_port(),
+        checkpoint_interval_s=1,
+        engine_stall_timeout_s=stall_timeout_s,
+        emulator_time_scale=1,  # a real engine's pace: 1,200 answers take about 100 s
+        emulator_mean_completion_tokens=300,
+    )
+    worker = start_worker(env)
+    ids = write_prompts(tmp_path / "prompts.jsonl", 1200)
+    settings = fault_settings(redis_url, store_url)
+    worker.wait_ready()
+    store = open_run_store(settings)
+    stage(settings, "warm", tmp_path / "prompts.jsonl")
+    wait_batch_running(redis_client, store, "warm", worker.hostname)
+    time.sleep(stall_timeout_s + 4)  # busy all along: past its young minutes
+    assert len(outputs(store, "warm")) < len(ids) // 25, "the run ended before the freeze"
+    frozen = engine_pid(worker)
+    assert frozen is not None
+    os.kill(frozen, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        wait_for(lambda: not pid_alive(frozen), 60, f"the frozen engine (pid {frozen}) to die")
+        killed_s = time.monotonic() - frozen_at
+        wait_run_done(settings, redis_client, "warm", 240)
+    finally:
+        if pid_alive(frozen):
+            os.kill(frozen, signal.SIGKILL)
+    # the whole window and its probe would be past 12 s
+    assert killed_s < 0.75 * stall_timeout_s, f"killed {killed_s:.1f} s after the freeze"
+    result, _rows = assert_exactly_once(settings, "warm", ids, redis_client, store)
+    assert result.errors == 0
+    [found] = stall_findings(redis_client)
+    numbers = found["numbers"]
+    assert isinstance(numbers, dict)
+    assert numbers["stall_window_s"] < stall_timeout_s and numbers["inflight"] > 0
+    assert numbers["stalled_s"] >= numbers["stall_window_s"]
+    print(f"\n[fault warm-frozen-engine] killed {killed_s:.1f} s after the freeze: {numbers}")
+
+
 def emulator_process(
     env: dict[str, str], port: int, log: Path, model: str
 ) -> subprocess.Popen[bytes]:

@@ -7,11 +7,20 @@ notices. So a thread of the worker watches two things while requests are in flig
 
 - progress: completions the client received, plus the engine's own generated-token counters
   from `/metrics` (`sglang:generation_tokens_total`, `sglang:realtime_tokens_total`);
-- after `stall_timeout_s` without any, a `/health_generate` probe (SGLang generates one token
-  for it). Only when that fails too is the engine stalled, and `on_stall` gets the figures.
+- after a window without any, a `/health_generate` probe (SGLang generates one token for
+  it). Only when that fails too is the engine stalled, and `on_stall` gets the figures.
   The probe is sent through the window's last `probe_timeout_s` (`probe_due`), so a probe
   that times out has its answer as the window closes: sent after it, its own timeout was
   added to every stall (2 of the 10-12 s a frozen engine was held in the chaos bench).
+
+The window is `stall_timeout_s` while the engine is young: its first minutes may hold pauses
+no later minute does (kernels compiled for a shape seen the first time). Once it has moved
+for a whole `stall_timeout_s`, the window follows what it showed: `GAP_FACTOR` times the
+longest pause it made with requests in flight, never under `FLOOR_SHARE` of `stall_timeout_s`
+nor over it (`stall_window_s`). A busy engine that paused at most a second in an hour is not
+given five minutes to prove that it hangs: at the default 300 s a hang is found after 75 s,
+not 300 s, and each hang costs the GPU that much less. The probe still decides: a healthy
+engine in an unusually long pause answers it and is left alone.
 
 The decision is the pure `advance()`; the thread only gathers its inputs.
 """
@@ -23,7 +32,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
@@ -34,31 +43,78 @@ log = logging.getLogger("genfleet.engine")
 PROGRESS_COUNTERS = ("sglang:generation_tokens_total", "sglang:realtime_tokens_total")
 
 
+# The window once the engine is past its young minutes: this many times its longest pause...
+GAP_FACTOR = 4.0
+# ... but never under this share of `stall_timeout_s` (nor over all of it).
+FLOOR_SHARE = 0.25
+
+
 @dataclass(frozen=True)
 class StallClock:
-    """When the engine was last seen moving (or idle), and the progress figures then."""
+    """When the engine was last seen moving (or idle), the progress figures then, and what
+    its pauses were: when it first moved with requests in flight, and the longest stretch
+    it went without moving while they were (to a look's resolution)."""
 
     moved_at: float
     progress: tuple[float, ...] = ()
+    first_moved_at: float | None = None
+    longest_pause_s: float = 0.0
 
     def stalled_s(self, now: float) -> float:
         return max(0.0, now - self.moved_at)
+
+    def restarted(self, now: float) -> StallClock:
+        """The clock for a new engine process: young again, no pause known."""
+        return StallClock(now, self.progress)
 
 
 def advance(
     clock: StallClock, now: float, inflight: int, progress: tuple[float, ...]
 ) -> StallClock:
-    """The clock after one look: reset when nothing is in flight or any figure moved.
+    """The clock after one look: reset when nothing is in flight or any figure moved; a
+    move with requests in flight ends a pause, whose length is kept when it is the longest.
 
     >>> c = advance(StallClock(0.0, (5.0,)), 10.0, inflight=3, progress=(5.0,))
     >>> c.stalled_s(10.0)
     10.0
-    >>> advance(c, 12.0, inflight=3, progress=(6.0,)).stalled_s(12.0)
-    0.0
+    >>> m = advance(c, 12.0, inflight=3, progress=(6.0,))
+    >>> m.stalled_s(12.0), m.longest_pause_s, m.first_moved_at
+    (0.0, 12.0, 12.0)
     """
-    if inflight <= 0 or progress != clock.progress:
-        return StallClock(now, progress)
+    if inflight <= 0:
+        return replace(clock, moved_at=now, progress=progress)
+    if progress != clock.progress:
+        return replace(moved(clock, now), progress=progress)
     return clock
+
+
+def moved(clock: StallClock, now: float) -> StallClock:
+    """The engine showed at `now` that it works (it moved, or answered a probe): the pause
+    it ends is one it may make again."""
+    return replace(
+        clock,
+        moved_at=now,
+        first_moved_at=now if clock.first_moved_at is None else clock.first_moved_at,
+        longest_pause_s=max(clock.longest_pause_s, now - clock.moved_at),
+    )
+
+
+def stall_window_s(clock: StallClock, now: float, stall_timeout_s: float) -> float:
+    """How long the engine may go without moving, requests in flight, before it is probed
+    (module docstring): `stall_timeout_s` until it has moved for that long, then
+    `GAP_FACTOR` times its longest pause, within [`FLOOR_SHARE`, 1] x `stall_timeout_s`.
+
+    >>> young = StallClock(0.0, (), first_moved_at=100.0, longest_pause_s=0.5)
+    >>> stall_window_s(young, 200.0, 300.0), stall_window_s(young, 400.0, 300.0)
+    (300.0, 75.0)
+    >>> stall_window_s(replace(young, longest_pause_s=30.0), 400.0, 300.0)
+    120.0
+    """
+    if clock.first_moved_at is None or now - clock.first_moved_at < stall_timeout_s:
+        return stall_timeout_s
+    return min(
+        stall_timeout_s, max(FLOOR_SHARE * stall_timeout_s, GAP_FACTOR * clock.longest_pause_s)
+    )
 
 
 def probe_due(stalled_s: float, stall_timeout_s: float, probe_timeout_s: float) -> bool:
@@ -117,9 +173,13 @@ class StallWatchdog:
         self.engine = engine
         self.stall_timeout_s = stall_timeout_s
         self.on_stall = on_stall
-        self.interval_s = interval_s or min(max(stall_timeout_s / 8, 0.5), 10.0)
-        # SGLang's own health check gives up after 20 s (SGLANG_HEALTH_CHECK_TIMEOUT).
-        self.probe_timeout_s = probe_timeout_s or min(max(stall_timeout_s / 4, 2.0), 25.0)
+        # Fine enough to measure the engine's pauses: the window follows them.
+        self.interval_s = interval_s or min(max(stall_timeout_s / 16, 0.5), 2.0)
+        # SGLang's own health check gives up after 20 s (SGLANG_HEALTH_CHECK_TIMEOUT); half
+        # the shortest window at most, so the probe fits in it.
+        self.probe_timeout_s = probe_timeout_s or min(
+            max(FLOOR_SHARE * stall_timeout_s / 2, 2.0), 25.0
+        )
         self.stalls = 0
         self._metrics: dict[str, float] = {}
         self._stop = threading.Event()
@@ -165,23 +225,27 @@ class StallWatchdog:
             clock = StallClock(time.monotonic())
             while not self._stop.wait(self.interval_s):
                 if not self.engine.ready():
-                    clock = StallClock(time.monotonic())
+                    clock = clock.restarted(time.monotonic())  # starting: a new process
                     continue
                 inflight = self.engine.inflight()
                 clock = advance(clock, time.monotonic(), inflight, self._progress(client))
-                stalled_s = clock.stalled_s(time.monotonic())
-                if not probe_due(stalled_s, self.stall_timeout_s, self.probe_timeout_s):
+                now = time.monotonic()
+                window_s = stall_window_s(clock, now, self.stall_timeout_s)
+                if not probe_due(clock.stalled_s(now), window_s, self.probe_timeout_s):
                     continue
                 health = self._probe(client)
                 if health is None or self._stop.is_set():
-                    clock = StallClock(time.monotonic(), clock.progress)
+                    # It answered: the pause was the engine's own, one to allow again.
+                    clock = moved(clock, time.monotonic())
                     continue
-                if clock.stalled_s(time.monotonic()) < self.stall_timeout_s:
+                if clock.stalled_s(time.monotonic()) < window_s:
                     continue  # the probe failed before the window closed: asked again
                 self.stalls += 1
                 figures = {
                     "stalled_s": round(time.monotonic() - clock.moved_at, 1),
                     "stall_timeout_s": self.stall_timeout_s,
+                    "stall_window_s": round(window_s, 1),
+                    "longest_pause_s": round(clock.longest_pause_s, 1),
                     "inflight": inflight,
                     "completions": self.engine.completions(),
                     "generation_tokens_total": self._metrics.get(PROGRESS_COUNTERS[0]),
@@ -192,4 +256,4 @@ class StallWatchdog:
                     self.on_stall(figures)
                 except Exception:  # noqa: BLE001 - the watchdog must outlive a failed reaction
                     log.exception("reacting to a stalled engine failed")
-                clock = StallClock(time.monotonic(), clock.progress)
+                clock = clock.restarted(time.monotonic())

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from genfleet.workers.engine.watchdog import StallClock, advance, parse_counters, probe_due
+from genfleet.workers.engine.watchdog import (
+    StallClock,
+    advance,
+    moved,
+    parse_counters,
+    probe_due,
+    stall_window_s,
+)
 
 
 @pytest.mark.parametrize(
@@ -62,3 +69,32 @@ def test_parse_counters_sums_label_sets_and_skips_others() -> None:
         "sglang:generation_tokens_total": 7.0,
         "sglang:realtime_tokens_total": 7.0,
     }
+
+
+@pytest.mark.parametrize(
+    ("first_moved_at", "longest_pause_s", "now", "window_s"),
+    [
+        (None, 0.0, 1000.0, 300.0),  # never moved: the whole timeout
+        (800.0, 0.5, 1000.0, 300.0),  # young: moved for 200 s of 300
+        (700.0, 0.5, 1000.0, 75.0),  # moved 300 s, pauses of half a second: the floor
+        (700.0, 30.0, 1000.0, 120.0),  # a 30-s pause seen (a long prefill): 4x it
+        (700.0, 90.0, 1000.0, 300.0),  # never over the timeout
+    ],
+)
+def test_the_stall_window_follows_the_engine_s_pauses_once_it_is_warm(
+    first_moved_at: float | None, longest_pause_s: float, now: float, window_s: float
+) -> None:
+    clock = StallClock(now, (), first_moved_at, longest_pause_s)
+    assert stall_window_s(clock, now, 300.0) == window_s
+
+
+def test_pauses_are_measured_while_requests_are_in_flight_only() -> None:
+    clock = StallClock(0.0, (1.0,))
+    clock = advance(clock, 2.0, 4, (2.0,))  # moved: a 2-s pause, the first move
+    clock = advance(clock, 60.0, 0, (2.0,))  # idle for a minute: no pause
+    clock = advance(clock, 61.0, 4, (3.0,))
+    assert (clock.first_moved_at, clock.longest_pause_s) == (2.0, 2.0)
+    clock = advance(clock, 66.0, 4, (3.0,))  # still for 5 s ...
+    clock = moved(clock, 66.5)  # ... then it answered a probe: its pause, allowed again
+    assert clock.longest_pause_s == 5.5 and clock.stalled_s(66.5) == 0.0
+    assert clock.restarted(70.0) == StallClock(70.0, (3.0,))  # a new process: young again
