@@ -15,11 +15,16 @@ The worker processes of one node (`worker --gpus`) are `workers.process.children
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import redis
+from billiard.einfo import ExceptionInfo
+from celery.concurrency.base import apply_target
+from celery.concurrency.thread import ApplyResult
 from celery.concurrency.thread import TaskPool as ThreadTaskPool
+from celery.exceptions import Reject
 
 from genfleet.common.ledger import Ledger
 from genfleet.workers.context import BatchTask
@@ -50,6 +55,35 @@ class TaskPool(ThreadTaskPool):  # type: ignore[misc]
         """Batches that may run beyond the budget: one released slot each."""
         return int(self.limit) * (THREADS_PER_SLOT - 1)
 
+    def on_apply(
+        self,
+        target: Callable[..., Any],
+        args: tuple[Any, ...] | None = None,
+        kwargs: dict[str, Any] | None = None,
+        callback: Callable[..., Any] | None = None,
+        accept_callback: Callable[..., Any] | None = None,
+        error_callback: Callable[..., Any] | None = None,
+        **_: Any,
+    ) -> ApplyResult:
+        """Celery's threads pool runs a task and drops `error_callback`: an error raised
+        around the task's body (its STARTED state or its failure written to a result backend
+        that is away, its `task-started` event not sent) ends in the thread's future, which
+        nobody reads. The request then stays active for good, its message neither acked nor
+        handed back, holding a prefetch slot: after a Redis blip at the wrong moment the
+        worker took nothing more. Here such an error hands the message back to the queue
+        (`Reject(requeue=True)` through the request's `on_failure`): the order runs again,
+        and one whose output exists is skipped."""
+
+        def run() -> None:
+            try:
+                apply_target(target, args, kwargs, callback, accept_callback)
+            except Exception as exc:  # noqa: BLE001 - any error outside the task's own handling
+                log.warning("a task ended outside its body (%r): its order goes back", exc)
+                if error_callback is not None:
+                    error_callback(_handed_back(exc))
+
+        return ApplyResult(self.executor.submit(run))
+
     def terminate_job(self, pid: int, signal: Any = None) -> None:
         runtime = BatchTask.runtime
         if runtime is None or runtime.feeder is None:
@@ -57,6 +91,14 @@ class TaskPool(ThreadTaskPool):  # type: ignore[misc]
         cancelled = runtime.feeder.cancel_all()
         if cancelled:
             log.warning("terminating: %d running batches checkpointed and handed back", cancelled)
+
+
+def _handed_back(exc: Exception) -> ExceptionInfo:
+    """An `ExceptionInfo` of a requeueing `Reject` caused by `exc`, as `on_failure` takes."""
+    try:
+        raise Reject(f"ended outside its body: {exc!r}", requeue=True) from exc
+    except Reject:
+        return ExceptionInfo()
 
 
 class BatchRequest(HeldRequest):
