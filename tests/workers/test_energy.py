@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
@@ -18,6 +19,7 @@ from genfleet.workers.observe.sampler import batch_share
 from harness.env import base_env
 from harness.processes import Worker
 from harness.runs import stage_questions, wait_run_done
+from harness.waits import wait_for
 from tests.support.commands import genfleet
 
 # name, (energy before, after), engine tokens, batch tokens, seconds, GPUs → (J, GPU-s)
@@ -87,7 +89,13 @@ def test_a_run_reports_its_energy_and_cost(
     stage_questions(settings, "watts", tmp_path, 200)
     worker.wait_ready()
     wait_run_done(settings, redis_client, "watts", 120)
-    status = run_status(open_store(store), redis_client, "watts", gpu_hour_cost=3.0)
+
+    def settled() -> dict[str, Any] | None:
+        # A batch's energy is added once it settled, just after its output was counted done.
+        figures = run_status(open_store(store), redis_client, "watts", gpu_hour_cost=3.0)
+        return figures if figures["energy_batches"] == figures["batches_total"] else None
+
+    status = wait_for(settled, 10, "the last batch's energy", 0.1)
     assert status["energy_batches"] == status["batches_total"] == 4
     gpu_s = status["gpu_hours"] * 3600
     joules = status["energy_kwh"] * 3.6e6

@@ -161,6 +161,23 @@ def test_an_engine_that_serves_nobody_fails_the_batch_not_the_prompts(
     assert not any(r.error for r in results.values())
 
 
+def test_an_abort_before_any_answer_waits_for_the_others_to_be_served(
+    engine_with: Callable[[Script], ScriptedEngine],
+) -> None:
+    """The first answers of a run are long: one prompt aborts (no try left) before any other
+    prompt finished and with no canary yet. The others, still running, are waited for; they
+    are served, so the aborted prompt is an error record and the batch goes on (before, the
+    batch's try failed: "the engine serves no other prompt")."""
+    engine = engine_with(lambda text, n: ok(text, finish="abort") if text == "p0" else ok(text))
+    for i in range(1, 4):
+        engine.slow[f"p{i}"] = 0.5  # they finish well after p0's abort
+    future, results, _ = run_batch(engine, 4, retries=0)
+
+    assert future.exception() is None
+    assert results[0].error is not None and results[0].error["type"] == "abort"
+    assert all(results[i].error is None and results[i].finish_reason == "stop" for i in (1, 2, 3))
+
+
 def two_batches(
     engine: ScriptedEngine, first: list[str], then: list[str]
 ) -> tuple[Future[None], dict[int, CompletionRecord]]:

@@ -735,7 +735,9 @@ class Feeder:
         tries.attempt += 1
         self.failed_tries_total += 1
         if tries.attempt > self.retries:
-            if await self._serves_others(tries.failing_since):
+            # Judged as a death is: a worker that has answered nothing yet (no canary) waits
+            # for another prompt to be served, or for every other one to fail too.
+            if await self._served_since(tries.failing_since):
                 return True
             raise EngineDown(
                 f"{record.id} failed {tries.attempt} times ({exc}) and the engine serves no "
@@ -866,8 +868,9 @@ class Feeder:
 
     async def _served_since(self, since: float) -> bool:
         """Whether the engine serves prompts other than one about to be blamed, which first
-        died with it at `since`: one succeeded since, or the canary does; with neither (a
-        worker that has answered nothing yet), while other prompts are still to run here,
+        died with it (or failed every try on it) at `since`: one succeeded since, or the
+        canary does; with neither (a worker that has answered nothing yet: an abort in the
+        first answers of a run), while other prompts are still to run here,
         wait up to SERVED_WAIT_S for one of them to succeed (the suspect is out of the lane
         meanwhile, so they go). False when nothing else is left to run (every other prompt
         here is done or waits to be blamed too) or none succeeds."""
