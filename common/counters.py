@@ -60,13 +60,18 @@ def add_done(
 ) -> None:
     """Queue, in the ledger's `done` transaction of the copy that wrote a batch's output:
     add each (field, count) of the batch, in order, and stamp `last_done_at`."""
-    add_late_copy(pipe, run, counts)
+    _add(pipe, run, counts)
     pipe.hset(keys.counters_key(run), "last_done_at", done_at)
 
 
 def add_late_copy(pipe: RedisPipeline, run: str, counts: Iterable[tuple[str, int]]) -> None:
     """Queue, in the ledger's `done` transaction of a copy that found the batch's output
-    written by another: add each (field, count), what it threw away (common/waste.py)."""
+    written by another: add each (field, count), what it threw away (common/waste.py). No
+    `last_done_at`: the batch was done when the other copy wrote it."""
+    _add(pipe, run, counts)
+
+
+def _add(pipe: RedisPipeline, run: str, counts: Iterable[tuple[str, int]]) -> None:
     name = keys.counters_key(run)
     for field, count in counts:
         pipe.hincrby(name, field, count)

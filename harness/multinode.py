@@ -229,7 +229,9 @@ class Figures:
     recover_s: float | None = None  # fault → every held batch held by node 1, or written
     bound_s: float = 0.0  # what resent_s must stay under (`recovery_bound_s`)
     redone: int = 0  # batches the reaper sent again (deliveries that ended with no worker)
-    refused: int = 0  # node 2's late copies whose output the write-once put refused
+    # Late copies whose output the write-once put refused, as the run counts them: node 2's
+    # (node 1's copy writes first in these faults), or node 1's should node 2's win.
+    refused: int = 0
     node2_wrote: int = 0  # outputs node 2 wrote
     node2_connections: int = 0  # connections Redis still held from node 2 once it was re-sent
     node2_back_s: float | None = None  # heal → node 2's worker answers a ping again
@@ -391,7 +393,6 @@ def play(fleet: TwoNodes, fault: str, run: str, prompts: int, deadline_s: float 
     figures.held = sorted(held)
     figures.duplicates = result.duplicates + len(exported) - len(set(exported))
     figures.lost = len(set(ids) - set(exported))
-    # The copies the write-once put refused, as the run counts them (common/waste.py)
     figures.refused = int(counters_now.get("waste_late_copies", 0))
     figures.node2_wrote = len(
         {r["batch"] for r in results if r.get("worker") in node2}

@@ -12,12 +12,15 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import orjson
 import pytest
 import redis
 
 from genfleet.common import keys
+from genfleet.common.settings import Settings
+from genfleet.common.store import Store
 from harness.assertions import assert_exactly_once
 from harness.control import engine_report
 from harness.env import base_env, free_port
@@ -45,29 +48,48 @@ def stall_findings(client: redis.Redis) -> list[dict[str, object]]:
     return [row for row in rows if row["cause"] == "engine_stalled"]
 
 
-def test_frozen_engine_is_killed_restarted_and_the_run_finishes(
+def a_running_batch(
     tmp_path: Path,
     redis_url: str,
     redis_client: redis.Redis,
     start_worker: Callable[..., Worker],
-) -> None:
+    run: str,
+    prompts: int,
+    stall_timeout_s: float,
+    **worker_settings: Any,
+) -> tuple[Worker, list[str], Settings, Store]:
+    """A worker with the stall watchdog at `stall_timeout_s`, running `run` (`prompts`
+    prompts, checkpointed every second) once one of its batches runs."""
     store_url = (tmp_path / "store").as_uri()
     env = base_env(
         redis_url,
         store_url,
         log_dir=tmp_path,
         port=free_port(),
-        emulator_time_scale=4,
         checkpoint_interval_s=1,
-        engine_stall_timeout_s=STALL_TIMEOUT_S,
+        engine_stall_timeout_s=stall_timeout_s,
+        **worker_settings,
     )
     worker = start_worker(env)
-    ids = write_prompts(tmp_path / "prompts.jsonl", 150)
+    ids = write_prompts(tmp_path / "prompts.jsonl", prompts)
     settings = fault_settings(redis_url, store_url)
     worker.wait_ready()
     store = open_run_store(settings)
-    stage(settings, "frozen", tmp_path / "prompts.jsonl")
-    wait_batch_running(redis_client, store, "frozen", worker.hostname)
+    stage(settings, run, tmp_path / "prompts.jsonl")
+    wait_batch_running(redis_client, store, run, worker.hostname)
+    return worker, ids, settings, store
+
+
+def test_frozen_engine_is_killed_restarted_and_the_run_finishes(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    worker, ids, settings, store = a_running_batch(
+        tmp_path, redis_url, redis_client, start_worker, "frozen", 150, STALL_TIMEOUT_S,
+        emulator_time_scale=4,
+    )  # fmt: skip
     frozen = engine_pid(worker)
     assert frozen is not None
     os.kill(frozen, signal.SIGSTOP)
@@ -116,24 +138,11 @@ def test_a_warm_engine_that_freezes_is_found_by_its_own_pauses_not_the_whole_tim
     longest pause, at least a quarter of the timeout: frozen then, it is killed well before
     the timeout; the run ends exactly once."""
     stall_timeout_s = 24.0
-    store_url = (tmp_path / "store").as_uri()
-    env = base_env(
-        redis_url,
-        store_url,
-        log_dir=tmp_path,
-        port=free_port(),
-        checkpoint_interval_s=1,
-        engine_stall_timeout_s=stall_timeout_s,
-        emulator_time_scale=1,  # a real engine's pace: 1,200 answers take about 100 s
-        emulator_mean_completion_tokens=300,
-    )
-    worker = start_worker(env)
-    ids = write_prompts(tmp_path / "prompts.jsonl", 1200)
-    settings = fault_settings(redis_url, store_url)
-    worker.wait_ready()
-    store = open_run_store(settings)
-    stage(settings, "warm", tmp_path / "prompts.jsonl")
-    wait_batch_running(redis_client, store, "warm", worker.hostname)
+    # A real engine's pace: 1,200 answers take about 100 s.
+    worker, ids, settings, store = a_running_batch(
+        tmp_path, redis_url, redis_client, start_worker, "warm", 1200, stall_timeout_s,
+        emulator_time_scale=1, emulator_mean_completion_tokens=300,
+    )  # fmt: skip
     time.sleep(stall_timeout_s + 4)  # busy all along: past its young minutes
     assert len(outputs(store, "warm")) < len(ids) // 25, "the run ended before the freeze"
     frozen = engine_pid(worker)
