@@ -17,8 +17,12 @@
 # through the direct client, then through genfleet's worker + control on the same engine
 # (power-watch every 20 s, `genfleet top` every 15 s). NVML and /metrics are sampled
 # throughout. Each point: $OUT/point_$NAME.json (and .tar.gz with logs).
+# With CONT=1, before genfleet's phase: `harness/continuation.py` on the same engine (CONT_PROMPTS
+# prompts of MAXTOK tokens drawn whole twice at temperature 0, and drawn to CONT_CUT tokens then
+# on from prompt + those ids, compared id by id) -> $W/continuation.json.
 # Env: BUDGET_S (570: seconds from T0 the call may use), T0, ATTN (triton: what the carried
-# SGLang runs), STEADY_S (40), GF_WAVES (2).
+# SGLang runs), STEADY_S (40), GF_WAVES (2), ENGINE_MORE (flags added to the engine's, e.g.
+# --enable-deterministic-inference), CONT_PROMPTS (32), CONT_CUT (193).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
@@ -38,7 +42,7 @@ export TOKENIZERS_PARALLELISM=false
 M=/tmp/m/q36_27b
 NAME=${NAME:-point}; PLAN=${PLAN:-plan}; MAXTOK=${MAXTOK:-512}; LENGTHS=${LENGTHS:-$MAXTOK}
 PORT=30700; RPORT=6392
-ENGINE_EXTRA="--sampling-backend pytorch --grammar-backend none --load-format dummy"
+ENGINE_EXTRA="--sampling-backend pytorch --grammar-backend none --load-format dummy${ENGINE_MORE:+ $ENGINE_MORE}"
 W=/tmp/big/$NAME
 PIDS=()
 cleanup() {
@@ -114,6 +118,14 @@ step_point() {
       --duration-s "${STEADY_S:-40}" --max-tokens "$len" --json-out "$W/steady$len.json" >/dev/null
     mark "steady$len"_end
   done
+  if [ -n "${CONT:-}" ]; then
+    say "point $NAME: continuation by ids, ${CONT_PROMPTS:-32} prompts x $MAXTOK tokens, cut at ${CONT_CUT:-193}"
+    mark cont_start
+    timeout $(( $(left) - 30 )) python3 -m harness.continuation --url http://127.0.0.1:$PORT --model $M \
+      --prompts "${CONT_PROMPTS:-32}" --budget "$MAXTOK" --cut "${CONT_CUT:-193}" >"$W/continuation.json"
+    mark cont_end
+    cat "$W/continuation.json"; echo
+  fi
   if [ -n "${GF:-}" ]; then gf_phase "$cap" "$infl"; fi
   stop_pg $epg
   python3 "$HERE/summarize.py" "$W" >"$W/summary.txt" 2>&1; cat "$W/summary.txt" | head -40

@@ -624,6 +624,22 @@ CAPPED: list[tuple[str, float, dict[str, Any], int, tuple[str, str | None, str |
      ["admits no more: 30 running, below the engine's cap of 48, 9 queued inside it",
       "--kv-cache-dtype fp8_e4m3"], ["the plan expects"]),
     ("at good power the cap is no finding", 600, STATE_POOL_12, 5, ("ok", None, None), [], []),
+    # The H200's old default: 48 running of a plan of 256, 584 W (83 % of 700).
+    ("at good power below the plan's cap: the plan, not the power, tells", 584,
+     {**CONFIGURED_48, "cap_limit": "state_pool", "configured_max_running_requests": 256,
+      "plan_cap": 256, "plan_fix": "--disable-radix-cache --max-running-requests 256"}, 5,
+     ("underused", "engine_capped", "state_pool"),
+     ["limits the engine to 48 running requests (256 configured)",
+      "the plan expects 256 on this card", "--disable-radix-cache --max-running-requests 256"],
+     []),
+    ("at the power limit below the plan's cap: still the plan's fix", 699,
+     {**STATE_POOL_12, "plan_cap": 48, "plan_fix": PLAN_FIX}, 0,
+     ("underused", "engine_capped", "state_pool"), [PLAN_FIX], []),
+    ("at good power at the plan's cap", 600, {**STATE_POOL_12, "plan_cap": 12}, 5,
+     ("ok", None, None), [], []),
+    ("at good power below the plan's cap with room: no cap finding", 600,
+     {**STATE_POOL_12, "running": 6, "queued": 0, "inflight": 6, "plan_cap": 48}, 0,
+     ("ok", None, None), [], []),
 ]  # fmt: skip
 
 

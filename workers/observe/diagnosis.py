@@ -42,8 +42,10 @@ nothing to send at some point of the window (`idle_in_window`: work began inside
 
 A GPU whose engine runs its cap, the cap at or above the one the engine plan expects of this
 card (`plan_cap`), is "ok" whatever its power: memory-bound decode at the plan's best batch
-draws what it draws, and no knob of the worker raises it. Below the plan's cap it is
-underused, `engine_capped`, with the plan's fix.
+draws what it draws, and no knob of the worker raises it. Capped below the plan's cap with
+work waiting it is underused, `engine_capped`, with the plan's fix, whatever its power too:
+there the plan, not the power, is the tell (an H200 whose engine ran 48 requests drew 83 % of
+its limit, above the threshold, where the plan's 256 drew 2.47 times the tokens).
 
 MTP off is blamed when spec is off even where feeding is also short: the other causes that
 apply are listed in `numbers["other_causes"]`. An accept length below the minimum is a
@@ -224,6 +226,14 @@ class EngineRoom:
             room=not full and queued == 0,
             at_plan=full and plan is not None and cap is not None and cap >= plan,
         )
+
+
+def _below_plan(engine: Mapping[str, Any]) -> bool:
+    """The engine enforces a cap below the one the engine plan expects of this card (an
+    external engine launched otherwise, or one that cut the plan): the batch the card could
+    run is larger, so its power reading does not say whether it is used."""
+    cap, plan = engine.get("max_running_requests"), engine.get("plan_cap")
+    return cap is not None and plan is not None and cap < plan
 
 
 def _wants_more(engine: Mapping[str, Any], fleet: FleetState) -> bool:
@@ -478,6 +488,7 @@ def _judge_gpu(
         capped = _capped_advice(engine, room, fleet)
         numbers.update(cap_limit=capped["cap_limit"], cap_fix=capped["cap_fix"])
     low = power is not None and limit is not None and power < threshold * limit
+    short_of_plan = "engine_capped" in causes and _below_plan(engine)
     if alarm is not None:
         # Not a matter of power: the engine cannot serve until someone (or the cool-down)
         # acts, whether or not work waits right now.
@@ -488,6 +499,8 @@ def _judge_gpu(
         verdict, cause = "unknown", None
     elif low:
         verdict, cause = _low_power_verdict(causes, room, waits, summary, fleet)
+    elif short_of_plan and waits and not summary.get("idle_in_window"):
+        verdict, cause = "underused", "engine_capped"
     else:
         verdict, cause = "ok", None
     if cause is None and "mtp_ineffective" in causes:
