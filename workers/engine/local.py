@@ -146,6 +146,7 @@ def watchdog(
         inflight=inflight,
         completions=completions,
         ready=lambda: engine.state == "ready",
+        incarnation=lambda: engine.restarts,
     )
     dog = StallWatchdog(watched, settings.engine_stall_timeout_s, on_stall)
     dog.start()

@@ -59,13 +59,30 @@ class StallClock:
     progress: tuple[float, ...] = ()
     first_moved_at: float | None = None
     longest_pause_s: float = 0.0
+    incarnation: int = 0  # which start of the engine this clock judges (its restarts so far)
 
     def stalled_s(self, now: float) -> float:
         return max(0.0, now - self.moved_at)
 
-    def restarted(self, now: float) -> StallClock:
+    def restarted(self, now: float, incarnation: int | None = None) -> StallClock:
         """The clock for a new engine process: young again, no pause known."""
-        return StallClock(now, self.progress)
+        return StallClock(
+            now, self.progress, incarnation=self.incarnation if incarnation is None else incarnation
+        )
+
+
+def looked_at(clock: StallClock, now: float, ready: bool, incarnation: int) -> StallClock:
+    """The clock as a look finds the engine: one not ready, or started again since the last
+    look (`incarnation`, its restart count, moved: a restart quicker than a look), is a new
+    process, young again. Otherwise the old engine's pauses would set the new one's window.
+
+    >>> warm = StallClock(0.0, (), first_moved_at=1.0, longest_pause_s=2.0, incarnation=3)
+    >>> looked_at(warm, 5.0, True, 3) is warm, looked_at(warm, 5.0, True, 4).longest_pause_s
+    (True, 0.0)
+    """
+    if ready and incarnation == clock.incarnation:
+        return clock
+    return clock.restarted(now, incarnation)
 
 
 def advance(
@@ -153,6 +170,7 @@ class WatchedEngine:
     inflight: Callable[[], int]
     completions: Callable[[], int]  # completion tokens the client has received
     ready: Callable[[], bool]
+    incarnation: Callable[[], int] = lambda: 0  # the engine's restarts so far
 
 
 class StallWatchdog:
@@ -222,10 +240,11 @@ class StallWatchdog:
 
     def _run(self) -> None:
         with httpx.Client() as client:
-            clock = StallClock(time.monotonic())
+            clock = StallClock(time.monotonic(), incarnation=self.engine.incarnation())
             while not self._stop.wait(self.interval_s):
-                if not self.engine.ready():
-                    clock = clock.restarted(time.monotonic())  # starting: a new process
+                ready = self.engine.ready()
+                clock = looked_at(clock, time.monotonic(), ready, self.engine.incarnation())
+                if not ready:
                     continue
                 inflight = self.engine.inflight()
                 clock = advance(clock, time.monotonic(), inflight, self._progress(client))

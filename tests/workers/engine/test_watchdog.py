@@ -7,6 +7,7 @@ import pytest
 from genfleet.workers.engine.watchdog import (
     StallClock,
     advance,
+    looked_at,
     moved,
     parse_counters,
     probe_due,
@@ -98,3 +99,22 @@ def test_pauses_are_measured_while_requests_are_in_flight_only() -> None:
     clock = moved(clock, 66.5)  # ... then it answered a probe: its pause, allowed again
     assert clock.longest_pause_s == 5.5 and clock.stalled_s(66.5) == 0.0
     assert clock.restarted(70.0) == StallClock(70.0, (3.0,))  # a new process: young again
+
+
+WARM = StallClock(10.0, (3.0,), first_moved_at=1.0, longest_pause_s=0.5, incarnation=2)
+
+
+@pytest.mark.parametrize(
+    ("ready", "incarnation", "young"),
+    [
+        (True, 2, False),  # the same process, ready: its pauses stand
+        (False, 2, True),  # starting: a new process
+        (True, 3, True),  # restarted between two looks, ready at both: a new process too
+    ],
+)
+def test_a_look_finds_a_new_engine_young_again(ready: bool, incarnation: int, young: bool) -> None:
+    clock = looked_at(WARM, 400.0, ready, incarnation)
+    assert (clock == StallClock(400.0, (3.0,), incarnation=incarnation)) is young
+    assert clock.incarnation == incarnation
+    # young: the whole timeout again, not four times the old engine's half-second pause
+    assert stall_window_s(clock, 400.0, 300.0) == (300.0 if young else 75.0)
