@@ -21,7 +21,7 @@
 # prompts of MAXTOK tokens drawn whole twice at temperature 0, and drawn to CONT_CUT tokens then
 # on from prompt + those ids, compared id by id) -> $W/continuation.json.
 # Env: BUDGET_S (570: seconds from T0 the call may use), T0, ATTN (triton: what the carried
-# SGLang runs), STEADY_S (40), GF_WAVES (2), ENGINE_MORE (flags added to the engine's, e.g.
+# SGLang runs), STEADY_S (40; 0: no steady phase), GF_WAVES (2), ENGINE_MORE (flags added to the engine's, e.g.
 # --enable-deterministic-inference), CONT_PROMPTS (32), CONT_CUT (193).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
@@ -111,6 +111,7 @@ step_point() {
   say "point $NAME: engine cap $cap, $infl in flight"
   timeout 120 python3 "$HERE/load.py" --url http://127.0.0.1:$PORT --model $M --concurrency $infl --prompts $infl --max-tokens 32 --json-out "$W/warm.json" >/dev/null
   for len in $LENGTHS; do
+    [ "${STEADY_S:-40}" -eq 0 ] && continue
     [ "$(left)" -lt $(( ${STEADY_S:-40} + 30 )) ] && { say "steady $len skipped ($(left) s left)"; continue; }
     say "point $NAME: steady, $len-token answers, ${STEADY_S:-40} s"
     mark "steady$len"_start
