@@ -108,6 +108,8 @@ class WorkerRuntime:
         self.refused: str | None = None  # why the engine refuses this worker, once it does
         self.arch: str | None = None  # the checkpoint's architectures[0], when preflight read it
         self.plan: EnginePlan | None = None  # the engine plan its SGLang was launched with
+        # An external engine's: the plan it would have been launched with (power-watch only).
+        self.reference_plan: EnginePlan | None = None
         self.watchdog: StallWatchdog | None = None
         self.celery_worker: Any = None  # the WorkController, set by the engine bootstep
         # The model identity (`engine.fingerprint`), and each run's verdict against it (so a
@@ -128,7 +130,7 @@ class WorkerRuntime:
         hooks = local.Hooks(self._engine_died, self._engine_exhausted, self._engine_recovered)
         made = local.make(self.settings, self.hostname, hooks)
         self.settings = settings = made.settings
-        self.arch, self.plan = made.arch, made.plan
+        self.arch, self.plan, self.reference_plan = made.arch, made.plan, made.reference
         self.engine = engine = made.engine  # before it starts: its hooks read it
         info = local.start(engine, settings)
         if self.plan is not None:
@@ -351,7 +353,8 @@ class WorkerRuntime:
         engine = self.engine
         feeder = self.feeder
         supervised = engine if isinstance(engine, EngineSupervisor) else None
-        plan = self.plan if self.plan is not None and self.plan.planned else None
+        # An external engine is judged against the plan it would have been launched with.
+        plan = self.plan if self.plan is not None and self.plan.planned else self.reference_plan
         return EngineState.observe(
             engine.state if engine else "stopped",
             engine.server_info if engine else {},

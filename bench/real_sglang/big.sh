@@ -39,7 +39,7 @@ export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OF
 export SGLANG_HOST_IP=127.0.0.1 HOST_IP=127.0.0.1 NO_PROXY=127.0.0.1,localhost
 export TOKENIZERS_PARALLELISM=false
 [ -d /usr/local/cuda ] && export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-M=/tmp/m/q36_27b
+M=${MODEL:-/tmp/m/q36_27b}  # MODEL: another checkpoint (a build_model.py one)
 NAME=${NAME:-point}; PLAN=${PLAN:-plan}; MAXTOK=${MAXTOK:-512}; LENGTHS=${LENGTHS:-$MAXTOK}
 PORT=30700; RPORT=6392
 ENGINE_EXTRA="--sampling-backend pytorch --grammar-backend none --load-format dummy${ENGINE_MORE:+ $ENGINE_MORE}"
@@ -65,6 +65,7 @@ flags() {  # genfleet worker flags of this point
     [ -n "${CAP:-}" ] && f+=(--max-running-requests "$CAP")
     [ "${MTP:-}" = off ] && f+=(--no-mtp)
     [ "${MTP:-}" = on ] && f+=(--mtp)
+    [ -n "${MEMFRAC:-}" ] && f+=(--mem-fraction-static "$MEMFRAC")
   fi
   printf '%s\n' "${f[@]}"
 }

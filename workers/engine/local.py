@@ -41,12 +41,15 @@ class Hooks:
 class Made:
     """An engine not started yet, the settings it was made with (an API key of its own for
     an engine launched here, the engine plan's MTP choice), the checkpoint's
-    `architectures[0]` when preflight read it, and the engine plan (None: no plan applies)."""
+    `architectures[0]` when preflight read it, and the engine plan (None: no plan applies).
+    For an external engine, `reference` is the plan genfleet would have launched it with:
+    not what runs, what the power-watch judges it against."""
 
     engine: Engine
     settings: Settings
     arch: str | None
     plan: EnginePlan | None = None
+    reference: EnginePlan | None = None
 
 
 def make(settings: Settings, hostname: str, hooks: Hooks) -> Made:
@@ -64,7 +67,14 @@ def make(settings: Settings, hostname: str, hooks: Hooks) -> Made:
         external = ExternalEngine(
             settings.engine_url, settings.engine_health_path, api_key(settings)
         )
-        return Made(external, settings, None)
+        reference = reference_plan(settings)
+        if reference is not None:
+            log.info(
+                "external engine judged against the engine plan for this card: cap %d (%s)",
+                reference.max_running_requests,
+                reference.fix,
+            )
+        return Made(external, settings, None, reference=reference)
     return _supervised(settings, hostname, hooks)
 
 

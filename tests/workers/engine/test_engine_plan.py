@@ -16,6 +16,7 @@ import pytest
 
 from genfleet.common.errors import ConfigError
 from genfleet.common.settings import Settings
+from genfleet.workers.engine import local
 from genfleet.workers.engine.kinds import engine_launch, planned, print_engine_command
 from genfleet.workers.engine.plan import (
     ANSWER_KV_SHARE,
@@ -384,3 +385,38 @@ def test_a_radix_cache_turned_off_in_extra_args_gets_no_radix_strategy(
     assert launch is not None
     assert launch.argv.count("--disable-radix-cache") == 1
     assert "--mamba-radix-cache-strategy" not in launch.argv
+
+
+@pytest.mark.parametrize(
+    ("updates", "judged"),
+    [
+        ({}, True),  # the 27B's checkpoint on an H100: the plan SGLang would be launched with
+        ({"engine_plan": False}, False),  # --no-engine-plan: no plan to judge it by
+        ({"model": "Qwen/Qwen3.6-27B"}, False),  # a hub id: no config to plan from
+    ],
+)
+def test_an_external_engine_is_judged_against_the_plan(
+    checkpoint_27b: Path, updates: dict[str, Any], judged: bool
+) -> None:
+    """The old default on an H100 ran 12 of a plan of 98: without the plan beside it, the
+    power-watch could not say so, nor give the plan's flags as the fix."""
+    settings = Settings(
+        engine="external",
+        engine_url="http://127.0.0.1:30000",
+        model=str(checkpoint_27b),
+        plan_gpu="h100",
+        max_tokens=512,
+        sglang_version="0.5.15",
+    ).model_copy(update=updates)
+    hooks = local.Hooks(lambda: None, lambda _: None, lambda: None)
+    made = local.make(settings, "gpu0@test", hooks)
+    assert made.plan is None  # nothing was launched by a plan
+    if not judged:
+        assert made.reference is None
+        return
+    as_sglang = settings.model_copy(update={"engine": "sglang"})
+    _, plan = planned(as_sglang, QWEN35)
+    assert plan is not None and made.reference is not None
+    assert made.reference.max_running_requests == plan.max_running_requests
+    assert 12 < made.reference.max_running_requests < 256
+    assert "--disable-radix-cache" in made.reference.fix
