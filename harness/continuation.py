@@ -4,10 +4,16 @@ drawn whole twice (`/generate`, greedy: the twins), and drawn to `cut` tokens an
 prompt + those ids to the same budget (the continuation). All prompts of a pass go at once, as
 a worker sends a batch.
 
-The twins say how far two uninterrupted draws agree on this engine (batch composition and
-kernel choice move low-margin logits); the continuation, how far going on from ids does. A
-continuation whose first difference from its twin is at the cut, where the twins agree, is the
-prefill of prompt + drawn ids scoring the next token otherwise than the decode step did.
+The twins say how far two uninterrupted draws agree on this engine; the continuation, how far
+going on from ids does. Two twins of the same batch, drawn the same way, agree bit for bit on
+an H100 (48 of 48): the fair reference is a twin drawn in another batch composition (the
+prompts in halves, `twins_other_batch`), as the answers of a run are: batch size and kernel
+choice move low-margin logits, and so does a continuation's prefill of prompt + drawn ids
+(the hybrid model's recurrent layers then run their chunked prefill kernel, not the decode
+step). A continuation whose first difference from its twin is at the cut, where the twins
+agree, is the prefill scoring the next token otherwise than the decode step did.
+`distinct_ids_p50` (the median of each first twin's distinct ids) tells a model that draws
+text from one that repeats a few ids, where every comparison agrees trivially.
 
     python3 -m harness.continuation --url http://127.0.0.1:30000 --api-key-env KEY \
         --prompts 48 --budget 768 --cut 193
@@ -80,17 +86,28 @@ async def probe(engine: Engine, texts: Sequence[str], budget: int, cut: int) -> 
     async def whole() -> list[list[int]]:
         return list(await asyncio.gather(*(engine.draw(p, budget) for p in prompts)))
 
+    async def halves() -> list[list[int]]:
+        half = len(prompts) // 2 or 1
+        drawn: list[list[int]] = []
+        for part in (prompts[:half], prompts[half:]):
+            drawn.extend(await asyncio.gather(*(engine.draw(p, budget) for p in part)))
+        return drawn
+
     first, second = await whole(), await whole()
+    other = await halves()
     heads = await asyncio.gather(*(engine.draw(p, cut) for p in prompts))
     tails = await asyncio.gather(
         *(engine.draw([*p, *h], budget - len(h)) for p, h in zip(prompts, heads, strict=True))
     )
     continued = [[*h, *t] for h, t in zip(heads, tails, strict=True)]
+    distinct = sorted(len(set(f)) for f in first)
     return {
         "budget": budget,
         "cut": cut,
+        "distinct_ids_p50": distinct[len(distinct) // 2] if distinct else 0,
         "heads_vs_twin": agreement(heads, [f[:cut] for f in first], cut),
         "twins": agreement(second, first, cut),
+        "twins_other_batch": agreement(other, first, cut),
         "continued_vs_twin": agreement(continued, first, cut),
     }
 

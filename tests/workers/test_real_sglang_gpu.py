@@ -528,9 +528,11 @@ def test_answers_of_a_lost_worker_go_on_from_its_checkpoint(
 def test_a_continuation_by_ids_draws_what_one_uninterrupted_draw_does(
     mtp_stack: Stack, tmp_path: Path
 ) -> None:
-    """No fault: 48 prompts drawn whole twice, and drawn to 193 tokens then on from prompt +
-    those ids, greedy, compared id by id (`harness/continuation.py`). Going on from ids agrees
-    with the first draw as far as the second draw does."""
+    """No fault: 48 prompts drawn whole twice in one batch, once in halves, and drawn to 193
+    tokens then on from prompt + those ids, greedy, compared id by id
+    (`harness/continuation.py`). Going on from ids agrees with the first draw as far as a draw
+    in another batch composition does: two draws of one batch agreed bit for bit on an H100
+    (48 of 48) where every continuation parted 2-194 tokens after its cut."""
     limits = httpx.Limits(max_connections=64)
 
     async def measure() -> dict[str, Any]:
@@ -544,6 +546,7 @@ def test_a_continuation_by_ids_draws_what_one_uninterrupted_draw_does(
     out = Path(os.environ.get("GENFLEET_GPU_OUT", "/tmp"))
     (out / "resume_ids.json").write_text(json.dumps(figures, indent=1))
     print("RESUME_IDS", json.dumps(figures))
-    twins = figures["twins"]["identical"]
+    twins = figures["twins_other_batch"]["identical"]
+    assert figures["distinct_ids_p50"] > 20, figures  # text, not a few ids repeated
     assert figures["heads_vs_twin"]["identical"] >= twins - 12, figures
     assert figures["continued_vs_twin"]["identical"] >= twins - 12, figures

@@ -49,5 +49,6 @@ def test_the_emulator_goes_on_from_ids_as_one_draw(start_emulator: StartEmulator
             return await continuation.probe(probe, continuation.texts(8), 96, 30)
 
     figures = asyncio.run(measure())
-    for name in ("heads_vs_twin", "twins", "continued_vs_twin"):
+    for name in ("heads_vs_twin", "twins", "twins_other_batch", "continued_vs_twin"):
         assert figures[name]["identical"] == 8, figures
+    assert figures["distinct_ids_p50"] > 20, figures  # the emulator draws text
