@@ -139,6 +139,12 @@ class ModelShape:
         return self.full_attention_layers * self.kv_heads * self.head_dim * 2 * self.dtype_bytes
 
     @property
+    def draft_kv_bytes_per_token(self) -> int:
+        """K and V of one token over the MTP draft's layers: with MTP on SGLang builds the
+        draft a KV cache of as many tokens as the target's, beside it."""
+        return self.mtp_layers * self.kv_heads * self.head_dim * 2 * self.dtype_bytes
+
+    @property
     def conv_state_bytes(self) -> int:
         """One request's convolution state over the linear layers."""
         conv_dim = (
@@ -350,12 +356,18 @@ def pool_bytes(shape: ModelShape, inputs: PlanInputs, mtp: bool) -> float:
     return free * fraction - weights / inputs.tp_size - RESIDENT_EXTRA_GIB * GIB
 
 
+def kv_bytes_per_token(shape: ModelShape, mtp: bool) -> int:
+    """What a KV token costs the card: the target's layers, and the draft's with MTP."""
+    return shape.kv_bytes_per_token + (shape.draft_kv_bytes_per_token if mtp else 0)
+
+
 def request_bytes(shape: ModelShape, inputs: PlanInputs, mtp: bool) -> float:
     """What one running request holds on one card: its state slots and the KV of its prompt
     and, on average over a continuous batch, its answer (the draft's KV too with MTP)."""
     slots = SLOTS_PER_REQUEST + (inputs.speculative_num_draft_tokens if mtp else 0)
     tokens = inputs.prompt_tokens + ANSWER_KV_SHARE * inputs.answer_tokens
-    return (slots * shape.state_bytes_per_slot + shape.kv_bytes_per_token * tokens) / inputs.tp_size
+    kv = kv_bytes_per_token(shape, mtp) * tokens
+    return (slots * shape.state_bytes_per_slot + kv) / inputs.tp_size
 
 
 def fitting_cap(shape: ModelShape, inputs: PlanInputs, mtp: bool) -> int:
@@ -447,13 +459,25 @@ def _hybrid_plan(
             f"{ANSWER_KV_SHARE:g} of a {inputs.answer_tokens:,}-token answer) fit the pool"
         )
     flags.append(Flag("--max-running-requests", str(cap), cap_why))
+    pool = pool_bytes(shape, inputs, mtp)
+    slots = cap * (SLOTS_PER_REQUEST + (inputs.speculative_num_draft_tokens if mtp else 0))
+    state = slots * shape.state_bytes_per_slot / inputs.tp_size
+    kv_tokens = max(0, int((pool - state) / (kv_bytes_per_token(shape, mtp) / inputs.tp_size)))
+    draft = kv_tokens * shape.draft_kv_bytes_per_token / inputs.tp_size if mtp else 0.0
     if inputs.mem_fraction_static is None:
-        flags.append(
-            Flag(
-                "--mem-fraction-static",
-                str(PLAN_MEM_FRACTION),
-                "weights and pools; the rest for activations and CUDA graphs",
+        if draft > 0:
+            fraction = _fraction_beside_the_draft(shape, inputs, mtp, pool - draft)
+            why = (
+                f"weights and the target's pools; the draft's KV cache ({draft / GIB:.1f} GiB, "
+                "which SGLang builds after them, outside this share) and activations in the rest"
             )
+        else:
+            why = "weights and pools; the rest for activations and CUDA graphs"
+        flags.append(Flag("--mem-fraction-static", f"{fraction:g}", why))
+    elif draft > 0:
+        notes.append(
+            f"the draft's KV cache ({draft / GIB:.1f} GiB) comes beside "
+            f"--mem-fraction-static {fraction:g}'s share: leave it room"
         )
     if inputs.radix_cache is None:
         flags.append(
@@ -474,11 +498,6 @@ def _hybrid_plan(
                 f"decode rates, MTP assumed to accept {MTP_ACCEPT_ASSUMED:g}): measure with "
                 "`genfleet tune`, or choose with --mtp / --no-mtp"
             )
-    pool = pool_bytes(shape, inputs, mtp)
-    slots = cap * (SLOTS_PER_REQUEST + (inputs.speculative_num_draft_tokens if mtp else 0))
-    state = slots * shape.state_bytes_per_slot / inputs.tp_size
-    kv_per_token = shape.kv_bytes_per_token / inputs.tp_size
-    kv_tokens = max(0, int((pool - state) / kv_per_token))
     return EnginePlan(
         planned=True,
         max_running_requests=cap,
@@ -491,6 +510,21 @@ def _hybrid_plan(
         estimate=estimate,
         notes=(f"for {fraction:g} of {inputs.memory_gib:.1f} GiB", *notes),
     )
+
+
+def _fraction_beside_the_draft(
+    shape: ModelShape, inputs: PlanInputs, mtp: bool, target_pool: float
+) -> float:
+    """The `--mem-fraction-static` whose pools are `target_pool` (the inverse of
+    `pool_bytes`), rounded down: SGLang 0.5.15 fills its share with the target's pools and
+    then allocates the draft's KV cache, as many tokens again, beyond it (a 118M-parameter
+    hybrid with MTP at 0.9 on an H100: 70.3 GiB of target pools, then 33 GiB more asked for
+    the draft, out of memory)."""
+    assert inputs.memory_gib is not None
+    weights = shape.weight_bytes + (shape.mtp_weight_bytes if mtp else 0)
+    free = (inputs.memory_gib - CUDA_CONTEXT_GIB) * GIB
+    used = target_pool + weights / inputs.tp_size + RESIDENT_EXTRA_GIB * GIB
+    return math.floor(1000 * used / free) / 1000
 
 
 def check(plan: EnginePlan, info: Mapping[str, Any], enforced: int | None) -> str | None:

@@ -9,6 +9,7 @@ the 27B's figures are checked against what SGLang 0.5.15 built on an H100 80 GB
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,11 @@ from genfleet.workers.engine import local
 from genfleet.workers.engine.kinds import engine_launch, planned, print_engine_command
 from genfleet.workers.engine.plan import (
     ANSWER_KV_SHARE,
+    CUDA_CONTEXT_GIB,
     GIB,
     KV_HEADROOM,
+    PLAN_MEM_FRACTION,
+    RESIDENT_EXTRA_GIB,
     ModelShape,
     PlanInputs,
     card_memory_gib,
@@ -31,7 +35,7 @@ from genfleet.workers.engine.plan import (
     pool_bytes,
     request_bytes,
 )
-from tests.support.model_configs import QWEN35, qwen35_27b
+from tests.support.model_configs import QWEN35, qwen35_27b, qwen35_toy
 
 
 def qwen3_next_80b() -> dict[str, Any]:
@@ -420,3 +424,30 @@ def test_an_external_engine_is_judged_against_the_plan(
     assert made.reference.max_running_requests == plan.max_running_requests
     assert 12 < made.reference.max_running_requests < 256
     assert "--disable-radix-cache" in made.reference.fix
+
+
+@pytest.mark.parametrize("mtp", [True, False])
+def test_the_draft_s_kv_cache_fits_beside_the_target_s(mtp: bool) -> None:
+    """Measured on an H100 (SGLang 0.5.15): the 118M-parameter hybrid with MTP at 0.9 built
+    70.3 GiB of target pools (as planned), then asked 33 GiB more for the draft's KV cache of
+    as many tokens, with 7.7 GiB free: out of memory. The plan leaves the draft its room."""
+    shape = ModelShape.from_config(qwen35_toy())
+    assert shape.draft_kv_bytes_per_token == shape.kv_bytes_per_token // 2  # 1 layer of 2
+    inputs = PlanInputs(memory_gib=card_memory_gib("h100"), answer_tokens=768, mtp=mtp)
+    plan = make_plan(shape, inputs)
+    assert plan.planned and plan.mtp is mtp and plan.max_running_requests == 256
+    argv = plan.argv()
+    fraction = float(argv[argv.index("--mem-fraction-static") + 1])
+    assert plan.state_slots is not None and plan.kv_tokens is not None
+    target = (
+        plan.state_slots * shape.state_bytes_per_slot + plan.kv_tokens * shape.kv_bytes_per_token
+    )
+    draft = plan.kv_tokens * shape.draft_kv_bytes_per_token if mtp else 0
+    weights = shape.weight_bytes + (shape.mtp_weight_bytes if mtp else 0)
+    free = (inputs.memory_gib - CUDA_CONTEXT_GIB) * GIB  # type: ignore[operator]
+    # Everything SGLang allocates fits the plan's share of the card, the draft's cache too ...
+    assert target + draft + weights + RESIDENT_EXTRA_GIB * GIB <= PLAN_MEM_FRACTION * free
+    # ... and the share passed is the one whose pools SGLang sizes to the target's alone.
+    built = pool_bytes(shape, replace(inputs, mem_fraction_static=fraction), mtp)
+    assert abs(built - target) < 0.01 * target
+    assert (fraction < 0.75) if mtp else (fraction == PLAN_MEM_FRACTION)
