@@ -365,7 +365,9 @@ class WorkerRuntime:
             budget=supervised.budget() if supervised else None,
             crash=supervised.crash if supervised else None,
             plan_cap=plan.max_running_requests if plan else None,
-            plan_fix=plan.fix if plan else None,
+            # The plan's flags are a fix only for an engine launched otherwise: one launched
+            # with them and below the plan's cap cut it (engine_plan_cut); the limit's own fix.
+            plan_fix=plan.fix if plan is not None and plan is self.reference_plan else None,
             mtp_planned_off=bool(plan and not plan.mtp),
         )
 
