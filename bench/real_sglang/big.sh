@@ -21,8 +21,10 @@
 # prompts of MAXTOK tokens drawn whole twice at temperature 0, and drawn to CONT_CUT tokens then
 # on from prompt + those ids, compared id by id) -> $W/continuation.json.
 # Env: BUDGET_S (570: seconds from T0 the call may use), T0, ATTN (triton: what the carried
-# SGLang runs), STEADY_S (40; 0: no steady phase), GF_WAVES (2), ENGINE_MORE (flags added to the engine's, e.g.
-# --enable-deterministic-inference), CONT_PROMPTS (32), CONT_CUT (193).
+# SGLang runs), STEADY_S (40; 0: no steady phase), GF_WAVES (2), ENGINE_MORE (flags added to
+# the engine's, e.g. --enable-deterministic-inference), MEMFRAC (pins --mem-fraction-static),
+# MODEL (another checkpoint, e.g. /tmp/m/q35 of device.sh's models), CONT_PROMPTS (32),
+# CONT_CUT (193).
 set -uo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
