@@ -7,6 +7,7 @@
 #   OUT=$OUT NAME=old PLAN=old LENGTHS="512 2048" bash bench/real_sglang/big.sh build point
 #   OUT=$OUT NAME=plan512 MAXTOK=512 GF=1 bash bench/real_sglang/big.sh point
 #   OUT=$OUT NAME=c120 CAP=120 MAXTOK=512 bash bench/real_sglang/big.sh point
+#   OUT=$OUT MAXTOK=512 bash bench/real_sglang/big.sh tune     # `genfleet tune` on the 27B
 #
 # A point is one engine: PLAN=plan (genfleet's default plan for MAXTOK-token answers; CAP pins
 # its --max-running-requests, MTP=on|off pins MTP) or PLAN=old (the argv before the plan:
@@ -207,6 +208,28 @@ json.dump(g, open(f"{w}/genfleet.json", "w"), indent=1)
 print("genfleet", g)
 PY
   stop_pg $wpg; stop_pg $cpg
+}
+
+step_tune() {  # `genfleet tune` itself on the 27B: the plan's sweep, each point a fresh engine
+  local w=/tmp/big/tune$MAXTOK points=${TUNE_MTP:-off:plan*0.75,off:plan,off:plan*1.25,on:plan}
+  mkdir -p "$w/logs"
+  say "tune: --mtp $points at $MAXTOK-token answers, ${TUNE_DURATION_S:-40} s a point"
+  python3 - "$w/prompts.jsonl" <<PY
+import json, sys
+sys.path.insert(0, "$HERE")
+from load import prompt
+with open(sys.argv[1], "w") as f:
+    for i in range(4000):
+        f.write(json.dumps({"id": f"p{i}", "prompt": prompt(i)}) + "\n")
+PY
+  setsid python3 "$HERE/sample.py" nvml "$w/power.jsonl" >/dev/null 2>&1 & PIDS+=($!)
+  GENFLEET_LOG_DIR=$w/logs timeout $(( $(left) - 15 )) python3 -m genfleet.workers tune --engine sglang --model "$M" \
+    --gpus 0 --attention-backend "${ATTN:-triton}" --engine-extra-args "$ENGINE_EXTRA" --max-tokens "$MAXTOK" \
+    --mtp "$points" --duration-s "${TUNE_DURATION_S:-40}" --warmup-s 5 --ramp-s 10 --drain-s "${TUNE_DRAIN_S:-120}" \
+    --dataset "$w/prompts.jsonl" --settings-out "$w/tuned.env" --json-out "$w/tune.json" 2>&1 | tee "$w/tune.txt"
+  cp "$w/tune.json" "$OUT/tune_$MAXTOK.json" 2>/dev/null
+  for f in "$w"/logs/*.log; do [ -f "$f" ] && tail -c 100000 "$f" >"$f.tail" && rm -f "$f"; done
+  tar -C /tmp/big -czf "$OUT/big_tune$MAXTOK.tar.gz" --exclude='prompts.jsonl' "tune$MAXTOK"
 }
 
 pack() {
