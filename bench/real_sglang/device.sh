@@ -16,7 +16,8 @@
 #   golden   record_golden.py against q35 -> $OUT/golden.tar.gz (tests/golden/sglang-0.5.15)
 #   crash    crash_probe.py: CUDA-graph variants under genfleet's load -> $OUT/crash.tar.gz
 #   tests    python3 -m pytest -q -m gpu tests/workers/test_real_sglang_gpu.py -> $OUT/gpu_tests.txt
-#            (TESTS_K: -k; GENFLEET_GPU_ENGINE_EXTRA: flags added to the engines the tests start)
+#            (TESTS_K: -k; TESTS_FILES: other modules, e.g. tests/workers/test_real_sglang_27b_gpu.py
+#            after big.sh's build; GENFLEET_GPU_ENGINE_EXTRA: flags added to the engines the tests start)
 #   bench    per model (BENCH_MODELS, default "q35 dense"): one engine with genfleet's argv, a
 #            saturating direct client (plain, then streamed), then genfleet's worker + control
 #            on the same engine
@@ -138,7 +139,7 @@ step_tests() {
   say "tests: pytest -m gpu"
   mkdir -p /tmp/gpu-out
   (cd "$GF" && GENFLEET_GPU_OUT=/tmp/gpu-out timeout $(( $(left) - 15 )) python3 -m pytest -q -m gpu \
-    -p no:cacheprovider -p no:unraisableexception -o addopts="" -rA tests/workers/test_real_sglang_gpu.py ${TESTS_K:+-k "$TESTS_K"} \
+    -p no:cacheprovider -p no:unraisableexception -o addopts="" -rA ${TESTS_FILES:-tests/workers/test_real_sglang_gpu.py} ${TESTS_K:+-k "$TESTS_K"} \
     --basetemp=/tmp/gpu-tests 2>&1 | tee "$OUT/gpu_tests.txt")
   cp /tmp/gpu-out/*.json "$OUT/" 2>/dev/null
   tar -C /tmp -czf "$OUT/gpu_logs.tar.gz" --exclude='*.safetensors' --exclude='store' gpu-tests 2>/dev/null

@@ -1,0 +1,95 @@
+"""genfleet on real SGLang at the real model's size: the 27B shape (Qwen3.5/3.6-27B layout,
+`bench/real_sglang/build_27b.py`: config and tokenizer, SGLang's `--load-format dummy`), its
+engine launched by the worker's supervisor from the engine plan, on a GPU of 80 GB or more.
+
+Deselected by default (`-m gpu`), never in CI; skipped where `$GENFLEET_GPU_MODELS/q36_27b`
+(default /tmp/m) or the small checkpoints of `test_real_sglang_gpu.py` are missing. A module of
+its own: the small model's stack of that module holds the GPU until its last test.
+
+    TESTS_FILES=tests/workers/test_real_sglang_27b_gpu.py bash bench/real_sglang/device.sh tests
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Iterator
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.waits import wait_for
+from tests.workers.test_real_sglang_gpu import (
+    ENGINE_ENV,
+    MODELS,
+    Stack,
+    agreement,
+    answers,
+    done,
+    wait_drawn,
+    worker_stack,
+)
+
+BIG = MODELS / "q36_27b"
+
+if not (BIG / "config.json").is_file():
+    pytest.skip(f"no checkpoint {BIG} (bench/real_sglang/build_27b.py)", allow_module_level=True)
+
+pytestmark = [pytest.mark.gpu, pytest.mark.integration, pytest.mark.slow]
+
+
+@pytest.fixture(scope="module")
+def big_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    """The worker launches the engine plan (MTP off by its estimate, its cap and memory
+    share): the small model's 0.6 would not hold the 27B's 51 GiB of weights."""
+    tmp = tmp_path_factory.mktemp("big")
+    extra = ENGINE_ENV["GENFLEET_ENGINE_EXTRA_ARGS"] + " --load-format dummy"
+    with worker_stack(
+        tmp,
+        BIG,
+        "gpu0@big",
+        30210,
+        GENFLEET_ENGINE_EXTRA_ARGS=extra,
+        GENFLEET_MEM_FRACTION_STATIC="0.9",
+        GENFLEET_MTP="false",
+        GENFLEET_MAX_TOKENS="1024",
+        GENFLEET_ENGINE_STALL_TIMEOUT_S="120",
+        GENFLEET_CHECKPOINT_INTERVAL_S="3",
+    ) as s:
+        yield s
+
+
+def test_answers_of_the_27b_cut_by_an_engine_kill_go_on_from_their_ids(
+    big_stack: Stack, tmp_path: Path
+) -> None:
+    """Temperature 0: one uninterrupted run, then the same prompts with the engine SIGKILLed
+    mid-answer. The cut answers go on from their ids on the restarted 27B engine (its budget
+    carried, nothing started over), each prompt once; how many equal the uninterrupted run's
+    is measured (`resume_27b.json`)."""
+    count, budget = 64, 1024
+    ids = big_stack.run("twin", count, tmp_path, budget, prefix="q-", temperature=0.0)
+    wait_for(partial(done, big_stack, "twin"), 600, "run twin", 1.0)
+    twin = answers(big_stack, "twin", ids)
+    engine = big_stack.engine_pid()
+    ids = big_stack.run("cut", count, tmp_path, budget, prefix="q-", temperature=0.0)
+    wait_drawn(big_stack, "cut", ids)
+    os.killpg(os.getpgid(engine), signal.SIGKILL)
+    wait_for(partial(done, big_stack, "cut"), 900, "run cut", 1.0)
+    cut = answers(big_stack, "cut", ids)
+    resumed = {k: r for k, r in cut.items() if r.get("resumed_tokens")}
+    figures: dict[str, Any] = {
+        "resumed_vs_twin": agreement(resumed, twin),
+        "resumed_tokens": sorted(r["resumed_tokens"] for r in resumed.values()),
+        "restarted": sum(1 for r in cut.values() if r.get("restarted")),
+    }
+    out = Path(os.environ.get("GENFLEET_GPU_OUT", "/tmp"))
+    (out / "resume_27b.json").write_text(json.dumps(figures, indent=1))
+    print("RESUME_27B", json.dumps(figures))
+    assert resumed, "no answer was cut mid-way"
+    assert figures["restarted"] == 0
+    for row in resumed.values():  # the budget carried: drawn before + after, never more
+        tokens = row["usage"]["completion_tokens"]
+        assert tokens == budget if row["finish_reason"] == "length" else tokens < budget
