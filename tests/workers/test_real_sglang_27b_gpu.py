@@ -3,8 +3,8 @@
 engine launched by the worker's supervisor from the engine plan, on a GPU of 80 GB or more.
 
 Deselected by default (`-m gpu`), never in CI; skipped where `$GENFLEET_GPU_MODELS/q36_27b`
-(default /tmp/m) or the small checkpoints of `test_real_sglang_gpu.py` are missing. A module of
-its own: the small model's stack of that module holds the GPU until its last test.
+(default /tmp/m) is missing. A module of its own: the small model's stack of
+`test_real_sglang_gpu.py` holds the GPU until that module's last test.
 
     TESTS_FILES=tests/workers/test_real_sglang_27b_gpu.py bash bench/real_sglang/device.sh tests
 """
@@ -22,21 +22,22 @@ from typing import Any
 import pytest
 
 from harness.waits import wait_for
-from tests.workers.test_real_sglang_gpu import (
+from tests.support.real_sglang import (
     ENGINE_ENV,
     MODELS,
     Stack,
     agreement,
     answers,
     done,
+    missing,
     wait_drawn,
     worker_stack,
 )
 
 BIG = MODELS / "q36_27b"
 
-if not (BIG / "config.json").is_file():
-    pytest.skip(f"no checkpoint {BIG} (bench/real_sglang/build_27b.py)", allow_module_level=True)
+if (_why := missing((BIG,))) is not None:
+    pytest.skip(f"real SGLang tests at 27B: {_why}", allow_module_level=True)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration, pytest.mark.slow]
 
