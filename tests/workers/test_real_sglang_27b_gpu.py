@@ -22,21 +22,12 @@ from typing import Any
 import pytest
 
 from harness.waits import wait_for
-from tests.support.real_sglang import (
-    ENGINE_ENV,
-    MODELS,
-    Stack,
-    agreement,
-    answers,
-    done,
-    missing,
-    wait_drawn,
-    worker_stack,
-)
+from tests.support import real_sglang as gpu
+from tests.support.real_sglang import Stack
 
-BIG = MODELS / "q36_27b"
+BIG = gpu.MODELS / "q36_27b"
 
-if (_why := missing((BIG,))) is not None:
+if (_why := gpu.missing((BIG,))) is not None:
     pytest.skip(f"real SGLang tests at 27B: {_why}", allow_module_level=True)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.integration, pytest.mark.slow]
@@ -47,8 +38,8 @@ def big_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     """The worker launches the engine plan (MTP off by its estimate, its cap and memory
     share): the small model's 0.6 would not hold the 27B's 51 GiB of weights."""
     tmp = tmp_path_factory.mktemp("big")
-    extra = ENGINE_ENV["GENFLEET_ENGINE_EXTRA_ARGS"] + " --load-format dummy"
-    with worker_stack(
+    extra = gpu.ENGINE_ENV["GENFLEET_ENGINE_EXTRA_ARGS"] + " --load-format dummy"
+    with gpu.worker_stack(
         tmp,
         BIG,
         "gpu0@big",
@@ -72,17 +63,17 @@ def test_answers_of_the_27b_cut_by_an_engine_kill_go_on_from_their_ids(
     is measured (`resume_27b.json`)."""
     count, budget = 64, 1024
     ids = big_stack.run("twin", count, tmp_path, budget, prefix="q-", temperature=0.0)
-    wait_for(partial(done, big_stack, "twin"), 600, "run twin", 1.0)
-    twin = answers(big_stack, "twin", ids)
+    wait_for(partial(gpu.done, big_stack, "twin"), 600, "run twin", 1.0)
+    twin = gpu.answers(big_stack, "twin", ids)
     engine = big_stack.engine_pid()
     ids = big_stack.run("cut", count, tmp_path, budget, prefix="q-", temperature=0.0)
-    wait_drawn(big_stack, "cut", ids)
+    gpu.wait_drawn(big_stack, "cut", ids)
     os.killpg(os.getpgid(engine), signal.SIGKILL)
-    wait_for(partial(done, big_stack, "cut"), 900, "run cut", 1.0)
-    cut = answers(big_stack, "cut", ids)
+    wait_for(partial(gpu.done, big_stack, "cut"), 900, "run cut", 1.0)
+    cut = gpu.answers(big_stack, "cut", ids)
     resumed = {k: r for k, r in cut.items() if r.get("resumed_tokens")}
     figures: dict[str, Any] = {
-        "resumed_vs_twin": agreement(resumed, twin),
+        "resumed_vs_twin": gpu.agreement(resumed, twin),
         "resumed_tokens": sorted(r["resumed_tokens"] for r in resumed.values()),
         "restarted": sum(1 for r in cut.values() if r.get("restarted")),
     }
