@@ -35,8 +35,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.integration, pytest.mark.slow]
 
 @pytest.fixture(scope="module")
 def big_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    """The worker launches the engine plan (MTP off by its estimate, its cap and memory
-    share): the small model's 0.6 would not hold the 27B's 51 GiB of weights."""
+    """The worker launches the engine plan's cap, MTP off (as the plan chooses on an H100) and
+    0.9 of the card: the small model's 0.6 would not hold the 27B's 51 GiB of weights."""
     tmp = tmp_path_factory.mktemp("big")
     extra = gpu.ENGINE_ENV["GENFLEET_ENGINE_EXTRA_ARGS"] + " --load-format dummy"
     with gpu.worker_stack(
