@@ -678,29 +678,30 @@ def test_engine_capped_names_what_caps_it_and_its_fix(
     assert "\n" not in finding.suggestion
 
 
-# name, engine figures, the client wants to send more → (full, capped, below_cap, room, at_plan)
-ROOMS: list[tuple[str, dict[str, Any], bool, tuple[bool, bool, bool, bool, bool]]] = [
+# name, engine figures, the client wants to send more → (full, capped, below_cap, room, at_plan,
+# short_of_plan)
+ROOMS: list[tuple[str, dict[str, Any], bool, tuple[bool, bool, bool, bool, bool, bool]]] = [
     ("below its cap, nothing queued", {"running": 20, "max_running_requests": 48, "queued": 0},
-     True, (False, False, False, True, False)),
+     True, (False, False, False, True, False, False)),
     ("at its cap, requests queued inside", {"running": 48, "max_running_requests": 48,
-     "queued": 3}, False, (True, True, False, False, False)),
+     "queued": 3}, False, (True, True, False, False, False, False)),
     ("at its cap, more in flight than running", {"running": 48, "max_running_requests": 48,
-     "queued": 0, "inflight": 60}, False, (True, True, False, False, False)),
+     "queued": 0, "inflight": 60}, False, (True, True, False, False, False, False)),
     ("at its cap, the client would send more", {"running": 48, "max_running_requests": 48,
-     "queued": 0, "inflight": 48}, True, (True, True, False, False, False)),
+     "queued": 0, "inflight": 48}, True, (True, True, False, False, False, False)),
     ("at its cap, nothing waits", {"running": 48, "max_running_requests": 48, "queued": 0,
-     "inflight": 48}, False, (True, False, False, False, False)),
+     "inflight": 48}, False, (True, False, False, False, False, False)),
     ("queuing below its cap", {"running": 30, "max_running_requests": 48, "queued": 9}, True,
-     (False, True, True, False, False)),
+     (False, True, True, False, False, False)),
     ("its queue not reported", {"running": 30, "max_running_requests": 48, "queued": None},
-     True, (False, False, False, True, False)),
-    ("nothing reported", {}, True, (False, False, False, True, False)),
+     True, (False, False, False, True, False, False)),
+    ("nothing reported", {}, True, (False, False, False, True, False, False)),
     ("at the plan's cap", {"running": 12, "max_running_requests": 12, "queued": 7,
-     "plan_cap": 12}, True, (True, True, False, False, True)),
+     "plan_cap": 12}, True, (True, True, False, False, True, False)),
     ("at a cap below the plan's", {"running": 12, "max_running_requests": 12, "queued": 7,
-     "plan_cap": 48}, True, (True, True, False, False, False)),
+     "plan_cap": 48}, True, (True, True, False, False, False, True)),
     ("below the plan's cap with room", {"running": 5, "max_running_requests": 12,
-     "queued": 0, "plan_cap": 12}, True, (False, False, False, True, False)),
+     "queued": 0, "plan_cap": 12}, True, (False, False, False, True, False, False)),
 ]  # fmt: skip
 
 
@@ -708,10 +709,11 @@ ROOMS: list[tuple[str, dict[str, Any], bool, tuple[bool, bool, bool, bool, bool]
     ("engine", "wants_more", "expected"), [c[1:] for c in ROOMS], ids=[c[0] for c in ROOMS]
 )
 def test_where_the_engine_stands_against_its_cap(
-    engine: dict[str, Any], wants_more: bool, expected: tuple[bool, bool, bool, bool, bool]
+    engine: dict[str, Any], wants_more: bool, expected: tuple[bool, bool, bool, bool, bool, bool]
 ) -> None:
     room = EngineRoom.of(engine, wants_more)
-    assert (room.full, room.capped, room.below_cap, room.room, room.at_plan) == expected
+    got = (room.full, room.capped, room.below_cap, room.room, room.at_plan, room.short_of_plan)
+    assert got == expected
 
 
 def test_the_measured_state_pool_cap_from_server_info() -> None:

@@ -202,6 +202,8 @@ class EngineRoom:
     would run more than it is given (below its cap, nothing queued inside); an engine that
     reports neither figure is taken to have room, as the client cannot tell otherwise.
     `at_plan`: full at a cap at or above the plan's for this card: the best it can do.
+    `short_of_plan`: capped at a cap below the plan's (an engine launched otherwise, or one
+    that cut the plan): the card could run a larger batch, whatever its power reads.
     """
 
     full: bool
@@ -209,6 +211,7 @@ class EngineRoom:
     below_cap: bool
     room: bool
     at_plan: bool
+    short_of_plan: bool
 
     @classmethod
     def of(cls, engine: Mapping[str, Any], wants_more: bool) -> EngineRoom:
@@ -225,15 +228,8 @@ class EngineRoom:
             below_cap=below,
             room=not full and queued == 0,
             at_plan=full and plan is not None and cap is not None and cap >= plan,
+            short_of_plan=(held or below) and plan is not None and cap is not None and cap < plan,
         )
-
-
-def _below_plan(engine: Mapping[str, Any]) -> bool:
-    """The engine enforces a cap below the one the engine plan expects of this card (an
-    external engine launched otherwise, or one that cut the plan): the batch the card could
-    run is larger, so its power reading does not say whether it is used."""
-    cap, plan = engine.get("max_running_requests"), engine.get("plan_cap")
-    return cap is not None and plan is not None and cap < plan
 
 
 def _wants_more(engine: Mapping[str, Any], fleet: FleetState) -> bool:
@@ -488,7 +484,6 @@ def _judge_gpu(
         capped = _capped_advice(engine, room, fleet)
         numbers.update(cap_limit=capped["cap_limit"], cap_fix=capped["cap_fix"])
     low = power is not None and limit is not None and power < threshold * limit
-    short_of_plan = "engine_capped" in causes and _below_plan(engine)
     if alarm is not None:
         # Not a matter of power: the engine cannot serve until someone (or the cool-down)
         # acts, whether or not work waits right now.
@@ -499,7 +494,7 @@ def _judge_gpu(
         verdict, cause = "unknown", None
     elif low:
         verdict, cause = _low_power_verdict(causes, room, waits, summary, fleet)
-    elif short_of_plan and waits and not summary.get("idle_in_window"):
+    elif room.short_of_plan and waits and not summary.get("idle_in_window"):
         verdict, cause = "underused", "engine_capped"
     else:
         verdict, cause = "ok", None
