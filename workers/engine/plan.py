@@ -346,14 +346,21 @@ def unplanned(inputs: PlanInputs, mtp: bool, why: str) -> EnginePlan:
     return EnginePlan(False, cap, mtp, notes=(why,))
 
 
+def _share_and_resident(shape: ModelShape, inputs: PlanInputs, mtp: bool) -> tuple[float, float]:
+    """What `--mem-fraction-static` is a share of on one card (its memory less the context)
+    and what that share holds besides the pools (this card's part of the weights, and what
+    SGLang has allocated when it profiles)."""
+    assert inputs.memory_gib is not None
+    weights = shape.weight_bytes + (shape.mtp_weight_bytes if mtp else 0)
+    free = (inputs.memory_gib - CUDA_CONTEXT_GIB) * GIB
+    return free, weights / inputs.tp_size + RESIDENT_EXTRA_GIB * GIB
+
+
 def pool_bytes(shape: ModelShape, inputs: PlanInputs, mtp: bool) -> float:
     """What SGLang has for the state and KV pools on one card: its share of the card less the
     weights (this card's part of them) and the context."""
-    assert inputs.memory_gib is not None
-    fraction = inputs.mem_fraction_static or PLAN_MEM_FRACTION
-    weights = shape.weight_bytes + (shape.mtp_weight_bytes if mtp else 0)
-    free = (inputs.memory_gib - CUDA_CONTEXT_GIB) * GIB
-    return free * fraction - weights / inputs.tp_size - RESIDENT_EXTRA_GIB * GIB
+    free, resident = _share_and_resident(shape, inputs, mtp)
+    return free * (inputs.mem_fraction_static or PLAN_MEM_FRACTION) - resident
 
 
 def kv_bytes_per_token(shape: ModelShape, mtp: bool) -> int:
@@ -520,11 +527,8 @@ def _fraction_beside_the_draft(
     then allocates the draft's KV cache, as many tokens again, beyond it (a 118M-parameter
     hybrid with MTP at 0.9 on an H100: 70.3 GiB of target pools, then 33 GiB more asked for
     the draft, out of memory)."""
-    assert inputs.memory_gib is not None
-    weights = shape.weight_bytes + (shape.mtp_weight_bytes if mtp else 0)
-    free = (inputs.memory_gib - CUDA_CONTEXT_GIB) * GIB
-    used = target_pool + weights / inputs.tp_size + RESIDENT_EXTRA_GIB * GIB
-    return math.floor(1000 * used / free) / 1000
+    free, resident = _share_and_resident(shape, inputs, mtp)
+    return math.floor(1000 * (target_pool + resident) / free) / 1000
 
 
 def check(plan: EnginePlan, info: Mapping[str, Any], enforced: int | None) -> str | None:
