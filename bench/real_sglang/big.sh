@@ -59,6 +59,17 @@ healthy() { python3 -c "import sys, urllib.request; sys.exit(urllib.request.urlo
 mark() { echo "$1 $(date +%s.%N)" >>"$W/phases.txt"; }
 stop_pg() { kill -TERM -- "-$1" 2>/dev/null; for _ in $(seq 16); do kill -0 -- "-$1" 2>/dev/null || return 0; sleep 0.5; done; kill -KILL -- "-$1" 2>/dev/null; }
 
+write_prompts() {  # write_prompts FILE N: N prompts of load.py's, as genfleet reads them
+  python3 - "$1" "$2" <<PY
+import json, sys
+sys.path.insert(0, "$HERE")
+from load import prompt
+with open(sys.argv[1], "w") as f:
+    for i in range(int(sys.argv[2])):
+        f.write(json.dumps({"id": f"p{i}", "prompt": prompt(i)}) + "\n")
+PY
+}
+
 flags() {  # genfleet worker flags of this point
   local f=(--model "$M" --port $PORT --gpus 0 --attention-backend "${ATTN:-triton}" --max-tokens "$MAXTOK"
            --engine-extra-args "$ENGINE_EXTRA")
@@ -156,14 +167,7 @@ gf_phase() {  # N prompts direct, then the same through genfleet on the same eng
   export GENFLEET_MAX_TOKENS=$MAXTOK GENFLEET_BATCH_SIZE=$(( cap > 16 ? cap : 16 )) GENFLEET_TOP_P=1.0
   # Random weights: answers run to max_tokens, which the quality gate would pause the run for.
   export GENFLEET_POWER_WATCH_INTERVAL_S=20 GENFLEET_POWER_WINDOW_S=20 GENFLEET_QUALITY_GATE=false
-  python3 - "$W/prompts.jsonl" "$n" <<PY
-import json, sys
-sys.path.insert(0, "$HERE")
-from load import prompt
-with open(sys.argv[1], "w") as f:
-    for i in range(int(sys.argv[2])):
-        f.write(json.dumps({"id": f"p{i}", "prompt": prompt(i)}) + "\n")
-PY
+  write_prompts "$W/prompts.jsonl" "$n"
   local mtp_flag=--no-mtp; grep -q "speculative-algorithm" "$W/engine_command.txt" && mtp_flag=--mtp
   setsid python3 -m genfleet.workers worker --engine external --engine-url http://127.0.0.1:$PORT --model $M \
     $mtp_flag --hostname "gpu0@big" >"$W/logs/worker.txt" 2>&1 & local wpg=$!; PIDS+=($wpg)
@@ -214,14 +218,7 @@ step_tune() {  # `genfleet tune` itself on the 27B: the plan's sweep, each point
   local w=/tmp/big/tune$MAXTOK points=${TUNE_MTP:-off:plan*0.75,off:plan,off:plan*1.25,on:plan}
   mkdir -p "$w/logs"
   say "tune: --mtp $points at $MAXTOK-token answers, ${TUNE_DURATION_S:-40} s a point"
-  python3 - "$w/prompts.jsonl" <<PY
-import json, sys
-sys.path.insert(0, "$HERE")
-from load import prompt
-with open(sys.argv[1], "w") as f:
-    for i in range(4000):
-        f.write(json.dumps({"id": f"p{i}", "prompt": prompt(i)}) + "\n")
-PY
+  write_prompts "$w/prompts.jsonl" 4000
   setsid python3 "$HERE/sample.py" nvml "$w/power.jsonl" >/dev/null 2>&1 & PIDS+=($!)
   GENFLEET_LOG_DIR=$w/logs timeout $(( $(left) - 15 )) python3 -m genfleet.workers tune --engine sglang --model "$M" \
     --gpus 0 --attention-backend "${ATTN:-triton}" --engine-extra-args "$ENGINE_EXTRA" --max-tokens "$MAXTOK" \
