@@ -9,9 +9,12 @@ client keeps far more than 48 requests open.
 from __future__ import annotations
 
 import json
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -391,6 +394,37 @@ def test_emulator_sweep_shows_adaptive_as_its_own_point(tmp_path: Path) -> None:
         points[("off", 128)]["power_w"], rel=0.05
     )
     assert points[("on", 128)]["accept_length"] > 2.0  # fixed MTP keeps drafting
+
+
+@pytest.mark.integration
+def test_an_interrupted_sweep_keeps_its_points_and_stops_its_engine(tmp_path: Path) -> None:
+    """SIGTERM (a `timeout`, a scheduler's stop) during the second configuration: the first
+    one's points are written with `interrupted`, no settings file claims a choice, and the
+    engine being measured is stopped."""
+    env = sweep_env(tmp_path)
+    results, tuned = tmp_path / "tune.json", tmp_path / "tuned.env"
+    argv = [sys.executable, "-m", "genfleet.workers", "tune", "--engine", "emulator"]
+    argv += ["--mtp", "on,off", "--concurrency", "1,4", "--duration-s", "1.5"]
+    argv += ["--warmup-s", "0.5", "--ramp-s", "0.5", "--drain-s", "20"]
+    argv += ["--json-out", str(results), "--settings-out", str(tuned)]
+    sweep = subprocess.Popen(argv, env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    logs = tmp_path / "logs"
+    deadline = time.monotonic() + 120
+    while not (second := list(logs.glob("tune-off-*.log"))):  # the second engine's log
+        assert sweep.poll() is None and time.monotonic() < deadline, "the sweep ended first"
+        time.sleep(0.1)
+    port = int(second[0].stem.rsplit("-", 1)[1])
+    time.sleep(1.0)
+    sweep.send_signal(signal.SIGTERM)
+    _, stderr = sweep.communicate(timeout=60)
+    assert sweep.returncode == 130, stderr[-3000:]
+    data = json.loads(results.read_text())
+    assert data["interrupted"] is True
+    assert {(p["config"], p["concurrency"]) for p in data["points"]} >= {("on", 1), ("on", 4)}
+    assert all(p["config"] in {"on", "off"} for p in data["points"])
+    assert not tuned.exists()
+    with pytest.raises(OSError):  # the emulator the sweep was measuring no longer listens
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
 
 
 def test_a_radix_point_keeps_sglangs_own_split_with_the_ratio_it_names(tmp_path: Path) -> None:

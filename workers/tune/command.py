@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import signal
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -192,8 +193,10 @@ def run_config(
     settings: Settings,
     prompts: Iterator[PromptRecord],
     bar: Bar,
-) -> list[Point]:
-    """Start one configuration's engine, warm it up, measure every concurrency, stop it."""
+    points: list[Point],
+) -> None:
+    """Start one configuration's engine, warm it up, measure every concurrency, stop it.
+    Each point joins `points` as soon as it is measured, so an interrupted sweep keeps it."""
     bar.show(f"MTP {config.label}: starting the engine")
     supervisor, each = start_engine(settings, config)
     info = supervisor.server_info
@@ -212,7 +215,6 @@ def run_config(
     if not sampler.available:
         console.print(f"[yellow]no GPU readings:[/] {sampler.reason}", highlight=False)
     reader = EngineReader(supervisor, each)
-    points: list[Point] = []
     try:
         # `auto`: what a worker keeps in flight for the cap this engine enforces.
         sweep = [
@@ -245,7 +247,6 @@ def run_config(
         if close is not None:
             close()
         supervisor.stop()
-    return points
 
 
 class Bar:
@@ -308,6 +309,9 @@ def run_tune(options: Options, settings: Settings) -> None:
     )
     points: list[Point] = []
     cycle = itertools.cycle(prompts)
+    # `timeout`, a scheduler's stop and Ctrl-C alike: each engine is stopped on the way out
+    # and the points measured so far are still shown and written.
+    signal.signal(signal.SIGTERM, _interrupt)
     progress = Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -319,18 +323,30 @@ def run_tune(options: Options, settings: Settings) -> None:
         with progress:
             bar = Bar(progress, total)
             for config in options.configs:
-                points += run_config(config, options, settings, cycle, bar)
+                run_config(config, options, settings, cycle, bar, points)
     except GenfleetError as exc:
         fail(f"{exc}".splitlines()[0])
     except KeyboardInterrupt:
-        console.print("interrupted")
+        console.print(f"interrupted: {len(points)} point(s) measured before it")
+        if points:
+            show(points, options.json_stdout, settings.gpu_hour_cost, settings.tp_size)
+            report(points, options, settings, interrupted=True)
         raise typer.Exit(130) from None
     show(points, options.json_stdout, settings.gpu_hour_cost, settings.tp_size)
     report(points, options, settings)
 
 
-def report(points: list[Point], options: Options, settings: Settings) -> None:
-    """Write the chosen point as a settings file and, if asked, every point as JSON."""
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def report(
+    points: list[Point], options: Options, settings: Settings, interrupted: bool = False
+) -> None:
+    """Write the chosen point as a settings file and, if asked, every point as JSON.
+    `interrupted`: the sweep stopped before its last point. The JSON keeps what was measured
+    and says so; no settings file is written, since the best of part of a sweep is not the
+    sweep's choice."""
     fastest, frugal = best(points)
     chosen = frugal if options.pick == "energy" else fastest
     if options.json_path is not None or options.json_stdout:
@@ -340,6 +356,7 @@ def report(points: list[Point], options: Options, settings: Settings) -> None:
             "engine_command": settings.engine_command,
             "duration_s": options.duration_s,
             "warmup_s": options.warmup_s,
+            "interrupted": interrupted,
             "points": [p.to_json() for p in points],
             "best_tokens_per_s": fastest.to_json() if fastest else None,
             "best_j_per_token": frugal.to_json() if frugal else None,
@@ -350,6 +367,9 @@ def report(points: list[Point], options: Options, settings: Settings) -> None:
             options.json_path.write_bytes(orjson.dumps(data, option=orjson.OPT_INDENT_2))
         if options.json_stdout:
             sys.stdout.write(orjson.dumps(data).decode() + "\n")
+    if interrupted:
+        console.print(f"{options.out} not written: the sweep did not finish", highlight=False)
+        return
     if chosen is None:
         fail("no point produced tokens without errors: nothing to write", 1)
     options.out.write_text(
