@@ -6,14 +6,17 @@ Deselected by default (`-m gpu`), never in CI; skipped where `$GENFLEET_GPU_MODE
 (default /tmp/m) is missing. A module of its own: the small model's stack of
 `test_real_sglang_gpu.py` holds the GPU until that module's last test.
 
+    OUT=$OUT bash bench/real_sglang/big.sh build   # writes the 27B shape to /tmp/m/q36_27b
     TESTS_FILES=tests/workers/test_real_sglang_27b_gpu.py bash bench/real_sglang/device.sh tests
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -21,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from harness.processes import Worker
 from harness.waits import wait_for
 from tests.support import real_sglang as gpu
 from tests.support.real_sglang import Stack
@@ -54,34 +58,84 @@ def big_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         yield s
 
 
-def test_answers_of_the_27b_cut_by_an_engine_kill_go_on_from_their_ids(
-    big_stack: Stack, tmp_path: Path
-) -> None:
-    """Temperature 0: one uninterrupted run, then the same prompts with the engine SIGKILLed
-    mid-answer. The cut answers go on from their ids on the restarted 27B engine (its budget
-    carried, nothing started over), each prompt once; how many equal the uninterrupted run's
-    is measured (`resume_27b.json`)."""
-    count, budget = 64, 1024
-    ids = big_stack.run("twin", count, tmp_path, budget, prefix="q-", temperature=0.0)
+COUNT, BUDGET = 64, 1024
+
+
+@pytest.fixture(scope="module")
+def twin(big_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    """The prompts of both tests drawn once without a fault, at temperature 0."""
+    tmp = tmp_path_factory.mktemp("twin")
+    ids = big_stack.run("twin", COUNT, tmp, BUDGET, prefix="q-", temperature=0.0)
     wait_for(partial(gpu.done, big_stack, "twin"), 600, "run twin", 1.0)
-    twin = gpu.answers(big_stack, "twin", ids)
-    engine = big_stack.engine_pid()
-    ids = big_stack.run("cut", count, tmp_path, budget, prefix="q-", temperature=0.0)
-    gpu.wait_drawn(big_stack, "cut", ids)
-    os.killpg(os.getpgid(engine), signal.SIGKILL)
-    wait_for(partial(gpu.done, big_stack, "cut"), 900, "run cut", 1.0)
-    cut = gpu.answers(big_stack, "cut", ids)
+    return gpu.answers(big_stack, "twin", ids)
+
+
+def figures_of(cut: dict[str, dict[str, Any]], twin: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """How the answers that went on from their ids compare with the uninterrupted run's."""
     resumed = {k: r for k, r in cut.items() if r.get("resumed_tokens")}
-    figures: dict[str, Any] = {
+    return {
         "resumed_vs_twin": gpu.agreement(resumed, twin),
         "resumed_tokens": sorted(r["resumed_tokens"] for r in resumed.values()),
         "restarted": sum(1 for r in cut.values() if r.get("restarted")),
     }
-    out = Path(os.environ.get("GENFLEET_GPU_OUT", "/tmp"))
-    (out / "resume_27b.json").write_text(json.dumps(figures, indent=1))
-    print("RESUME_27B", json.dumps(figures))
+
+
+def assert_went_on(cut: dict[str, dict[str, Any]], figures: dict[str, Any]) -> None:
+    """Some answers went on from their ids, none started over, each within its budget."""
+    resumed = [r for r in cut.values() if r.get("resumed_tokens")]
     assert resumed, "no answer was cut mid-way"
     assert figures["restarted"] == 0
-    for row in resumed.values():  # the budget carried: drawn before + after, never more
+    for row in resumed:  # the budget carried: drawn before + after, never more
         tokens = row["usage"]["completion_tokens"]
-        assert tokens == budget if row["finish_reason"] == "length" else tokens < budget
+        assert tokens == BUDGET if row["finish_reason"] == "length" else tokens < BUDGET
+
+
+def keep(name: str, figures: dict[str, Any]) -> None:
+    out = Path(os.environ.get("GENFLEET_GPU_OUT", "/tmp"))
+    (out / f"{name}.json").write_text(json.dumps(figures, indent=1))
+    print(name.upper(), json.dumps(figures))
+
+
+def test_answers_of_the_27b_cut_by_an_engine_kill_go_on_from_their_ids(
+    big_stack: Stack, twin: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """Temperature 0: the prompts of the uninterrupted run again, the engine SIGKILLed
+    mid-answer. The cut answers go on from their ids on the restarted 27B engine (its budget
+    carried, nothing started over), each prompt once; how many equal the uninterrupted run's
+    is measured (`resume_27b.json`)."""
+    engine = big_stack.engine_pid()
+    ids = big_stack.run("cut", COUNT, tmp_path, BUDGET, prefix="q-", temperature=0.0)
+    gpu.wait_drawn(big_stack, "cut", ids)
+    os.killpg(os.getpgid(engine), signal.SIGKILL)
+    wait_for(partial(gpu.done, big_stack, "cut"), 900, "run cut", 1.0)
+    cut = gpu.answers(big_stack, "cut", ids)
+    figures = figures_of(cut, twin)
+    keep("resume_27b", figures)
+    assert_went_on(cut, figures)
+
+
+def test_answers_of_a_lost_27b_worker_go_on_from_its_checkpoint(
+    big_stack: Stack, twin: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    """The worker and its 27B engine SIGKILLed mid-answer: a new worker (its own engine, the
+    plan's) takes the batch once its lease is out and goes on from the answers its checkpoint
+    kept in flight (`resume_27b_worker_kill.json`). Last in the module: the stack's worker is
+    gone after it."""
+    ids = big_stack.run("lost", COUNT, tmp_path, BUDGET, prefix="q-", temperature=0.0)
+    gpu.wait_drawn(big_stack, "lost", ids)
+    time.sleep(4.0)  # a checkpoint of the answers in flight (every 3 s)
+    engine = big_stack.engine_pid()
+    big_stack.worker.kill(signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(os.getpgid(engine), signal.SIGKILL)
+    big_stack.worker.proc.wait()
+    fresh = Worker(big_stack.env, tmp_path / "worker2.log", "gpu0b@big", ["worker"])
+    try:
+        fresh.wait_ready(600)
+        wait_for(partial(gpu.done, big_stack, "lost"), 900, "run lost", 1.0)
+        cut = gpu.answers(big_stack, "lost", ids)
+    finally:
+        fresh.stop(60)
+    figures = figures_of(cut, twin)
+    keep("resume_27b_worker_kill", figures)
+    assert_went_on(cut, figures)
