@@ -275,7 +275,10 @@ def tune(
     duration_s: Annotated[float, typer.Option(help="measured seconds per point")] = 30.0,
     warmup_s: Annotated[float, typer.Option(help="warm-up per configuration")] = 5.0,
     ramp_s: Annotated[float, typer.Option(help="load before each window opens")] = 5.0,
-    drain_s: Annotated[float, typer.Option(help="wait for a point's requests to end")] = 120.0,
+    drain_s: Annotated[
+        float,
+        typer.Option(help="after a window, how long its requests may run on (not counted)"),
+    ] = 10.0,
     dataset: Annotated[str | None, typer.Option(help="prompts (any enqueue format)")] = None,
     out: Annotated[
         Path, typer.Option("--settings-out", help="settings file of the chosen point")

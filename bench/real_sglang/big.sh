@@ -222,7 +222,7 @@ step_tune() {  # `genfleet tune` itself on the 27B: the plan's sweep, each point
   setsid python3 "$HERE/sample.py" nvml "$w/power.jsonl" >/dev/null 2>&1 & PIDS+=($!)
   GENFLEET_LOG_DIR=$w/logs timeout $(( $(left) - 15 )) python3 -m genfleet.workers tune --engine sglang --model "$M" \
     --gpus 0 --attention-backend "${ATTN:-triton}" --engine-extra-args "$ENGINE_EXTRA" --max-tokens "$MAXTOK" \
-    --mtp "$points" --duration-s "${TUNE_DURATION_S:-40}" --warmup-s 5 --ramp-s 10 --drain-s "${TUNE_DRAIN_S:-120}" \
+    --mtp "$points" --duration-s "${TUNE_DURATION_S:-40}" --warmup-s 5 --ramp-s 10 --drain-s "${TUNE_DRAIN_S:-10}" \
     --dataset "$w/prompts.jsonl" --settings-out "$w/tuned.env" --json-out "$w/tune.json" 2>&1 | tee "$w/tune.txt"
   cp "$w/tune.json" "$OUT/tune_$MAXTOK.json" 2>/dev/null
   for f in "$w"/logs/*.log; do [ -f "$f" ] && tail -c 100000 "$f" >"$f.tail" && rm -f "$f"; done

@@ -169,20 +169,20 @@ def test_adaptive_refused_where_the_engine_would_not_run_it(argv: list[str], say
 
 
 @pytest.mark.parametrize(
-    ("requests", "window", "expected"),
+    ("streamed", "window", "expected"),
     [
-        ([(0.0, 10.0, 100)], (0.0, 10.0), 100.0),  # wholly inside
-        ([(-5.0, 5.0, 100)], (0.0, 10.0), 50.0),  # straddles the start
-        ([(5.0, 15.0, 100)], (0.0, 10.0), 50.0),  # straddles the end
-        ([(-5.0, 15.0, 200)], (0.0, 10.0), 100.0),  # spans the window
-        ([(11.0, 12.0, 100)], (0.0, 10.0), 0.0),  # after it
-        ([(3.0, 3.0, 7)], (0.0, 10.0), 7.0),  # instant, inside
+        ([(1.0, 10), (9.0, 10)], (0.0, 10.0), 20),  # inside
+        ([(-1.0, 10), (5.0, 10)], (0.0, 10.0), 10),  # one before the window
+        ([(5.0, 10), (10.5, 10)], (0.0, 10.0), 10),  # one after it
+        ([(0.0, 4), (10.0, 4)], (0.0, 10.0), 8),  # on both edges
+        ([(2.0, 8), (3.0, -2)], (0.0, 10.0), 6),  # a usage figure corrects an estimate
+        ([], (0.0, 10.0), 0),
     ],
 )
 def test_tokens_in_window(
-    requests: list[tuple[float, float, int]], window: tuple[float, float], expected: float
+    streamed: list[tuple[float, int]], window: tuple[float, float], expected: int
 ) -> None:
-    assert tokens_in_window(requests, *window) == pytest.approx(expected)
+    assert tokens_in_window(streamed, *window) == expected
 
 
 @pytest.mark.parametrize(
@@ -394,6 +394,27 @@ def test_emulator_sweep_shows_adaptive_as_its_own_point(tmp_path: Path) -> None:
         points[("off", 128)]["power_w"], rel=0.05
     )
     assert points[("on", 128)]["accept_length"] > 2.0  # fixed MTP keeps drafting
+
+
+@pytest.mark.integration
+def test_a_window_shorter_than_the_answers_reads_the_engine_s_rate(tmp_path: Path) -> None:
+    """Answers of ~4,000 tokens at 8 running take ~7 s here; the window is 2 s and the drain
+    0.5 s, so few end inside it. The rate is the tokens streamed in the window: near the
+    emulator's modelled 8 / 14 ms × 10 (MTP off), not the few answers that ended."""
+    env = sweep_env(tmp_path) | {
+        "GENFLEET_EMULATOR_MEAN_COMPLETION_TOKENS": "4000",
+        "GENFLEET_MAX_TOKENS": "8192",
+    }
+    results = tmp_path / "tune.json"
+    argv = [sys.executable, "-m", "genfleet.workers", "tune", "--engine", "emulator"]
+    argv += ["--mtp", "off", "--concurrency", "8", "--duration-s", "2", "--warmup-s", "0"]
+    argv += ["--ramp-s", "0.5", "--drain-s", "0.5", "--json-out", str(results)]
+    done = subprocess.run(argv, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (point,) = json.loads(results.read_text())["points"]
+    assert point["requests"] < 16  # most answers did not end inside the window
+    modelled = 8 / (12.0 + 0.25 * 8) * 1000 * 10
+    assert 0.5 * modelled < point["tokens_per_s"] < 1.2 * modelled
 
 
 @pytest.mark.integration

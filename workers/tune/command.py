@@ -2,7 +2,7 @@
 
     genfleet tune --model PATH [--engine sglang|emulator|command ...] [--concurrency 1,4,16,64]
                   [--mtp on,on:48,off] [--duration-s 30] [--warmup-s 5] [--ramp-s 5]
-                  [--drain-s 120] [--dataset FILE]
+                  [--drain-s 10] [--dataset FILE]
                   [--settings-out tuned.env] [--json-out results.json] [--json]
                   [--pick throughput|energy] [any setting ...]
 
@@ -11,7 +11,8 @@ it starts the engine through the worker's own supervisor (same argv, same readin
 up, then keeps exactly C requests in flight at each concurrency C, measuring `--duration-s`
 after `--ramp-s` (so the window sees a steady state, not the first burst), with
 prompts from `--dataset` (any format `enqueue` reads) or a built-in set. Per point it records
-output tok/s, mean power and its share of the enforced limit from the GPU energy counter,
+output tok/s (the tokens streamed inside the window, so a window shorter than the answers
+still reads the engine's rate; `--drain-s` is only how long the requests then run on), mean power and its share of the enforced limit from the GPU energy counter,
 J/token, the accept length where the engine reports one, and the power-watch verdict for
 "work waits" (a fleet whose queue is never empty). It prints the table, marks the best point
 by tok/s and by J/token, and writes the chosen one as a settings file for `worker`/`run`

@@ -48,6 +48,7 @@ class Live:
     samples: list[GpuSample] = field(default_factory=list)
     engine: dict[str, Any] = field(default_factory=dict)
     finished: list[tuple[float, float, int]] = field(default_factory=list)
+    streamed: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) by chunk
     errors: int = 0
     start_ts: float | None = None  # when the window's opening GPU reading was taken
     end_ts: float | None = None  # when the window's closing GPU reading was taken
@@ -72,14 +73,18 @@ async def drive(
     live: Live,
 ) -> None:
     """Keep `concurrency` requests in flight until `until` (time.time()), then let the ones
-    running finish for at most `drain_s`; finished requests land in `live.finished`."""
+    running finish for at most `drain_s`; finished requests land in `live.finished`, and
+    every streamed chunk's tokens in `live.streamed` as it arrives."""
+
+    def on_tokens(tokens: int) -> None:
+        live.streamed.append((time.time(), tokens))
 
     async def lane() -> None:
         while time.time() < until and not live.stop.is_set():
             record = next(prompts)
             start = time.time()
             try:
-                result = await client.chat(record, params)
+                result = await client.chat(record, params, on_tokens=on_tokens)
             except (EngineError, RequestRejected, RequestFailed, EngineConfigError) as exc:
                 live.errors += 1
                 log.warning("request failed: %s", exc)
@@ -151,7 +156,7 @@ def judge(
     """Turn one point's readings into a Point: energy-counter power, tokens, verdict."""
     t0, t1 = window
     duration = t1 - t0
-    tokens = tokens_in_window(live.finished, t0, t1)
+    tokens = tokens_in_window(live.streamed, t0, t1)
     telemetry = TelemetryWindow(duration)
     telemetry.add(s for s in live.samples if t0 <= s.ts <= t1)
     engine = {"max_running_requests": cap, **live.engine}
@@ -216,8 +221,7 @@ def measure(
     until = t0 + load.seconds
 
     def tick() -> None:
-        done = sum(n for _, end, n in live.finished if end >= t0)
-        rate = done / max(time.time() - t0, 1e-9)
+        rate = tokens_in_window(live.streamed, t0, time.time()) / max(time.time() - t0, 1e-9)
         show(f"{what}: {rate:,.0f} tok/s", min(time.time(), until) - t0 + ramp_s)
 
     interval_s = min(1.0, load.seconds / 10)
