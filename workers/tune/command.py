@@ -12,7 +12,8 @@ up, then keeps exactly C requests in flight at each concurrency C, measuring `--
 after `--ramp-s` (so the window sees a steady state, not the first burst), with
 prompts from `--dataset` (any format `enqueue` reads) or a built-in set. Per point it records
 output tok/s (the tokens streamed inside the window, so a window shorter than the answers
-still reads the engine's rate; `--drain-s` is only how long the requests then run on), mean power and its share of the enforced limit from the GPU energy counter,
+still reads the engine's rate; `--drain-s` is only how long the requests then run on), mean
+power and its share of the enforced limit from the GPU energy counter,
 J/token, the accept length where the engine reports one, and the power-watch verdict for
 "work waits" (a fleet whose queue is never empty). It prints the table, marks the best point
 by tok/s and by J/token, and writes the chosen one as a settings file for `worker`/`run`
