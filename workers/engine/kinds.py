@@ -229,4 +229,13 @@ def print_engine_command(settings: Settings, port: int | None = None) -> str:
         _, why = crash_workaround(settings, arch)
         if why:
             text += f"\n# avoids a known SGLang crash: {why}"
+        if (
+            "--cuda-graph-max-bs" in launch.argv
+            and "--cuda-graph-max-bs" not in settings.engine_extra_args
+        ):
+            size = launch.argv[launch.argv.index("--cuda-graph-max-bs") + 1]
+            text += (
+                f"\n# --cuda-graph-max-bs {size}: a full batch runs in a CUDA graph (SGLang "
+                "captures fewer by default and runs a larger batch eagerly)"
+            )
     return text

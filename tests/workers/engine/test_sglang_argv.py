@@ -464,3 +464,55 @@ def test_print_engine_command_says_why_it_disables_cuda_graphs(tmp_path: Any) ->
     assert any(c.startswith("# avoids a known SGLang crash") for c in comments)
     plain = print_engine_command(settings.model_copy(update={"mtp": False}), PORT)
     assert "--disable-cuda-graph" not in plain and "avoids" not in plain
+
+
+@pytest.mark.parametrize(
+    ("argv", "extra", "added"),
+    [
+        (["--max-running-requests", "320"], [], ["--cuda-graph-max-bs", "320"]),
+        (["--max-running-requests=300"], [], ["--cuda-graph-max-bs", "300"]),
+        (["--max-running-requests", "256"], [], []),  # within SGLang's own graphs
+        (["--max-running-requests", "98"], [], []),
+        ([], [], []),
+        # the last value is SGLang's
+        (["--max-running-requests", "320"], ["--max-running-requests", "128"], []),
+        (
+            ["--max-running-requests", "98"],
+            ["--max-running-requests=400"],
+            ["--cuda-graph-max-bs", "400"],
+        ),
+        # CUDA graphs already decided: off (the crash workaround), or sized by the user
+        (["--max-running-requests", "320", "--disable-cuda-graph"], [], []),
+        (["--max-running-requests", "320"], ["--cuda-graph-max-bs", "160"], []),
+        (["--max-running-requests", "320"], ["--cuda-graph-bs=8,16"], []),
+        (["--max-running-requests"], [], []),  # no value: SGLang refuses it, nothing added
+    ],
+)
+def test_a_batch_above_sglang_s_graphs_gets_graphs_its_size(
+    argv: list[str], extra: list[str], added: list[str]
+) -> None:
+    assert sglang_argv.graph_args(argv, extra) == added
+
+
+@pytest.mark.parametrize(
+    ("cap", "tp_size", "added"), [(512, 4, False), (600, 4, True), (300, 2, True)]
+)
+def test_from_four_gpus_sglang_captures_graphs_up_to_512(
+    cap: int, tp_size: int, added: bool
+) -> None:
+    argv = ["--max-running-requests", str(cap)]
+    assert bool(sglang_argv.graph_args(argv, [], tp_size)) == added
+
+
+def test_a_cap_above_256_runs_in_cuda_graphs_and_says_why(tmp_path: Any) -> None:
+    """A pinned cap of 320 on a dense model: SGLang would run a full batch eagerly."""
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    settings = Settings(model=str(tmp_path), max_running_requests=320, sglang_version="0.5.15")
+    first, *comments = print_engine_command(settings, PORT).splitlines()
+    words = first.split()
+    assert words[words.index("--cuda-graph-max-bs") + 1] == "320"
+    assert any(c.startswith("# --cuda-graph-max-bs 320: a full batch") for c in comments)
+    mtp_triton = settings.model_copy(update={"attention_backend": "triton"})
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": [QWEN35]}))
+    words = print_engine_command(mtp_triton, PORT).splitlines()[0].split()
+    assert "--disable-cuda-graph" in words and "--cuda-graph-max-bs" not in words
