@@ -25,10 +25,12 @@ from genfleet.common.settings import Settings
 from genfleet.workers.cli import parse_tune_args as parse_args
 from genfleet.workers.engine.sglang_argv import sglang_launch
 from genfleet.workers.tune.command import point_settings, start_engine
+from genfleet.workers.tune.measure import Live, window_tokens
 from genfleet.workers.tune.sweep import (
     AUTO_CONCURRENCY,
     Point,
     TuneConfig,
+    answer_tokens_in_window,
     best,
     markdown_table,
     parse_concurrency,
@@ -183,6 +185,38 @@ def test_tokens_in_window(
     streamed: list[tuple[float, int]], window: tuple[float, float], expected: int
 ) -> None:
     assert tokens_in_window(streamed, *window) == expected
+
+
+@pytest.mark.parametrize(
+    ("requests", "window", "expected"),
+    [
+        ([(0.0, 10.0, 100)], (0.0, 10.0), 100.0),  # wholly inside
+        ([(-5.0, 5.0, 100)], (0.0, 10.0), 50.0),  # straddles the start
+        ([(5.0, 15.0, 100)], (0.0, 10.0), 50.0),  # straddles the end
+        ([(-5.0, 15.0, 200)], (0.0, 10.0), 100.0),  # spans the window
+        ([(11.0, 12.0, 100)], (0.0, 10.0), 0.0),  # after it
+        ([(3.0, 3.0, 7)], (0.0, 10.0), 7.0),  # instant, inside
+    ],
+)
+def test_answer_tokens_in_window(
+    requests: list[tuple[float, float, int]], window: tuple[float, float], expected: float
+) -> None:
+    assert answer_tokens_in_window(requests, *window) == pytest.approx(expected)
+
+
+@pytest.mark.parametrize(
+    ("usage", "finished", "expected"),
+    [
+        (True, [(0.0, 10.0, 100)], 64),  # the engine counts its tokens: the streamed ones
+        (False, [], 64),  # nothing ended yet: the streamed estimate is all there is
+        (False, [(0.0, 10.0, 100)], 100.0),  # no counts: the answers that ended
+    ],
+)
+def test_a_window_counts_streamed_tokens_where_the_engine_counts_them(
+    usage: bool, finished: list[tuple[float, float, int]], expected: float
+) -> None:
+    live = Live(finished=finished, streamed=[(1.0, 32), (2.0, 32)], usage_streamed=usage)
+    assert window_tokens(live, 0.0, 10.0) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(

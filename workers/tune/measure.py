@@ -36,7 +36,12 @@ from genfleet.workers.observe.engine_state import (
     engine_state_from_server_info,
 )
 from genfleet.workers.observe.telemetry import GpuSample, Sampler, TelemetryWindow
-from genfleet.workers.tune.sweep import Point, TuneConfig, tokens_in_window
+from genfleet.workers.tune.sweep import (
+    Point,
+    TuneConfig,
+    answer_tokens_in_window,
+    tokens_in_window,
+)
 
 log = logging.getLogger("genfleet.tune")
 
@@ -49,6 +54,7 @@ class Live:
     engine: dict[str, Any] = field(default_factory=dict)
     finished: list[tuple[float, float, int]] = field(default_factory=list)
     streamed: list[tuple[float, int]] = field(default_factory=list)  # (time, tokens) by chunk
+    usage_streamed: bool = False  # an answer carried the engine's token count
     errors: int = 0
     start_ts: float | None = None  # when the window's opening GPU reading was taken
     end_ts: float | None = None  # when the window's closing GPU reading was taken
@@ -92,6 +98,7 @@ async def drive(
                 continue
             tokens = completion_tokens(result, params.max_tokens)
             live.finished.append((start, time.time(), tokens))
+            live.usage_streamed = live.usage_streamed or result.usage.completion_tokens > 0
 
     lanes = [asyncio.create_task(lane()) for _ in range(concurrency)]
     _, pending = await asyncio.wait(lanes, timeout=max(0.0, until - time.time()) + drain_s)
@@ -145,6 +152,15 @@ def sample_loop(
         tick()
 
 
+def window_tokens(live: Live, t0: float, t1: float) -> float:
+    """The point's output tokens in [t0, t1]: those streamed, where the engine counts them
+    (SGLang's usage on every chunk); else, where answers ended without a count (`transformers
+    serve`), their lengths spread over their lives, since a chunk's size is a guess there."""
+    if live.usage_streamed or not live.finished:
+        return tokens_in_window(live.streamed, t0, t1)
+    return answer_tokens_in_window(live.finished, t0, t1)
+
+
 def judge(
     config: TuneConfig,
     concurrency: int,
@@ -156,7 +172,7 @@ def judge(
     """Turn one point's readings into a Point: energy-counter power, tokens, verdict."""
     t0, t1 = window
     duration = t1 - t0
-    tokens = tokens_in_window(live.streamed, t0, t1)
+    tokens = window_tokens(live, t0, t1)
     telemetry = TelemetryWindow(duration)
     telemetry.add(s for s in live.samples if t0 <= s.ts <= t1)
     engine = {"max_running_requests": cap, **live.engine}
@@ -221,7 +237,7 @@ def measure(
     until = t0 + load.seconds
 
     def tick() -> None:
-        rate = tokens_in_window(live.streamed, t0, time.time()) / max(time.time() - t0, 1e-9)
+        rate = window_tokens(live, t0, time.time()) / max(time.time() - t0, 1e-9)
         show(f"{what}: {rate:,.0f} tok/s", min(time.time(), until) - t0 + ramp_s)
 
     interval_s = min(1.0, load.seconds / 10)

@@ -196,6 +196,24 @@ def tokens_in_window(streamed: Iterable[tuple[float, int]], t0: float, t1: float
     return sum(tokens for ts, tokens in streamed if t0 <= ts <= t1)
 
 
+def answer_tokens_in_window(
+    requests: Iterable[tuple[float, float, int]], t0: float, t1: float
+) -> float:
+    """Output tokens generated in [t0, t1], from (start, end, tokens) of finished answers,
+    each spread evenly over its life: for an engine whose stream says no token counts (its
+    chunks' sizes unknown), where only a finished answer's count is known.
+    """
+    total = 0.0
+    for start, end, tokens in requests:
+        if end <= start:
+            total += tokens if t0 <= end <= t1 else 0
+            continue
+        overlap = min(end, t1) - max(start, t0)
+        if overlap > 0:
+            total += tokens * overlap / (end - start)
+    return total
+
+
 def best(points: Sequence[Point]) -> tuple[Point | None, Point | None]:
     """The point with the most tokens/s, and the one with the fewest joules per token.
 
