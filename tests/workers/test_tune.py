@@ -452,10 +452,13 @@ def test_a_window_shorter_than_the_answers_reads_the_engine_s_rate(tmp_path: Pat
 
 
 @pytest.mark.integration
-def test_an_interrupted_sweep_keeps_its_points_and_stops_its_engine(tmp_path: Path) -> None:
-    """SIGTERM (a `timeout`, a scheduler's stop) during the second configuration: the first
-    one's points are written with `interrupted`, no settings file claims a choice, and the
-    engine being measured is stopped."""
+@pytest.mark.parametrize("after_s", [0.0, 1.0], ids=["starting", "measuring"])
+def test_an_interrupted_sweep_keeps_its_points_and_stops_its_engine(
+    tmp_path: Path, after_s: float
+) -> None:
+    """SIGTERM (a `timeout`, a scheduler's stop) while the second configuration's engine
+    starts, or is measured: the first one's points are written with `interrupted`, no settings
+    file claims a choice, and that engine is stopped."""
     env = sweep_env(tmp_path)
     results, tuned = tmp_path / "tune.json", tmp_path / "tuned.env"
     argv = [sys.executable, "-m", "genfleet.workers", "tune", "--engine", "emulator"]
@@ -469,7 +472,7 @@ def test_an_interrupted_sweep_keeps_its_points_and_stops_its_engine(tmp_path: Pa
         assert sweep.poll() is None and time.monotonic() < deadline, "the sweep ended first"
         time.sleep(0.1)
     port = int(second[0].stem.rsplit("-", 1)[1])
-    time.sleep(1.0)
+    time.sleep(after_s)
     sweep.send_signal(signal.SIGTERM)
     _, stderr = sweep.communicate(timeout=60)
     assert sweep.returncode == 130, stderr[-3000:]

@@ -145,7 +145,11 @@ def start_engine(settings: Settings, config: TuneConfig) -> tuple[EngineSupervis
         stop_timeout_s=each.stop_timeout_s,
         restart_budget=0,
     )
-    supervisor.start()
+    try:
+        supervisor.start()
+    except BaseException:
+        supervisor.stop()  # an interrupt during the start leaves no engine behind either
+        raise
     return supervisor, each
 
 
@@ -201,6 +205,22 @@ def run_config(
     Each point joins `points` as soon as it is measured, so an interrupted sweep keeps it."""
     bar.show(f"MTP {config.label}: starting the engine")
     supervisor, each = start_engine(settings, config)
+    try:
+        measure_engine(config, options, supervisor, each, prompts, bar, points)
+    finally:
+        supervisor.stop()
+
+
+def measure_engine(
+    config: TuneConfig,
+    options: Options,
+    supervisor: EngineSupervisor,
+    each: Settings,
+    prompts: Iterator[PromptRecord],
+    bar: Bar,
+    points: list[Point],
+) -> None:
+    """Warm up the configuration's running engine and measure every concurrency on it."""
     info = supervisor.server_info
     # what the engine enforces when it says so (SGLang may hold fewer than configured)
     cap = enforced_cap(info) if effective_cap(each) is not None else None
@@ -248,7 +268,6 @@ def run_config(
         close = getattr(sampler, "close", None)
         if close is not None:
             close()
-        supervisor.stop()
 
 
 class Bar:
