@@ -9,6 +9,7 @@ import importlib.util
 import os
 import secrets
 import shutil
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -189,3 +190,25 @@ def wait_drawn(stack: Stack, run: str, ids: list[str]) -> None:
     """Until answers are well into their drawing: requests running, tokens streamed."""
     assert stack.in_flight(run, ids) > 0
     time.sleep(4.0)
+
+
+def lose_worker(
+    stack: Stack, run: str, ids: list[str], log: Path, hostname: str, start_s: float
+) -> dict[str, dict[str, Any]]:
+    """SIGKILL the stack's worker and its engine mid-answer (after a checkpoint of the answers
+    in flight: every 3 s), start a new worker (its own engine, within `start_s`), and return
+    the run's rows once it is done. The stack's worker is gone after it."""
+    wait_drawn(stack, run, ids)
+    time.sleep(4.0)  # a checkpoint of the answers in flight (every 3 s)
+    engine = stack.engine_pid()
+    stack.worker.kill(signal.SIGKILL)
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(os.getpgid(engine), signal.SIGKILL)
+    stack.worker.proc.wait()
+    fresh = Worker(stack.env, log, hostname, ["worker"])
+    try:
+        fresh.wait_ready(start_s)
+        wait_for(lambda: done(stack, run), start_s + 300, f"run {run}", 1.0)
+        return answers(stack, run, ids)
+    finally:
+        fresh.stop(60)

@@ -12,11 +12,9 @@ Deselected by default (`-m gpu`), never in CI; skipped where `$GENFLEET_GPU_MODE
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
-import time
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -24,7 +22,6 @@ from typing import Any
 
 import pytest
 
-from harness.processes import Worker
 from harness.waits import wait_for
 from tests.support import real_sglang as gpu
 from tests.support.real_sglang import Stack
@@ -122,20 +119,7 @@ def test_answers_of_a_lost_27b_worker_go_on_from_its_checkpoint(
     kept in flight (`resume_27b_worker_kill.json`). Last in the module: the stack's worker is
     gone after it."""
     ids = big_stack.run("lost", COUNT, tmp_path, BUDGET, prefix="q-", temperature=0.0)
-    gpu.wait_drawn(big_stack, "lost", ids)
-    time.sleep(4.0)  # a checkpoint of the answers in flight (every 3 s)
-    engine = big_stack.engine_pid()
-    big_stack.worker.kill(signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(os.getpgid(engine), signal.SIGKILL)
-    big_stack.worker.proc.wait()
-    fresh = Worker(big_stack.env, tmp_path / "worker2.log", "gpu0b@big", ["worker"])
-    try:
-        fresh.wait_ready(600)
-        wait_for(partial(gpu.done, big_stack, "lost"), 900, "run lost", 1.0)
-        cut = gpu.answers(big_stack, "lost", ids)
-    finally:
-        fresh.stop(60)
+    cut = gpu.lose_worker(big_stack, "lost", ids, tmp_path / "worker2.log", "gpu0b@big", 600)
     figures = figures_of(cut, twin)
     keep("resume_27b_worker_kill", figures)
     assert_went_on(cut, figures)

@@ -40,7 +40,7 @@ from genfleet.workers.observe.engine_state import enforced_cap
 from harness import continuation
 from harness.assertions import assert_exactly_once
 from harness.env import ROOT, free_port
-from harness.processes import Worker, pid_alive
+from harness.processes import pid_alive
 from harness.services import RedisServer
 from harness.waits import wait_for
 from tests.support.commands import genfleet
@@ -51,6 +51,7 @@ from tests.support.real_sglang import (
     agreement,
     answers,
     done,
+    lose_worker,
     missing,
     wait_drawn,
     worker_stack,
@@ -342,20 +343,7 @@ def test_answers_of_a_lost_worker_go_on_from_its_checkpoint(
     """The worker and its engine SIGKILLed mid-answer: a new worker takes the batch once its
     lease is out and goes on from the answers its checkpoint kept in flight."""
     ids = mtp_stack.run("lost", 48, tmp_path, 1024, temperature=0.0)
-    wait_drawn(mtp_stack, "lost", ids)
-    time.sleep(4.0)  # a checkpoint of the answers in flight (every 3 s)
-    engine = mtp_stack.engine_pid()
-    mtp_stack.worker.kill(signal.SIGKILL)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(os.getpgid(engine), signal.SIGKILL)
-    mtp_stack.worker.proc.wait()
-    fresh = Worker(mtp_stack.env, tmp_path / "worker2.log", "gpu0b@h200", ["worker"])
-    try:
-        fresh.wait_ready(420)
-        wait_for(lambda: mtp_stack.progress("lost")["state"] == "done", 420, "run lost", 1.0)
-        rows = answers(mtp_stack, "lost", ids)
-    finally:
-        fresh.stop(60)
+    rows = lose_worker(mtp_stack, "lost", ids, tmp_path / "worker2.log", "gpu0b@h200", 420)
     resumed = [r for r in rows.values() if r.get("resumed_tokens")]
     out = Path(os.environ.get("GENFLEET_GPU_OUT", "/tmp"))
     (out / "resume_worker_kill.json").write_text(
