@@ -277,7 +277,10 @@ def tune(
     ramp_s: Annotated[float, typer.Option(help="load before each window opens")] = 5.0,
     drain_s: Annotated[
         float,
-        typer.Option(help="after a window, how long its requests may run on (not counted)"),
+        typer.Option(
+            help="after a window, how long its requests may run on; an engine that streams "
+            "no token counts is read from answers that end by then"
+        ),
     ] = 10.0,
     dataset: Annotated[str | None, typer.Option(help="prompts (any enqueue format)")] = None,
     out: Annotated[

@@ -12,13 +12,13 @@ up, then keeps exactly C requests in flight at each concurrency C, measuring `--
 after `--ramp-s` (so the window sees a steady state, not the first burst), with
 prompts from `--dataset` (any format `enqueue` reads) or a built-in set. Per point it records
 output tok/s (the tokens streamed inside the window, so a window shorter than the answers
-still reads the engine's rate; `--drain-s` is only how long the requests then run on), mean
-power and its share of the enforced limit from the GPU energy counter,
-J/token, the accept length where the engine reports one, and the power-watch verdict for
-"work waits" (a fleet whose queue is never empty). It prints the table, marks the best point
-by tok/s and by J/token, and writes the chosen one as a settings file for `worker`/`run`
-(`--settings-out`). Every point goes to `--json-out FILE`, or with `--json` to stdout (the
-table then goes to stderr).
+still reads the engine's rate; an engine whose stream says no token counts is read from the
+answers that end by `--drain-s` after the window), mean power and its share of the enforced
+limit from the GPU energy counter, J/token, the accept length where the engine reports one,
+and the power-watch verdict for "work waits" (a fleet whose queue is never empty). It prints
+the table, marks the best point by tok/s and by J/token, and writes the chosen one as a
+settings file for `worker`/`run` (`--settings-out`). Every point goes to `--json-out FILE`,
+or with `--json` to stdout (the table then goes to stderr).
 
 Configurations (`--mtp`): `on`, `off`, and `on:N`/`off:N` pinning `--max-running-requests N`.
 The default for SGLang and the emulator is `on,on:48,off`: `on:48` is what SGLang silently

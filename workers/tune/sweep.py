@@ -358,7 +358,9 @@ class Options:
     duration_s: float = 30.0
     warmup_s: float = 5.0
     ramp_s: float = 5.0  # load before each window opens, so the window sees a steady state
-    drain_s: float = 10.0  # tokens count as they stream: no need to wait for answers' ends
+    # Tokens count as they stream; only an engine that streams no token counts is read from
+    # the answers that end, and those still running after the drain are left out.
+    drain_s: float = 10.0
     dataset: str | None = None
     out: Path = Path("tuned.env")  # --settings-out
     json_path: Path | None = None  # --json-out
