@@ -37,6 +37,7 @@ resolved fields, no `version`) is compared field by field as it was then.
 from __future__ import annotations
 
 import shlex
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -70,15 +71,22 @@ LEGACY_FIELDS = (
 )
 
 
+def flag_values(args: Sequence[str], name: str) -> list[str]:
+    """Every value `name` is given among an engine's `args` (`name X` or `name=X`), in order
+    (SGLang's argparse takes the last)."""
+    values = []
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            values.append(args[i + 1])
+        elif arg.startswith(name + "="):
+            values.append(arg.split("=", 1)[1])
+    return values
+
+
 def quantization_flag(extra_args: str | None) -> str | None:
     """`--quantization X` (or `--quantization=X`) among the engine's extra args; None: none."""
-    args = shlex.split(extra_args or "")
-    for i, arg in enumerate(args):
-        if arg == "--quantization" and i + 1 < len(args):
-            return args[i + 1]
-        if arg.startswith("--quantization="):
-            return arg.split("=", 1)[1]
-    return None
+    values = flag_values(shlex.split(extra_args or ""), "--quantization")
+    return values[0] if values else None
 
 
 def checkpoint_of(settings: Settings) -> tuple[str | None, str | None]:

@@ -43,6 +43,7 @@ import sys
 from importlib import metadata
 
 from genfleet.common.errors import ConfigError
+from genfleet.common.model_identity import flag_values
 from genfleet.common.settings import Settings
 from genfleet.workers.engine.families import HYBRID_ARCHS, choose
 from genfleet.workers.engine.launch import EngineLaunch
@@ -185,20 +186,21 @@ SGLANG_GRAPH_MAX_BS = 256
 SGLANG_GRAPH_MAX_BS_TP4 = 512
 
 
+def graphs_decided(words: list[str]) -> bool:
+    """An engine argument among `words` turns CUDA graphs off or sizes them."""
+    return any(word.split("=")[0] in CUDA_GRAPH_FLAGS for word in words)
+
+
 def graph_args(argv: list[str], extra: list[str], tp_size: int = 1) -> list[str]:
     """`--cuda-graph-max-bs N` where the running cap N (the last `--max-running-requests` of
     `argv` and `extra`) is above the graphs SGLang captures by default, so that a full batch
     runs in a graph (of `tp_size` GPUs); nothing where CUDA graphs are already decided (turned
     off, or sized)."""
     words = argv + extra
-    if any(word.split("=")[0] in CUDA_GRAPH_FLAGS for word in words):
+    if graphs_decided(words):
         return []
-    last = ""  # SGLang takes the last of the flag's values
-    for i, word in enumerate(words):
-        flag, equals, value = word.partition("=")
-        if flag == "--max-running-requests":
-            last = value if equals else (words[i + 1] if i + 1 < len(words) else "")
-    cap = int(last) if last.isdigit() else 0
+    caps = flag_values(words, "--max-running-requests")
+    cap = int(caps[-1]) if caps and caps[-1].isdigit() else 0  # SGLang takes the last
     captured = SGLANG_GRAPH_MAX_BS_TP4 if tp_size >= 4 else SGLANG_GRAPH_MAX_BS
     return ["--cuda-graph-max-bs", str(cap)] if cap > captured else []
 
@@ -217,8 +219,7 @@ def crash_workaround(settings: Settings, arch: str | None) -> tuple[list[str], s
     """
     if not (settings.mtp and arch in HYBRID_ARCHS and settings.attention_backend == "triton"):
         return [], None
-    extra = shlex.split(settings.engine_extra_args)
-    if any(word.split("=")[0] in CUDA_GRAPH_FLAGS for word in extra):
+    if graphs_decided(shlex.split(settings.engine_extra_args)):
         return [], None
     why = (
         "--disable-cuda-graph: SGLang crashes with CUDA graphs on a hybrid model with MTP on "
