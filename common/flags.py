@@ -156,6 +156,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "busy_timeout_s": (FEEDING, "a prompt answered only 429/queue full this long fails its try"),
     "batch_retries": (FEEDING, "tries of one batch before its failed set"),
     "checkpoint_interval_s": (FEEDING, "a running batch saves its progress this often"),
+    "inflight_journal_interval_s": (
+        FEEDING,
+        "between checkpoints, answers in flight keep their new tokens in Redis this often (0: off)",
+    ),
     "shutdown_grace_s": (FEEDING, "on SIGTERM, running batches finish for this long"),
     "lease_ttl_s": (FEEDING, "a batch without lease for this long is re-enqueued"),
     "max_deliveries": (FEEDING, "a batch whose worker died this often is parked as poison"),

@@ -121,6 +121,14 @@ def parts_prefix(run: str, batch: str) -> str:
     return f"{run}/parts/{batch}/"
 
 
+def part_number(key: str) -> int:
+    """The number of a part from its key (`part_key`)."""
+    name = key.rsplit("/", 1)[-1]
+    if not (name.startswith("part-") and name.endswith(".jsonl.gz")):
+        raise ValueError(f"not a checkpoint part's key: {key!r}")
+    return int(name[len("part-") : -len(".jsonl.gz")])
+
+
 def response_format_key(run: str, sha256: str) -> str:
     """The run's `response_format` (`--json-schema`), stored once by its content hash: work
     orders carry this key and the hash, not the schema (schema × batches in Redis)."""
@@ -236,6 +244,24 @@ def crash_evidence_key(run: str, batch: str) -> str:
 
 
 CRASH_EVIDENCE_TTL_S = 7 * 86400
+
+
+def drawn_journal_key(run: str, batch: str, attempt: str) -> str:
+    """String of JSON lines, one per flush: what the answers in flight of one try (`attempt`:
+    a random id per try) of a batch drew since its last checkpoint (workers/drawn_journal.py).
+    Deleted by that try at each checkpoint of its answers in flight (the copy holds them),
+    every try's at once when the batch's output is written. TTL = DRAWN_JOURNAL_TTL_S,
+    refreshed at each flush."""
+    return f"{PREFIX}:run:{run}:drawn:{batch}:{attempt}"
+
+
+def drawn_journal_tries_key(run: str, batch: str) -> str:
+    """Hash attempt → the order's staging: the tries of a batch with a journal
+    (`drawn_journal_key`), read by the next try; the same TTL and the same end."""
+    return f"{PREFIX}:run:{run}:drawn:{batch}"
+
+
+DRAWN_JOURNAL_TTL_S = 2 * 86400
 
 
 def throughput_bucket_key(run: str, bucket: int) -> str:

@@ -15,6 +15,7 @@ import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
@@ -22,6 +23,7 @@ import redis
 from harness.env import TEST_REDIS_URL, free_port
 from harness.processes import Worker
 from harness.services import RedisServer
+from tests.fakes.memory_redis import MemoryRedis
 from tests.support.commands import BackgroundRun, StartRun
 from tests.support.s3 import dummy_aws_credentials, new_bucket
 
@@ -79,6 +81,16 @@ def redis_client(redis_url: str) -> Iterator[redis.Redis]:
     client = redis.Redis.from_url(redis_url)
     yield client
     client.close()
+
+
+@pytest.fixture(params=["redis", "memory"])
+def db(request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A Redis database twice: the test server's and tests/fakes' MemoryRedis, so a test that
+    takes it holds on both (the fake is trusted only as far as it behaves like the server)."""
+    if request.param == "memory":
+        yield MemoryRedis()
+    else:
+        yield request.getfixturevalue("redis_client")
 
 
 @pytest.fixture

@@ -50,9 +50,9 @@ from genfleet.common.records import (
 from genfleet.common.redis_conn import RedisCommands, server_time
 from genfleet.common.store import Store
 from genfleet.common.waste import WasteTally
-from genfleet.workers import checkpoint
+from genfleet.workers import checkpoint, drawn_journal
 from genfleet.workers.crash_evidence import CrashEvidence
-from genfleet.workers.feeding import Drawn, Feeder
+from genfleet.workers.feeding import Feeder, copy_of
 from genfleet.workers.lease import Lease
 from genfleet.workers.observe.live_progress import ProgressTally
 from genfleet.workers.provenance import ensure_current, read_staged
@@ -212,12 +212,15 @@ def execute(
     output_tries: int = 5,
     progress: ProgressTally | None = None,
     gate: GateSettings | None = None,
+    journal_interval_s: float = 0.0,
 ) -> BatchSummary:
     """Run one work order to its output object. `cancelled()` is polled while it runs and
     stops it; `lease_client` (default `client`) keeps the lease alive from a heartbeat thread,
     its calls should time out well inside the lease; `progress` is the worker's tally, shared
     by its batches (default: one of this batch's own); `gate`: the quality gate's settings
-    for a run whose enqueue recorded none (the worker's; default: no gate)."""
+    for a run whose enqueue recorded none (the worker's; default: no gate);
+    `journal_interval_s`: how often what the answers in flight drew is kept in Redis between
+    two checkpoints (workers/drawn_journal.py; 0: never)."""
     progress = ProgressTally() if progress is None else progress
     started = time.monotonic()
     summary = BatchSummary(run=order.run, batch=order.batch, worker=worker, gpus=gpus)
@@ -242,10 +245,18 @@ def execute(
         summary.prompts = len(records)
         checkpointed, next_part, in_flight = checkpoint.load_parts(store, order.run, order.batch)
         previous = checkpoint.kept_parts(staged, checkpointed)
-        drawn = {
-            key: Drawn.from_json(data)
-            for key, data in checkpoint.kept_drawn(staged, in_flight, previous).items()
-        }
+        digests = staged.digest_of()
+        lines = drawn_journal.load(client, order.run, order.batch) if journal_interval_s else {}
+        begun = drawn_journal.resumed(
+            checkpoint.kept_drawn(staged, in_flight, previous), lines, order.staging, digests
+        )
+        begun = {key: answer for key, answer in begun.items() if key not in previous}
+        drawn = {key: answer.drawn for key, answer in begun.items()}
+        journal = (
+            drawn_journal.Journal(client, order.run, order.batch, order.staging, digests, begun)
+            if journal_interval_s
+            else None
+        )
         todo = [(i, r) for i, r in enumerate(records) if r.key not in previous]
         if answers:  # the longest-expected first: the batch does not end on a long straggler
             longest = old_answers.longest_first([i for i, _ in todo], answers)
@@ -267,7 +278,7 @@ def execute(
             ),
             drawn=drawn,
         )
-        inflight = _InFlight(feeder, order, staged.digest_of())
+        inflight = _InFlight(feeder, order, digests, journal)
         try:
             next_part = _follow(
                 future,
@@ -279,6 +290,7 @@ def execute(
                 cancelled,
                 len(todo),
                 inflight,
+                journal_interval_s,
             )
         except BaseException as exc:
             # Stop this try's requests: the retry sends the unfinished prompts again, and
@@ -321,6 +333,8 @@ def execute(
     except StoreError as exc:
         log.warning("could not delete the parts of %s/%s: %s", order.run, order.batch, exc)
     CrashEvidence(client).clear(order.run, order.batch)
+    if journal_interval_s:
+        drawn_journal.clear(client, order.run, order.batch)
     return summary
 
 
@@ -334,16 +348,26 @@ def _follow(
     cancelled: Callable[[], bool] | None = None,
     todo: int = 0,
     in_flight: _InFlight | None = None,
+    journal_interval_s: float = 0.0,
 ) -> int:
     """Wait for the batch's prompts, reporting progress and checkpointing as they finish.
 
     Telemetry never costs work: a progress report or a checkpoint part that fails is logged
     and tried again at the next interval (its rows and counts kept); only the feeder's own
-    failure (the engine, a shutdown) ends the wait early. Returns the next part number.
+    failure (the engine, a shutdown) ends the wait early. Between two checkpoints what the
+    answers in flight drew goes to the journal every `journal_interval_s`. Returns the next
+    part number.
     """
     collector = reporter.collector
-    tick_s = max(min(reporter.progress.interval_s, checkpoint_interval_s), 0.1)
+    intervals = [reporter.progress.interval_s, checkpoint_interval_s]
+    if journal_interval_s and in_flight is not None:
+        intervals.append(journal_interval_s)
+    tick_s = max(min(intervals), 0.1)
     last_flush = time.monotonic()
+    if in_flight is not None and in_flight.unbased:
+        # Answers rebuilt from an earlier try's journal: a copy of them first, so that this
+        # try's journal has a base in the store to go on from.
+        next_part = in_flight.save(store, next_part)
     while True:
         try:
             future.result(timeout=tick_s)
@@ -352,6 +376,8 @@ def _follow(
             pass
         _check_cancelled(order, cancelled, len(collector.results), todo)
         reporter.report(order)
+        if in_flight is not None:
+            in_flight.journal_due(journal_interval_s)
         if time.monotonic() - last_flush >= checkpoint_interval_s:
             flushed = True
             rows = collector.take_unflushed()
@@ -375,32 +401,58 @@ def _follow(
 
 
 class _InFlight:
-    """The batch's answers in flight drawn by ids, checkpointed beside its finished ones so
-    that a worker lost mid-answer costs the next one only the tokens drawn since."""
+    """The batch's answers in flight drawn by ids, checkpointed beside its finished ones (and
+    journaled in Redis between two copies) so that a worker lost mid-answer costs the next
+    one only the tokens drawn since."""
 
-    def __init__(self, feeder: Feeder, order: WorkOrder, digests: dict[tuple[str, int], str]):
-        self.feeder, self.order, self.digests = feeder, order, digests
+    def __init__(
+        self,
+        feeder: Feeder,
+        order: WorkOrder,
+        digests: dict[tuple[str, int], str],
+        journal: drawn_journal.Journal | None = None,
+    ):
+        self.feeder, self.order, self.digests, self.journal = feeder, order, digests, journal
         self.saved: dict[tuple[str, int], int] = {}  # ids kept last, by (id, sample)
         self.last_key: str | None = None  # the part holding this try's last copy
+        self.journaled_at = time.monotonic()
+
+    @property
+    def unbased(self) -> bool:
+        return self.journal is not None and self.journal.unbased
+
+    def journal_due(self, interval_s: float) -> None:
+        """Journal what the answers in flight drew since the last line, when `interval_s` has
+        passed; best effort, like a copy."""
+        journal = self.journal
+        if journal is None or time.monotonic() - self.journaled_at < interval_s:
+            return
+        self.journaled_at = time.monotonic()
+        order = self.order
+        try:
+            answers, after = self.feeder.read_live(order.run, order.batch, journal.lines_since)
+        except (RuntimeError, FutureTimeout) as exc:  # the feeder's loop is gone or stuck
+            log.warning("answers in flight of %s/%s not read: %s", order.run, order.batch, exc)
+            return
+        journal.flush(answers, after)
 
     def save(self, store: Store, next_part: int, drop_previous: bool = False) -> int:
         """Checkpoint every answer in flight once any drew since it was kept; best effort: a
         failure only means more tokens are drawn again should the worker be lost. Each copy
         is whole, so with `drop_previous` (the finished answers are in the store) the one
-        before is deleted: a batch keeps one copy of its answers in flight, not one for each
-        interval it ran, and its next try reads only that."""
+        before is deleted, and this try's journal with it: a batch keeps one copy of its
+        answers in flight, not one for each interval it ran, and its next try reads only that."""
         order = self.order
         before = dict(self.saved)
         try:
-            answers = self.feeder.drawn_answers(order.run, order.batch, self.saved)
+            copy = self.feeder.read_live(
+                order.run, order.batch, lambda live: copy_of(live, self.saved)
+            )
         except (RuntimeError, FutureTimeout) as exc:  # the feeder's loop is gone or stuck
             log.warning("answers in flight of %s/%s not read: %s", order.run, order.batch, exc)
             return next_part
-        rows = [
-            checkpoint.drawn_row((name, sample), self.digests[(name, sample)], data)
-            for name, sample, data in answers
-            if (name, sample) in self.digests
-        ]
+        copy = [entry for entry in copy if entry[0] in self.digests]
+        rows = [checkpoint.drawn_row(name, self.digests[name], data) for name, _, data, _ in copy]
         if not rows:
             return next_part
         try:
@@ -409,6 +461,9 @@ class _InFlight:
             self.saved = before
             log.warning("answers in flight of %s/%s not kept: %s", order.run, order.batch, exc)
             return next_part
+        if self.journal is not None:
+            marks = [(name, drawn, mark) for name, drawn, _, mark in copy]
+            self.journal.copied(after - 1, marks, drop=drop_previous)
         previous, self.last_key = self.last_key, keys.part_key(order.run, order.batch, after - 1)
         if previous is not None and drop_previous:
             try:

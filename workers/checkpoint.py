@@ -10,7 +10,8 @@ digest (`kept_parts`).
 
 A part also keeps answers still in flight that were drawn by token ids (rows with a `drawn`
 field, `workers/feeding/drawn`): the next try goes on from the longest one kept of each
-prompt, under the same digest rule (`kept_drawn`), instead of drawing it again from its start.
+prompt, under the same digest rule (`kept_drawn`), instead of drawing it again from its start,
+or from a copy and what the batch's journal in Redis kept after it (workers/drawn_journal).
 """
 
 from __future__ import annotations
@@ -38,25 +39,24 @@ def is_result(row: dict[str, Any]) -> bool:
 
 def load_parts(
     store: Store, run: str, batch: str
-) -> tuple[dict[tuple[str, int], Any], int, dict[tuple[str, int], Any]]:
+) -> tuple[dict[tuple[str, int], Any], int, dict[tuple[str, int], dict[int, Any]]]:
     """Checkpointed results of an earlier try, by (id, sample), the next part number, and the
-    answers it had in flight (drawn by ids: the row with the most ids of each prompt)."""
+    copies of answers it had in flight (drawn by ids), by (id, sample) and part number."""
     done: dict[tuple[str, int], Any] = {}
-    drawn: dict[tuple[str, int], Any] = {}
+    drawn: dict[tuple[str, int], dict[int, Any]] = {}
     count = 0
     for key in store.list(keys.parts_prefix(run, batch)):
         data = store.get(key)
         count += 1
         if data is None:
             continue
+        part = keys.part_number(key)
         for row in decode_jsonl_gz(data):
             name = (row["id"], row.get("sample", 0))
             if is_result(row):
                 done[name] = row
             elif "drawn" in row:
-                kept = drawn.get(name)
-                if kept is None or len(row["drawn"]["ids"]) > len(kept["drawn"]["ids"]):
-                    drawn[name] = row
+                drawn.setdefault(name, {})[part] = row
     return done, count, drawn
 
 
@@ -106,11 +106,22 @@ def save_finished(store: Store, order: WorkOrder, part: int, rows: list[Completi
 
 
 def kept_drawn(
-    staged: StagedInput, rows: dict[tuple[str, int], Any], done: dict[tuple[str, int], Any]
-) -> dict[tuple[str, int], dict[str, Any]]:
-    """The answers in flight checkpointed for the staged prompt of their (id, sample) and not
-    finished since, as `Drawn.to_json` data."""
-    return {key: row["drawn"] for key, row in kept_parts(staged, rows).items() if key not in done}
+    staged: StagedInput,
+    rows: dict[tuple[str, int], dict[int, Any]],
+    done: dict[tuple[str, int], Any],
+) -> dict[tuple[str, int], dict[int, dict[str, Any]]]:
+    """The copies of answers in flight checkpointed for the staged prompt of their (id,
+    sample) and not finished since, by part, as `Drawn.to_json` data."""
+    digests = staged.digest_of()
+    return {
+        key: {
+            part: row["drawn"]
+            for part, row in by_part.items()
+            if row.get("prompt_sha256") == digests[key]
+        }
+        for key, by_part in rows.items()
+        if key in digests and key not in done
+    }
 
 
 def kept_parts(staged: StagedInput, rows: dict[tuple[str, int], Any]) -> dict[tuple[str, int], Any]:

@@ -69,6 +69,7 @@ def generate_batch(self: BatchTask, order: dict[str, Any]) -> dict[str, Any]:
             worker=worker,
             lease_ttl_s=settings.lease_ttl_s,
             checkpoint_interval_s=settings.checkpoint_interval_s,
+            journal_interval_s=settings.inflight_journal_interval_s,
             gpus=settings.gpus,
             cancelled=lambda: is_cancelled(client, work.run),
             lease_client=runtime.lease_redis,

@@ -41,6 +41,27 @@ def test_pexpire_sets_an_expiry_on_a_hash_that_exists(db: Any) -> None:
     wait_for(lambda: db.exists("bucket") == 0, 5, "a 100 ms hash to expire", 0.02)
 
 
+def test_append_grows_a_string_and_keeps_its_expiry(db: Any) -> None:
+    pipe = db.pipeline()
+    pipe.append("journal", b"one\n")
+    pipe.pexpire("journal", 60_000)
+    pipe.append("journal", "two\n")
+    assert pipe.execute() == [4, True, 8]
+    assert db.get("journal") == b"one\ntwo\n"
+    assert db.append("journal", b"") == 8
+    db.pexpire("journal", 100)
+    db.append("journal", b"three\n")  # an APPEND does not clear the expiry
+    wait_for(lambda: db.exists("journal") == 0, 5, "an appended key to expire", 0.02)
+    db.hset("h", "f", "v")
+    with pytest.raises(redis.ResponseError):
+        db.append("h", b"x")  # WRONGTYPE
+    pipe = db.pipeline()
+    pipe.append("gone", b"x")
+    pipe.delete("gone", "h")
+    assert pipe.execute() == [1, 2]
+    assert db.exists("gone", "h") == 0
+
+
 def test_set_nx_sets_only_a_key_that_is_not_there(db: Any) -> None:
     assert db.set("flag", "1", nx=True)
     assert not db.set("flag", "2", nx=True)

@@ -49,7 +49,7 @@ WRONGTYPE = "WRONGTYPE Operation against a key holding the wrong kind of value"
 
 class MemoryRedis:
     """One Redis database in memory (strings, hashes, sets, sorted sets; PX and PEXPIRE
-    expiry)."""
+    expiry; APPEND)."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self.clock = clock
@@ -140,6 +140,16 @@ class MemoryRedis:
 
     def delete(self, *names: Value) -> Any:
         return self._run("delete", *names)
+
+    def append(self, name: Value, value: Value) -> Any:
+        return self._run("append", name, value)
+
+    def _append(self, name: Value, value: Value) -> int:
+        """APPEND: the string grows (made when missing; its expiry kept); its new length."""
+        key = self._live(name)
+        joined = _String(bytes(self._get(name, _String) or b"") + encode(value))
+        self._data[key] = joined
+        return len(joined)
 
     def _delete(self, *names: Value) -> int:
         count = 0
@@ -381,6 +391,12 @@ class MemoryPipeline:
     def _queue(self, command: str, *args: Any) -> MemoryPipeline:
         self._queued.append((command, args))
         return self
+
+    def append(self, name: Value, value: Value) -> MemoryPipeline:
+        return self._queue("append", name, value)
+
+    def delete(self, *names: Value) -> MemoryPipeline:
+        return self._queue("delete", *names)
 
     def hset(self, name: Value, key: Value, value: Value) -> MemoryPipeline:
         return self._queue("hset", name, key, value)

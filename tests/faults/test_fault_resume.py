@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 import redis
 
@@ -144,6 +145,69 @@ def test_a_lost_worker_costs_only_what_was_drawn_since_its_checkpoint(
     resumed = [row for row in lost.values() if row.get("resumed_tokens")]
     assert resumed, "no answer went on from the checkpoint"
     same_answers(lost, twin)
+
+
+def test_a_lost_worker_between_two_checkpoints_costs_only_what_its_journal_had_not_kept(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    """No checkpoint copy at all (one every 600 s): what the answers in flight drew reaches
+    the next worker only through the batch's journal in Redis, and each answer goes on from
+    its ids there, exactly as drawn uninterrupted."""
+    store_url = (tmp_path / "store").as_uri()
+    env = base_env(
+        redis_url,
+        store_url,
+        emulator_time_scale=3,
+        emulator_mean_completion_tokens=1500,
+        max_tokens=LONG_BUDGET,
+        checkpoint_interval_s=600,
+        inflight_journal_interval_s=0.2,
+        lease_ttl_s=3,
+        reaper_interval_s=1,
+        log_dir=tmp_path,
+    )
+    start_worker(env, role="control").wait_ready()
+
+    def gpu_worker() -> Worker:
+        return start_worker({**env, "GENFLEET_PORT": str(free_port())}, name="gpu")
+
+    first = gpu_worker()
+    first.wait_ready()
+    settings = fault_settings(redis_url, store_url, max_tokens=LONG_BUDGET, batch_size=PROMPTS)
+    ids = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
+    stage(settings, "lost", tmp_path / "prompts.jsonl")
+    batch = keys.batch_id(0)
+    tries = keys.drawn_journal_tries_key("lost", batch)
+
+    def journaled_ids() -> int:
+        total = 0
+        for attempt in redis_client.hkeys(tries):
+            data = redis_client.get(keys.drawn_journal_key("lost", batch, text(attempt))) or b""
+            for line in data.splitlines():
+                total += sum(len(a["ids"]) for a in orjson.loads(line)["answers"])
+        return total
+
+    wait_for(lambda: journaled_ids() >= PROMPTS * 100, 60, "answers in flight journaled", 0.05)
+    holder = redis_client.get(keys.lease_key("lost", batch))
+    assert holder is not None and text(holder) == first.hostname
+    store = open_run_store(settings)
+    assert not list(store.list(keys.parts_prefix("lost", batch)))  # no copy in the store
+    first.kill()
+    first.proc.wait(timeout=10)
+    gpu_worker().wait_ready()
+    wait_run_done(settings, redis_client, "lost", 120)
+    stage(settings, "twin", tmp_path / "prompts.jsonl")
+    wait_run_done(settings, redis_client, "twin", 120)
+    lost = rows_of(settings, "lost", ids, redis_client)
+    twin = rows_of(settings, "twin", ids, redis_client)
+    resumed = [row["resumed_tokens"] for row in lost.values() if row.get("resumed_tokens")]
+    assert len(resumed) >= PROMPTS // 2, resumed  # every answer in flight went on
+    assert sum(resumed) >= PROMPTS * 100 // 2
+    same_answers(lost, twin)
+    assert not redis_client.keys(keys.drawn_journal_tries_key("lost", "*") + "*")  # cleared
 
 
 def test_an_answer_with_a_penalty_starts_over_and_says_why(

@@ -9,12 +9,16 @@ guard's two windows (fed again from the text when an answer comes back from a ch
 how many tokens were carried in (`resumed_tokens`, on the record).
 
 `to_json` / `from_json` are what a batch's checkpoint keeps of an answer in flight (a row with
-a `drawn` field), so a batch that moves to another worker continues its answers too.
+a `drawn` field), so a batch that moves to another worker continues its answers too. Between
+two checkpoints, `since` / `extend` carry what an answer drew after a point (`Mark`) to the
+batch's journal in Redis and back (`workers/drawn_journal`), so a lost worker costs each answer
+only its last few tokens, not what it drew since the last checkpoint.
 """
 
 from __future__ import annotations
 
 from array import array
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,6 +41,23 @@ def worth_keeping(drawn_tokens: int, kept_tokens: int | None) -> bool:
     return drawn_tokens > (kept_tokens or 0)
 
 
+def copy_of(
+    live: Mapping[tuple[str, int], Drawn], saved: dict[tuple[str, int], int]
+) -> list[tuple[tuple[str, int], Drawn, dict[str, Any], Mark]]:
+    """A batch's answers in flight as its next checkpoint copies them, each with its mark:
+    every one that drew a token, as soon as `worth_keeping` says so of any of them against
+    what `saved` (updated here) says was kept last; else none. Each copy is whole, so the one
+    before can go."""
+    answers = [(name, drawn) for name, drawn in live.items() if len(drawn.ids)]
+    if not any(worth_keeping(len(drawn.ids), saved.get(name)) for name, drawn in answers):
+        return []
+    rows = []
+    for name, drawn in answers:
+        saved[name] = len(drawn.ids)
+        rows.append((name, drawn, drawn.to_json(), drawn.mark()))
+    return rows
+
+
 @dataclass(slots=True)
 class Drawn:
     """One answer's ids and text so far (the feeder's, per prompt)."""
@@ -50,6 +71,10 @@ class Drawn:
     resumed_tokens: int = 0  # tokens carried into continuations, over all of its cuts
     split: ReasoningSplit = field(init=False)
     guard: AnswerGuard = field(default_factory=AnswerGuard)  # off until `watch`
+    # The engine said the answer ended (any finish but an abort): it is no longer kept in
+    # flight, since going on from all of its ids would draw past its end (an EOS among them).
+    ended: bool = False
+    retexts: int = 0  # its text was decoded again (`retext`): what a `Mark` held is stale
 
     def __post_init__(self) -> None:
         self.split = ReasoningSplit(self.in_reasoning)
@@ -75,6 +100,7 @@ class Drawn:
 
     def retext(self, text: str) -> None:
         """The answer's whole text, decoded again from its ids: split anew, as streamed."""
+        self.retexts += 1
         self.split = ReasoningSplit(self.in_reasoning)
         self.reasoning, self.content = [], []
         reasoning, content = self.split.feed(text)
@@ -99,6 +125,45 @@ class Drawn:
             "ids": list(self.ids),
             "reasoning": "".join(self.reasoning),
             "content": "".join(self.content),
+            **self._state(),
+        }
+
+    def mark(self) -> Mark:
+        """How much of the answer there is now: what a later `since` starts after."""
+        return Mark(len(self.ids), len(self.reasoning), len(self.content), self.retexts)
+
+    def since(self, mark: Mark) -> dict[str, Any] | None:
+        """What the answer added after `mark` (its ids from `from`, their text, the split's
+        state after them), for `extend` on a copy that holds `mark.ids` ids; None when nothing
+        was added or its text was decoded again since (the pieces no longer add up)."""
+        if mark.retexts != self.retexts or len(self.ids) <= mark.ids:
+            return None
+        return {
+            "from": mark.ids,
+            "ids": self.ids[mark.ids :].tolist(),
+            "reasoning": "".join(self.reasoning[mark.reasoning :]),
+            "content": "".join(self.content[mark.content :]),
+            **self._state(),
+        }
+
+    def extend(self, delta: dict[str, Any]) -> bool:
+        """Add what `since` gave, when it goes on from exactly this many ids; else nothing
+        and False (a delta of another point never joins this answer)."""
+        if (
+            delta["from"] != len(self.ids)
+            or bool(delta["opened_in_reasoning"]) != self.in_reasoning
+        ):
+            return False
+        self.ids.extend(int(i) for i in delta["ids"])
+        if delta.get("reasoning"):
+            self.reasoning.append(delta["reasoning"])
+        if delta.get("content"):
+            self.content.append(delta["content"])
+        self._restore(delta)
+        return True
+
+    def _state(self) -> dict[str, Any]:
+        return {
             "in_reasoning": self.split.in_reasoning,
             "started": self.split.started,
             "held": self.split.held,
@@ -107,17 +172,35 @@ class Drawn:
             "resumed_tokens": self.resumed_tokens,
         }
 
+    def _restore(self, data: dict[str, Any]) -> None:
+        self.resumed_tokens = int(data.get("resumed_tokens") or 0)
+        self.split.restore(
+            in_reasoning=bool(data["in_reasoning"]),
+            started=bool(data["started"]),
+            held=str(data.get("held") or ""),
+            content_begun=bool(data["content_begun"]),
+        )
+
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Drawn:
         drawn = cls(bool(data["opened_in_reasoning"]))
         drawn.ids = array("I", (int(i) for i in data["ids"]))
         drawn.reasoning = [data["reasoning"]] if data.get("reasoning") else []
         drawn.content = [data["content"]] if data.get("content") else []
-        drawn.resumed_tokens = int(data.get("resumed_tokens") or 0)
-        drawn.split.restore(
-            in_reasoning=bool(data["in_reasoning"]),
-            started=bool(data["started"]),
-            held=str(data.get("held") or ""),
-            content_begun=bool(data["content_begun"]),
-        )
+        drawn._restore(data)
         return drawn
+
+    @classmethod
+    def begun(cls, delta: dict[str, Any]) -> Drawn:
+        """An answer with no ids yet, opened as `delta`'s was: what a delta `from` 0 extends."""
+        return cls(bool(delta["opened_in_reasoning"]))
+
+
+@dataclass(frozen=True, slots=True)
+class Mark:
+    """How much of an answer a copy holds: its ids, its text pieces, its `retexts`."""
+
+    ids: int
+    reasoning: int
+    content: int
+    retexts: int

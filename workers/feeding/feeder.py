@@ -67,7 +67,7 @@ from genfleet.common.waste import WasteTally
 from genfleet.workers.feeding.blame import Death, Verdict, goes_alone, judge
 from genfleet.workers.feeding.client import ChatResult
 from genfleet.workers.feeding.deadline import DeadlinePolicy, SequencePace, max_tokens_of
-from genfleet.workers.feeding.drawn import Drawn, worth_keeping
+from genfleet.workers.feeding.drawn import Drawn
 from genfleet.workers.feeding.limiter import InflightLimiter
 from genfleet.workers.feeding.suspects import SuspectLane
 
@@ -327,7 +327,7 @@ class Feeder:
         # be blamed: what `_served_since` waits on
         self._changed = asyncio.Event()
         # Each running batch's prompts not yet done with, by (id, sample): what a checkpoint
-        # keeps of the answers in flight (`drawn_answers`).
+        # keeps of the answers in flight (`read_live`).
         self._live_answers: dict[tuple[str, str], dict[tuple[str, int], _Tries]] = {}
 
     async def _make(self, factory: Callable[[], ChatClient]) -> ChatClient:
@@ -997,30 +997,24 @@ class Feeder:
             restarted=restarted,
         )
 
-    def drawn_answers(
-        self, run: str, batch: str, saved: dict[tuple[str, int], int]
-    ) -> list[tuple[str, int, dict[str, Any]]]:
-        """The batch's answers in flight drawn by ids, as (id, sample, `Drawn.to_json`): every
-        one that drew a token, as soon as `worth_keeping` says so of any of them against what
-        `saved` (updated here) says was kept last; else none. What its checkpoint keeps so that
-        another worker goes on from them: each copy whole, so the one before can go."""
-        return self.call(self._drawn_answers(run, batch, saved), timeout_s=DRAWN_READ_S)
+    def read_live(
+        self, run: str, batch: str, read: Callable[[dict[tuple[str, int], Drawn]], T]
+    ) -> T:
+        """`read(answers)` on the feeder's loop, where they are written: the batch's answers
+        in flight drawn by ids and not ended, by (id, sample). What its checkpoint copies and
+        its journal writes (workers/batch). Raises RuntimeError or TimeoutError when the loop
+        is gone or stuck."""
+        return self.call(self._read_live(run, batch, read), timeout_s=DRAWN_READ_S)
 
-    async def _drawn_answers(
-        self, run: str, batch: str, saved: dict[tuple[str, int], int]
-    ) -> list[tuple[str, int, dict[str, Any]]]:
-        live = [
-            (key, tries.drawn)
+    async def _read_live(
+        self, run: str, batch: str, read: Callable[[dict[tuple[str, int], Drawn]], T]
+    ) -> T:
+        live = {
+            key: tries.drawn
             for key, tries in self._live_answers.get((run, batch), {}).items()
-            if tries.drawn is not None and len(tries.drawn.ids)
-        ]
-        if not any(worth_keeping(len(drawn.ids), saved.get(key)) for key, drawn in live):
-            return []
-        rows = []
-        for key, drawn in live:
-            saved[key] = len(drawn.ids)
-            rows.append((key[0], key[1], drawn.to_json()))
-        return rows
+            if tries.drawn is not None and not tries.drawn.ended
+        }
+        return read(live)
 
     def close(self) -> None:
         if not self._loop.is_running():

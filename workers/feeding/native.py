@@ -312,6 +312,7 @@ class GenerateStream:
         finish = finish_of(meta)
         if finish is not None:
             self.finish_reason = finish
+            self.drawn.ended = finish != "abort"  # an aborted answer goes on from its ids
             reason = meta.get("finish_reason")
             matched = reason.get("matched") if isinstance(reason, dict) else None
             self.matched = matched if isinstance(matched, str) else None
