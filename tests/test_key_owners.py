@@ -31,6 +31,8 @@ OWNERS = {
     "quality_gate_key": "common/quality_gate.py",
     "paused_key": "common/quality_gate.py",
     "crash_evidence_key": "workers/crash_evidence.py",
+    "drawn_journal_key": "workers/drawn_journal.py",
+    "drawn_journal_tries_key": "workers/drawn_journal.py",
     "engine_alarms_key": "common/engine_alarms.py",
     "model_key": "common/model_identity.py",
     "model_refusals_key": "common/model_identity.py",

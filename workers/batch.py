@@ -359,11 +359,10 @@ def _follow(
     part number.
     """
     collector = reporter.collector
-    intervals = [reporter.progress.interval_s, checkpoint_interval_s]
-    if journal_interval_s and in_flight is not None:
-        intervals.append(journal_interval_s)
-    tick_s = max(min(intervals), 0.1)
-    last_flush = time.monotonic()
+    look_s = max(min(reporter.progress.interval_s, checkpoint_interval_s), 0.1)
+    journaling = bool(journal_interval_s) and in_flight is not None
+    tick_s = max(min(look_s, journal_interval_s), 0.1) if journaling else look_s
+    last_flush = last_look = time.monotonic()
     if in_flight is not None and in_flight.unbased:
         # Answers rebuilt from an earlier try's journal: a copy of them first, so that this
         # try's journal has a base in the store to go on from.
@@ -374,10 +373,13 @@ def _follow(
             return next_part
         except FutureTimeout:
             pass
+        if in_flight is not None and journaling:
+            in_flight.journal_due(journal_interval_s)
+        if time.monotonic() - last_look < look_s - tick_s / 2:
+            continue  # a journal tick: the cancel flag and progress at their own pace
+        last_look = time.monotonic()
         _check_cancelled(order, cancelled, len(collector.results), todo)
         reporter.report(order)
-        if in_flight is not None:
-            in_flight.journal_due(journal_interval_s)
         if time.monotonic() - last_flush >= checkpoint_interval_s:
             flushed = True
             rows = collector.take_unflushed()
