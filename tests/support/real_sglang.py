@@ -193,13 +193,20 @@ def wait_drawn(stack: Stack, run: str, ids: list[str]) -> None:
 
 
 def lose_worker(
-    stack: Stack, run: str, ids: list[str], log: Path, hostname: str, start_s: float
+    stack: Stack,
+    run: str,
+    ids: list[str],
+    log: Path,
+    hostname: str,
+    start_s: float,
+    drawing_s: float = 8.0,
 ) -> dict[str, dict[str, Any]]:
-    """SIGKILL the stack's worker and its engine mid-answer (after a checkpoint of the answers
-    in flight: every 3 s), start a new worker (its own engine, within `start_s`), and return
-    the run's rows once it is done. The stack's worker is gone after it."""
-    wait_drawn(stack, run, ids)
-    time.sleep(4.0)  # a checkpoint of the answers in flight (every 3 s)
+    """SIGKILL the stack's worker and its engine mid-answer, `drawing_s` after requests run
+    (by default after a checkpoint of the answers in flight: every 3 s), start a new worker
+    (its own engine, within `start_s`), and return the run's rows once it is done. The
+    stack's worker is gone after it."""
+    assert stack.in_flight(run, ids) > 0
+    time.sleep(drawing_s)
     engine = stack.engine_pid()
     stack.worker.kill(signal.SIGKILL)
     with contextlib.suppress(ProcessLookupError):
