@@ -133,7 +133,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "restart_backoff_s": (ENGINE, "first wait before an engine restart"),
     "engine_stall_timeout_s": (
         ENGINE,
-        "kill and restart an engine that generates nothing this long with work in flight; 0: off",
+        "kill and restart an engine that generates nothing this long with work in flight, or"
+        " that starts and moves not at all (no CPU time, no log line) this long; 0: off",
     ),
     "worker_restart_budget": (ENGINE, "restarts of each dead child worker of a --gpus worker"),
     "log_dir": (ENGINE, "engine and run logs; unset: a temporary directory"),

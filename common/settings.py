@@ -157,7 +157,9 @@ class Settings(BaseSettings):
     # token in /metrics) for a window and fails /health_generate is killed and restarted
     # (an external one: the worker stops consuming). The window is this long until the engine
     # has worked this long, then 4x its longest pause, at least a quarter of this
-    # (workers/engine/watchdog.py). 0 turns the watchdog off.
+    # (workers/engine/watchdog.py). An engine that starts and for this long uses no CPU time
+    # and writes no log line is frozen, killed and started again (workers/engine/
+    # start_watch.py). 0 turns both off.
     engine_stall_timeout_s: float = Field(default=300.0, ge=0)
     min_accept_length: float = Field(default=1.2, ge=1.0)
     log_dir: str | None = None  # engine logs; None: a temporary directory

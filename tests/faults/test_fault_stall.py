@@ -128,6 +128,41 @@ def test_frozen_engine_is_killed_restarted_and_the_run_finishes(
     )
 
 
+def test_an_engine_frozen_as_it_restarts_is_started_again_after_the_stall_window(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    """The engine SIGKILLed mid-run, its successor SIGSTOPped while it loads: no health, no
+    line, no CPU time. It is killed once it has not moved for the stall timeout (6 s) and
+    another is started: not after the 60-s start timeout and the stop's SIGTERM grace."""
+    worker, ids, settings, store = a_running_batch(
+        tmp_path, redis_url, redis_client, start_worker, "restart", 150, 6,
+        emulator_time_scale=4, emulator_load_s=3, startup_timeout_s=60,
+    )  # fmt: skip
+    first = engine_pid(worker)
+    assert first is not None
+    os.killpg(first, signal.SIGKILL)
+    successor = wait_for(
+        lambda: (pid := engine_pid(worker)) not in (None, first) and pid, 30, "a new engine"
+    )
+    os.kill(successor, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        wait_for(lambda: not pid_alive(successor), 60, "the frozen engine to be killed")
+        killed_s = time.monotonic() - frozen_at
+        wait_run_done(settings, redis_client, "restart", 120)
+    finally:
+        if pid_alive(successor):
+            os.kill(successor, signal.SIGKILL)
+    assert 5 <= killed_s < 20, killed_s
+    result, _rows = assert_exactly_once(settings, "restart", ids, redis_client, store)
+    assert result.errors == 0
+    assert engine_pid(worker) not in (None, first, successor)
+    print(f"\n[fault frozen-start] the restarting engine was frozen; killed {killed_s:.1f} s later")
+
+
 def test_a_warm_engine_that_freezes_is_found_by_its_own_pauses_not_the_whole_timeout(
     tmp_path: Path,
     redis_url: str,

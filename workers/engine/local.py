@@ -130,6 +130,7 @@ def _supervised(settings: Settings, hostname: str, hooks: Hooks) -> Made:
         restart_cooldown_s=settings.restart_cooldown_s,
         on_recovered=hooks.on_recovered,
         on_death=hooks.on_death,
+        start_stall_s=settings.engine_stall_timeout_s,
     )
     return Made(supervisor, settings, arch, plan)
 

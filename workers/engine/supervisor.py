@@ -15,7 +15,7 @@ work; after `restart_cooldown_s` it starts the engine again and, once it serves,
 Each death's last error line is kept (`crash`, see `crashes`): the same one on consecutive
 deaths is a crash loop, named with its workaround when it is a known engine crash. An engine
 that is alive but stalled (see `watchdog`) is killed with `kill_stalled()` and then restarted
-the same way.
+the same way; one frozen while it starts (see `start_watch`) is killed and started again.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from genfleet.workers.engine.crashes import (
 )
 from genfleet.workers.engine.launch import EngineLaunch, auth_headers, engine_env
 from genfleet.workers.engine.ports import open_private, private_dir, release_port
+from genfleet.workers.engine.start_watch import StartProgress, group_cpu_s
 
 log = logging.getLogger("genfleet.engine")
 
@@ -71,11 +72,17 @@ class EngineSupervisor:
         restart_cooldown_s: float = 600.0,
         on_recovered: Callable[[], None] | None = None,
         on_death: Callable[[], None] | None = None,
+        start_stall_s: float = 0.0,
     ) -> None:
+        """`start_stall_s`: a starting engine that used no CPU time and wrote no log line for
+        this long is frozen, killed and started again (`start_watch`; 0: only
+        `startup_timeout_s` ends a start)."""
         self.launch = launch
         self.gpus = gpus
         self.log_path = log_path
         self.startup_timeout_s = startup_timeout_s
+        self.start_stall_s = start_stall_s
+        self.log_lines = 0  # lines the engine wrote, all of its processes together
         self.stop_timeout_s = stop_timeout_s
         self.restart_budget = restart_budget
         self.restart_backoff_s = restart_backoff_s
@@ -283,6 +290,7 @@ class EngineSupervisor:
                 raw = raw.replace(secret, b"***")
             line = raw.decode("utf-8", "replace").rstrip()
             self.log_tail.append(line)
+            self.log_lines += 1
             if self._log_file:
                 with contextlib.suppress(OSError, ValueError):
                     self._log_file.write(raw)
@@ -292,6 +300,8 @@ class EngineSupervisor:
         headers = self._headers()
         deadline = time.monotonic() + self.startup_timeout_s
         delay = 0.05
+        progress = StartProgress(self.start_stall_s, time.monotonic())
+        looked = 0.0
         with httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0)) as client:
             while True:
                 proc = self._proc
@@ -314,6 +324,19 @@ class EngineSupervisor:
                         f"(raise --startup-timeout-s for big models)",
                         list(self.log_tail),
                     )
+                now = time.monotonic()
+                if self.start_stall_s and now - looked >= 1.0:  # /proc read once a second
+                    looked = now
+                    if progress.look(now, group_cpu_s(proc.pid), self.log_lines):
+                        # SIGKILL at once: a stopped process never acts on a SIGTERM.
+                        self._reap_group(proc.pid)
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            proc.wait(timeout=5)
+                        raise EngineStartError(
+                            f"engine frozen while starting: no CPU time and no log line for "
+                            f"{self.start_stall_s:.0f} s (--engine-stall-timeout-s); killed",
+                            list(self.log_tail),
+                        )
                 time.sleep(delay)
                 delay = min(delay * 1.5, 1.0)
         self.server_info = self._get_server_info()

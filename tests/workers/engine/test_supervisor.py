@@ -93,6 +93,46 @@ def test_startup_timeout_kills_and_reports() -> None:
     assert sup.pid is not None and not alive(sup.pid)
 
 
+def test_an_engine_frozen_while_it_starts_is_killed_after_the_stall_window_not_the_timeout() -> (
+    None
+):
+    """A SIGSTOP while it loads: no CPU time, no line, no health. Killed once it has not
+    moved for the window (here 2 s), long before the 60-s start timeout; restarted within the
+    budget, as a dead engine is."""
+    port = free_port()
+    frozen = EngineLaunch(
+        kind="command",
+        argv=["sh", "-c", "echo loading; kill -STOP $$"],
+        port=port,
+        health_path="/",
+    )
+    sup = EngineSupervisor(frozen, startup_timeout_s=60, stop_timeout_s=30, start_stall_s=2)
+    started = time.monotonic()
+    with pytest.raises(EngineStartError, match="frozen while starting") as info:
+        sup.start()
+    assert 2 <= time.monotonic() - started < 10
+    assert "loading" in str(info.value)  # its last lines, as any failed start
+    assert sup.pid is not None and not alive(sup.pid)
+
+
+def test_a_start_that_moves_is_not_judged_frozen() -> None:
+    """Busy for 4 s without a word, then serving: its CPU time is its progress."""
+    port = free_port()
+    busy = (
+        "import time; t = time.monotonic()\n"
+        "while time.monotonic() - t < 4: pass\n"
+        f"import runpy, sys; sys.argv = {engine_argv(port)[1:]!r}; "
+        "runpy.run_path(sys.argv[0], run_name='__main__')"
+    )
+    launch = EngineLaunch(
+        kind="command", argv=[sys.executable, "-c", busy], port=port, health_path="/"
+    )
+    sup = EngineSupervisor(launch, startup_timeout_s=30, start_stall_s=1.5)
+    sup.start()
+    assert sup.state == "ready"
+    sup.stop()
+
+
 def test_crash_restarts_then_budget_exhausted() -> None:
     port = free_port()
     exhausted = threading.Event()
