@@ -21,6 +21,7 @@ import redis
 from genfleet.common import keys
 from genfleet.common.records import decode_jsonl_gz
 from genfleet.common.redis_conn import text
+from genfleet.common.settings import Settings
 from harness.assertions import assert_exactly_once
 from harness.env import base_env, free_port
 from harness.processes import Worker
@@ -92,12 +93,18 @@ def test_an_engine_death_costs_no_drawn_token(
     assert not any(row.get("resumed_tokens") for row in twin.values())
 
 
-def test_a_lost_worker_costs_only_what_was_drawn_since_its_checkpoint(
+def lose_a_worker(
     tmp_path: Path,
     redis_url: str,
     redis_client: redis.Redis,
     start_worker: Callable[..., Worker],
-) -> None:
+    kept: Callable[[Settings, str], bool],
+    **worker_settings: Any,
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A control worker and a GPU worker running run `lost` (one batch of long answers); once
+    `kept(settings, batch)` says its answers in flight are kept, the GPU worker is SIGKILLed
+    (holding the batch's lease) and a new one finishes the run. Then the same prompts as run
+    `twin`, uninterrupted. Returns both runs' rows by id."""
     store_url = (tmp_path / "store").as_uri()
     env = base_env(
         redis_url,
@@ -105,10 +112,10 @@ def test_a_lost_worker_costs_only_what_was_drawn_since_its_checkpoint(
         emulator_time_scale=3,
         emulator_mean_completion_tokens=1500,
         max_tokens=LONG_BUDGET,
-        checkpoint_interval_s=0.5,
         lease_ttl_s=3,
         reaper_interval_s=1,
         log_dir=tmp_path,
+        **worker_settings,
     )
     start_worker(env, role="control").wait_ready()
 
@@ -121,17 +128,7 @@ def test_a_lost_worker_costs_only_what_was_drawn_since_its_checkpoint(
     ids = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
     stage(settings, "lost", tmp_path / "prompts.jsonl")
     batch = keys.batch_id(0)
-    parts = keys.parts_prefix("lost", batch)
-    store = open_run_store(settings)
-
-    def kept_in_flight() -> bool:  # a part with answers in flight written, the batch running
-        return any(
-            "drawn" in row
-            for key in store.list(parts)
-            for row in decode_jsonl_gz(store.get(key) or b"")
-        )
-
-    wait_for(kept_in_flight, 60, "a checkpoint of the answers in flight", 0.05)
+    wait_for(lambda: kept(settings, batch), 60, "the answers in flight kept", 0.05)
     holder = redis_client.get(keys.lease_key("lost", batch))
     assert holder is not None and text(holder) == first.hostname
     first.kill()
@@ -140,8 +137,28 @@ def test_a_lost_worker_costs_only_what_was_drawn_since_its_checkpoint(
     wait_run_done(settings, redis_client, "lost", 120)
     stage(settings, "twin", tmp_path / "prompts.jsonl")
     wait_run_done(settings, redis_client, "twin", 120)
-    lost = rows_of(settings, "lost", ids, redis_client)
-    twin = rows_of(settings, "twin", ids, redis_client)
+    return rows_of(settings, "lost", ids, redis_client), rows_of(
+        settings, "twin", ids, redis_client
+    )
+
+
+def test_a_lost_worker_costs_only_what_was_drawn_since_its_checkpoint(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    def copied(settings: Settings, batch: str) -> bool:  # a part with answers in flight
+        store = open_run_store(settings)
+        return any(
+            "drawn" in row
+            for key in store.list(keys.parts_prefix("lost", batch))
+            for row in decode_jsonl_gz(store.get(key) or b"")
+        )
+
+    lost, twin = lose_a_worker(
+        tmp_path, redis_url, redis_client, start_worker, copied, checkpoint_interval_s=0.5
+    )
     resumed = [row for row in lost.values() if row.get("resumed_tokens")]
     assert resumed, "no answer went on from the checkpoint"
     same_answers(lost, twin)
@@ -156,53 +173,26 @@ def test_a_lost_worker_between_two_checkpoints_costs_only_what_its_journal_had_n
     """No checkpoint copy at all (one every 600 s): what the answers in flight drew reaches
     the next worker only through the batch's journal in Redis, and each answer goes on from
     its ids there, exactly as drawn uninterrupted."""
-    store_url = (tmp_path / "store").as_uri()
-    env = base_env(
-        redis_url,
-        store_url,
-        emulator_time_scale=3,
-        emulator_mean_completion_tokens=1500,
-        max_tokens=LONG_BUDGET,
-        checkpoint_interval_s=600,
-        inflight_journal_interval_s=0.2,
-        lease_ttl_s=3,
-        reaper_interval_s=1,
-        log_dir=tmp_path,
-    )
-    start_worker(env, role="control").wait_ready()
 
-    def gpu_worker() -> Worker:
-        return start_worker({**env, "GENFLEET_PORT": str(free_port())}, name="gpu")
-
-    first = gpu_worker()
-    first.wait_ready()
-    settings = fault_settings(redis_url, store_url, max_tokens=LONG_BUDGET, batch_size=PROMPTS)
-    ids = write_prompts(tmp_path / "prompts.jsonl", PROMPTS)
-    stage(settings, "lost", tmp_path / "prompts.jsonl")
-    batch = keys.batch_id(0)
-    tries = keys.drawn_journal_tries_key("lost", batch)
-
-    def journaled_ids() -> int:
+    def journaled(settings: Settings, batch: str) -> bool:  # lines, and still no copy
         total = 0
-        for attempt in redis_client.hkeys(tries):
+        for attempt in redis_client.hkeys(keys.drawn_journal_tries_key("lost", batch)):
             data = redis_client.get(keys.drawn_journal_key("lost", batch, text(attempt))) or b""
             for line in data.splitlines():
                 total += sum(len(a["ids"]) for a in orjson.loads(line)["answers"])
-        return total
+        parts = open_run_store(settings).list(keys.parts_prefix("lost", batch))
+        assert not list(parts), "a copy of the answers in flight was written"
+        return total >= PROMPTS * 100
 
-    wait_for(lambda: journaled_ids() >= PROMPTS * 100, 60, "answers in flight journaled", 0.05)
-    holder = redis_client.get(keys.lease_key("lost", batch))
-    assert holder is not None and text(holder) == first.hostname
-    store = open_run_store(settings)
-    assert not list(store.list(keys.parts_prefix("lost", batch)))  # no copy in the store
-    first.kill()
-    first.proc.wait(timeout=10)
-    gpu_worker().wait_ready()
-    wait_run_done(settings, redis_client, "lost", 120)
-    stage(settings, "twin", tmp_path / "prompts.jsonl")
-    wait_run_done(settings, redis_client, "twin", 120)
-    lost = rows_of(settings, "lost", ids, redis_client)
-    twin = rows_of(settings, "twin", ids, redis_client)
+    lost, twin = lose_a_worker(
+        tmp_path,
+        redis_url,
+        redis_client,
+        start_worker,
+        journaled,
+        checkpoint_interval_s=600,
+        inflight_journal_interval_s=0.2,
+    )
     resumed = [row["resumed_tokens"] for row in lost.values() if row.get("resumed_tokens")]
     assert len(resumed) >= PROMPTS // 2, resumed  # every answer in flight went on
     assert sum(resumed) >= PROMPTS * 100 // 2
