@@ -184,8 +184,9 @@ class Settings(BaseSettings):
     checkpoint_interval_s: float = Field(default=60.0, gt=0)
     # Between two checkpoints, what each answer in flight drew is appended to Redis this often
     # (workers/drawn_journal.py): a lost worker costs each answer about this much drawing, not
-    # half a checkpoint interval. Redis holds about one checkpoint interval of it a batch.
-    # 0: answers in flight are kept at checkpoints only.
+    # half a checkpoint interval. About 18 bytes a token at 12 tokens an answer a line (an
+    # engine running 98 answers at 25 tok/s each: 44 KB/s), held for one checkpoint interval
+    # at most. 0: answers in flight are kept at checkpoints only.
     inflight_journal_interval_s: float = Field(default=0.5, ge=0)
     # On SIGTERM a worker stops taking work and lets running batches finish for this long;
     # then it checkpoints them and hands them back to the queue, and stops its engine.

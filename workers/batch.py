@@ -247,13 +247,14 @@ def execute(
         previous = checkpoint.kept_parts(staged, checkpointed)
         digests = staged.digest_of()
         lines = drawn_journal.load(client, order.run, order.batch) if journal_interval_s else {}
+        bound = drawn_journal.binding(order)
         begun = drawn_journal.resumed(
-            checkpoint.kept_drawn(staged, in_flight, previous), lines, order.staging, digests
+            checkpoint.kept_drawn(staged, in_flight, previous), lines, bound, digests.keys()
         )
         begun = {key: answer for key, answer in begun.items() if key not in previous}
         drawn = {key: answer.drawn for key, answer in begun.items()}
         journal = (
-            drawn_journal.Journal(client, order.run, order.batch, order.staging, digests, begun)
+            drawn_journal.Journal(client, order.run, order.batch, bound, digests.keys(), begun)
             if journal_interval_s
             else None
         )

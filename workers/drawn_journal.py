@@ -22,8 +22,8 @@ its first look).
 
 Redis holds at most about one checkpoint interval of each try's lines: a try deletes its own
 at each copy of its answers in flight, and every try's go when the batch's output is written
-(`clear`). Lines name the order's staging and each answer its prompt's digest: a run staged
-anew under its name never takes them. A failing Redis costs only the tokens these lines
+(`clear`). Each line names the order's staging and its batch's input digest (`binding`): a
+run staged anew under its name never takes them. A failing Redis costs only the tokens these lines
 would have saved; the checkpoint's copies still stand.
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import logging
 import secrets
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ import orjson
 import redis
 
 from genfleet.common import keys
+from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import RedisCommands, text
 from genfleet.workers.feeding import Drawn, Mark
 
@@ -69,6 +70,12 @@ class Resumed:
     base: tuple[int, Mark] | None
 
 
+def binding(order: WorkOrder) -> str:
+    """What a line is for: the order's staging and its batch's staged input (one per line,
+    not per answer: within them, an (id, sample) is one prompt)."""
+    return f"{order.staging}:{order.input_sha256}"
+
+
 class Journal:
     """One try's lines (`flush`), and what the batch starts from (`resumed`)."""
 
@@ -77,12 +84,13 @@ class Journal:
         client: RedisCommands,
         run: str,
         batch: str,
-        staging: str,
-        digests: Mapping[Name, str],
+        bound: str,
+        names: Collection[Name],
         resumed: Mapping[Name, Resumed] | None = None,
     ) -> None:
-        self.client, self.run, self.batch, self.staging = client, run, batch, staging
-        self.digests = digests
+        """`bound`: the order's `binding`; `names`: the batch's prompts."""
+        self.client, self.run, self.batch, self.bound = client, run, batch, bound
+        self.names = names
         self.attempt = secrets.token_hex(8)
         self.key = keys.drawn_journal_key(run, batch, self.attempt)
         self.chains: dict[Name, Chain] = {}
@@ -108,8 +116,8 @@ class Journal:
         for name, drawn in live.items():
             chain = self.chains.get(name)
             if chain is None:
-                if name in self.carried or name not in self.digests:
-                    continue  # its base is no copy yet, or it is no prompt of this staging
+                if name in self.carried or name not in self.names:
+                    continue  # its base is no copy yet, or it is no prompt of this batch
                 chain = Chain(drawn, FROM_START, START)
             if chain.drawn is not drawn:
                 continue  # the answer was begun again here: never mixed with the one before
@@ -120,7 +128,6 @@ class Journal:
                 {
                     "id": name[0],
                     "sample": name[1],
-                    "prompt_sha256": self.digests[name],
                     "base": chain.base,
                     **delta,
                 }
@@ -133,14 +140,14 @@ class Journal:
         carries the same ids again). False when Redis failed."""
         if not answers:
             return True
-        line = orjson.dumps({"staging": self.staging, "answers": answers}) + b"\n"
+        line = orjson.dumps({"for": self.bound, "answers": answers}) + b"\n"
         tries = keys.drawn_journal_tries_key(self.run, self.batch)
         ttl_ms = keys.DRAWN_JOURNAL_TTL_S * 1000
         try:
             pipe = self.client.pipeline()
             pipe.append(self.key, line)
             pipe.pexpire(self.key, ttl_ms)
-            pipe.hset(tries, self.attempt, self.staging)
+            pipe.hset(tries, self.attempt, self.bound)
             pipe.pexpire(tries, ttl_ms)
             pipe.execute()
         except redis.RedisError as exc:
@@ -192,12 +199,13 @@ def clear(client: RedisCommands, run: str, batch: str) -> None:
 def resumed(
     copies: Mapping[Name, Mapping[int, dict[str, Any]]],
     lines: Mapping[str, list[dict[str, Any]]],
-    staging: str,
-    digests: Mapping[Name, str],
+    bound: str,
+    names: Collection[Name],
 ) -> dict[Name, Resumed]:
     """The longest answer of each prompt that can be rebuilt from one draw: a copy (`copies`:
     by prompt, by part, its `Drawn.to_json`, already of this staging's prompt), or a copy (or
-    nothing, base FROM_START) and one try's lines after it. Pure: what a try starts from."""
+    nothing, base FROM_START) and one try's lines after it, lines for `bound` (`binding`) and
+    the batch's prompts (`names`) only. Pure: what a try starts from."""
     best: dict[Name, Resumed] = {}
 
     def offer(name: Name, answer: Resumed) -> None:
@@ -212,11 +220,11 @@ def resumed(
     for attempt_lines in lines.values():
         chains: dict[tuple[Name, int], list[dict[str, Any]]] = defaultdict(list)
         for line in attempt_lines:
-            if line.get("staging", "") != staging:
+            if line.get("for") != bound:
                 continue
             for answer in line.get("answers", []):
                 name = (str(answer["id"]), int(answer["sample"]))
-                if digests.get(name) != answer.get("prompt_sha256"):
+                if name not in names:
                     continue
                 chains[(name, int(answer["base"]))].append(answer)
         for (name, base), deltas in chains.items():

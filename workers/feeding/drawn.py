@@ -130,36 +130,40 @@ class Drawn:
 
     def mark(self) -> Mark:
         """How much of the answer there is now: what a later `since` starts after."""
-        return Mark(len(self.ids), len(self.reasoning), len(self.content), self.retexts)
+        state = tuple(self._state().values())
+        return Mark(len(self.ids), len(self.reasoning), len(self.content), self.retexts, state)
 
     def since(self, mark: Mark) -> dict[str, Any] | None:
-        """What the answer added after `mark` (its ids from `from`, their text, the split's
-        state after them), for `extend` on a copy that holds `mark.ids` ids; None when nothing
-        was added or its text was decoded again since (the pieces no longer add up)."""
+        """What the answer added after `mark`: its ids from `from`, their text, and the
+        split's state after them when it is not `mark`'s (a line a second for every answer in
+        flight: what is unchanged is left out). For `extend` on a copy that holds `mark.ids`
+        ids; None when nothing was added or its text was decoded again since (the pieces no
+        longer add up)."""
         if mark.retexts != self.retexts or len(self.ids) <= mark.ids:
             return None
-        return {
-            "from": mark.ids,
-            "ids": self.ids[mark.ids :].tolist(),
-            "reasoning": "".join(self.reasoning[mark.reasoning :]),
-            "content": "".join(self.content[mark.content :]),
-            **self._state(),
-        }
+        delta: dict[str, Any] = {"from": mark.ids, "ids": self.ids[mark.ids :].tolist()}
+        if reasoning := "".join(self.reasoning[mark.reasoning :]):
+            delta["reasoning"] = reasoning
+        if content := "".join(self.content[mark.content :]):
+            delta["content"] = content
+        state = self._state()
+        if tuple(state.values()) != mark.state:
+            delta.update(state)
+        return delta
 
     def extend(self, delta: dict[str, Any]) -> bool:
         """Add what `since` gave, when it goes on from exactly this many ids; else nothing
         and False (a delta of another point never joins this answer)."""
-        if (
-            delta["from"] != len(self.ids)
-            or bool(delta["opened_in_reasoning"]) != self.in_reasoning
-        ):
+        opened = delta.get("opened_in_reasoning", self.in_reasoning)
+        if delta["from"] != len(self.ids) or bool(opened) != self.in_reasoning:
             return False
         self.ids.extend(int(i) for i in delta["ids"])
         if delta.get("reasoning"):
             self.reasoning.append(delta["reasoning"])
         if delta.get("content"):
             self.content.append(delta["content"])
-        self._restore(delta)
+        if "in_reasoning" in delta:  # else the state is the one before
+            self._restore(delta)
         return True
 
     def _state(self) -> dict[str, Any]:
@@ -192,15 +196,18 @@ class Drawn:
 
     @classmethod
     def begun(cls, delta: dict[str, Any]) -> Drawn:
-        """An answer with no ids yet, opened as `delta`'s was: what a delta `from` 0 extends."""
+        """An answer with no ids yet, opened as `delta`'s was (a first delta holds the state:
+        nothing is marked before it): what a delta `from` 0 extends."""
         return cls(bool(delta["opened_in_reasoning"]))
 
 
 @dataclass(frozen=True, slots=True)
 class Mark:
-    """How much of an answer a copy holds: its ids, its text pieces, its `retexts`."""
+    """How much of an answer a copy holds: its ids, its text pieces, its `retexts`, and its
+    split's state (None: none known, as before a first delta)."""
 
     ids: int
     reasoning: int
     content: int
     retexts: int
+    state: tuple[Any, ...] | None = None
