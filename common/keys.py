@@ -256,8 +256,9 @@ def drawn_journal_key(run: str, batch: str, attempt: str) -> str:
 
 
 def drawn_journal_tries_key(run: str, batch: str) -> str:
-    """Hash attempt → the order's staging: the tries of a batch with a journal
-    (`drawn_journal_key`), read by the next try; the same TTL and the same end."""
+    """Hash attempt → what its lines are for (the order's staging and input, `binding`): the
+    tries of a batch with a journal (`drawn_journal_key`), read by the next try; the same TTL
+    and the same end."""
     return f"{PREFIX}:run:{run}:drawn:{batch}"
 
 

@@ -86,16 +86,17 @@ class Journal:
         batch: str,
         bound: str,
         names: Collection[Name],
-        resumed: Mapping[Name, Resumed] | None = None,
+        carried: Mapping[Name, Resumed] | None = None,
     ) -> None:
-        """`bound`: the order's `binding`; `names`: the batch's prompts."""
+        """`bound`: the order's `binding`; `names`: the batch's prompts; `carried`: the
+        answers it goes on from (`resumed`)."""
         self.client, self.run, self.batch, self.bound = client, run, batch, bound
         self.names = names
         self.attempt = secrets.token_hex(8)
         self.key = keys.drawn_journal_key(run, batch, self.attempt)
         self.chains: dict[Name, Chain] = {}
         self.carried: set[Name] = set()  # answers an earlier try began: journaled from a copy
-        for name, answer in (resumed or {}).items():
+        for name, answer in (carried or {}).items():
             self.carried.add(name)
             if answer.base is not None:
                 part, mark = answer.base

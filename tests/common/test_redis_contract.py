@@ -1,7 +1,7 @@
 """The Redis commands of the batch path (`RedisCommands`), on a real server and on the fake.
 
 Every test runs twice: against the test Redis database and against tests/fakes' MemoryRedis
-(the `db` fixture, tests/common/conftest.py), so the unit tests that use the fake
+(the `db` fixture, tests/conftest.py), so the unit tests that use the fake
 (tests/workers/test_core_*.py) rest on behaviour the real server has. Replies are compared
 as a default `redis.Redis` returns them (bytes).
 """
