@@ -26,8 +26,10 @@ prints its engine-seconds by how full the engines were (no engine: dead, startin
 idle; a quarter full or less; three quarters; more), and the chaos run its engine-seconds with
 no engine per fault kind (a look charged to the last fault that hit its worker, or that started
 it in a killed one's place). With `--timeline` the chaos run is also printed second by second:
-each GPU worker's engine (requests running, `down` or `frozen`) and the faults played in that
-second.
+each GPU worker's engine (requests running, `down` or `frozen`), the machine's CPU busy share
+and the faults played in that second. Both runs print the CPU time the whole machine used
+(from /proc/stat): a run that leaves the cores idle is bound by its engines' fill, not by
+this machine's CPU.
 
 The last line is `goodput_vs_clean: R`, chaos goodput over clean goodput.
 """
@@ -38,6 +40,7 @@ import argparse
 import collections
 import contextlib
 import logging
+import os
 import secrets
 import sys
 import tempfile
@@ -81,6 +84,16 @@ def fill(running: int | None, cap: int) -> str:
     return "<=25%" if 4 * running <= cap else "<=75%" if 4 * running <= 3 * cap else ">75%"
 
 
+TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_jiffies() -> tuple[float, float]:
+    """The machine's CPU time so far as (busy, all) jiffies summed over its cores, from the
+    first line of /proc/stat (idle and iowait count as not busy)."""
+    fields = [float(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
 def engine_of(worker_pid: int) -> tuple[int, str] | None:
     """The engine of the worker `worker_pid` (its child that leads a session of its own: the
     supervisor starts every engine so) as its pid and process state (`R`, `S`, `T` when
@@ -117,6 +130,7 @@ class EngineTimeline(threading.Thread):
         self.every_s = every_s
         self.looks: list[Look] = []
         self.queued: list[tuple[float, int]] = []  # (monotonic, work orders waiting)
+        self.cpu: list[tuple[float, float, float]] = []  # (monotonic, busy, all) jiffies
         self.stopped = threading.Event()
         self._http = httpx.Client(
             timeout=0.4, headers={"Authorization": f"Bearer {api_key}"}, trust_env=False
@@ -126,6 +140,7 @@ class EngineTimeline(threading.Thread):
         with self._http:
             while not self.stopped.wait(self.every_s):
                 now = time.monotonic()
+                self.cpu.append((now, *cpu_jiffies()))
                 self.queued.append((now, self._queued()))
                 for worker in list(self.soak.workers):
                     if worker.proc.poll() is None:
@@ -159,6 +174,12 @@ class EngineTimeline(threading.Thread):
         running = engine_state_from_metrics(text).get("running")
         return ("down" if running is None else str(int(running))), cap
 
+    def busy(self, start: float, end: float) -> float:
+        """The machine's CPU time used between `start` and `end` (monotonic), in
+        core-seconds."""
+        inside = [busy for at, busy, _ in self.cpu if start <= at <= end]
+        return (inside[-1] - inside[0]) / TICKS if len(inside) > 1 else 0.0
+
     def seconds(self, start: float, end: float) -> dict[str, float]:
         """Engine-seconds between `start` and `end` (monotonic) in each bin."""
         counts = collections.Counter(look.bin for look in self.looks if start <= look.at <= end)
@@ -168,6 +189,7 @@ class EngineTimeline(threading.Thread):
 def show_timeline(
     looks: list[Look],
     queued: list[tuple[float, int]],
+    cpu: list[tuple[float, float, float]],
     played: list[Played],
     start: float,
     wall_start: float,
@@ -177,6 +199,10 @@ def show_timeline(
     the second's last look, then the faults played in it. Workers are numbered in the order
     they first appear."""
     waiting = {int(at - start): count for at, count in queued if at >= start}
+    busy: dict[int, int] = {}  # the machine's CPU busy share (%) in each second
+    for (at, busy0, all0), (_, busy1, all1) in zip(cpu, cpu[1:], strict=False):
+        if at >= start and all1 > all0:
+            busy[int(at - start)] = round(100 * (busy1 - busy0) / (all1 - all0))
     names: dict[str, str] = {}
     seconds: dict[int, dict[str, str]] = collections.defaultdict(dict)
     for at, worker, state, _ in looks:
@@ -188,12 +214,13 @@ def show_timeline(
         target = f" {names.setdefault(fault.target, f'w{len(names)}')}" if fault.target else ""
         faults[int(fault.at_s - wall_start)].append(f"{fault.action}{target}")
     print(
-        "chaos timeline (s: orders waiting, each worker's engine, requests running; then the "
-        "faults):"
+        "chaos timeline (s: orders waiting, the machine's CPU busy %, each worker's engine, "
+        "requests running; then the faults):"
     )
     for second in range(max([*seconds, *faults], default=-1) + 1):
         engines = "  ".join(f"{names[w]} {s:>6}" for w, s in seconds.get(second, {}).items())
-        line = f"{second:4d}  q {waiting.get(second, -1):>3}  {engines:<34}"
+        cpu_share = busy.get(second, -1)
+        line = f"{second:4d}  q {waiting.get(second, -1):>3}  cpu {cpu_share:>3}  {engines:<34}"
         print(f"{line}{'  '.join(faults.get(second, []))}".rstrip())
 
 
@@ -316,7 +343,9 @@ def main() -> None:
         started = time.monotonic()
         tokens_before = engine_tokens(root)
         clean = soak_run(soak, "clean", prompts, None, deadline_s=900.0)
-        show("clean", timeline.seconds(started, time.monotonic()))
+        ended = time.monotonic()
+        show("clean", timeline.seconds(started, ended))
+        cpu_clean = timeline.busy(started, ended)
         sends = Sends(root)
         sends.read()  # the clean run's sends: both runs send the same texts
         before = {text: len(sent) for text, sent in sends.by_prompt.items()}
@@ -333,11 +362,20 @@ def main() -> None:
         chaos = soak_run(
             soak, "chaos", prompts, args.seed, deadline_s=1200.0, per_1000=args.faults_per_1000
         )
-        show("chaos", timeline.seconds(started, time.monotonic()))
+        ended = time.monotonic()
+        show("chaos", timeline.seconds(started, ended))
+        cpu_chaos = timeline.busy(started, ended)
+        print(
+            f"CPU used (core-seconds, the whole machine): clean {cpu_clean:.1f}, "
+            f"chaos {cpu_chaos:.1f}",
+            flush=True,
+        )
         timeline.stopped.set()
         timeline.join()
         if args.timeline:
-            show_timeline(timeline.looks, timeline.queued, soak.played, started, wall_started)
+            show_timeline(
+                timeline.looks, timeline.queued, timeline.cpu, soak.played, started, wall_started
+            )
         print(
             f"chaos (seed {args.seed}, {args.faults_per_1000:g} faults per 1,000 prompts): "
             f"{chaos.prompts} prompts in {chaos.seconds:.1f} s "
