@@ -150,6 +150,8 @@ class Settings(BaseSettings):
     restart_budget: int = Field(default=5, ge=0)
     restart_window_s: float = Field(default=3600.0, gt=0)
     restart_cooldown_s: float = Field(default=600.0, gt=0)
+    # The first restart's delay, doubled for each restart since an engine last served as
+    # long as it took to start (a crash loop), not for every restart in the window.
     restart_backoff_s: float = Field(default=2.0, ge=0)
     # `worker --gpus … --tp-size …`: how often each child worker that dies is restarted.
     worker_restart_budget: int = Field(default=5, ge=0)

@@ -155,6 +155,24 @@ def restart_allowed(restarts: Iterable[float], now: float, budget: int, window_s
     return recent < budget
 
 
+def served_its_start(
+    spawned_at: float | None, ready_at: float | None, died_at: float, floor_s: float
+) -> bool:
+    """Whether an engine that died at `died_at` served at least as long as it took to start
+    (from `spawned_at` to `ready_at`, None: it never served), and at least `floor_s`: then its
+    death ends any crash loop, and the next restart waits the first delay, not a doubled one.
+    A loop spends its time starting; an engine that served its start's length did not.
+
+    >>> served_its_start(0.0, 180.0, 400.0, 2.0), served_its_start(0.0, 180.0, 300.0, 2.0)
+    (True, False)
+    >>> served_its_start(0.0, 0.5, 1.5, 2.0), served_its_start(0.0, None, 900.0, 2.0)
+    (False, False)
+    """
+    if spawned_at is None or ready_at is None:
+        return False
+    return died_at - ready_at >= max(ready_at - spawned_at, floor_s)
+
+
 def loop_suggestion(crash: dict[str, Any]) -> str:
     """What a crash loop's finding says (`crash`: a `crash_report`)."""
     return (

@@ -44,6 +44,7 @@ from genfleet.workers.engine.crashes import (
     known_crash,
     last_error_line,
     restart_allowed,
+    served_its_start,
 )
 from genfleet.workers.engine.launch import EngineLaunch, auth_headers, engine_env
 from genfleet.workers.engine.ports import open_private, private_dir, release_port
@@ -93,6 +94,12 @@ class EngineSupervisor:
         self.on_death = on_death  # after each death is recorded (crash, deaths): publish it
         self.state: State = "stopped"
         self.restarts = 0  # since the worker started (a figure; the budget is a rate)
+        # Restarts since the last engine that served as long as it took to start: the restart
+        # delay doubles with these (a crash loop), not with every restart in the window.
+        self._loop_restarts = 0
+        self.restart_delay_s = 0.0  # what the last restart waited before it spawned
+        self._spawned_at: float | None = None  # when the running engine's process started
+        self._ready_at: float | None = None  # when it first served (None: not yet)
         self.exits = 0  # unexpected exits, stalls killed included
         # Exits no known engine crash explains: a prompt in flight may have caused them (the
         # feeder counts them per prompt; see feeding.suspects).
@@ -252,6 +259,7 @@ class EngineSupervisor:
         if self.log_path and self._log_file is None:
             self._log_file = open_log(self.log_path)
         log.info("starting engine: %s", self.launch.describe())
+        self._spawned_at, self._ready_at = time.monotonic(), None
         try:
             proc = subprocess.Popen(
                 argv,
@@ -302,7 +310,8 @@ class EngineSupervisor:
         delay = 0.05
         progress = StartProgress(self.start_stall_s, time.monotonic())
         looked = 0.0
-        with httpx.Client(timeout=httpx.Timeout(10.0, connect=2.0)) as client:
+        timeout = httpx.Timeout(poll_timeout_s(self.start_stall_s), connect=2.0)
+        with httpx.Client(timeout=timeout) as client:
             while True:
                 proc = self._proc
                 if self._stopping.is_set():
@@ -339,6 +348,7 @@ class EngineSupervisor:
                         )
                 time.sleep(delay)
                 delay = min(delay * 1.5, 1.0)
+        self._ready_at = time.monotonic()
         self.server_info = self._get_server_info()
         self._set_state("ready")
         log.info(
@@ -425,11 +435,16 @@ class EngineSupervisor:
             self._restart_times.append(now)
             self.restarts += 1
             self._set_state("restarting")
-            # Doubling with the restarts in the window, not over the worker's life.
             recent = self.budget(now)["restarts_in_window"]
+            if served_its_start(self._spawned_at, self._ready_at, now, self.restart_backoff_s):
+                self._loop_restarts = 0
+            self._loop_restarts += 1
+            self._spawned_at = self._ready_at = None  # judged once: a failed start is no run
+            # Doubling with the restarts since an engine last served, not with the window's.
             backoff = Backoff(
                 base_s=self.restart_backoff_s, cap_s=self.restart_backoff_s * 64
-            ).delay_s(recent - 1)
+            ).delay_s(self._loop_restarts - 1)
+            self.restart_delay_s = backoff
             log.warning(
                 "restarting engine (%d of %d in %.0f s) in %.1f s",
                 recent,
@@ -511,6 +526,21 @@ class EngineSupervisor:
         """SIGKILL whatever is left in the engine's group (SGLang's schedulers, say)."""
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(pgid, signal.SIGKILL)
+
+
+def poll_timeout_s(start_stall_s: float) -> float:
+    """How long one readiness poll may wait for its answer while an engine starts: long
+    enough for SGLang's /health (a 1-token generation and a 1-s sleep), short enough that the
+    start watch, which looks between polls, judges a frozen start near `start_stall_s` (a
+    process stopped after it bound its port accepts the connection and never answers: at
+    10 s a poll, a start frozen in the chaos bench was killed after 21 s, not 8).
+
+    >>> poll_timeout_s(8.0), poll_timeout_s(300.0), poll_timeout_s(0.0)
+    (4.0, 10.0, 10.0)
+    """
+    if not start_stall_s:
+        return 10.0
+    return min(10.0, max(3.0, start_stall_s / 2))
 
 
 def _info_line(info: dict[str, Any]) -> str:

@@ -115,6 +115,31 @@ def test_an_engine_frozen_while_it_starts_is_killed_after_the_stall_window_not_t
     assert sup.pid is not None and not alive(sup.pid)
 
 
+def test_a_start_frozen_after_it_bound_its_port_is_judged_between_short_polls() -> None:
+    """Stopped once listening: the kernel accepts each readiness poll's connection and nobody
+    answers. Each poll waits its own timeout (here 3 s), not 10 s, so the start watch looks
+    often enough to kill it near its window (2 s): at 10 s a poll it took two polls, 20 s."""
+    port = free_port()
+    bound_then_stopped = (
+        "import os, signal, socket\n"
+        f"s = socket.socket(); s.bind(('127.0.0.1', {port})); s.listen(16)\n"
+        "print('bound', flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGSTOP)\n"
+    )
+    launch = EngineLaunch(
+        kind="command",
+        argv=[sys.executable, "-c", bound_then_stopped],
+        port=port,
+        health_path="/",
+    )
+    sup = EngineSupervisor(launch, startup_timeout_s=60, stop_timeout_s=30, start_stall_s=2)
+    started = time.monotonic()
+    with pytest.raises(EngineStartError, match="frozen while starting"):
+        sup.start()
+    assert 2 <= time.monotonic() - started < 8
+    assert sup.pid is not None and not alive(sup.pid)
+
+
 def test_a_start_that_moves_is_not_judged_frozen() -> None:
     """Busy for 4 s without a word, then serving: its CPU time is its progress."""
     port = free_port()
@@ -437,3 +462,29 @@ def test_restarts_forgiven_for_a_blamed_prompt_leave_the_budget() -> None:
         assert sup.budget()["restarts_in_window"] == 0
     finally:
         sup.stop()
+
+
+def test_the_restart_delay_doubles_in_a_crash_loop_not_after_an_engine_that_served() -> None:
+    """An engine that served at least as long as it took to start was not in a crash loop:
+    its restart waits the first delay. Counted over the window instead, a worker whose engine
+    died five times in an hour, each after serving for minutes, waited 16 times the first
+    delay before its fifth start."""
+    sup = EngineSupervisor(
+        http_engine(free_port()), startup_timeout_s=20, restart_budget=10, restart_backoff_s=0.2
+    )
+    sup.start()
+    delays = []
+    try:
+        for served in (True, True, False, False, True):
+            pid = sup.pid
+            assert pid is not None
+            if served:
+                time.sleep(3.0)  # longer than the stand-in engine takes to start
+            os.killpg(pid, signal.SIGKILL)
+            wait_for(
+                lambda dead=pid: sup.pid != dead and sup.state == "ready", 20, "a restarted engine"
+            )
+            delays.append(sup.restart_delay_s)
+    finally:
+        sup.stop()
+    assert delays == [0.2, 0.2, 0.4, 0.8, 0.2]
