@@ -440,10 +440,12 @@ class EngineSupervisor:
                 self._loop_restarts = 0
             self._loop_restarts += 1
             self._spawned_at = self._ready_at = None  # judged once: a failed start is no run
-            # Doubling with the restarts since an engine last served, not with the window's.
+            # Doubling with the restarts since an engine last served, and never with more than
+            # the window's: a loop's count goes back to the first delay once its restarts leave
+            # the window (a cool-down), as the budget does.
             backoff = Backoff(
                 base_s=self.restart_backoff_s, cap_s=self.restart_backoff_s * 64
-            ).delay_s(self._loop_restarts - 1)
+            ).delay_s(min(self._loop_restarts, recent) - 1)
             self.restart_delay_s = backoff
             log.warning(
                 "restarting engine (%d of %d in %.0f s) in %.1f s",
