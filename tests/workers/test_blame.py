@@ -7,7 +7,13 @@ import pytest
 
 from genfleet.workers.feeding.blame import Death, Verdict, goes_alone, judge
 
-B, S, P, N = Verdict.BLAME, Verdict.SUSPECT, Verdict.PAST_ARRIVAL, Verdict.NOT_IN_IT
+B, S, P, N, K = (
+    Verdict.BLAME,
+    Verdict.SUSPECT,
+    Verdict.PAST_ARRIVAL,
+    Verdict.NOT_IN_IT,
+    Verdict.KILLED,
+)
 
 
 @pytest.mark.parametrize(
@@ -20,7 +26,8 @@ B, S, P, N = Verdict.BLAME, Verdict.SUSPECT, Verdict.PAST_ARRIVAL, Verdict.NOT_I
         (True, True, False, True, True, 0, S),  # the first death alone: not yet
         (True, True, False, True, False, 1, S),  # another prompt arriving beside it
         (True, True, False, True, False, 5, S),
-        (True, True, False, False, True, 1, S),  # a kill from outside or the watchdog's
+        (True, True, False, False, True, 1, K),  # a kill from outside or the watchdog's
+        (True, True, False, False, False, 0, K),  # arriving beside others, at a kill
         (True, True, True, True, True, 1, P),  # its answer had begun: past its arrival
         (True, True, True, False, False, 0, P),
         (False, True, False, True, True, 1, N),  # never connected: never in flight
@@ -42,18 +49,15 @@ def test_a_prompt_is_blamed_for_a_second_own_death_it_arrived_at_alone(
 
 
 @pytest.mark.parametrize(
-    ("deaths", "crashes", "alone"),
+    ("crashes", "alone"),
     [
-        (0, 0, False),
-        (1, 0, False),  # one death here: through the lane with others
-        (0, 1, False),  # one death on an earlier worker: first in the lane, not alone
-        (1, 1, False),
-        (2, 0, True),  # two deaths here, kills included
-        (0, 2, True),  # two of the engine's own on earlier workers: alone at once
-        (1, 2, True),
+        (0, False),
+        (1, False),  # one of the engine's own deaths: through the lane with others
+        (2, True),  # two, on this worker or earlier ones: alone
+        (5, True),
     ],
 )
-def test_a_suspect_goes_alone_after_two_deaths_here_or_two_own_anywhere(
-    deaths: int, crashes: int, alone: bool
+def test_a_suspect_goes_alone_after_two_of_the_engines_own_deaths(
+    crashes: int, alone: bool
 ) -> None:
-    assert goes_alone(deaths, crashes) is alone
+    assert goes_alone(crashes) is alone

@@ -7,7 +7,9 @@ answer began, whatever the exit code and whatever the client saw of the socket (
 close before or after the answer's headers, an event with no text yet). Two deaths of the
 engine's own making with it arriving, the last with no other prompt arriving beside it,
 blame it, on one worker or across several (the counts of earlier workers come with the
-batch: `workers/crash_evidence`).
+batch: `workers/crash_evidence`). A death the engine did not make itself (a kill from
+outside, the watchdog's) is no prompt's: each prompt it cut goes back at once, as one past
+its arrival does, and nothing is counted against it.
 
     judge(Death(reached=True, died=True, begun=False, own=True, alone=True), crashes_before=1)
     # Verdict.BLAME
@@ -42,6 +44,9 @@ class Death:
 class Verdict(enum.Enum):
     NOT_IN_IT = "not_in_it"  # never in flight at a death: sent again, nothing counted
     PAST_ARRIVAL = "past_arrival"  # its answer had begun: not the cause; back at once
+    # the engine was killed (from outside, by the watchdog): no prompt's doing; back at once,
+    # nothing counted (a restart of a killed engine keeps whatever its counts said before)
+    KILLED = "killed"
     SUSPECT = "suspect"  # a death counted against it: back through the suspect lane
     BLAME = "blame"  # its error record (`engine_crash`), once the engine serves others
 
@@ -53,13 +58,17 @@ def judge(death: Death, crashes_before: int) -> Verdict:
         return Verdict.NOT_IN_IT
     if death.begun:
         return Verdict.PAST_ARRIVAL
-    if death.own and death.alone and crashes_before >= 1:
+    if not death.own:
+        return Verdict.KILLED
+    if death.alone and crashes_before >= 1:
         return Verdict.BLAME
     return Verdict.SUSPECT
 
 
-def goes_alone(deaths: int, crashes: int) -> bool:
+def goes_alone(crashes: int) -> bool:
     """Whether a suspect goes back alone (the lane's solo: nothing else sent until its answer
-    begins): after two deaths with it in flight here, or two of the engine's own with it
-    arriving counting earlier workers' (one more alone blames it)."""
-    return deaths >= 2 or crashes >= 2
+    begins): after two of the engine's own deaths with it arriving, counting earlier workers'
+    (one more alone blames it). Kills count toward nothing: an engine killed from outside
+    every few minutes (preemption, an operator, a chaos run) would otherwise send each prompt
+    it held back one at a time."""
+    return crashes >= 2

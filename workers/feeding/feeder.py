@@ -22,15 +22,15 @@ What each answer does to a prompt (the client maps HTTP to these errors):
   the cause; it goes back at once when the engine is up again.
 - engine died with it arriving (its request written, no output yet: whatever the exit code
   and however the socket closed): the prompt becomes a suspect and goes back through the
-  `SuspectLane`, alone once it has been in flight at two deaths (no prompt, fresh or
-  suspect, is sent from then until its output begins, and it waits for those in flight to
-  begin theirs); a suspect at two of the engine's own deaths, the last as it arrived with no
-  other prompt arriving beside it, is that prompt's error record once another prompt is
-  served, never sent again (`feeding.blame`): one prompt that crashes the engine costs one
-  record, not its batch or its worker's restart budget. The engine's own deaths with each
-  prompt arriving are kept with the batch (`Evidence`), so a batch that moves to another
-  worker takes them along. A kill (from outside, or the watchdog's for a stall) is no
-  prompt's crash.
+  `SuspectLane`, alone once it has been arriving at two of the engine's own deaths (no
+  prompt, fresh or suspect, is sent from then until its output begins, and it waits for
+  those in flight to begin theirs); a suspect at two of the engine's own deaths, the last as
+  it arrived with no other prompt arriving beside it, is that prompt's error record once
+  another prompt is served, never sent again (`feeding.blame`): one prompt that crashes the
+  engine costs one record, not its batch or its worker's restart budget. The engine's own
+  deaths with each prompt arriving are kept with the batch (`Evidence`), so a batch that
+  moves to another worker takes them along. A kill (from outside, or the watchdog's for a
+  stall) is no prompt's crash: what it cut goes back at once, nothing counted.
 - past its deadline (`workers/feeding/deadline`: its max_tokens at the engine's measured pace): an
   error record at once, provided the engine serves other prompts; the batch goes on.
 - engine refuses the worker (401/403/404): the batch stops; the task stops the worker
@@ -215,7 +215,6 @@ class _Tries:
     send_no: int = 0  # its last send's number (`Feeder._sends`)
     deaths_at_send: int = 0
     crashes_at_send: int = 0
-    deaths: int = 0  # engine deaths while it was in flight, here
     # the engine's own deaths (`EngineHandle.crashes`) with it arriving, here and on the
     # workers that ran its batch before (`Evidence`)
     crashes: int = 0
@@ -546,10 +545,10 @@ class Feeder:
         self._recheck_drawing(record, params, tries)
         before = len(tries.drawn.ids) if tries.drawn is not None else 0
         timeout_s = self._deadline_s(record, params, before)
-        suspect = tries.deaths > 0 or tries.crashes > 0
+        suspect = tries.crashes > 0
         if suspect:
-            solo = goes_alone(tries.deaths, tries.crashes)
-            rank = (-float(max(tries.deaths, tries.crashes)), -tries.sent_at)
+            solo = goes_alone(tries.crashes)
+            rank = (-float(tries.crashes), -tries.sent_at)
             await self._lane.enter(rank, solo=solo)
             tries.lane = Lane.SOLO if solo else Lane.SHARED
         ok = False
@@ -835,17 +834,19 @@ class Feeder:
             # of any before (it would have killed the engine arriving again). It goes
             # back at once, not through the lane: after a restart most of what was in
             # flight does, and the engine is full again at once, not a few at a time.
-            tries.deaths = tries.crashes = tries.crashes_here = 0
+            tries.crashes = tries.crashes_here = 0
             tries.first_death_s = None
             return verdict
-        tries.deaths += 1
+        if verdict is Verdict.KILLED:
+            # No prompt's doing: back as it was before (a suspect still goes through the
+            # lane for its own deaths before), the engine full again at once.
+            return verdict
         if tries.first_death_s is None:
             tries.first_death_s = time.monotonic()
-        if death.own:
-            tries.crashes += 1
-            tries.crashes_here += 1
-            if self.evidence is not None:
-                await asyncio.to_thread(self.evidence.add, run, batch, record)
+        tries.crashes += 1
+        tries.crashes_here += 1
+        if self.evidence is not None:
+            await asyncio.to_thread(self.evidence.add, run, batch, record)
         return verdict
 
     async def _settle(self, deaths: int, reached: bool) -> None:
