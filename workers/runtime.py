@@ -53,7 +53,7 @@ from genfleet.workers.observe.live_progress import ProgressTally
 from genfleet.workers.observe.liveness import Presence, connection_name
 from genfleet.workers.observe.power_watch import fleet_state
 from genfleet.workers.observe.sampler import Monitor, make_sampler
-from genfleet.workers.process.slots import PrefetchSlots
+from genfleet.workers.process.slots import PrefetchSlots, has_room
 from genfleet.workers.refusals import RunVerdicts
 
 log = logging.getLogger("genfleet.worker")
@@ -205,9 +205,15 @@ class WorkerRuntime:
                 settings.request_deadline_margin,
             ),
             on_batch_sent=self.slots.batch_sent,
+            on_answer_left=self.slots.offer,
+            on_batch_arrived=self.slots.arrived,
             evidence=CrashEvidence(self.redis),
             exit_grace_s=0.0 if settings.engine_kind == "external" else EXIT_GRACE_S,
         )
+        # Slots go on while the engine has room (workers.process.slots): it runs at most its
+        # cap, and never more than the feeder sends.
+        room_cap = min(cap, max_inflight) if cap else None
+        self.slots.room = lambda: has_room(feeder.inflight, feeder.waiting, room_cap)
         log.info(
             "feeding %s with up to %d requests in flight (engine cap %s)",
             base_url,

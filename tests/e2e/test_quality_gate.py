@@ -106,11 +106,13 @@ def test_a_run_of_cut_answers_pauses_holds_its_orders_and_resumes_with_a_new_cap
 def test_a_paused_run_goes_on_as_it_is_without_the_gate(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
-    env, ids, args = _paused_run(tmp_path, redis_url, redis_client, 300)
+    # 600 prompts: a worker holds as many batches as its engine has room for (25 of 10 at
+    # the emulator's cap of 256), all of which finish after the pause.
+    env, ids, args = _paused_run(tmp_path, redis_url, redis_client, 600)
     resumed = genfleet([*args, "--no-quality-gate"], env)
     said = " ".join((resumed.stdout + resumed.stderr).split())
     assert resumed.returncode == 0, said
-    assert "cut: done — 300/300 prompts (0 error records; answers: 0.0% kept, 9" in said
+    assert "cut: done — 600/600 prompts (0 error records; answers: 0.0% kept, 9" in said
     assert "% cut at max_tokens" in said
     settings = Settings(redis_url=redis_url, store=env["GENFLEET_STORE"])
     store = open_store(env["GENFLEET_STORE"])

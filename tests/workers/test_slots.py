@@ -9,6 +9,7 @@ has sent every prompt, and the run still ends with every output exactly once.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -24,7 +25,7 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.status import run_status
 from genfleet.workers.feeding.feeder import Feeder
-from genfleet.workers.process.slots import PrefetchSlots
+from genfleet.workers.process.slots import TRANSIT_S, PrefetchSlots
 from harness.env import base_env
 from harness.processes import Worker
 from harness.runs import stage_questions, wait_run_done
@@ -168,7 +169,7 @@ def test_the_slots_handed_on_are_counted_on_the_consumer_after_a_reconnect(
     steps: list[str], prefetch: int
 ) -> None:
     worker = _Worker(spare_threads=2)
-    slots = PrefetchSlots(lambda: worker)
+    slots = PrefetchSlots(lambda: worker, clock=itertools.count(0, 10).__next__)
     for step in steps:
         if step == "reconnect":
             worker.reconnect()
@@ -183,8 +184,95 @@ def test_a_slot_handed_on_wakes_the_consumers_loop_at_once() -> None:
     """The raised count is applied by the consumer's event loop; woken, it fetches the next
     batch now, not at its next timer tick (a second later)."""
     worker = _Worker(spare_threads=1)
-    slots = PrefetchSlots(lambda: worker)
+    slots = PrefetchSlots(lambda: worker, clock=itertools.count(0, 10).__next__)
     slots.batch_sent("r", "b0")
     assert len(worker.hub._ready) == 1  # one wake-up waiting for the loop
     slots.batch_sent("r", "b1")  # no spare thread left: the count stays, nothing to wake for
     assert worker.consumer.qos.value == 4 and len(worker.hub._ready) == 1
+
+
+class _Engine:
+    """The room `PrefetchSlots` reads: requests in the engine against its cap."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.inflight = 0
+
+    def room(self) -> bool:
+        return self.inflight < self.cap
+
+
+@pytest.mark.parametrize(
+    ("steps", "prefetch"),
+    [
+        # room: a sent batch hands its slot on; the next waits until that one's batch arrives
+        (["sent b0", "sent b1"], 4),
+        (["sent b0", "sent b1", "arrived"], 5),
+        (["sent b0", "arrived", "sent b1"], 5),
+        # the queue gave nothing for TRANSIT_S: the next slot goes on all the same
+        (["sent b0", "sent b1", "later", "left"], 5),
+        # full: the sent batches hold their slots, the orders stay in the queue
+        (["full", "sent b0", "sent b1"], 3),
+        # an answer leaves room: one waiting slot goes on...
+        (["full", "sent b0", "sent b1", "left"], 4),
+        # ... and the next once its batch is in, if that batch left room
+        (["full", "sent b0", "sent b1", "left", "arrived"], 5),
+        (["full", "sent b0", "sent b1", "left", "full", "arrived"], 4),
+        # a waiting batch that ends takes no slot with it, and hands none on later
+        (["full", "sent b0", "ended b0", "left"], 3),
+        # a batch handed on ends: its slot comes back; the waiting one's goes on with room
+        (["sent b0", "arrived", "full", "sent b1", "ended b0"], 3),
+        (["sent b0", "arrived", "full", "sent b1", "ended b0", "left"], 4),
+        # no spare thread left (two): the third sent batch waits for one, not for room
+        (["sent b0", "arrived", "sent b1", "arrived", "sent b2", "arrived"], 5),
+        (["sent b0", "arrived", "sent b1", "arrived", "sent b2", "ended b0"], 5),
+        (["sent b0", "arrived", "sent b1", "arrived", "sent b2", "ended b0", "ended b1"], 4),
+    ],
+)
+def test_a_sent_batch_hands_its_slot_on_only_while_the_engine_has_room(
+    steps: list[str], prefetch: int
+) -> None:
+    """A worker whose engine is full takes no more orders: they wait in the queue for a
+    worker with room (the end of a run goes to both engines, not to the first that asked).
+    Each answer that leaves the engine offers the waiting slots again, one at a time: the
+    next once the batch the last one fetched is counted."""
+    worker, engine, now = _Worker(spare_threads=2), _Engine(cap=10), [0.0]
+    slots = PrefetchSlots(lambda: worker, room=engine.room, clock=lambda: now[0])
+    for step in steps:
+        if step == "full":
+            engine.inflight = engine.cap
+        elif step == "left":
+            engine.inflight = 0
+            slots.offer()  # the feeder's hook as a request leaves the engine
+        elif step == "arrived":
+            slots.arrived()  # the feeder's hook as a batch's prompts are counted
+        elif step == "later":
+            now[0] += TRANSIT_S
+        else:
+            what, batch = step.split()
+            (slots.batch_sent if what == "sent" else slots.batch_ended)("r", batch)
+    assert worker.consumer.qos.value == prefetch
+
+
+def test_each_request_that_leaves_the_engine_offers_the_waiting_slots() -> None:
+    """The feeder calls its hook as each request leaves the engine, so a slot waiting for
+    room goes on as soon as there is some."""
+    client = SlowClient()
+    left: list[int] = []
+    feeder = Feeder(
+        lambda: client,
+        FakeEngine(),
+        max_inflight=3,
+        on_answer_left=lambda: left.append(feeder.inflight),
+    )  # type: ignore[arg-type,return-value]
+    params = GenerationParams(max_tokens=8, temperature=0.0, top_p=1.0, thinking=False)
+    records = [PromptRecord(f"p{i}", [{"role": "user", "content": "x"}]) for i in range(3)]
+    try:
+        batch = feeder.run_batch("r", "b0", records, params, lambda i, r: None)
+        wait_for(lambda: feeder.inflight == 3, 10, "three requests in the engine")
+        assert left == []
+        batch.cancel()
+        wait_for(lambda: len(left) == 3, 10, "the hook once for each request that left")
+        assert sorted(left) == [0, 1, 2]  # called after each left the count
+    finally:
+        feeder.close()

@@ -268,11 +268,17 @@ class Feeder:
         backoff_s: Callable[[int], float] = retry_backoff_s,
         deadline: DeadlinePolicy | None = None,
         on_batch_sent: Callable[[str, str], None] | None = None,
+        on_answer_left: Callable[[], None] | None = None,
+        on_batch_arrived: Callable[[], None] | None = None,
         evidence: Evidence | None = None,
         exit_grace_s: float = 0.0,
     ) -> None:
         """`on_batch_sent(run, batch)` fires (on the feeder's loop) once every prompt of a
         batch is in the engine: the worker hands that batch's slot to the next one.
+        `on_answer_left()` fires (on the loop) each time a request leaves the engine, done
+        or failed: the room it left may take a batch whose slot waits for it.
+        `on_batch_arrived()` fires (on the loop) as a batch's prompts are counted in
+        `waiting`: the worker's count of what it holds is whole again.
         `evidence`: where prompts' engine deaths are kept for the batch's next worker.
         `exit_grace_s`: how long a written request that failed waits for the engine's exit
         to be counted while its process still runs (an engine that closes its connections
@@ -288,6 +294,8 @@ class Feeder:
         self.identity = identity or {}
         self.backoff_s = backoff_s
         self.on_batch_sent = on_batch_sent
+        self.on_answer_left = on_answer_left
+        self.on_batch_arrived = on_batch_arrived
         self.evidence = evidence
         self.exit_grace_s = exit_grace_s
         self.inflight = 0
@@ -423,6 +431,7 @@ class Feeder:
             terminated = name in self._terminating
         unsent = [len(records)]  # this batch's share of self.waiting
         self.waiting += len(records)
+        self._hook(self.on_batch_arrived)
 
         def sent() -> None:
             if on_sent is not None:
@@ -532,6 +541,14 @@ class Feeder:
             on_record(index, self._record(run, batch, record, result, tries=tries))
             return
 
+    def _hook(self, hook: Callable[[], None] | None) -> None:
+        """Tell the worker what its slots count on; a failing hook fails no request."""
+        if hook is not None:
+            try:
+                hook()
+            except Exception:  # noqa: BLE001 - the answers are the worker's, whatever it does
+                log.exception("the worker's slot hook failed")
+
     async def _send(
         self,
         record: PromptRecord,
@@ -590,6 +607,7 @@ class Feeder:
                 finally:
                     self.inflight -= 1
                     self._arrived(tries, False, suspect)
+                    self._hook(self.on_answer_left)
                     if probe is not None:
                         probe.cancel()
             finally:

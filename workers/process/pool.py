@@ -34,9 +34,11 @@ log = logging.getLogger("genfleet.worker")
 
 
 # Threads per batch slot. A batch whose prompts are all in the engine hands its slot to the
-# next batch (the worker's runtime raises the prefetch count while only its stragglers run),
-# so the pool needs threads beyond `worker_concurrency` for those batches to finish on.
-THREADS_PER_SLOT = 4
+# next batch while the engine has room (`workers.process.slots`), so the pool needs threads
+# beyond `worker_concurrency` for those batches to finish on. The engine's room bounds what a
+# worker holds; the threads only bound how many batches' stragglers it waits on at once (at
+# 25-prompt batches, 12 threads were all stragglers while their engine drained).
+THREADS_PER_SLOT = 8
 
 
 class TaskPool(ThreadTaskPool):  # type: ignore[misc]
