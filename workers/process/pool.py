@@ -36,9 +36,11 @@ log = logging.getLogger("genfleet.worker")
 # Threads per batch slot. A batch whose prompts are all in the engine hands its slot to the
 # next batch while the engine has room (`workers.process.slots`), so the pool needs threads
 # beyond `worker_concurrency` for those batches to finish on. The engine's room bounds what a
-# worker holds; the threads only bound how many batches' stragglers it waits on at once (at
-# 25-prompt batches, 12 threads were all stragglers while their engine drained).
-THREADS_PER_SLOT = 8
+# worker holds; the threads must not bind first: a batch of long answers holds its thread for
+# its last straggler, and in the chaos bench (25-prompt batches, 3 slots) a worker's 24
+# threads were all stragglers' while its engine ran 71 to 110 of 256 with orders waiting. An
+# idle thread costs a blocked wait, no more.
+THREADS_PER_SLOT = 32
 
 
 class TaskPool(ThreadTaskPool):  # type: ignore[misc]
