@@ -50,6 +50,9 @@ from genfleet.workers.engine.launch import EngineLaunch, auth_headers, engine_en
 from genfleet.workers.engine.ports import open_private, private_dir, release_port
 from genfleet.workers.engine.start_watch import StartProgress, group_cpu_s
 
+# The longest wait between two readiness polls of a starting engine (they begin at 50 ms).
+READY_POLL_MAX_S = 0.25
+
 log = logging.getLogger("genfleet.engine")
 
 State = Literal["stopped", "starting", "ready", "restarting", "exhausted"]
@@ -347,7 +350,9 @@ class EngineSupervisor:
                             list(self.log_tail),
                         )
                 time.sleep(delay)
-                delay = min(delay * 1.5, 1.0)
+                # At most a quarter second: every engine start (a worker's, each restart) waits
+                # for the poll after it is ready; a refused connect or a 503 costs nothing.
+                delay = min(delay * 1.5, READY_POLL_MAX_S)
         self._ready_at = time.monotonic()
         self.server_info = self._get_server_info()
         self._set_state("ready")
