@@ -22,7 +22,7 @@ from typing import Any, Protocol
 from genfleet.workers.feeding.repetition import token_estimate
 
 CORPUS = Path(__file__).resolve().parent.parent / "tests" / "data" / "repetition" / "corpus.jsonl"
-CHUNK_CHARS = 128  # what SGLang streams with --stream-interval 32, at 4 characters a token
+CHUNK_CHARS = 128  # SGLang with --stream-interval 32 (coarser than genfleet's 8), 4 chars a token
 BUDGET_TOKENS = 2000  # a loop must be stopped within this many tokens of its start
 
 

@@ -24,7 +24,7 @@ from genfleet.workers.feeding.repetition import (
 from harness.repetition_corpus import BUDGET_TOKENS, load_corpus, score
 
 RULE = RepetitionRule()
-CHUNK_CHARS = 128  # what SGLang streams with --stream-interval 32, at 4 characters a token
+CHUNK_CHARS = 128  # SGLang with --stream-interval 32 (coarser than genfleet's 8), 4 chars a token
 CHARS_PER_TOKEN = 4
 
 

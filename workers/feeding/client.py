@@ -54,7 +54,7 @@ from genfleet.workers.feeding.transport import AiohttpTransport, Transport
 MAX_RETRY_AFTER_S = 60.0
 # Tokens per streamed chunk, where a chunk does not say: the `--stream-interval` genfleet
 # starts SGLang with by default (the setting `stream_chunk_tokens`).
-STREAM_CHUNK_TOKENS = 32
+STREAM_CHUNK_TOKENS = 8
 
 
 @dataclass(slots=True)

@@ -24,7 +24,7 @@ SERVE = ["sglang", "serve"]
 HEAD = [
     "--model-path", MODEL, "--served-model-name", MODEL, "--tp-size", "1",
     "--host", "127.0.0.1", "--port", str(PORT), "--max-running-requests", "256",
-    "--stream-interval", "32", "--incremental-streaming-output", "--reasoning-parser", "qwen3",
+    "--stream-interval", "8", "--incremental-streaming-output", "--reasoning-parser", "qwen3",
 ]  # fmt: skip
 HEAD_NO_PARSER = HEAD[:-2]
 MTP = [
@@ -154,7 +154,7 @@ CASES: list[tuple[str, dict[str, Any], str, str | None, list[str], dict[str, str
             "--max-running-requests",
             "512",
             "--stream-interval",
-            "32",
+            "8",
             "--incremental-streaming-output",
             "--context-length",
             "65536",
