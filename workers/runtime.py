@@ -53,7 +53,7 @@ from genfleet.workers.observe.live_progress import ProgressTally
 from genfleet.workers.observe.liveness import Presence, connection_name
 from genfleet.workers.observe.power_watch import fleet_state
 from genfleet.workers.observe.sampler import Monitor, make_sampler
-from genfleet.workers.process.slots import PrefetchSlots, has_room
+from genfleet.workers.process.slots import PrefetchSlots, room_left
 from genfleet.workers.refusals import RunVerdicts
 
 log = logging.getLogger("genfleet.worker")
@@ -213,7 +213,7 @@ class WorkerRuntime:
         # Slots go on while the engine has room (workers.process.slots): it runs at most its
         # cap, and never more than the feeder sends.
         room_cap = min(cap, max_inflight) if cap else None
-        self.slots.room = lambda: has_room(feeder.inflight, feeder.waiting, room_cap)
+        self.slots.room = lambda: room_left(feeder.held, room_cap)
         log.info(
             "feeding %s with up to %d requests in flight (engine cap %s)",
             base_url,

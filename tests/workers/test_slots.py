@@ -25,12 +25,12 @@ from genfleet.common.settings import Settings
 from genfleet.common.store import open_store
 from genfleet.producer.status import run_status
 from genfleet.workers.feeding.feeder import Feeder
-from genfleet.workers.process.slots import TRANSIT_S, PrefetchSlots
+from genfleet.workers.process.slots import TRANSIT_S, PrefetchSlots, room_left
 from harness.env import base_env
 from harness.processes import Worker
 from harness.runs import stage_questions, wait_run_done
 from harness.waits import wait_for
-from tests.fakes.engine import FakeEngine
+from tests.fakes.engine import FakeChat, FakeEngine
 
 
 class SlowClient:
@@ -198,14 +198,15 @@ class _Engine:
         self.cap = cap
         self.inflight = 0
 
-    def room(self) -> bool:
-        return self.inflight < self.cap
+    def room(self) -> int:
+        return room_left(self.inflight, self.cap)
 
 
 @pytest.mark.parametrize(
     ("steps", "prefetch"),
     [
-        # room: a sent batch hands its slot on; the next waits until that one's batch arrives
+        # room: a sent batch hands its slot on; before any batch arrived, the next waits
+        # until that one's batch does
         (["sent b0", "sent b1"], 4),
         (["sent b0", "sent b1", "arrived"], 5),
         (["sent b0", "arrived", "sent b1"], 5),
@@ -234,9 +235,53 @@ def test_a_sent_batch_hands_its_slot_on_only_while_the_engine_has_room(
 ) -> None:
     """A worker whose engine is full takes no more orders: they wait in the queue for a
     worker with room (the end of a run goes to both engines, not to the first that asked).
-    Each answer that leaves the engine offers the waiting slots again, one at a time: the
-    next once the batch the last one fetched is counted."""
-    worker, engine, now = _Worker(spare_threads=2), _Engine(cap=10), [0.0]
+    Each answer that leaves the engine offers the waiting slots again: one at a time until a
+    batch has arrived (here batches of one prompt, against a cap of 10)."""
+    _play(steps, prefetch, spare_threads=2, cap=10)
+
+
+@pytest.mark.parametrize(
+    ("steps", "prefetch"),
+    [
+        # batches of 3 against a cap of 8: three slots go on at once (3 + 3 + 3 > 8 - 0)...
+        (["sent b0", "arrived 3", "full", "sent b1", "sent b2", "sent b3", "sent b4"], 4),
+        (["sent b0", "arrived 3", "full", "sent b1", "sent b2", "sent b3", "left"], 7),
+        # ... the fourth once one of theirs arrived
+        (["sent b0", "arrived 3", "full", "sent b1", "sent b2", "sent b3", "sent b4", "left"], 7),
+        (
+            ["sent b0", "arrived 3", "full", "sent b1", "sent b2", "sent b3", "sent b4", "left"]
+            + ["arrived 3"],
+            8,
+        ),
+        # handed-back batches of one unfinished prompt each: as many as the spare threads
+        (["sent b0", "arrived 1", "full", "sent b1", "sent b2", "sent b3", "sent b4", "left"], 8),
+        # a batch of 20 after one of 2: the mean (11) lets one go at a time against 8
+        (["sent b0", "arrived 2", "sent b1", "arrived 20", "full", "sent b2", "sent b3"], 5),
+        (
+            ["sent b0", "arrived 2", "sent b1", "arrived 20", "full", "sent b2", "sent b3"]
+            + ["left"],
+            6,
+        ),
+        # the ones in transit past TRANSIT_S (the queue gave nothing) count no more
+        (["sent b0", "arrived 4", "full", "sent b1", "sent b2", "sent b3", "left", "later"], 6),
+        (
+            ["sent b0", "arrived 4", "full", "sent b1", "sent b2", "sent b3", "left", "later"]
+            + ["left"],
+            7,
+        ),
+    ],
+)
+def test_as_many_slots_go_on_as_the_room_holds_batches_of_the_last_ones_size(
+    steps: list[str], prefetch: int
+) -> None:
+    """A new worker fills its engine with a run's handed-back batches (a few unfinished
+    prompts each) in a few fetches, not one fetch at a time; the batches fetched and not
+    arrived count in the room at the size of the last ones."""
+    _play(steps, prefetch, spare_threads=5, cap=8)
+
+
+def _play(steps: list[str], prefetch: int, spare_threads: int, cap: int) -> None:
+    worker, engine, now = _Worker(spare_threads=spare_threads), _Engine(cap=cap), [0.0]
     slots = PrefetchSlots(lambda: worker, room=engine.room, clock=lambda: now[0])
     for step in steps:
         if step == "full":
@@ -244,8 +289,9 @@ def test_a_sent_batch_hands_its_slot_on_only_while_the_engine_has_room(
         elif step == "left":
             engine.inflight = 0
             slots.offer()  # the feeder's hook as a request leaves the engine
-        elif step == "arrived":
-            slots.arrived()  # the feeder's hook as a batch's prompts are counted
+        elif step.startswith("arrived"):
+            # the feeder's hook as a batch's prompts are counted (one, unless it says)
+            slots.arrived(int(step.split()[1]) if " " in step else 1)
         elif step == "later":
             now[0] += TRANSIT_S
         else:
@@ -254,25 +300,34 @@ def test_a_sent_batch_hands_its_slot_on_only_while_the_engine_has_room(
     assert worker.consumer.qos.value == prefetch
 
 
-def test_each_request_that_leaves_the_engine_offers_the_waiting_slots() -> None:
-    """The feeder calls its hook as each request leaves the engine, so a slot waiting for
-    room goes on as soon as there is some."""
-    client = SlowClient()
-    left: list[int] = []
+def test_each_prompt_that_leaves_the_worker_offers_the_waiting_slots() -> None:
+    """The feeder calls its hook as each prompt gets its record, and once for a batch
+    cancelled with prompts unanswered, after they left its count of prompts held: a slot
+    waiting for room goes on as soon as there is some."""
+    params = GenerationParams(max_tokens=8, temperature=0.0, top_p=1.0, thinking=False)
+    records = [PromptRecord(f"p{i}", [{"role": "user", "content": "x"}]) for i in range(3)]
+    chat = FakeChat()
+    held: list[int] = []
+    feeder = Feeder(
+        lambda: chat, FakeEngine(), max_inflight=3, on_answer_left=lambda: held.append(feeder.held)
+    )  # type: ignore[arg-type,return-value]
+    try:
+        feeder.run_batch("r", "b0", records, params, lambda i, r: None).result(timeout=10)
+        assert sorted(held) == [0, 1, 2]  # once each, after the prompt left the count
+    finally:
+        feeder.close()
+    client, held = SlowClient(), []
     feeder = Feeder(
         lambda: client,
         FakeEngine(),
         max_inflight=3,
-        on_answer_left=lambda: left.append(feeder.inflight),
+        on_answer_left=lambda: held.append(feeder.held),
     )  # type: ignore[arg-type,return-value]
-    params = GenerationParams(max_tokens=8, temperature=0.0, top_p=1.0, thinking=False)
-    records = [PromptRecord(f"p{i}", [{"role": "user", "content": "x"}]) for i in range(3)]
     try:
         batch = feeder.run_batch("r", "b0", records, params, lambda i, r: None)
         wait_for(lambda: feeder.inflight == 3, 10, "three requests in the engine")
-        assert left == []
+        assert held == [] and feeder.held == 3
         batch.cancel()
-        wait_for(lambda: len(left) == 3, 10, "the hook once for each request that left")
-        assert sorted(left) == [0, 1, 2]  # called after each left the count
+        wait_for(lambda: held == [0], 10, "the hook once, for the cancelled batch")
     finally:
         feeder.close()

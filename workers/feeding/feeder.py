@@ -269,15 +269,16 @@ class Feeder:
         deadline: DeadlinePolicy | None = None,
         on_batch_sent: Callable[[str, str], None] | None = None,
         on_answer_left: Callable[[], None] | None = None,
-        on_batch_arrived: Callable[[], None] | None = None,
+        on_batch_arrived: Callable[[int], None] | None = None,
         evidence: Evidence | None = None,
         exit_grace_s: float = 0.0,
     ) -> None:
         """`on_batch_sent(run, batch)` fires (on the feeder's loop) once every prompt of a
         batch is in the engine: the worker hands that batch's slot to the next one.
-        `on_answer_left()` fires (on the loop) each time a request leaves the engine, done
-        or failed: the room it left may take a batch whose slot waits for it.
-        `on_batch_arrived()` fires (on the loop) as a batch's prompts are counted in
+        `on_answer_left()` fires (on the loop) each time prompts leave the worker (`held`): a
+        prompt's record made, or a batch cancelled with prompts unanswered. The room they
+        left may take a batch whose slot waits for it.
+        `on_batch_arrived(prompts)` fires (on the loop) as a batch's prompts are counted in
         `waiting`: the worker's count of what it holds is whole again.
         `evidence`: where prompts' engine deaths are kept for the batch's next worker.
         `exit_grace_s`: how long a written request that failed waits for the engine's exit
@@ -300,6 +301,9 @@ class Feeder:
         self.exit_grace_s = exit_grace_s
         self.inflight = 0
         self.waiting = 0  # prompts submitted that do not hold a limiter slot yet
+        # prompts of the batches here with no record yet: sent, waiting, or between two tries
+        # (an engine restarting): what the worker holds against its engine's room
+        self.held = 0
         self.tokens_total = 0  # completion tokens of finished answers
         # Tokens as they stream, answers in flight included: each answer's exact count once it
         # ends, what it streamed when it fails (those were generated). The rate of a window
@@ -431,7 +435,15 @@ class Feeder:
             terminated = name in self._terminating
         unsent = [len(records)]  # this batch's share of self.waiting
         self.waiting += len(records)
-        self._hook(self.on_batch_arrived)
+        held = [len(records)]  # this batch's share of self.held
+        self.held += len(records)
+        self._hook(self.on_batch_arrived, len(records))
+
+        def recorded(index: int, record: CompletionRecord) -> None:
+            held[0] -= 1
+            self.held -= 1
+            on_record(index, record)
+            self._hook(self.on_answer_left)
 
         def sent() -> None:
             if on_sent is not None:
@@ -452,7 +464,7 @@ class Feeder:
                     live[(record.id, record.sample)] = tries
                     group.create_task(
                         self._one(
-                            run, batch, index, record, params, on_record, (unsent, sent), tries
+                            run, batch, index, record, params, recorded, (unsent, sent), tries
                         )
                     )
         except asyncio.CancelledError:
@@ -463,6 +475,9 @@ class Feeder:
             raise
         finally:
             self.waiting -= unsent[0]  # prompts cancelled before they were ever sent
+            if held[0]:
+                self.held -= held[0]  # and those cancelled with no record
+                self._hook(self.on_answer_left)
             self._live_answers.pop(name, None)
             with self._batches_lock:
                 if self._tasks.get(name) is task:
@@ -541,11 +556,11 @@ class Feeder:
             on_record(index, self._record(run, batch, record, result, tries=tries))
             return
 
-    def _hook(self, hook: Callable[[], None] | None) -> None:
+    def _hook(self, hook: Callable[..., None] | None, *args: int) -> None:
         """Tell the worker what its slots count on; a failing hook fails no request."""
         if hook is not None:
             try:
-                hook()
+                hook(*args)
             except Exception:  # noqa: BLE001 - the answers are the worker's, whatever it does
                 log.exception("the worker's slot hook failed")
 
@@ -607,7 +622,6 @@ class Feeder:
                 finally:
                     self.inflight -= 1
                     self._arrived(tries, False, suspect)
-                    self._hook(self.on_answer_left)
                     if probe is not None:
                         probe.cancel()
             finally:

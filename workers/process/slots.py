@@ -7,14 +7,17 @@ the engine (`batch_sent`, on its loop); the task says when the batch is over (`b
 and the slot it handed on is taken back. Bounded by the pool's spare threads
 (`workers.process.pool`).
 
-A slot is handed on only while the engine has room (`room`: the prompts in flight and waiting
-are fewer than its cap); a batch sent while it is full waits, and each answer that leaves the
-engine offers the waiting slots again (`offer`). One slot at a time: the next goes on once the
-batch it fetched is in the feeder (`arrived`), its prompts counted in the room, or after
-`TRANSIT_S` (the queue was empty). So a worker holds about what its engine runs, not every
-order it could take: with stragglers only, it takes the next batches; full, it leaves the
-orders in the queue to a worker with room (the last orders of a run go to both engines, not
-all to the one that asked first).
+A slot is handed on only while the engine has room (`room`: how many fewer prompts are in
+flight and waiting than its cap); a batch sent while it is full waits, and each answer that
+leaves the engine offers the waiting slots again (`offer`). As many slots go on at once as
+the room holds batches of the size the last ones brought (`arrived`: a batch handed back
+after a fault brings only its unfinished prompts), one before any has arrived; a slot whose
+batch has not arrived counts in the room until it does, or for `TRANSIT_S` (the queue was
+empty). So a worker holds about what its engine runs, not every order it could take: with
+stragglers only, it takes the next batches; full, it leaves the orders in the queue to a
+worker with room (the last orders of a run go to both engines, not all to the one that asked
+first); a new worker fills its engine with a run's handed-back batches in a few fetches, not
+one at a time.
 
 A reconnect to the broker gives the consumer a new prefetch count, at its initial value, while
 the batches that handed their slot on still run and count as delivered on the new channel
@@ -35,14 +38,36 @@ from typing import Any
 TRANSIT_S = 2.0
 
 
-def has_room(inflight: int, waiting: int, cap: int | None) -> bool:
-    """Whether an engine running at most `cap` requests would run more than the worker
-    holds: `inflight` requests in it, `waiting` prompts not sent yet. No known cap: always.
+# The room of an engine whose cap is not known: always some, for one batch at a time.
+UNKNOWN_ROOM = 1
 
-    >>> has_room(250, 5, 256), has_room(250, 6, 256), has_room(900, 0, None)
-    (True, False, True)
+
+def room_left(held: int, cap: int | None) -> int:
+    """How many more prompts an engine running at most `cap` requests would run than the
+    worker holds (`held`: its batches' prompts with no record yet, in the engine, waiting to
+    be sent or to be sent again once a restarting engine is back); 0: none.
+
+    >>> room_left(255, 256), room_left(256, 256), room_left(900, None)
+    (1, 0, 1)
     """
-    return cap is None or inflight + waiting < cap
+    return UNKNOWN_ROOM if cap is None else max(cap - held, 0)
+
+
+def batches_in(room: int, in_transit: int, batch_prompts: float | None) -> bool:
+    """Whether one more slot may go on: the room left once the batches already fetched
+    (`in_transit`, not arrived) are in, each the size of the last ones (`batch_prompts`;
+    None before any arrived: one slot at a time).
+
+    >>> batches_in(100, 0, None), batches_in(100, 1, None), batches_in(100, 3, 25.0)
+    (True, False, True)
+    >>> batches_in(100, 4, 25.0), batches_in(0, 0, 25.0), batches_in(10, 1, 2.0)
+    (False, False, True)
+    """
+    if room <= 0:
+        return False
+    if batch_prompts is None:
+        return in_transit == 0
+    return room - in_transit * batch_prompts > 0
 
 
 def _nothing() -> None:
@@ -56,15 +81,17 @@ class PrefetchSlots:
     def __init__(
         self,
         celery_worker: Callable[[], Any],
-        room: Callable[[], bool] = lambda: True,
+        room: Callable[[], int] = lambda: UNKNOWN_ROOM,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        """`room()`: whether the engine would run more than the worker holds now (read on
-        the feeder's loop and the tasks' threads; plain counters, no lock of its own)."""
+        """`room()`: how many more prompts the engine would run than the worker holds now
+        (`room_left`; read on the feeder's loop and the tasks' threads: plain counters, no
+        lock of its own)."""
         self.celery_worker = celery_worker
         self.room = room
         self.clock = clock
-        self._transit_at: float | None = None  # a slot handed on, its batch not arrived
+        self._transit: list[float] = []  # when each slot handed on, its batch not arrived, went
+        self._batch_prompts: float | None = None  # what the last batches brought (a mean)
         self._lock = threading.Lock()
         self._released = 0
         self._released_by: set[tuple[str, str]] = set()  # batches whose slot was handed on
@@ -125,25 +152,35 @@ class PrefetchSlots:
         self.offer()
 
     def offer(self) -> None:
-        """Hand on the slot of the first sent batch if the engine has room, a spare thread
-        is left and no slot handed on is still waiting for its batch (called as a batch is
-        sent or arrives and as each answer leaves the engine)."""
+        """Hand on the slots of the first sent batches while the engine has room for them
+        beside the batches fetched and not arrived (`batches_in`) and spare threads are left
+        (called as a batch is sent or arrives and as each answer leaves the engine)."""
+        handed = False
         with self._lock:
             now = self.clock()
-            if self._transit_at is not None and now - self._transit_at < TRANSIT_S:
-                return
-            if not (self._sent and self.room() and self._release()):
-                return
-            name = next(iter(self._sent))
-            del self._sent[name]
-            self._released_by.add(name)
-            self._transit_at = now
-        self._wake()
+            self._transit = [at for at in self._transit if now - at < TRANSIT_S]
+            while (
+                self._sent
+                and batches_in(self.room(), len(self._transit), self._batch_prompts)
+                and self._release()
+            ):
+                name = next(iter(self._sent))
+                del self._sent[name]
+                self._released_by.add(name)
+                self._transit.append(now)
+                handed = True
+        if handed:
+            self._wake()
 
-    def arrived(self) -> None:
-        """A batch reached the feeder, its prompts counted in the room: the next slot may go."""
+    def arrived(self, prompts: int) -> None:
+        """A batch of `prompts` reached the feeder, counted in the room: the slot that fetched
+        it is no longer in transit, and the next slots go on by the size of the last batches
+        (a mean that weighs the newest half)."""
         with self._lock:
-            self._transit_at = None
+            if self._transit:
+                self._transit.pop(0)
+            last = self._batch_prompts
+            self._batch_prompts = float(prompts) if last is None else (last + prompts) / 2
         self.offer()
 
     def batch_ended(self, run: str, batch: str) -> None:
