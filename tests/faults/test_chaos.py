@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.fault, pytest.mark.integration, pytest.mark.slow]
 SEED = int(os.environ.get("GENFLEET_CHAOS_SEED", "4"))
 # The soak's size: 900 prompts at 10 faults per 1,000 (seed 4: the 10 faults the schedule in
 # seconds played before answers went on from their ids made the run end before its last
-# fault, in the same order: every kind); `bench/chaos.py --quick` runs 1,600 prompts at 7 per
+# fault, in the same order: every kind); `bench/chaos.py --quick` runs 1,800 prompts at 7 per
 # 1,000 for its figures.
 PROMPTS, PER_1000 = 900, 10.0
 
