@@ -186,7 +186,9 @@ def test_flower_tasks_page_shows_the_batches_in_a_browser(stack: Stack, tmp_path
 
 
 def test_a_worker_stopped_mid_run_resumes_and_the_run_finishes_exactly_once(stack: Stack) -> None:
-    ids = write_prompts(stack, "restart", 150)  # 30 batches: ~25 s of work
+    # 120 batches of 5: more than the worker holds (its engine's room, 256 prompts), so that
+    # orders are still queued when it stops and finishes what it holds.
+    ids = write_prompts(stack, "restart", 600)
     stack.producer("enqueue", "/data/restart.jsonl", "--run", "restart", *DRY_RUN)
 
     def some_done() -> dict[str, Any] | None:
@@ -202,8 +204,8 @@ def test_a_worker_stopped_mid_run_resumes_and_the_run_finishes_exactly_once(stac
     assert stopped["batches_done"] < stopped["batches_total"], stopped
     stack.compose("start", "worker-dry", timeout_s=120)
     report = stack.wait_done("restart", timeout_s=300)
-    assert report["prompts_done"] == report["prompts_total"] == 150
-    run_and_export(stack, "restart", ids, batches=30)
+    assert report["prompts_done"] == report["prompts_total"] == 600
+    run_and_export(stack, "restart", ids, batches=120)
 
 
 def test_an_export_into_a_folder_the_producer_cannot_write_names_the_fix(stack: Stack) -> None:
