@@ -72,7 +72,9 @@ def test_an_interrupted_staging_is_not_finished_with_edited_data(
     data = tmp_path / "prompts.jsonl"
     write_prompts(data, PROMPTS)
     command = ["enqueue", str(data), "--run", RUN, "--batch-size", "25", "--max-tokens", "256"]
-    doomed = start_worker(env, name="doomed")
+    # At the emulator's own pace: its one batch (the producer dies after its first orders)
+    # must still run when the test looks for its first checkpoint; at 4 times it ended in 0.95 s.
+    doomed = start_worker({**env, "GENFLEET_EMULATOR_TIME_SCALE": "1"}, name="doomed")
     doomed.wait_ready()
 
     producer = genfleet(command, env)
