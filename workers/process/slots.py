@@ -7,13 +7,13 @@ the engine (`batch_sent`, on its loop); the task says when the batch is over (`b
 and the slot it handed on is taken back. Bounded by the pool's spare threads
 (`workers.process.pool`).
 
-A slot is handed on only while the engine has room (`room`: how many fewer prompts are in
-flight and waiting than its cap); a batch sent while it is full waits, and each answer that
-leaves the engine offers the waiting slots again (`offer`). As many slots go on at once as
-the room holds batches of the size the last ones brought (`arrived`: a batch handed back
-after a fault brings only its unfinished prompts), one before any has arrived; a slot whose
-batch has not arrived counts in the room until it does, or for `TRANSIT_S` (the queue was
-empty). So a worker holds about what its engine runs, not every order it could take: with
+A slot is handed on only while the engine has room (`room`: how many fewer prompts the worker
+holds than its engine's cap, `room_left`); a batch sent while it is full waits, and each
+prompt that leaves the worker offers the waiting slots again (`offer`). As many slots go on
+at once as the room holds batches of the size the last ones brought (`arrived`: a batch
+handed back after a fault brings only its unfinished prompts), one before any has arrived; a
+slot whose batch has not arrived counts in the room until it does, or for `TRANSIT_S` (the
+queue was empty). So a worker holds about what its engine runs, not every order it could take: with
 stragglers only, it takes the next batches; full, it leaves the orders in the queue to a
 worker with room (the last orders of a run go to both engines, not all to the one that asked
 first); a new worker fills its engine with a run's handed-back batches in a few fetches, not
