@@ -11,8 +11,9 @@ never read back by a writer (the store stays the truth of what is done):
   ledger's `done` transaction (`add_done`); the late copies and what they threw away by a
   copy that found the output written by another, in its `done` transaction (`add_late_copy`);
 - `prompts_done`: the prompts of the batches done, added in that same transaction by
-  common/progress.py (`add_prompts_done`) and recomputed by its reconcile from the done hash
-  (`recount_prompts_done`);
+  common/progress.py (`add_prompts_done`), by the reaper for a batch whose writer was lost
+  before that transaction (`add_prompts_done_once`), and recomputed by its reconcile from the
+  done hash (`recount_prompts_done`);
 - `gpu_s`, `energy_*`: a batch's share of the GPUs' time and energy, once it settled
   (`add_energy`, workers/tasks.py).
 
@@ -39,6 +40,16 @@ local total = 0
 for _, value in ipairs(redis.call('HVALS', KEYS[1])) do total = total + tonumber(value) end
 redis.call('HSET', KEYS[2], ARGV[1], total)
 return total
+"""
+
+# A batch into the done hash with its prompts, and those prompts into `prompts_done`, only if
+# the hash did not hold it: the writer's transaction puts both or neither.
+COUNT_ONCE_SCRIPT = """
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  redis.call('HINCRBY', KEYS[2], ARGV[3], ARGV[2])
+  return 1
+end
+return 0
 """
 
 
@@ -86,6 +97,18 @@ def add_prompts_done(pipe: RedisPipeline, run: str, prompts: int) -> None:
 def prompts_done(client: redis.Redis, run: str) -> int:
     """`prompts_done` as it stands (0 when unset)."""
     return int(client.hget(keys.counters_key(run), PROMPTS_DONE) or 0)
+
+
+def add_prompts_done_once(
+    client: RedisCommands, run: str, done_hash: str, batch: str, prompts: int
+) -> bool:
+    """In one script: the batch into `done_hash` (the run's done hash) with its `prompts`, and
+    those into `prompts_done`, unless the hash holds the batch already (its writer counted
+    it); True when this call counted it."""
+    added = client.eval(
+        COUNT_ONCE_SCRIPT, 2, done_hash, keys.counters_key(run), batch, str(prompts), PROMPTS_DONE
+    )
+    return bool(added)
 
 
 def recount_prompts_done(client: redis.Redis, run: str, done_hash: str) -> int:

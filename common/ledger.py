@@ -327,6 +327,18 @@ class Ledger:
                 counters.add_late_copy(pipe, run, late.items())
         pipe.execute()
 
+    def found_written(self, run: str, batch: str, prompts: int) -> bool:
+        """Called by the reaper for a batch whose worker is gone and whose output exists: no
+        order outstanding, not failed, and counted with its `prompts` unless its writer
+        counted it before it was lost (True when this call counted it). Without it the run
+        read done only at the next reconcile pass (`--reconcile-interval-s`, 120 s): in the
+        long chaos bench, 68 s after its last answer was stored."""
+        pipe = self.client.pipeline()
+        pipe.srem(keys.queued_key(run), batch)
+        pipe.hdel(keys.failed_key(run), batch)
+        pipe.execute()
+        return progress.mark_found(self.client, run, batch, prompts)
+
     def progress(self, worker: str, counts: Mapping[str, tuple[int, int]], now: float) -> None:
         """Called by a worker once an interval (workers/observe/live_progress.py) with what its
         running batches generated since, by run (prompts, tokens): live progress and the tok/s

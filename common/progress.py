@@ -32,7 +32,7 @@ import redis
 
 from genfleet.common import counters, keys
 from genfleet.common.manifest import Manifest
-from genfleet.common.redis_conn import RedisPipeline, text
+from genfleet.common.redis_conn import RedisCommands, RedisPipeline, text
 from genfleet.common.store import Store
 
 PROMPTS_DONE = counters.PROMPTS_DONE  # the counters field this copy keeps
@@ -45,6 +45,14 @@ def mark_written(pipe: RedisPipeline, run: str, batch: str, prompts: int) -> Non
     is done with `prompts` prompts."""
     pipe.hset(keys.done_key(run), batch, prompts)
     counters.add_prompts_done(pipe, run, prompts)
+
+
+def mark_found(client: RedisCommands, run: str, batch: str, prompts: int) -> bool:
+    """The batch's output exists and the worker that wrote it was lost, maybe before its
+    transaction: count it now unless that transaction ran (True when this call counted it).
+    A copy that only saw the output (`mark_seen`) counted no prompts: the reconcile's
+    recount repairs that, as before."""
+    return counters.add_prompts_done_once(client, run, keys.done_key(run), batch, prompts)
 
 
 def mark_seen(pipe: RedisPipeline, run: str, batch: str, prompts: int) -> None:

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import redis
 
-from genfleet.common import keys
-from genfleet.common.ledger import Ledger
+from genfleet.common import counters, keys
+from genfleet.common.ledger import Ledger, Tally
 from genfleet.common.redis_conn import server_time
 from harness.waits import wait_for
 
@@ -165,6 +165,17 @@ def test_a_superseded_delivery_releases_only_its_own_stagings_claim(db: Any) -> 
     ledger.claim({"run": "r", "batch": "b1"}, "w1@h", 1.0)  # an order that names no staging
     assert ledger.release_staging("r", "b1", "old") is True
     assert ledger.release_staging("r", "b1", "old") is False  # gone already
+
+
+def test_a_batch_found_written_is_counted_once_unless_its_writer_counted_it(db: Any) -> None:
+    ledger = Ledger(db)
+    ledger.mark_queued("r", ["b0", "b1"])
+    ledger.done("r", "b0", Tally(0, 20, 5, 1.0), prompts=5)  # its writer counted it
+    assert ledger.found_written("r", "b0", 5) is False
+    assert ledger.found_written("r", "b1", 7) is True  # its writer was lost before counting
+    assert ledger.found_written("r", "b1", 7) is False  # once
+    assert db.hgetall(keys.done_key("r")) == {b"b0": b"5", b"b1": b"7"}
+    assert counters.prompts_done(db, "r") == 12 and ledger.queued("r") == set()
 
 
 def test_a_set_scanned_in_steps_gives_every_member(db: Any) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import orjson
 import redis
 
+from genfleet.common.counters import COUNT_ONCE_SCRIPT
 from genfleet.common.ledger import PARK_SCRIPT, RELEASE_STAGING_SCRIPT
 from genfleet.common.redis_conn import RedisCommands, RedisPipeline
 
@@ -345,8 +346,8 @@ class MemoryRedis:
     # --- scripts ----------------------------------------------------------------------------
 
     def eval(self, script: str, numkeys: int, *keys_and_args: str) -> Any:
-        """The ledger's scripts, each as the commands it runs, under the lock (atomic, as a
-        script is on the server); any other script is refused."""
+        """The ledger's scripts and the counters' count-once, each as the commands it runs,
+        under the lock (atomic, as a script is on the server); any other script is refused."""
         names, args = keys_and_args[:numkeys], keys_and_args[numkeys:]
         with self._lock:
             self._check()
@@ -364,7 +365,12 @@ class MemoryRedis:
                 if staging and staging != args[1]:
                     return 0
                 return self._hdel(names[0], args[0])
-        raise redis.ResponseError("MemoryRedis runs the ledger's scripts only")
+            if script == COUNT_ONCE_SCRIPT:
+                if not self._hsetnx(names[0], args[0], args[1]):
+                    return 0
+                self._hincrby(names[1], args[2], int(args[1]))
+                return 1
+        raise redis.ResponseError("MemoryRedis runs the ledger's and counters' scripts only")
 
     def flushdb(self) -> bool:
         with self._lock:

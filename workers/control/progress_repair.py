@@ -49,28 +49,14 @@ def reconcile_runs(store: Store, client: redis.Redis, now: float | None = None) 
                 done.retired.append(run)
             continue
         try:
-            repair = repair_run(store, client, run, now, ledger)
+            found = progress.verify(store, client, run, now)
         except (GenfleetError, ValueError) as exc:  # one run's bad manifest or store
             log.warning("progress of %s not reconciled: %s", run, exc)
             done.failed.append(run)
             continue
-        if repair is not None and repair.changed:
-            done.repairs.append(repair)
+        if found is None:
+            continue  # no manifest yet: staging
+        found.repair.unfailed = ledger.unfail_done(run, found.listed)
+        if found.repair.changed:
+            done.repairs.append(found.repair)
     return done
-
-
-def repair_run(
-    store: Store,
-    client: redis.Redis,
-    run: str,
-    now: float | None = None,
-    ledger: Ledger | None = None,
-) -> progress.Repair | None:
-    """One run's progress copy repaired from its listing (O(batches)); None when it has no
-    manifest yet (staging). Also the reaper's, at once, for a batch whose worker wrote its
-    output and was lost before counting it: the run reads done then, not a pass later."""
-    found = progress.verify(store, client, run, now)
-    if found is None:
-        return None
-    found.repair.unfailed = (ledger or Ledger(client)).unfail_done(run, found.listed)
-    return found.repair

@@ -25,12 +25,10 @@ from typing import Any
 import redis
 
 from genfleet.common import keys
-from genfleet.common.errors import GenfleetError
 from genfleet.common.ledger import Delivery, Ledger, Running, UnackedIndex, running_field
 from genfleet.common.redis_conn import RedisCommands, server_time, text
 from genfleet.common.store import Store
 from genfleet.workers.control.lost_orders import reconcile_orders
-from genfleet.workers.control.progress_repair import repair_run
 from genfleet.workers.observe.liveness import present
 
 log = logging.getLogger("genfleet.tasks")
@@ -55,7 +53,7 @@ def one_pass(
     if not client.set(lock, token, nx=True, px=ttl_ms):
         # The last beat's pass still runs (slow under load, or Redis was away): one at a time.
         empty: dict[str, list[str]] = {k: [] for k in REAPED}
-        return {**empty, "ts": now, "resent": [], "repaired": [], "skipped": True}
+        return {**empty, "ts": now, "resent": [], "skipped": True}
     try:
         reaped = reap(
             client, store, lease_ttl_s, now, send, max_deliveries, present(client), queue_of
@@ -69,7 +67,9 @@ def one_pass(
     return {**reaped, "resent": lost["resent"]}
 
 
-REAPED = ("requeued", "finished", "parked", "given_back")  # what a reaper pass reports
+# What a reaper pass reports; `counted`: of the finished, those whose worker was lost before
+# it counted them.
+REAPED = ("requeued", "finished", "counted", "parked", "given_back")
 
 
 def reap(
@@ -98,7 +98,6 @@ def reap(
     deliveries = ledger.deliveries()  # before the unacked hash: see _unclaimed
     unacked = ledger.unacked_index()  # scanned once a pass, when first asked
     running = ledger.running()
-    finished: set[str] = set()  # runs with a batch written by a worker lost before counting it
     for claimed in running:
         run, batch = claimed.run, claimed.batch
         absent = _absent(claimed.presence, present)
@@ -109,9 +108,12 @@ def reap(
         if not lapses.confirmed(claimed.field, now):
             continue  # a first look: a live worker re-sets its lease within a heartbeat
         if store.exists(keys.output_key(run, batch)):
+            # Its worker may have been lost between the output and its count: counted now
+            # unless it was, so the run reads done without waiting for a reconcile pass.
+            if ledger.found_written(run, batch, int(claimed.entry.get("prompts", 0))):
+                found["counted"].append(claimed.field)
             ledger.release(run, batch)
             found["finished"].append(claimed.field)
-            finished.add(run)
             continue
         if client.exists(keys.cancelled_key(run), keys.deleted_key(run)) and ledger.park(
             run, batch
@@ -130,27 +132,7 @@ def reap(
         outcome = _lost(ledger, unacked, orphan, requeue, max_deliveries, queue_of)
         found["given_back" if outcome == "requeued" else outcome].append(orphan.field)
     lapses.forget_others()
-    return {**found, "ts": now, "repaired": _recount(client, store, sorted(finished), now)}
-
-
-def _recount(
-    client: RedisCommands, store: Store, runs: list[str], now: float
-) -> list[dict[str, Any]]:
-    """The progress of runs with a batch whose worker wrote its output and was lost before it
-    counted it: repaired from the store now, so that the run reads done (and its counts right)
-    at once, not at the next reconcile pass (`--reconcile-interval-s`, 120 s): in the long
-    chaos bench a run whose every answer was stored waited 68 s for it."""
-    repaired = []
-    for run in runs:
-        try:
-            repair = repair_run(store, client, run, now)  # type: ignore[arg-type]
-        except (GenfleetError, ValueError) as exc:  # the reconcile pass tries it again
-            log.warning("progress of %s not repaired: %s", run, exc)
-            continue
-        if repair is not None and repair.changed:
-            log.warning("progress of %s repaired from the store: %s", run, repair.to_json())
-            repaired.append(repair.to_json())
-    return repaired
+    return {**found, "ts": now}
 
 
 def _absent(name: str | None, present: set[str] | None) -> bool:
