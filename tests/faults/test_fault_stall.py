@@ -163,6 +163,28 @@ def test_an_engine_frozen_as_it_restarts_is_started_again_after_the_stall_window
     print(f"\n[fault frozen-start] the restarting engine was frozen; killed {killed_s:.1f} s later")
 
 
+def freeze_until_killed(worker: Worker, redis_client: redis.Redis) -> tuple[float, dict[str, Any]]:
+    """SIGSTOP the worker's engine; the seconds until the watchdog killed it, and the numbers
+    of the stall finding it made."""
+    frozen = engine_pid(worker)
+    assert frozen is not None
+    before = len(stall_findings(redis_client))
+    os.kill(frozen, signal.SIGSTOP)
+    frozen_at = time.monotonic()
+    try:
+        wait_for(lambda: not pid_alive(frozen), 60, f"the frozen engine (pid {frozen}) to die")
+        killed_s = time.monotonic() - frozen_at
+    finally:
+        if pid_alive(frozen):
+            os.kill(frozen, signal.SIGKILL)
+    found = wait_for(
+        lambda: (rows := stall_findings(redis_client))[before:] and rows[before], 10, "a finding"
+    )
+    numbers = found["numbers"]
+    assert isinstance(numbers, dict)
+    return killed_s, numbers
+
+
 def test_a_warm_engine_that_freezes_is_found_by_its_own_pauses_not_the_whole_timeout(
     tmp_path: Path,
     redis_url: str,
@@ -171,7 +193,9 @@ def test_a_warm_engine_that_freezes_is_found_by_its_own_pauses_not_the_whole_tim
 ) -> None:
     """An engine that has moved for a whole stall timeout gets a window of four times its
     longest pause, at least a quarter of the timeout: frozen then, it is killed well before
-    the timeout; the run ends exactly once."""
+    the timeout. Its successor, young, is judged by what the first one paused at most: frozen
+    seconds after it serves, it too is killed well before the timeout, not after all of it.
+    The run ends exactly once."""
     stall_timeout_s = 24.0
     # A real engine's pace: 1,200 answers take about 100 s.
     worker, ids, settings, store = a_running_batch(
@@ -180,25 +204,10 @@ def test_a_warm_engine_that_freezes_is_found_by_its_own_pauses_not_the_whole_tim
     )  # fmt: skip
     time.sleep(stall_timeout_s + 4)  # busy all along: past its young minutes
     assert len(outputs(store, "warm")) < len(ids) // 25, "the run ended before the freeze"
-    frozen = engine_pid(worker)
-    assert frozen is not None
-    os.kill(frozen, signal.SIGSTOP)
-    frozen_at = time.monotonic()
-    try:
-        wait_for(lambda: not pid_alive(frozen), 60, f"the frozen engine (pid {frozen}) to die")
-        killed_s = time.monotonic() - frozen_at
-        wait_run_done(settings, redis_client, "warm", 240)
-    finally:
-        if pid_alive(frozen):
-            os.kill(frozen, signal.SIGKILL)
-    result, _rows = assert_exactly_once(settings, "warm", ids, redis_client, store)
-    assert result.errors == 0
-    [found] = stall_findings(redis_client)
-    numbers = found["numbers"]
-    assert isinstance(numbers, dict)
+    killed_s, numbers = freeze_until_killed(worker, redis_client)
     print(f"\n[fault warm-frozen-engine] killed {killed_s:.1f} s after the freeze: {numbers}")
-    window_s = float(numbers["stall_window_s"])  # type: ignore[arg-type]
-    longest_s = float(numbers["longest_pause_s"])  # type: ignore[arg-type]
+    window_s = float(numbers["stall_window_s"])
+    longest_s = float(numbers["longest_pause_s"])
     assert stall_timeout_s / 4 <= window_s < stall_timeout_s, numbers
     assert window_s == pytest.approx(max(stall_timeout_s / 4, 4 * longest_s), abs=0.3)
     # Killed once its window passed (counted from the last look that saw it move, up to a
@@ -206,6 +215,28 @@ def test_a_warm_engine_that_freezes_is_found_by_its_own_pauses_not_the_whole_tim
     # whole timeout.
     assert window_s - 2 <= killed_s < window_s + 8, (killed_s, numbers)
     assert killed_s < stall_timeout_s, (killed_s, numbers)
+
+    # The successor: up, then serving for a few seconds (young: under a stall timeout).
+    wait_for(
+        lambda: (
+            (e := engine_report(worker.broker_url, worker.hostname)).get("up")
+            and e["restarts"] == 1
+        ),
+        60,
+        "the restarted engine up",
+        0.2,
+    )
+    time.sleep(3)
+    assert len(outputs(store, "warm")) < len(ids) // 25, "the run ended before the 2nd freeze"
+    young_killed_s, young = freeze_until_killed(worker, redis_client)
+    print(f"[fault warm-frozen-engine] its successor killed {young_killed_s:.1f} s after: {young}")
+    assert young["learned_pause_s"] == pytest.approx(longest_s, abs=0.1), young
+    young_window_s = float(young["stall_window_s"])
+    assert young_window_s < stall_timeout_s, young
+    assert young_killed_s < young_window_s + 8 and young_killed_s < stall_timeout_s, young
+    wait_run_done(settings, redis_client, "warm", 240)
+    result, _rows = assert_exactly_once(settings, "warm", ids, redis_client, store)
+    assert result.errors == 0
 
 
 def emulator_process(

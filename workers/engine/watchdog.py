@@ -11,7 +11,9 @@ notices. So a thread of the worker watches two things while requests are in flig
   it). Only when that fails too is the engine stalled, and `on_stall` gets the figures.
   The probe is sent through the window's last `probe_timeout_s` (`probe_due`), so a probe
   that times out has its answer as the window closes: sent after it, its own timeout was
-  added to every stall (2 of the 10-12 s a frozen engine was held in the chaos bench).
+  added to every stall (2 of the 10-12 s a frozen engine was held in the chaos bench). One
+  that fails a moment before the window closes stands, unless the engine moves by the close:
+  probed again there, a frozen engine was held a probe timeout more (9 s of a 6-s window).
 
 The window is `stall_timeout_s` while the engine is young: its first minutes may hold pauses
 no later minute does (kernels compiled for a shape seen the first time). Once it has moved
@@ -21,6 +23,15 @@ nor over it (`stall_window_s`). A busy engine that paused at most a second in an
 given five minutes to prove that it hangs: at the default 300 s a hang is found after 75 s,
 not 300 s, and each hang costs the GPU that much less. The probe still decides: a healthy
 engine in an unusually long pause answers it and is left alone.
+
+A restarted engine is young again, but not unknown: the same command on the same card
+already showed, over a whole life that included its own young minutes and its first burst
+of requests, the longest pause such an engine makes. So a process started after one that
+had matured inherits that pause (`StallClock.learned_pause_s`, the longest over the
+worker's matured engines) and is judged by it from its first request, its own pauses added
+as it makes them. Without it an engine restarted seconds before a hang got the whole
+timeout: in the chaos bench, 8 s against the 3-4 s of a mature one, on every freeze that
+followed a restart.
 
 The decision is the pure `advance()`; the thread only gathers its inputs.
 """
@@ -60,29 +71,57 @@ class StallClock:
     first_moved_at: float | None = None
     longest_pause_s: float = 0.0
     incarnation: int = 0  # which start of the engine this clock judges (its restarts so far)
+    # The longest pause of the earlier engines of this worker that matured (module docstring);
+    # None while none has.
+    learned_pause_s: float | None = None
 
     def stalled_s(self, now: float) -> float:
         return max(0.0, now - self.moved_at)
 
-    def restarted(self, now: float, incarnation: int | None = None) -> StallClock:
-        """The clock for a new engine process: young again, no pause known."""
+    def mature(self, now: float, stall_timeout_s: float) -> bool:
+        """Whether this engine has moved for a whole `stall_timeout_s`: past its young
+        minutes, its pauses are what such an engine does."""
+        return self.first_moved_at is not None and now - self.first_moved_at >= stall_timeout_s
+
+    def restarted(
+        self, now: float, stall_timeout_s: float, incarnation: int | None = None
+    ) -> StallClock:
+        """The clock for a new engine process: young again, no pause of its own known; what
+        a matured predecessor paused at most is kept as learned.
+
+        >>> old = StallClock(0.0, (), first_moved_at=1.0, longest_pause_s=2.0)
+        >>> old.restarted(5.0, 8.0).learned_pause_s, old.restarted(9.0, 8.0).learned_pause_s
+        (None, 2.0)
+        """
+        learned = self.learned_pause_s
+        if self.mature(now, stall_timeout_s):
+            learned = max(learned or 0.0, self.longest_pause_s)
         return StallClock(
-            now, self.progress, incarnation=self.incarnation if incarnation is None else incarnation
+            now,
+            self.progress,
+            incarnation=self.incarnation if incarnation is None else incarnation,
+            learned_pause_s=learned,
         )
 
 
-def looked_at(clock: StallClock, now: float, ready: bool, incarnation: int) -> StallClock:
+def looked_at(
+    clock: StallClock, now: float, ready: bool, incarnation: int, stall_timeout_s: float
+) -> StallClock:
     """The clock as a look finds the engine: one not ready, or started again since the last
     look (`incarnation`, its restart count, moved: a restart quicker than a look), is a new
-    process, young again. Otherwise the old engine's pauses would set the new one's window.
+    process, young again. Its own pauses start from none; a matured predecessor's are kept
+    as learned (`StallClock.restarted`).
 
     >>> warm = StallClock(0.0, (), first_moved_at=1.0, longest_pause_s=2.0, incarnation=3)
-    >>> looked_at(warm, 5.0, True, 3) is warm, looked_at(warm, 5.0, True, 4).longest_pause_s
-    (True, 0.0)
+    >>> looked_at(warm, 5.0, True, 3, 8.0) is warm
+    True
+    >>> new = looked_at(warm, 9.0, True, 4, 8.0)
+    >>> new.longest_pause_s, new.first_moved_at, new.learned_pause_s
+    (0.0, None, 2.0)
     """
     if ready and incarnation == clock.incarnation:
         return clock
-    return clock.restarted(now, incarnation)
+    return clock.restarted(now, stall_timeout_s, incarnation)
 
 
 def advance(
@@ -120,31 +159,43 @@ def stall_window_s(clock: StallClock, now: float, stall_timeout_s: float) -> flo
     """How long the engine may go without moving, requests in flight, before it is probed
     (module docstring): `stall_timeout_s` until it has moved for that long, then
     `GAP_FACTOR` times its longest pause, within [`FLOOR_SHARE`, 1] x `stall_timeout_s`.
+    A young engine after a matured one is judged at once by the longer of the pause it
+    learned from them and its own.
 
     >>> young = StallClock(0.0, (), first_moved_at=100.0, longest_pause_s=0.5)
     >>> stall_window_s(young, 200.0, 300.0), stall_window_s(young, 400.0, 300.0)
     (300.0, 75.0)
     >>> stall_window_s(replace(young, longest_pause_s=30.0), 400.0, 300.0)
     120.0
+    >>> stall_window_s(replace(young, learned_pause_s=40.0), 200.0, 300.0)
+    160.0
     """
-    if clock.first_moved_at is None or now - clock.first_moved_at < stall_timeout_s:
+    learned = clock.learned_pause_s
+    if learned is None and not clock.mature(now, stall_timeout_s):
         return stall_timeout_s
-    return min(
-        stall_timeout_s, max(FLOOR_SHARE * stall_timeout_s, GAP_FACTOR * clock.longest_pause_s)
-    )
+    longest = max(clock.longest_pause_s, learned or 0.0)
+    return min(stall_timeout_s, max(FLOOR_SHARE * stall_timeout_s, GAP_FACTOR * longest))
 
 
-def probe_due(stalled_s: float, stall_timeout_s: float, probe_timeout_s: float) -> bool:
+def probe_due(
+    stalled_s: float, stall_timeout_s: float, probe_timeout_s: float, look_s: float = 0.0
+) -> bool:
     """Whether an engine still for `stalled_s` (requests in flight) is probed now: once the
-    probe, were it to time out, would end at the window's close; never in the window's first
-    half (a probe timeout as long as the window would otherwise probe a moving engine).
+    probe, were it to time out, would end at the window's close, or would by the next look
+    (`look_s` away: a look at a frozen engine also waits out its `/metrics` read); never
+    before the window's first half is past or would be by the next look (a probe timeout as
+    long as the window would otherwise probe a moving engine).
 
     >>> probe_due(5.9, 8.0, 2.0), probe_due(6.0, 8.0, 2.0), probe_due(275.0, 300.0, 25.0)
     (False, True, True)
     >>> probe_due(0.4, 1.0, 2.0), probe_due(0.5, 1.0, 2.0)
     (False, True)
+    >>> probe_due(5.0, 8.0, 2.0, look_s=1.0), probe_due(2.0, 6.0, 3.0, look_s=1.5)
+    (True, True)
+    >>> probe_due(1.0, 6.0, 3.0, look_s=1.5)
+    False
     """
-    return stalled_s >= max(stall_timeout_s - probe_timeout_s, stall_timeout_s / 2)
+    return stalled_s + look_s >= max(stall_timeout_s - probe_timeout_s, stall_timeout_s / 2)
 
 
 def parse_counters(text: str, names: tuple[str, ...] = PROGRESS_COUNTERS) -> dict[str, float]:
@@ -176,7 +227,8 @@ class WatchedEngine:
 class StallWatchdog:
     """A daemon thread that calls `on_stall(figures)` once per stall it finds.
 
-    After a stall the clock starts again, so a restarted engine gets the full timeout.
+    After a stall the clock starts again: the restarted engine is young, judged by what its
+    matured predecessors paused at most (the module docstring), else by the full timeout.
     """
 
     def __init__(
@@ -193,6 +245,8 @@ class StallWatchdog:
         self.on_stall = on_stall
         # Fine enough to measure the engine's pauses: the window follows them.
         self.interval_s = interval_s or min(max(stall_timeout_s / 16, 0.5), 2.0)
+        # A look at a frozen engine waits this out before it can probe: half an interval.
+        self.metrics_timeout_s = self.interval_s / 2
         # SGLang's own health check gives up after 20 s (SGLANG_HEALTH_CHECK_TIMEOUT); half
         # the shortest window at most, so the probe fits in it.
         self.probe_timeout_s = probe_timeout_s or min(
@@ -217,7 +271,7 @@ class StallWatchdog:
             response = client.get(
                 self.engine.base_url + "/metrics",
                 headers=self.engine.headers,
-                timeout=min(self.interval_s, 5.0),
+                timeout=self.metrics_timeout_s,
             )
             if response.status_code == 200:
                 self._metrics.update(parse_counters(response.text))
@@ -243,28 +297,47 @@ class StallWatchdog:
             clock = StallClock(time.monotonic(), incarnation=self.engine.incarnation())
             while not self._stop.wait(self.interval_s):
                 ready = self.engine.ready()
-                clock = looked_at(clock, time.monotonic(), ready, self.engine.incarnation())
+                clock = looked_at(
+                    clock,
+                    time.monotonic(),
+                    ready,
+                    self.engine.incarnation(),
+                    self.stall_timeout_s,
+                )
                 if not ready:
                     continue
                 inflight = self.engine.inflight()
                 clock = advance(clock, time.monotonic(), inflight, self._progress(client))
                 now = time.monotonic()
                 window_s = stall_window_s(clock, now, self.stall_timeout_s)
-                if not probe_due(clock.stalled_s(now), window_s, self.probe_timeout_s):
+                # The next look comes an interval on, and its /metrics read may time out.
+                look_s = self.interval_s + self.metrics_timeout_s
+                if not probe_due(clock.stalled_s(now), window_s, self.probe_timeout_s, look_s):
                     continue
                 health = self._probe(client)
                 if health is None or self._stop.is_set():
                     # It answered: the pause was the engine's own, one to allow again.
                     clock = moved(clock, time.monotonic())
                     continue
-                if clock.stalled_s(time.monotonic()) < window_s:
-                    continue  # the probe failed before the window closed: asked again
+                left_s = window_s - clock.stalled_s(time.monotonic())
+                if left_s > 0:
+                    # The probe failed a moment before the window closed (a look's
+                    # granularity): its answer stands unless the engine moves by then.
+                    # Probing again would add a whole probe timeout to every stall.
+                    if self._stop.wait(left_s):
+                        break
+                    clock = advance(clock, time.monotonic(), inflight, self._progress(client))
+                    if clock.stalled_s(time.monotonic()) < window_s:
+                        continue
                 self.stalls += 1
                 figures = {
                     "stalled_s": round(time.monotonic() - clock.moved_at, 1),
                     "stall_timeout_s": self.stall_timeout_s,
                     "stall_window_s": round(window_s, 1),
                     "longest_pause_s": round(clock.longest_pause_s, 1),
+                    "learned_pause_s": (
+                        None if clock.learned_pause_s is None else round(clock.learned_pause_s, 1)
+                    ),
                     "inflight": inflight,
                     "completions": self.engine.completions(),
                     "generation_tokens_total": self._metrics.get(PROGRESS_COUNTERS[0]),
@@ -275,4 +348,4 @@ class StallWatchdog:
                     self.on_stall(figures)
                 except Exception:  # noqa: BLE001 - the watchdog must outlive a failed reaction
                     log.exception("reacting to a stalled engine failed")
-                clock = clock.restarted(time.monotonic())
+                clock = clock.restarted(time.monotonic(), self.stall_timeout_s)

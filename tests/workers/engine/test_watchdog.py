@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from genfleet.workers.engine.watchdog import (
@@ -98,7 +100,8 @@ def test_pauses_are_measured_while_requests_are_in_flight_only() -> None:
     clock = advance(clock, 66.0, 4, (3.0,))  # still for 5 s ...
     clock = moved(clock, 66.5)  # ... then it answered a probe: its pause, allowed again
     assert clock.longest_pause_s == 5.5 and clock.stalled_s(66.5) == 0.0
-    assert clock.restarted(70.0) == StallClock(70.0, (3.0,))  # a new process: young again
+    # a new process: young again (the old one had not matured: nothing learned)
+    assert clock.restarted(70.0, 300.0) == StallClock(70.0, (3.0,))
 
 
 WARM = StallClock(10.0, (3.0,), first_moved_at=1.0, longest_pause_s=0.5, incarnation=2)
@@ -113,8 +116,47 @@ WARM = StallClock(10.0, (3.0,), first_moved_at=1.0, longest_pause_s=0.5, incarna
     ],
 )
 def test_a_look_finds_a_new_engine_young_again(ready: bool, incarnation: int, young: bool) -> None:
-    clock = looked_at(WARM, 400.0, ready, incarnation)
-    assert (clock == StallClock(400.0, (3.0,), incarnation=incarnation)) is young
+    clock = looked_at(WARM, 400.0, ready, incarnation, 300.0)
+    fresh = StallClock(400.0, (3.0,), incarnation=incarnation, learned_pause_s=0.5)
+    assert (clock == fresh) is young
     assert clock.incarnation == incarnation
-    # young: the whole timeout again, not four times the old engine's half-second pause
-    assert stall_window_s(clock, 400.0, 300.0) == (300.0 if young else 75.0)
+    # young after a matured engine: judged by what that one paused at most, at once
+    assert stall_window_s(clock, 400.0, 300.0) == 75.0
+    # an engine that had not matured teaches nothing: the whole timeout
+    early = looked_at(WARM, 400.0, ready, incarnation, 1200.0)
+    assert early.learned_pause_s is None
+    assert stall_window_s(early, 400.0, 1200.0) == 1200.0
+
+
+@pytest.mark.parametrize(
+    ("life_s", "longest_pause_s", "learned_before", "learned_after", "window_s"),
+    [
+        (100.0, 0.5, None, None, 300.0),  # died young: nothing learned, the whole timeout
+        (100.0, 0.5, 30.0, 30.0, 120.0),  # died young: what earlier ones taught stands
+        (400.0, 20.0, None, 20.0, 80.0),  # matured: its longest pause (its youth included)
+        (400.0, 2.0, 30.0, 30.0, 120.0),  # matured, paused less: never shrinks
+        (400.0, 50.0, 30.0, 50.0, 200.0),  # matured, paused more: the longer
+        (400.0, 90.0, None, 90.0, 300.0),  # never over the timeout
+    ],
+)
+def test_a_restarted_engine_is_judged_by_what_matured_ones_paused(
+    life_s: float,
+    longest_pause_s: float,
+    learned_before: float | None,
+    learned_after: float | None,
+    window_s: float,
+) -> None:
+    old = StallClock(
+        life_s, (), 0.0, longest_pause_s, incarnation=1, learned_pause_s=learned_before
+    )
+    new = old.restarted(life_s, 300.0, incarnation=2)
+    assert (new.learned_pause_s, new.first_moved_at, new.longest_pause_s) == (
+        learned_after,
+        None,
+        0.0,
+    )
+    assert stall_window_s(new, life_s + 1.0, 300.0) == window_s
+    # its own longer pauses count as it makes them (while young, only beside a learned one)
+    paused = moved(replace(new, first_moved_at=life_s + 1.0, moved_at=life_s + 1.0), life_s + 71.0)
+    own_s = 300.0 if learned_after is None else min(300.0, 4 * max(70.0, learned_after))
+    assert stall_window_s(paused, life_s + 72.0, 300.0) == own_s
