@@ -303,6 +303,8 @@ def _play(
             slots.arrived(int(step.split()[1]) if " " in step else 1)
         elif step == "later":
             now[0] += TRANSIT_S
+        elif step == "away":
+            slots.turned_away()  # admission's hook: an order fetched and not run here
         else:
             what, batch = step.split()
             (slots.batch_sent if what == "sent" else slots.batch_ended)("r", batch)
@@ -334,6 +336,11 @@ def _play(
         (["sent b0", "arrived 2", "sent b1", "full", "ended b1"], 4),
         # each arrival frees a fetch of the depth: one more goes on, never past the depth
         (["sent b0", "arrived 1", "sent b1", "arrived 1", "sent b2", "arrived 1"], 10),
+        # an order turned away (another model's, a cancelled run's): every free slot back,
+        # and none again (the room notwithstanding) until a batch arrives
+        (["sent b0", "arrived 2", "away"], 4),
+        (["sent b0", "arrived 2", "away", "left"], 4),
+        (["sent b0", "arrived 2", "away", "arrived 2"], 8),
     ],
 )
 def test_free_slots_fill_an_empty_engine_at_once_up_to_their_depth(

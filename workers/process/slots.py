@@ -113,6 +113,8 @@ class PrefetchSlots:
         # rather than put one more on; taken back when the engine is full or the queue gave
         # nothing for them.
         self._free = 0
+        # An order was turned away since the last batch arrived: no free slot goes on.
+        self._free_paused = False
         self._batch_prompts: float | None = None  # what the last batches brought (a mean)
         self._lock = threading.Lock()
         self._released = 0
@@ -202,6 +204,7 @@ class PrefetchSlots:
                 self._take_back_free(self._free, in_transit=True)
             while (
                 self._batch_prompts is not None
+                and not self._free_paused
                 and sum(1 for _, free in self._transit if free) < self.free_depth
                 and batches_in(self.room(), len(self._transit), self._batch_prompts)
                 and self._release()
@@ -234,11 +237,21 @@ class PrefetchSlots:
         it is no longer in transit, and the next slots go on by the size of the last batches
         (a mean that weighs the newest half)."""
         with self._lock:
+            self._free_paused = False
             if self._transit:
                 self._transit.pop(0)
             last = self._batch_prompts
             self._batch_prompts = float(prompts) if last is None else (last + prompts) / 2
         self.offer()
+
+    def turned_away(self) -> None:
+        """An order was fetched and not run here (handed back to the queue, dropped, parked):
+        the queue holds orders this worker does not take, which free slots would fetch and
+        hand round `FREE_DEPTH` more at a time. They go back, and none goes on again until
+        a batch arrives."""
+        with self._lock:
+            self._free_paused = True
+            self._take_back_free(self._free, in_transit=True)
 
     def batch_ended(self, run: str, batch: str) -> None:
         """The batch's task is over: the slot it handed on, if it did, is taken back."""
