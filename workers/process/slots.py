@@ -25,8 +25,9 @@ whose engine restarted) filled an empty engine from handed-back batches of a few
 at about one batch a second (the chaos bench: 0-18 requests running for 9 s with 23-40 orders
 waiting). Once a batch has arrived (the size known), free slots go on for the room left, up
 to `FREE_DEPTH` fetching at once (`offer`); a batch sent later takes one over instead of
-putting one more on, and the engine full, or the queue giving nothing for `TRANSIT_S`, takes
-them back.
+putting one more on, and the engine full, the queue giving nothing for `TRANSIT_S`, or an
+order fetched and not run here (`turned_away`: another model's, a cancelled run's) takes them
+back.
 
 A reconnect to the broker gives the consumer a new prefetch count, at its initial value, while
 the batches that handed their slot on still run and count as delivered on the new channel
