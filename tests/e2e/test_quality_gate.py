@@ -195,4 +195,4 @@ def test_a_regeneration_much_shorter_than_the_old_answers_pauses(
     assert "the old answers' p95 is 1,024 tokens, within --max-tokens 1,024" in said
     report = run_status(open_store(store_url), redis_client, "regen")
     assert report["state"] == "paused"
-    assert report["quality"]["so_far"]["regenerated"] < 300
+    assert report["quality"]["so_far"]["regenerated"] < 600  # paused before the end

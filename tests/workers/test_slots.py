@@ -353,6 +353,17 @@ def test_free_slots_fill_an_empty_engine_at_once_up_to_their_depth(
     _play(steps, prefetch, spare_threads=10, cap=40, free_depth=4)
 
 
+def test_an_engine_of_unknown_cap_gets_one_free_slot_however_many_batches_arrive() -> None:
+    """Its room is one prompt, always: one free slot goes on, and arrivals do not add more
+    (the slots on would otherwise grow by one with each batch, up to the spare threads)."""
+    worker = _Worker(spare_threads=10)
+    slots = PrefetchSlots(lambda: worker, clock=itertools.count(0, 0.01).__next__)
+    slots.batch_sent("r", "b0")
+    for _ in range(5):
+        slots.arrived(2)
+    assert worker.consumer.qos.value == 5  # 3, b0's handed on, one free
+
+
 def test_each_prompt_that_leaves_the_worker_offers_the_waiting_slots() -> None:
     """The feeder calls its hook as each prompt gets its record, and once for a batch
     cancelled with prompts unanswered, after they left its count of prompts held: a slot

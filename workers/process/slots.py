@@ -207,6 +207,9 @@ class PrefetchSlots:
                 self._batch_prompts is not None
                 and not self._free_paused
                 and sum(1 for _, free in self._transit if free) < self.free_depth
+                # The free slots on, arrived or not, fit the room too: an engine whose cap is
+                # not known (a room of one, always) gets one, not one more at each arrival.
+                and self._free * self._batch_prompts < self.room()
                 and batches_in(self.room(), len(self._transit), self._batch_prompts)
                 and self._release()
             ):
