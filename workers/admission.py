@@ -122,7 +122,6 @@ def admit(
     try:
         turned_away = gate(client, work, runtime.queue, order_queue(settings.queue, order))
         if turned_away is not None:
-            runtime.order_turned_away()
             if turned_away.get("handed_back"):
                 _hand_back(order, turned_away["queue"], field)
             return {"summary": not_generated_headline(turned_away), **turned_away}
@@ -130,7 +129,6 @@ def admit(
             # A stale copy (the broker's redelivery after its visibility timeout) of a batch
             # parked as poison: running it would crash one more worker.
             log.error("%s/%s is parked as poison: not running it", work.run, work.batch)
-            runtime.order_turned_away()
             return {"run": work.run, "batch": work.batch, "worker": worker, "parked": True}
         # Before the claim: an order of a superseded staging must not take the running entry
         # of the run's batch of the same name (the new staging's, maybe running elsewhere).
@@ -149,7 +147,6 @@ def admit(
         ) from exc
     except BatchSuperseded as exc:
         log.error("%s", exc)
-        runtime.order_turned_away()
         dropped = {"run": work.run, "batch": work.batch, "drop": True, "superseded": True}
         return {"summary": not_generated_headline(dropped), **dropped}
     return None
@@ -213,7 +210,6 @@ def _hand_back_refused(
     serves the run gets it first. (Resting first and handing back after would give it to this
     worker again, whose request would then be the oldest.)"""
     _hand_back(order, runtime.queue, running_field(work.run, work.batch))
-    runtime.order_turned_away()  # before the rest: no free slot fetches more of them meanwhile
     rest_s = runtime.settings.refused_order_rest_s
     if rest_s > 0:
         time.sleep(rest_s)

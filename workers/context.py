@@ -90,10 +90,6 @@ class TaskRuntime(Protocol):
         """The batch's task is over: the slot it handed on when every prompt was in the
         engine (wired into the feeder at start-up) is taken back."""
 
-    def order_turned_away(self) -> None:
-        """An order fetched and not run here (handed back, dropped, parked): the free
-        prefetch slots go back until a batch arrives (`workers.process.slots`)."""
-
     def consumer_started(self, qos: Any) -> None:
         """The consumer's event loop starts (at start-up, after each reconnect) with `qos`,
         its prefetch count: the slots handed on by running batches are counted on it."""

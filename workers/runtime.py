@@ -423,9 +423,6 @@ class WorkerRuntime:
         handed on, if it did, is taken back."""
         self.slots.batch_ended(run, batch)
 
-    def order_turned_away(self) -> None:
-        self.slots.turned_away()
-
     def after_batch(self, summary: Any) -> None:
         """After a batch: re-read the engine's accept length and warn loudly if MTP is idle."""
         engine = self.engine

@@ -79,7 +79,7 @@ def _paused_run(
 def test_a_run_of_cut_answers_pauses_holds_its_orders_and_resumes_with_a_new_cap(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
-    env, ids, args = _paused_run(tmp_path, redis_url, redis_client, 800)
+    env, ids, args = _paused_run(tmp_path, redis_url, redis_client, 600)
     store = open_store(env["GENFLEET_STORE"])
     done_before = len(outputs(store, "cut")) * BATCH
 
@@ -88,7 +88,7 @@ def test_a_run_of_cut_answers_pauses_holds_its_orders_and_resumes_with_a_new_cap
     said = " ".join((resumed.stdout + resumed.stderr).split())
     assert resumed.returncode == 0, said
     assert "the batches not yet done go on with max_tokens=1024" in said
-    assert "cut: done — 800/800 prompts (0 error records; answers: " in said
+    assert "cut: done — 600/600 prompts (0 error records; answers: " in said
     assert quality_gate.paused(redis_client, "cut") is None
     settings = Settings(redis_url=redis_url, store=env["GENFLEET_STORE"])
     _, rows = assert_exactly_once(settings, "cut", ids, redis_client, store)
@@ -106,14 +106,13 @@ def test_a_run_of_cut_answers_pauses_holds_its_orders_and_resumes_with_a_new_cap
 def test_a_paused_run_goes_on_as_it_is_without_the_gate(
     tmp_path: Path, redis_url: str, redis_client: redis.Redis
 ) -> None:
-    # 800 prompts: a worker holds as many batches as its engine has room for (25 of 10 at
-    # the emulator's cap of 256) and up to 8 more fetched at once for that room
-    # (`workers.process.slots.FREE_DEPTH`), all of which finish after the pause.
-    env, ids, args = _paused_run(tmp_path, redis_url, redis_client, 800)
+    # 600 prompts: a worker holds as many batches as its engine has room for (25 of 10 at
+    # the emulator's cap of 256), all of which finish after the pause.
+    env, ids, args = _paused_run(tmp_path, redis_url, redis_client, 600)
     resumed = genfleet([*args, "--no-quality-gate"], env)
     said = " ".join((resumed.stdout + resumed.stderr).split())
     assert resumed.returncode == 0, said
-    assert "cut: done — 800/800 prompts (0 error records; answers: 0.0% kept, 9" in said
+    assert "cut: done — 600/600 prompts (0 error records; answers: 0.0% kept, 9" in said
     assert "% cut at max_tokens" in said
     settings = Settings(redis_url=redis_url, store=env["GENFLEET_STORE"])
     store = open_store(env["GENFLEET_STORE"])
@@ -177,9 +176,7 @@ def test_a_regeneration_much_shorter_than_the_old_answers_pauses(
                 }
             )
             + b"\n"
-            # more batches than a worker takes at once (its engine's room, 25 of 10, and up to
-            # 8 more fetched for it): the gate's pause holds the rest
-            for i in range(600)
+            for i in range(300)
         )
     )
     args = ["run", str(source), "--regenerate", "--batch-size", str(BATCH)]
@@ -195,4 +192,4 @@ def test_a_regeneration_much_shorter_than_the_old_answers_pauses(
     assert "the old answers' p95 is 1,024 tokens, within --max-tokens 1,024" in said
     report = run_status(open_store(store_url), redis_client, "regen")
     assert report["state"] == "paused"
-    assert report["quality"]["so_far"]["regenerated"] < 600  # paused before the end
+    assert report["quality"]["so_far"]["regenerated"] < 300

@@ -36,7 +36,6 @@ class FakeRuntime:
     model_verdicts: RunVerdicts = field(default_factory=lambda: RunVerdicts(600.0))
     findings: list[dict[str, Any]] = field(default_factory=list)
     ended: list[tuple[str, str]] = field(default_factory=list)
-    turned_away: int = 0  # orders fetched and not run (admission's early results)
     presence_name: str | None = None
 
     def after_batch(self, summary: Any) -> None:
@@ -64,9 +63,6 @@ class FakeRuntime:
 
     def batch_ended(self, run: str, batch: str) -> None:
         self.ended.append((run, batch))  # no Celery consumer whose prefetch to restore
-
-    def order_turned_away(self) -> None:
-        self.turned_away += 1  # no Celery consumer whose free slots to take back
 
     def consumer_started(self, qos: Any) -> None:
         return None  # no Celery consumer: nothing handed on to count

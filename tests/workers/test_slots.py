@@ -280,21 +280,12 @@ def test_as_many_slots_go_on_as_the_room_holds_batches_of_the_last_ones_size(
     _play(steps, prefetch, spare_threads=5, cap=8)
 
 
-def _play(
-    steps: list[str], prefetch: int, spare_threads: int, cap: int, free_depth: int = 0
-) -> PrefetchSlots:
-    """Play `steps`; the prefetch count must read `prefetch`. Free slots off unless asked:
-    the tables above are the sent batches' own rules."""
+def _play(steps: list[str], prefetch: int, spare_threads: int, cap: int) -> None:
     worker, engine, now = _Worker(spare_threads=spare_threads), _Engine(cap=cap), [0.0]
-    slots = PrefetchSlots(
-        lambda: worker, room=engine.room, clock=lambda: now[0], free_depth=free_depth
-    )
+    slots = PrefetchSlots(lambda: worker, room=engine.room, clock=lambda: now[0])
     for step in steps:
         if step == "full":
             engine.inflight = engine.cap
-        elif step.startswith("held"):
-            engine.inflight = int(step.split()[1])
-            slots.offer()
         elif step == "left":
             engine.inflight = 0
             slots.offer()  # the feeder's hook as a request leaves the engine
@@ -303,65 +294,10 @@ def _play(
             slots.arrived(int(step.split()[1]) if " " in step else 1)
         elif step == "later":
             now[0] += TRANSIT_S
-        elif step == "away":
-            slots.turned_away()  # admission's hook: an order fetched and not run here
         else:
             what, batch = step.split()
             (slots.batch_sent if what == "sent" else slots.batch_ended)("r", batch)
     assert worker.consumer.qos.value == prefetch
-    return slots
-
-
-@pytest.mark.parametrize(
-    ("steps", "prefetch"),
-    [
-        # before any batch arrived, its size unknown: no free slot
-        (["sent b0"], 4),
-        # a batch of 2 arrived into an empty engine of 40: free slots for the room, up to the
-        # depth (4 here) on top of the sent batch's
-        (["sent b0", "arrived 2"], 8),
-        # a sent batch takes a free slot over: nothing new to fetch for it
-        (["sent b0", "arrived 2", "sent b1"], 8),
-        # ... and the free slot its arrival freed goes on again
-        (["sent b0", "arrived 2", "arrived 2"], 9),
-        # batches of 20: the room (40) holds two more
-        (["sent b0", "arrived 20"], 6),
-        # the engine full: every free slot back, the sent batch's kept
-        (["sent b0", "arrived 2", "held 40"], 4),
-        # free slots whose fetch brought nothing for TRANSIT_S (an empty queue) are back, and
-        # go on again only for the room there is (2: one batch of 2)
-        (["sent b0", "arrived 2", "later", "held 38"], 5),
-        (["sent b0", "arrived 2", "later", "left"], 8),
-        # a batch that took a free slot over ends: that slot comes back like a handed one
-        (["sent b0", "arrived 2", "sent b1", "full", "ended b1"], 4),
-        # each arrival frees a fetch of the depth: one more goes on, never past the depth
-        (["sent b0", "arrived 1", "sent b1", "arrived 1", "sent b2", "arrived 1"], 10),
-        # an order turned away (another model's, a cancelled run's): every free slot back,
-        # and none again (the room notwithstanding) until a batch arrives
-        (["sent b0", "arrived 2", "away"], 4),
-        (["sent b0", "arrived 2", "away", "left"], 4),
-        (["sent b0", "arrived 2", "away", "arrived 2"], 8),
-    ],
-)
-def test_free_slots_fill_an_empty_engine_at_once_up_to_their_depth(
-    steps: list[str], prefetch: int
-) -> None:
-    """A new worker, or one whose batches went back, fetches as many batches at once as its
-    room holds at the last ones' size (up to `free_depth` fetching), not its concurrency at a
-    time each waiting for the last to be sent; a full engine, or an empty queue, takes the
-    free slots back."""
-    _play(steps, prefetch, spare_threads=10, cap=40, free_depth=4)
-
-
-def test_an_engine_of_unknown_cap_gets_one_free_slot_however_many_batches_arrive() -> None:
-    """Its room is one prompt, always: one free slot goes on, and arrivals do not add more
-    (the slots on would otherwise grow by one with each batch, up to the spare threads)."""
-    worker = _Worker(spare_threads=10)
-    slots = PrefetchSlots(lambda: worker, clock=itertools.count(0, 0.01).__next__)
-    slots.batch_sent("r", "b0")
-    for _ in range(5):
-        slots.arrived(2)
-    assert worker.consumer.qos.value == 5  # 3, b0's handed on, one free
 
 
 def test_each_prompt_that_leaves_the_worker_offers_the_waiting_slots() -> None:

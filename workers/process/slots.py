@@ -19,16 +19,6 @@ worker with room (the last orders of a run go to both engines, not all to the on
 first); a new worker fills its engine with a run's handed-back batches in a few fetches, not
 one at a time.
 
-A sent batch hands on one slot, so a worker with `worker_concurrency` 3 fetched three
-batches at a time, each waiting for the last to arrive and be sent: a new worker (or one
-whose engine restarted) filled an empty engine from handed-back batches of a few prompts each
-at about one batch a second (the chaos bench: 0-18 requests running for 9 s with 23-40 orders
-waiting). Once a batch has arrived (the size known), free slots go on for the room left, up
-to `FREE_DEPTH` fetching at once (`offer`); a batch sent later takes one over instead of
-putting one more on, and the engine full, the queue giving nothing for `TRANSIT_S`, or an
-order fetched and not run here (`turned_away`: another model's, a cancelled run's) takes them
-back.
-
 A reconnect to the broker gives the consumer a new prefetch count, at its initial value, while
 the batches that handed their slot on still run and count as delivered on the new channel
 (`workers.process.reconnect`): the slots they handed on are counted on the new one too
@@ -50,12 +40,6 @@ TRANSIT_S = 2.0
 
 # The room of an engine whose cap is not known: always some, for one batch at a time.
 UNKNOWN_ROOM = 1
-
-# Slots on for the room alone (no sent batch's) fetching at once, at most: the depth a worker
-# with an empty engine fills it at beside its `worker_concurrency`. Bounded because the size
-# the room is counted in is the last batches', and the next may be larger (a run's fresh
-# batches after its handed-back ones): at worst this many batches more than the room.
-FREE_DEPTH = 8
 
 
 def room_left(held: int, cap: int | None) -> int:
@@ -99,7 +83,6 @@ class PrefetchSlots:
         celery_worker: Callable[[], Any],
         room: Callable[[], int] = lambda: UNKNOWN_ROOM,
         clock: Callable[[], float] = time.monotonic,
-        free_depth: int = FREE_DEPTH,
     ) -> None:
         """`room()`: how many more prompts the engine would run than the worker holds now
         (`room_left`; read on the feeder's loop and the tasks' threads: plain counters, no
@@ -107,15 +90,7 @@ class PrefetchSlots:
         self.celery_worker = celery_worker
         self.room = room
         self.clock = clock
-        self.free_depth = free_depth
-        # When each slot handed on, its batch not arrived, went; and whether it is a free one.
-        self._transit: list[tuple[float, bool]] = []
-        # Slots on for the room alone, not (yet) a sent batch's: a sent batch takes one over
-        # rather than put one more on; taken back when the engine is full or the queue gave
-        # nothing for them.
-        self._free = 0
-        # An order was turned away since the last batch arrived: no free slot goes on.
-        self._free_paused = False
+        self._transit: list[float] = []  # when each slot handed on, its batch not arrived, went
         self._batch_prompts: float | None = None  # what the last batches brought (a mean)
         self._lock = threading.Lock()
         self._released = 0
@@ -179,83 +154,34 @@ class PrefetchSlots:
     def offer(self) -> None:
         """Hand on the slots of the first sent batches while the engine has room for them
         beside the batches fetched and not arrived (`batches_in`) and spare threads are left
-        (called as a batch is sent or arrives and as each answer leaves the engine). Then,
-        once a batch has arrived (their size known), put free slots on for the room left, up
-        to `FREE_DEPTH` fetching at once: a worker whose engine is empty (new, or its batches
-        handed back) takes as many batches at once as its room holds, not
-        `worker_concurrency` at a time, each waiting for the last to be sent."""
+        (called as a batch is sent or arrives and as each answer leaves the engine)."""
         handed = False
         with self._lock:
             now = self.clock()
-            unfilled = sum(1 for at, free in self._transit if free and now - at >= TRANSIT_S)
-            self._transit = [(at, free) for at, free in self._transit if now - at < TRANSIT_S]
-            self._take_back_free(unfilled)  # the queue had nothing for them
-            while self._sent and batches_in(self.room(), len(self._transit), self._batch_prompts):
-                if self._free:
-                    self._free -= 1  # on already: the batch takes it over, nothing new to fetch
-                elif self._release():
-                    self._transit.append((now, False))
-                    handed = True
-                else:
-                    break
-                name = next(iter(self._sent))
-                del self._sent[name]
-                self._released_by.add(name)
-            if self.room() <= 0:
-                self._take_back_free(self._free, in_transit=True)
+            self._transit = [at for at in self._transit if now - at < TRANSIT_S]
             while (
-                self._batch_prompts is not None
-                and not self._free_paused
-                and sum(1 for _, free in self._transit if free) < self.free_depth
-                # The free slots on, arrived or not, fit the room too: an engine whose cap is
-                # not known (a room of one, always) gets one, not one more at each arrival.
-                and self._free * self._batch_prompts < self.room()
+                self._sent
                 and batches_in(self.room(), len(self._transit), self._batch_prompts)
                 and self._release()
             ):
-                self._free += 1
-                self._transit.append((now, True))
+                name = next(iter(self._sent))
+                del self._sent[name]
+                self._released_by.add(name)
+                self._transit.append(now)
                 handed = True
         if handed:
             self._wake()
-
-    def _take_back_free(self, n: int, in_transit: bool = False) -> None:
-        """Take `n` free slots back (at most those on), with the lock held; `in_transit`:
-        their fetches, if still in transit, count in the room no more (the newest first)."""
-        n = min(n, self._free)
-        if n <= 0:
-            return
-        for _ in range(n if in_transit else 0):
-            at = next((i for i in reversed(range(len(self._transit))) if self._transit[i][1]), None)
-            if at is None:
-                break
-            del self._transit[at]
-        qos = self._qos()
-        self._free -= n
-        self._released -= n
-        if qos is not None:
-            qos.decrement_eventually(n)
 
     def arrived(self, prompts: int) -> None:
         """A batch of `prompts` reached the feeder, counted in the room: the slot that fetched
         it is no longer in transit, and the next slots go on by the size of the last batches
         (a mean that weighs the newest half)."""
         with self._lock:
-            self._free_paused = False
             if self._transit:
                 self._transit.pop(0)
             last = self._batch_prompts
             self._batch_prompts = float(prompts) if last is None else (last + prompts) / 2
         self.offer()
-
-    def turned_away(self) -> None:
-        """An order was fetched and not run here (handed back to the queue, dropped, parked):
-        the queue holds orders this worker does not take, which free slots would fetch and
-        hand round `FREE_DEPTH` more at a time. They go back, and none goes on again until
-        a batch arrives."""
-        with self._lock:
-            self._free_paused = True
-            self._take_back_free(self._free, in_transit=True)
 
     def batch_ended(self, run: str, batch: str) -> None:
         """The batch's task is over: the slot it handed on, if it did, is taken back."""
