@@ -6,6 +6,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+from harness.waits import wait_for
+
 
 @contextlib.contextmanager
 def control_app(broker_url: str) -> Iterator[Any]:
@@ -62,6 +64,16 @@ def engine_report(broker_url: str, hostname: str, timeout_s: float = 1.0) -> dic
     not answer or has no sample yet."""
     engine: dict[str, Any] = worker_report(broker_url, hostname, timeout_s).get("engine") or {}
     return engine
+
+
+def wait_engine_up(broker_url: str, hostname: str, restarts: int, timeout_s: float = 60.0) -> None:
+    """Wait until worker `hostname` reports its engine up after `restarts` restarts."""
+    wait_for(
+        lambda: (e := engine_report(broker_url, hostname)).get("up") and e["restarts"] == restarts,
+        timeout_s,
+        f"{hostname} to report its engine up after {restarts} restart(s)",
+        0.2,
+    )
 
 
 def consuming(hostname: str) -> list[str] | None:

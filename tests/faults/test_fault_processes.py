@@ -17,7 +17,7 @@ import pytest
 import redis
 
 from harness.assertions import assert_exactly_once
-from harness.control import engine_report
+from harness.control import engine_report, wait_engine_up
 from harness.env import base_env, free_port
 from harness.processes import Worker, engine_pid, pid_alive
 from harness.runs import (
@@ -128,15 +128,7 @@ def test_sigkilled_engine_is_restarted_and_the_batch_completes(
         "the supervisor to start a new engine",
         0.1,
     )
-    wait_for(
-        lambda: (
-            (e := engine_report(worker.broker_url, worker.hostname)).get("up")
-            and e["restarts"] == 1
-        ),
-        60,
-        "the worker to report its restarted engine up",
-        0.2,
-    )
+    wait_engine_up(worker.broker_url, worker.hostname, restarts=1)
     restart_s = time.monotonic() - killed_at
     wait_run_done(settings, redis_client, "killengine", 120, store)
     done_s = time.monotonic() - killed_at

@@ -22,7 +22,7 @@ from genfleet.common import keys
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store
 from harness.assertions import assert_exactly_once
-from harness.control import engine_report
+from harness.control import engine_report, wait_engine_up
 from harness.env import base_env, free_port
 from harness.processes import Worker, engine_pid, pid_alive
 from harness.runs import (
@@ -217,15 +217,7 @@ def test_a_warm_engine_that_freezes_is_found_by_its_own_pauses_not_the_whole_tim
     assert killed_s < stall_timeout_s, (killed_s, numbers)
 
     # The successor: up, then serving for a few seconds (young: under a stall timeout).
-    wait_for(
-        lambda: (
-            (e := engine_report(worker.broker_url, worker.hostname)).get("up")
-            and e["restarts"] == 1
-        ),
-        60,
-        "the restarted engine up",
-        0.2,
-    )
+    wait_engine_up(worker.broker_url, worker.hostname, restarts=1)
     time.sleep(3)
     assert len(outputs(store, "warm")) < len(ids) // 25, "the run ended before the 2nd freeze"
     young_killed_s, young = freeze_until_killed(worker, redis_client)

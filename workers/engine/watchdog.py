@@ -326,6 +326,18 @@ class StallWatchdog:
                     # Probing again would add a whole probe timeout to every stall.
                     if self._stop.wait(left_s):
                         break
+                    # Looked at again as any look does: an engine that died and was started
+                    # again meanwhile is a new process, not the one the probe judged.
+                    again = looked_at(
+                        clock,
+                        time.monotonic(),
+                        self.engine.ready(),
+                        self.engine.incarnation(),
+                        self.stall_timeout_s,
+                    )
+                    if again is not clock:
+                        clock = again
+                        continue
                     clock = advance(clock, time.monotonic(), inflight, self._progress(client))
                     if clock.stalled_s(time.monotonic()) < window_s:
                         continue

@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
 from genfleet.workers.engine.watchdog import (
     StallClock,
+    StallWatchdog,
+    WatchedEngine,
     advance,
     looked_at,
     moved,
@@ -15,6 +20,7 @@ from genfleet.workers.engine.watchdog import (
     probe_due,
     stall_window_s,
 )
+from harness.env import free_port
 
 
 @pytest.mark.parametrize(
@@ -160,3 +166,38 @@ def test_a_restarted_engine_is_judged_by_what_matured_ones_paused(
     paused = moved(replace(new, first_moved_at=life_s + 1.0, moved_at=life_s + 1.0), life_s + 71.0)
     own_s = 300.0 if learned_after is None else min(300.0, 4 * max(70.0, learned_after))
     assert stall_window_s(paused, life_s + 72.0, 300.0) == own_s
+
+
+@pytest.mark.parametrize("restarted", [False, True])
+def test_an_engine_restarting_while_a_failed_probe_waits_for_the_window_is_not_judged(
+    restarted: bool,
+) -> None:
+    """The probe fails before the window closes (here at once: nothing listens on the port)
+    and its answer waits for the close. An engine that died meanwhile and is starting again
+    is a new process, not judged until it is ready; one that did not is found stalled at the
+    close."""
+    incarnation, ready = [0], [True]
+    stalls: list[dict[str, Any]] = []
+    engine = WatchedEngine(
+        base_url=f"http://127.0.0.1:{free_port()}",
+        health_path="/health_generate",
+        headers={},
+        inflight=lambda: 5,
+        completions=lambda: 0,
+        ready=lambda: ready[0],
+        incarnation=lambda: incarnation[0],
+    )
+    # A young window of 4 s from the first look (0.5 s), looks every 0.5 s: the probe goes,
+    # and fails, at about 2 s; its answer waits for the close, at about 4.5 s.
+    watchdog = StallWatchdog(engine, 4.0, stalls.append)
+    watchdog.start()
+    try:
+        time.sleep(3.0)
+        if restarted:  # died while the answer waits: restarting, not ready
+            incarnation[0], ready[0] = 1, False
+        deadline = time.monotonic() + 4.0
+        while time.monotonic() < deadline and not stalls:
+            threading.Event().wait(0.1)
+    finally:
+        watchdog.stop()
+    assert len(stalls) == (0 if restarted else 1), stalls
