@@ -70,6 +70,10 @@ class EngineLaunch:
     host: str = "127.0.0.1"
     port: int = 30000
     health_path: str = "/health"
+    # The line the engine logs once it serves (its warm-up request answered), or None: the
+    # supervisor takes it as ready then, not a `health_path` poll later (SGLang's /health
+    # sleeps a second before it answers 200: a second of every start and restart).
+    ready_line: str | None = None
     api_key: str | None = None  # sent as a bearer token; never printed
     # Flags the engine reads from its `--config` file (written 0600 at spawn, a JSON object,
     # which is YAML) instead of argv, where `ps` would show them: the API key.

@@ -49,6 +49,11 @@ from genfleet.workers.engine.families import HYBRID_ARCHS, choose
 from genfleet.workers.engine.launch import EngineLaunch
 from genfleet.workers.engine.plan import DEFAULT_MAX_RUNNING_REQUESTS, EnginePlan
 
+# SGLang's log line once its warm-up request was answered and its status is Up
+# (`http_server.py::_wait_and_warmup`, logger.info): from then on /health answers 200.
+SGLANG_READY_LINE = "The server is fired up and ready to roll!"
+
+
 OLDEST_SGLANG = "0.5.11"
 NEWEST_SGLANG = "0.5.23"
 SUPPORTED_SGLANG = (OLDEST_SGLANG, NEWEST_SGLANG)
@@ -167,6 +172,7 @@ def sglang_launch(
         host=LOOPBACK,
         port=port,
         health_path="/health",
+        ready_line=SGLANG_READY_LINE,
         api_key=api_key,
         # Through `--config`, not argv: `ps` shows every process's argv to every user.
         config={"api-key": api_key} if api_key else {},

@@ -125,6 +125,8 @@ class EngineSupervisor:
         self._stopping = threading.Event()
         self._monitor: threading.Thread | None = None
         self._pump: threading.Thread | None = None
+        # Set by the log pump when the running process logs `launch.ready_line`.
+        self._fired_up = threading.Event()
         self._log_file: Any = None
         self._kill_reason: str | None = None
         self._config_path: Path | None = None
@@ -277,8 +279,9 @@ class EngineSupervisor:
             raise EngineStartError(f"cannot run {self.launch.argv[0]!r}: {exc}") from exc
         self._proc = proc
         self.log_tail.clear()  # this process's lines: its last error is its own
+        self._fired_up = threading.Event()  # this process's: a dead one's line says nothing
         self._pump = threading.Thread(
-            target=self._pump_logs, args=(proc,), name="engine-log", daemon=True
+            target=self._pump_logs, args=(proc, self._fired_up), name="engine-log", daemon=True
         )
         self._pump.start()
 
@@ -292,14 +295,18 @@ class EngineSupervisor:
         self._config_path = path
         return path
 
-    def _pump_logs(self, proc: subprocess.Popen[bytes]) -> None:
+    def _pump_logs(self, proc: subprocess.Popen[bytes], fired_up: threading.Event) -> None:
         assert proc.stdout is not None
         # SGLang logs its server_args at start, the API key among them: never kept as is.
         secret = self.launch.api_key.encode() if self.launch.api_key else None
+        ready_line = self.launch.ready_line
         for raw in proc.stdout:
             if secret is not None:
                 raw = raw.replace(secret, b"***")
             line = raw.decode("utf-8", "replace").rstrip()
+            # Only while it starts: once it serves, a logged request could hold the words.
+            if ready_line and not fired_up.is_set() and line.endswith(ready_line):
+                fired_up.set()
             self.log_tail.append(line)
             self.log_lines += 1
             if self._log_file:
@@ -307,7 +314,11 @@ class EngineSupervisor:
                     self._log_file.write(raw)
 
     def _wait_ready(self) -> None:
+        """Until the engine logs its ready line (`EngineLaunch.ready_line`) or answers 200 on
+        its health path, whichever comes first; a stop, an exit, a start frozen or the
+        startup timeout end the wait with an error."""
         url = self.launch.base_url + self.launch.health_path
+        fired_up = self._fired_up
         headers = self._headers()
         deadline = time.monotonic() + self.startup_timeout_s
         delay = 0.05
@@ -326,6 +337,8 @@ class EngineSupervisor:
                         f"engine exited with code {code} before it was ready",
                         list(self.log_tail),
                     )
+                if fired_up.is_set():
+                    break
                 with contextlib.suppress(httpx.TransportError):
                     if client.get(url, headers=headers).status_code == 200:
                         break
@@ -349,7 +362,8 @@ class EngineSupervisor:
                             f"{self.start_stall_s:.0f} s (--engine-stall-timeout-s); killed",
                             list(self.log_tail),
                         )
-                time.sleep(delay)
+                if fired_up.wait(delay):
+                    break
                 # At most a quarter second: every engine start (a worker's, each restart) waits
                 # for the poll after it is ready; a refused connect or a 503 costs nothing.
                 delay = min(delay * 1.5, READY_POLL_MAX_S)

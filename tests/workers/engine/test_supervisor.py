@@ -23,6 +23,7 @@ from genfleet.workers.engine.ports import (
     private_dir,
     release_port,
 )
+from genfleet.workers.engine.sglang_argv import SGLANG_READY_LINE
 from genfleet.workers.engine.supervisor import EngineSupervisor
 from harness.env import free_port
 from harness.waits import wait_for
@@ -91,6 +92,49 @@ def test_startup_timeout_kills_and_reports() -> None:
         sup.start()
     assert time.monotonic() - started < 10
     assert sup.pid is not None and not alive(sup.pid)
+
+
+def line_engine(port: int, ready_line: str | None, *lines: str) -> EngineLaunch:
+    """An 'engine' that prints `lines` and binds, and whose health path never answers 200."""
+    says = [word for line in lines for word in ("--say", line)]
+    return EngineLaunch(
+        kind="command",
+        argv=engine_argv(port, *says),
+        port=port,
+        health_path="/never-200",
+        ready_line=ready_line,
+    )
+
+
+def test_an_engine_is_ready_once_it_logs_its_ready_line_without_a_health_poll() -> None:
+    """SGLang's /health sleeps a second before its 200: the line it logs as its status turns
+    Up is the same news a second sooner, at every start and restart."""
+    launch = line_engine(
+        free_port(), SGLANG_READY_LINE, "loading", f"[2026-12-07 19:12:39] {SGLANG_READY_LINE}"
+    )
+    sup = EngineSupervisor(launch, startup_timeout_s=20, stop_timeout_s=5)
+    try:
+        sup.start()
+        assert sup.state == "ready"
+    finally:
+        sup.stop()
+
+
+@pytest.mark.parametrize(
+    ("ready_line", "printed"),
+    [
+        (None, SGLANG_READY_LINE),  # an engine with no ready line: its health path decides
+        (SGLANG_READY_LINE, f"echo: {SGLANG_READY_LINE} (a request's text)"),  # not the line
+    ],
+)
+def test_an_engine_that_does_not_log_its_ready_line_waits_for_its_health(
+    ready_line: str | None, printed: str
+) -> None:
+    sup = EngineSupervisor(
+        line_engine(free_port(), ready_line, printed), startup_timeout_s=1.5, stop_timeout_s=5
+    )
+    with pytest.raises(EngineStartError, match="not ready after"):
+        sup.start()
 
 
 def test_an_engine_frozen_while_it_starts_is_killed_after_the_stall_window_not_the_timeout() -> (
