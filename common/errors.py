@@ -164,6 +164,13 @@ class BatchInterrupted(BatchError):
     and the retry skips what the checkpoint holds (not a try, not a failure)."""
 
 
+class BatchHandedBack(BatchInterrupted):
+    """The worker handed its running batch back to the queue for a worker with room (its own
+    engine restarting while no order waits): not a try, not a failure; the next try goes on
+    from the checkpoint and the answers' ids, the engine deaths counted against its prompts
+    kept with the batch."""
+
+
 class BatchTerminated(BatchInterrupted):
     """An operator terminated the batch's task (Flower's terminate, `revoke(terminate=True)`):
     stopped on purpose, so it is parked in the failed set, where `genfleet retry` resends it,

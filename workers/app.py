@@ -131,10 +131,29 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
             except Exception:  # noqa: BLE001 - broker may be gone; the next cool-down tries
                 log.exception("could not consume from %s again", queue)
 
+        def pause(message: str) -> None:
+            log.warning("%s: %s: taking no order from %s meanwhile", hostname, message, queue)
+            try:
+                parent.app.control.cancel_consumer(queue, destination=[hostname])
+            except Exception:  # noqa: BLE001 - broker may be gone; its batches still go back
+                log.exception("could not stop consuming from %s", queue)
+
+        def resume() -> None:
+            log.warning("%s: engine back, consuming %s again", hostname, queue)
+            try:
+                parent.app.control.add_consumer(queue, destination=[hostname])
+            except Exception:  # noqa: BLE001 - broker may be gone; the next restart tries
+                log.exception("could not consume from %s again", queue)
+
         runtime = None
         try:
             runtime = WorkerRuntime(
-                settings, hostname, on_exhausted=exhausted, on_recovered=recovered
+                settings,
+                hostname,
+                on_exhausted=exhausted,
+                on_recovered=recovered,
+                on_pause=pause,
+                on_resume=resume,
             )
             runtime.celery_worker = parent
             self.runtime = runtime

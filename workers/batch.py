@@ -32,6 +32,7 @@ from genfleet.common import previous as old_answers
 from genfleet.common.backoff import BOOKKEEPING, OUTPUT_WRITE
 from genfleet.common.errors import (
     BatchCancelled,
+    BatchHandedBack,
     BatchInputMissing,
     BatchInterrupted,
     BatchSuperseded,
@@ -213,6 +214,7 @@ def execute(
     progress: ProgressTally | None = None,
     gate: GateSettings | None = None,
     journal_interval_s: float = 0.0,
+    handing_back: Callable[[], str | None] | None = None,
 ) -> BatchSummary:
     """Run one work order to its output object. `cancelled()` is polled while it runs and
     stops it; `lease_client` (default `client`) keeps the lease alive from a heartbeat thread,
@@ -220,7 +222,9 @@ def execute(
     by its batches (default: one of this batch's own); `gate`: the quality gate's settings
     for a run whose enqueue recorded none (the worker's; default: no gate);
     `journal_interval_s`: how often what the answers in flight drew is kept in Redis between
-    two checkpoints (workers/drawn_journal.py; 0: never)."""
+    two checkpoints (workers/drawn_journal.py; 0: never); `handing_back()`: asked at every
+    tick, why the worker hands its running batches back to the queue now (None: it does
+    not): the batch then stops as a shutdown stops it, its answers in flight kept first."""
     progress = ProgressTally() if progress is None else progress
     started = time.monotonic()
     summary = BatchSummary(run=order.run, batch=order.batch, worker=worker, gpus=gpus)
@@ -292,6 +296,7 @@ def execute(
                 len(todo),
                 inflight,
                 journal_interval_s,
+                handing_back,
             )
         except BaseException as exc:
             # Stop this try's requests: the retry sends the unfinished prompts again, and
@@ -350,6 +355,7 @@ def _follow(
     todo: int = 0,
     in_flight: _InFlight | None = None,
     journal_interval_s: float = 0.0,
+    handing_back: Callable[[], str | None] | None = None,
 ) -> int:
     """Wait for the batch's prompts, reporting progress and checkpointing as they finish.
 
@@ -374,6 +380,12 @@ def _follow(
             return next_part
         except FutureTimeout:
             pass
+        why = handing_back() if handing_back is not None else None
+        if why is not None:
+            raise BatchHandedBack(
+                f"{order.run}/{order.batch} handed back after {len(collector.results)} of "
+                f"{todo} prompts (checkpointed): {why}"
+            )
         if in_flight is not None and journaling:
             in_flight.journal_due(journal_interval_s)
         if time.monotonic() - last_look < look_s - tick_s / 2:

@@ -75,6 +75,9 @@ class TaskRuntime(Protocol):
     def refuse_work(self, message: str) -> None:
         """The engine refuses this worker itself (401/403/404): stop consuming, say why."""
 
+    def handing_back(self, run: str, batch: str) -> str | None:
+        """Why the running batch goes back to the queue now (`workers.hand_back`), or None."""
+
     def finding(
         self,
         cause: str,

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import engine_alarms, findings
+from genfleet.common import engine_alarms, findings, keys
 from genfleet.common.redis_conn import connect
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
@@ -44,6 +44,7 @@ from genfleet.workers.feeding import (
     repetition_rule,
     splits_reasoning,
 )
+from genfleet.workers.hand_back import HandBack
 from genfleet.workers.observe.engine_state import (
     EngineState,
     accept_length_from_server_info,
@@ -72,11 +73,19 @@ class WorkerRuntime:
         hostname: str,
         on_exhausted: Callable[[str], None] | None = None,
         on_recovered: Callable[[], None] | None = None,
+        on_pause: Callable[[str], None] | None = None,
+        on_resume: Callable[[], None] | None = None,
     ) -> None:
+        """`on_exhausted` / `on_recovered`: stop and start consuming around a spent restart
+        budget's cool-down; `on_pause` / `on_resume`: around a restart whose batches are
+        handed back (`workers.hand_back`)."""
         self.settings = settings
         self.hostname = hostname
         self.on_exhausted = on_exhausted
         self.on_recovered = on_recovered
+        self.on_pause = on_pause
+        self.on_resume = on_resume
+        self.hand_back = HandBack()
         self.queue = worker_queue(settings)  # the one queue (model) this worker serves
         # Set once Celery consumes `queue` (worker_ready, after the engine is up): until then
         # the worker answers no broadcast, and its pushed summary says it is starting.
@@ -127,7 +136,12 @@ class WorkerRuntime:
         self.presence.start()
         # httpx logs every request at INFO: once a second per worker from the telemetry loop.
         logging.getLogger("httpx").setLevel(logging.WARNING)
-        hooks = local.Hooks(self._engine_died, self._engine_exhausted, self._engine_recovered)
+        hooks = local.Hooks(
+            self._engine_died,
+            self._engine_exhausted,
+            self._engine_recovered,
+            self._engine_restarted,
+        )
         made = local.make(self.settings, self.hostname, hooks)
         self.settings = settings = made.settings
         self.arch, self.plan, self.reference_plan = made.arch, made.plan, made.reference
@@ -291,12 +305,47 @@ class WorkerRuntime:
         }
 
     def _engine_died(self) -> None:
-        """After each engine death: a crash loop is published once it is one."""
+        """After each engine death: a crash loop is published once it is one; with no order
+        waiting, the running batches go back to the queue for a worker with room and this
+        one takes none until its engine serves again (`workers.hand_back`)."""
         alarm = self.engine_alarm()
         crash = alarm["crash"] if alarm is not None else None
         if crash and crash["loop"] and crash["repeats"] == CRASH_LOOP_REPEATS:
             self.finding("crash_loop", alarm or {}, loop_suggestion(crash), "underused")
         self._publish_alarm(alarm)
+        held = self.feeder.held if self.feeder is not None else 0
+        if self.refused is None and self.hand_back.died(self._orders_waiting(), held):
+            log.warning("engine restarting with no order waiting: its %d prompts handed back", held)
+            if self.on_pause is not None:
+                self.on_pause("its engine is restarting: its batches are handed back")
+
+    def _engine_restarted(self) -> None:
+        """The engine serves again after a restart: take orders again if its batches went."""
+        if self.hand_back.restarted() and self.refused is None and self.on_resume is not None:
+            self.on_resume()
+
+    def handing_back(self, run: str, batch: str) -> str | None:
+        """Why the running batch goes back to the queue now (`execute`'s `handing_back`):
+        as `HandBack.why` says, and only a batch whose next try would know all this one does
+        (`Feeder.movable`: an answer that started over keeps its account here)."""
+        engine, feeder = self.engine, self.feeder
+        if not isinstance(engine, EngineSupervisor) or feeder is None:
+            return None
+        why = self.hand_back.why(engine.state == "ready", feeder.settled)
+        if why is None:
+            return None
+        try:
+            return why if feeder.movable(run, batch) else None
+        except (RuntimeError, TimeoutError):  # the feeder's loop is gone or stuck: it stays
+            return None
+
+    def _orders_waiting(self) -> int | None:
+        """Orders in this worker's queue, none taken yet (None: Redis did not answer)."""
+        try:
+            return sum(int(self.redis.llen(name)) for name in keys.broker_queue_keys(self.queue))
+        except redis.RedisError as exc:
+            log.warning("orders waiting not read (%s): the batches stay", exc)
+            return None
 
     def _engine_exhausted(self, message: str) -> None:
         """The restart budget is spent: stop consuming (the bootstep's callback), say so in

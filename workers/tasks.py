@@ -75,6 +75,7 @@ def generate_batch(self: BatchTask, order: dict[str, Any]) -> dict[str, Any]:
             lease_client=runtime.lease_redis,
             progress=runtime.progress,
             gate=gate_settings(settings),
+            handing_back=lambda: runtime.handing_back(work.run, work.batch),
         )
     except Exception as exc:
         attempts = _attempt(client, work) if counts_a_try(exc) else 0

@@ -37,12 +37,16 @@ class FakeRuntime:
     findings: list[dict[str, Any]] = field(default_factory=list)
     ended: list[tuple[str, str]] = field(default_factory=list)
     presence_name: str | None = None
+    hand_back_why: str | None = None  # what `handing_back()` answers
 
     def after_batch(self, summary: Any) -> None:
         self.finished.append(summary)
 
     def refuse_work(self, message: str) -> None:
         self.refused.append(message)
+
+    def handing_back(self, run: str, batch: str) -> str | None:
+        return self.hand_back_why
 
     def finding(
         self,

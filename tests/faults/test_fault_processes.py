@@ -23,6 +23,7 @@ from harness.processes import Worker, engine_pid, pid_alive
 from harness.runs import (
     fault_settings,
     open_run_store,
+    orders_waiting,
     outputs,
     reaped,
     stage,
@@ -140,4 +141,67 @@ def test_sigkilled_engine_is_restarted_and_the_batch_completes(
         f"\n[fault kill-engine] engine SIGKILLed with {sorted(held)} running; a new engine was "
         f"ready {restart_s:.1f} s later; run done {done_s:.1f} s after the kill; "
         f"{result.records} records"
+    )
+
+
+def test_a_dead_engines_batches_finish_on_a_worker_with_room_while_it_restarts(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    """No order waits (the run's last batches) and one worker's engine dies, its restart slow
+    (a model's load): its running batches go back to the queue and the other worker, which
+    has room, finishes them from the ids they drew. The first worker takes no order while
+    its engine restarts, and takes orders again once it serves."""
+    store_url = (tmp_path / "store").as_uri()
+    # Answers of a few seconds: the kill lands with each part-way.
+    env = base_env(
+        redis_url, store_url, log_dir=tmp_path, emulator_mean_completion_tokens=600, **SLOW
+    )
+    slow_start = {**env, "GENFLEET_PORT": str(free_port()), "GENFLEET_EMULATOR_LOAD_S": "8"}
+    restarting = start_worker(slow_start, name="restarting")
+    roomy = start_worker({**env, "GENFLEET_PORT": str(free_port())}, name="roomy")
+    ids = write_prompts(tmp_path / "prompts.jsonl", 75)
+    settings = fault_settings(redis_url, store_url)
+    for worker in (restarting, roomy):
+        worker.wait_ready()
+    store = open_run_store(settings)
+    stage(settings, "handback", tmp_path / "prompts.jsonl")
+
+    held = wait_batch_running(
+        redis_client, store, "handback", restarting.hostname, checkpointed=True
+    )
+    wait_for(lambda: orders_waiting(redis_client, settings) == 0, 30, "every order taken")
+    first = engine_pid(restarting)
+    assert first is not None
+    os.kill(first, signal.SIGKILL)
+    killed_at = time.monotonic()
+    cut = held - outputs(store, "handback")
+    assert cut, "the batch finished before the kill"
+
+    wait_for(lambda: cut <= outputs(store, "handback"), 60, f"{sorted(cut)} to finish", 0.1)
+    moved_s = time.monotonic() - killed_at
+    wait_run_done(settings, redis_client, "handback", 60, store)
+    result, rows = assert_exactly_once(settings, "handback", ids, redis_client, store)
+    assert result.errors == 0
+    by_roomy = [
+        row for row in rows if row["batch"] in cut and row["engine"]["worker"] == roomy.hostname
+    ]
+    assert by_roomy, "the cut batches waited for their own engine's restart"
+    assert any(row.get("resumed_tokens") for row in by_roomy), "no answer went on from its ids"
+
+    # Back and taking orders: with the other worker gone, a new run is done only by it.
+    wait_engine_up(restarting.broker_url, restarting.hostname, restarts=1)
+    roomy.stop()
+    again = write_prompts(tmp_path / "again.jsonl", 50, prefix="again")
+    stage(settings, "again", tmp_path / "again.jsonl")
+    wait_run_done(settings, redis_client, "again", 60, store)
+    result, rows = assert_exactly_once(settings, "again", again, redis_client, store)
+    assert {row["engine"]["worker"] for row in rows} == {restarting.hostname}
+    print(
+        f"\n[fault hand-back] engine SIGKILLed with {sorted(cut)} running and no order waiting: "
+        f"they finished on the other worker {moved_s:.1f} s later ({len(by_roomy)} answers, "
+        f"{sum(1 for row in by_roomy if row.get('resumed_tokens'))} from their ids), before "
+        f"the slow engine's restart (8-s load)"
     )

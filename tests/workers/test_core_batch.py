@@ -19,7 +19,13 @@ import orjson
 import pytest
 
 from genfleet.common import keys, throughput
-from genfleet.common.errors import BatchInputMismatch, BatchSuperseded, EngineDown, StoreUnavailable
+from genfleet.common.errors import (
+    BatchHandedBack,
+    BatchInputMismatch,
+    BatchSuperseded,
+    EngineDown,
+    StoreUnavailable,
+)
 from genfleet.common.records import (
     PromptRecord,
     WorkOrder,
@@ -27,7 +33,7 @@ from genfleet.common.records import (
 )
 from genfleet.common.routing import ModelRef
 from genfleet.producer.runs.identity import claim_run
-from genfleet.workers.batch import BatchInputMissing, BatchInterrupted
+from genfleet.workers.batch import BatchInputMissing, BatchInterrupted, execute
 from harness.waits import meanwhile, wait_for
 from tests.fakes.engine import FakeChat
 from tests.fakes.memory_redis import MemoryRedis
@@ -206,6 +212,48 @@ def test_a_cancelled_batch_is_interrupted_with_its_finished_prompts_checkpointed
     assert kept == ["p0", "p1"]
     assert not store.exists(keys.output_key(RUN, BATCH))
     assert db.exists(keys.lease_key(RUN, BATCH)) == 0
+
+
+def test_a_batch_handed_back_keeps_what_finished_and_its_next_try_sends_only_the_rest(
+    db: MemoryRedis, feeders: MakeFeeder
+) -> None:
+    """The worker's engine restarts with no order waiting: the batch goes back to the queue
+    at its next tick, as a shutdown sends it, with the reason; nothing is written as done."""
+    store = MemoryStore()
+    order = stage_batch(store, 6)
+    gate = threading.Event()
+    chat = FakeChat(gate=gate, ungated={"p0", "p1"})
+    asked: list[int] = []
+
+    def handing_back() -> str | None:
+        asked.append(chat.inflight)
+        return "its engine is restarting" if chat.inflight == 4 else None
+
+    with pytest.raises(BatchHandedBack, match="after 2 of 6 prompts.*its engine is restarting"):
+        execute(
+            order,
+            store=store,
+            client=db,
+            feeder=feeders(chat),
+            worker="w@test",
+            lease_ttl_s=30,
+            checkpoint_interval_s=60,
+            handing_back=handing_back,
+        )
+    gate.set()
+
+    assert asked  # asked at its ticks, not only once at the start
+    assert chat.cancelled == 4 and chat.inflight == 0  # its requests stopped, not left running
+    parts = list(store.list(keys.parts_prefix(RUN, BATCH)))
+    kept = sorted(row["id"] for part in parts for row in decode_jsonl_gz(store.get(part) or b""))
+    assert kept == ["p0", "p1"]
+    assert not store.exists(keys.output_key(RUN, BATCH))
+    assert db.exists(keys.lease_key(RUN, BATCH)) == 0
+
+    again = FakeChat()
+    summary = execute_batch(order, store, db, feeders(again))
+    assert (summary.resumed, summary.completions) == (2, 6)
+    assert dict(again.calls) == {f"p{i}": 1 for i in range(2, 6)}
 
 
 class LostRace(MemoryStore):

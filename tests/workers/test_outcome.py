@@ -9,6 +9,7 @@ import redis
 from genfleet.common.backoff import BATCH_RETRY, Backoff
 from genfleet.common.errors import (
     BatchCancelled,
+    BatchHandedBack,
     BatchInputMismatch,
     BatchInputMissing,
     BatchInterrupted,
@@ -34,6 +35,7 @@ NAME = "r/batch-000007"
         (EngineConfigError("401 from the engine"), 0, "hand_back", ""),
         (BatchTerminated("r/b terminated by an operator"), 0, "fail", "BatchInterrupted: r/b"),
         (BatchInterrupted("shutting down"), 0, "requeue", ""),
+        (BatchHandedBack("r/b handed back: its engine is restarting"), 0, "requeue", ""),
         (EngineDown("engine gone"), 1, "retry", ""),
         (EngineDown("engine gone"), 2, "retry", ""),
         (EngineDown("engine gone"), 3, "fail", "EngineDown: engine gone"),
@@ -66,6 +68,7 @@ def test_each_error_has_one_outcome(
         (BatchInputMissing("x"), False),  # a StoreError no try gets past
         (EngineConfigError("x"), False),  # the worker's fault, not the batch's
         (BatchInterrupted("x"), False),
+        (BatchHandedBack("x"), False),
         (BatchTerminated("x"), False),
         (BatchCancelled("x"), False),
         (ValueError("x"), False),

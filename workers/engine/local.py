@@ -30,11 +30,13 @@ Engine = EngineSupervisor | ExternalEngine
 @dataclass(frozen=True)
 class Hooks:
     """What the supervisor calls back (on its own thread): after each death, when the
-    restart budget is spent, when the engine serves again after a cool-down."""
+    restart budget is spent, when the engine serves again after a cool-down, when it serves
+    again after any restart."""
 
     on_death: Callable[[], None]
     on_exhausted: Callable[[str], None]
     on_recovered: Callable[[], None]
+    on_restarted: Callable[[], None] = lambda: None
 
 
 @dataclass(frozen=True)
@@ -131,6 +133,7 @@ def _supervised(settings: Settings, hostname: str, hooks: Hooks) -> Made:
         on_recovered=hooks.on_recovered,
         on_death=hooks.on_death,
         start_stall_s=settings.engine_stall_timeout_s,
+        on_restarted=hooks.on_restarted,
     )
     return Made(supervisor, settings, arch, plan)
 

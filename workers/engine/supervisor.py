@@ -77,6 +77,7 @@ class EngineSupervisor:
         on_recovered: Callable[[], None] | None = None,
         on_death: Callable[[], None] | None = None,
         start_stall_s: float = 0.0,
+        on_restarted: Callable[[], None] | None = None,
     ) -> None:
         """`start_stall_s`: a starting engine that used no CPU time and wrote no log line for
         this long is frozen, killed and started again (`start_watch`; 0: only
@@ -95,6 +96,7 @@ class EngineSupervisor:
         self.restart_cooldown_s = restart_cooldown_s
         self.on_recovered = on_recovered
         self.on_death = on_death  # after each death is recorded (crash, deaths): publish it
+        self.on_restarted = on_restarted  # after each restart, once the engine serves
         self.state: State = "stopped"
         self.restarts = 0  # since the worker started (a figure; the budget is a rate)
         # Restarts since the last engine that served as long as it took to start: the restart
@@ -491,6 +493,8 @@ class EngineSupervisor:
             if exhausted and self.on_recovered:
                 log.warning("engine is back after its cool-down: this worker takes work again")
                 self.on_recovered()
+            if self.on_restarted:
+                self.on_restarted()
             return True
         return False
 

@@ -300,6 +300,10 @@ class Feeder:
         self.evidence = evidence
         self.exit_grace_s = exit_grace_s
         self.inflight = 0
+        # Prompts whose request failed with the engine down and whose part in the death is
+        # not judged and kept yet (`_counted`): a batch handed back before then would take
+        # the engine's deaths away from its prompts' evidence.
+        self.judging = 0
         self.waiting = 0  # prompts submitted that do not hold a limiter slot yet
         # prompts of the batches here with no record yet: sent, waiting, or between two tries
         # (an engine restarting): what the worker holds against its engine's room
@@ -343,6 +347,13 @@ class Feeder:
 
     async def _make(self, factory: Callable[[], ChatClient]) -> ChatClient:
         return factory()
+
+    @property
+    def settled(self) -> bool:
+        """No prompt is in the engine or being judged for its death: every answer a dead
+        engine cut waits for it to be back, its ids and the death's count kept (read from a
+        batch's thread: two counters the loop writes, read without its lock)."""
+        return self.inflight == 0 and self.judging == 0
 
     @property
     def inflight_cap(self) -> int:
@@ -831,10 +842,14 @@ class Feeder:
         if tries.attempt > self.retries:
             raise exc
         log.warning("%s/%s %s: %s; retry %d", run, batch, record.id, exc, tries.attempt)
-        await asyncio.sleep(self.backoff_s(tries.attempt))
-        reached = not isinstance(exc, EngineUnreachable)  # else never in flight
-        await self._settle(tries.deaths_at_send, reached)
-        verdict = await self._count(run, batch, record, exc, tries, reached)
+        self.judging += 1
+        try:
+            await asyncio.sleep(self.backoff_s(tries.attempt))
+            reached = not isinstance(exc, EngineUnreachable)  # else never in flight
+            await self._settle(tries.deaths_at_send, reached)
+            verdict = await self._count(run, batch, record, exc, tries, reached)
+        finally:
+            self.judging -= 1
         await asyncio.to_thread(self._engine.wait_up, self.engine_wait_s)
         if verdict is Verdict.NOT_IN_IT:  # an exit the supervisor saw only later
             verdict = await self._count(run, batch, record, exc, tries, reached)
@@ -1038,6 +1053,16 @@ class Feeder:
         its journal writes (workers/batch). Raises RuntimeError or TimeoutError when the loop
         is gone or stuck."""
         return self.call(self._read_live(run, batch, read), timeout_s=DRAWN_READ_S)
+
+    def movable(self, run: str, batch: str) -> bool:
+        """Whether the batch's next try, on any worker, would know all this one knows of its
+        answers: none started over with tokens thrown away or spent tokens in failed tries
+        (counts its records carry that only this try holds). Raises as `read_live`."""
+        return self.call(self._movable(run, batch), timeout_s=DRAWN_READ_S)
+
+    async def _movable(self, run: str, batch: str) -> bool:
+        answers = self._live_answers.get((run, batch), {}).values()
+        return not any(tries.restarted_tokens or tries.spent for tries in answers)
 
     async def _read_live(
         self, run: str, batch: str, read: Callable[[dict[tuple[str, int], Drawn]], T]
