@@ -166,6 +166,11 @@ class Settings(BaseSettings):
     # and writes no log line is frozen, killed and started again (workers/engine/
     # start_watch.py). 0 turns both off.
     engine_stall_timeout_s: float = Field(default=300.0, ge=0)
+    # An engine that dies with no order waiting hands its worker's running batches back to
+    # the queue for a worker with room, when its last start took at least this long (a
+    # model's load: minutes). A move costs each batch its store reads again and each answer
+    # a prefill of what it drew: seconds, more than a start shorter than this saves.
+    hand_back_min_start_s: float = Field(default=30.0, ge=0)
     min_accept_length: float = Field(default=1.2, ge=1.0)
     log_dir: str | None = None  # engine logs; None: a temporary directory
 

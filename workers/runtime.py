@@ -85,7 +85,7 @@ class WorkerRuntime:
         self.on_recovered = on_recovered
         self.on_pause = on_pause
         self.on_resume = on_resume
-        self.hand_back = HandBack()
+        self.hand_back = HandBack(settings.hand_back_min_start_s)
         self.queue = worker_queue(settings)  # the one queue (model) this worker serves
         # Set once Celery consumes `queue` (worker_ready, after the engine is up): until then
         # the worker answers no broadcast, and its pushed summary says it is starting.
@@ -314,7 +314,9 @@ class WorkerRuntime:
             self.finding("crash_loop", alarm or {}, loop_suggestion(crash), "underused")
         self._publish_alarm(alarm)
         held = self.feeder.held if self.feeder is not None else 0
-        if self.refused is None and self.hand_back.died(self._orders_waiting(), held):
+        engine = self.engine
+        start_s = engine.last_start_s if isinstance(engine, EngineSupervisor) else None
+        if self.refused is None and self.hand_back.died(self._orders_waiting(), held, start_s):
             log.warning("engine restarting with no order waiting: its %d prompts handed back", held)
             if self.on_pause is not None:
                 self.on_pause("its engine is restarting: its batches are handed back")

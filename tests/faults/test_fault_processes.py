@@ -159,7 +159,12 @@ def test_a_dead_engines_batches_finish_on_a_worker_with_room_while_it_restarts(
     env = base_env(
         redis_url, store_url, log_dir=tmp_path, emulator_mean_completion_tokens=600, **SLOW
     )
-    slow_start = {**env, "GENFLEET_PORT": str(free_port()), "GENFLEET_EMULATOR_LOAD_S": "8"}
+    slow_start = {
+        **env,
+        "GENFLEET_PORT": str(free_port()),
+        "GENFLEET_EMULATOR_LOAD_S": "8",
+        "GENFLEET_HAND_BACK_MIN_START_S": "6",
+    }
     restarting = start_worker(slow_start, name="restarting")
     roomy = start_worker({**env, "GENFLEET_PORT": str(free_port())}, name="roomy")
     ids = write_prompts(tmp_path / "prompts.jsonl", 75)

@@ -105,6 +105,7 @@ class EngineSupervisor:
         self.restart_delay_s = 0.0  # what the last restart waited before it spawned
         self._spawned_at: float | None = None  # when the running engine's process started
         self._ready_at: float | None = None  # when it first served (None: not yet)
+        self.last_start_s: float | None = None  # spawn to serving, of the last start that served
         self.exits = 0  # unexpected exits, stalls killed included
         # Exits no known engine crash explains: a prompt in flight may have caused them (the
         # feeder counts them per prompt; see feeding.suspects).
@@ -370,6 +371,8 @@ class EngineSupervisor:
                 # for the poll after it is ready; a refused connect or a 503 costs nothing.
                 delay = min(delay * 1.5, READY_POLL_MAX_S)
         self._ready_at = time.monotonic()
+        if self._spawned_at is not None:
+            self.last_start_s = self._ready_at - self._spawned_at
         self.server_info = self._get_server_info()
         self._set_state("ready")
         log.info(
