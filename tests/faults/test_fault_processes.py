@@ -12,10 +12,13 @@ import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import pytest
 import redis
 
+from genfleet.common.settings import Settings
+from genfleet.common.store import Store
 from harness.assertions import assert_exactly_once
 from harness.control import engine_report, wait_engine_up
 from harness.env import base_env, free_port
@@ -144,16 +147,27 @@ def test_sigkilled_engine_is_restarted_and_the_batch_completes(
     )
 
 
-def test_a_dead_engines_batches_finish_on_a_worker_with_room_while_it_restarts(
+class SlowRestart(NamedTuple):
+    """Two workers, the first one's engine slow to start (8 s), SIGKILLed mid-batch once
+    every order of `run` is taken: `cut` are its batches that were running."""
+
+    restarting: Worker
+    roomy: Worker
+    settings: Settings
+    store: Store
+    ids: list[str]
+    cut: set[str]
+    killed_at: float
+
+
+def kill_a_slow_engine_with_no_order_waiting(
     tmp_path: Path,
     redis_url: str,
     redis_client: redis.Redis,
     start_worker: Callable[..., Worker],
-) -> None:
-    """No order waits (the run's last batches) and one worker's engine dies, its restart slow
-    (a model's load): its running batches go back to the queue and the other worker, which
-    has room, finishes them from the ids they drew. The first worker takes no order while
-    its engine restarts, and takes orders again once it serves."""
+    run: str,
+    **overrides: Any,
+) -> SlowRestart:
     store_url = (tmp_path / "store").as_uri()
     # Answers of a few seconds: the kill lands with each part-way.
     env = base_env(
@@ -168,22 +182,37 @@ def test_a_dead_engines_batches_finish_on_a_worker_with_room_while_it_restarts(
     restarting = start_worker(slow_start, name="restarting")
     roomy = start_worker({**env, "GENFLEET_PORT": str(free_port())}, name="roomy")
     ids = write_prompts(tmp_path / "prompts.jsonl", 75)
-    settings = fault_settings(redis_url, store_url)
+    settings = fault_settings(redis_url, store_url, **overrides)
     for worker in (restarting, roomy):
         worker.wait_ready()
     store = open_run_store(settings)
-    stage(settings, "handback", tmp_path / "prompts.jsonl")
+    stage(settings, run, tmp_path / "prompts.jsonl")
 
-    held = wait_batch_running(
-        redis_client, store, "handback", restarting.hostname, checkpointed=True
-    )
+    held = wait_batch_running(redis_client, store, run, restarting.hostname, checkpointed=True)
     wait_for(lambda: orders_waiting(redis_client, settings) == 0, 30, "every order taken")
     first = engine_pid(restarting)
     assert first is not None
     os.kill(first, signal.SIGKILL)
     killed_at = time.monotonic()
-    cut = held - outputs(store, "handback")
+    cut = held - outputs(store, run)
     assert cut, "the batch finished before the kill"
+    return SlowRestart(restarting, roomy, settings, store, ids, cut, killed_at)
+
+
+def test_a_dead_engines_batches_finish_on_a_worker_with_room_while_it_restarts(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    """No order waits (the run's last batches) and one worker's engine dies, its restart slow
+    (a model's load): its running batches go back to the queue and the other worker, which
+    has room, finishes them from the ids they drew. The first worker takes no order while
+    its engine restarts, and takes orders again once it serves."""
+    killed = kill_a_slow_engine_with_no_order_waiting(
+        tmp_path, redis_url, redis_client, start_worker, "handback"
+    )
+    restarting, roomy, settings, store, ids, cut, killed_at = killed
 
     wait_for(lambda: cut <= outputs(store, "handback"), 60, f"{sorted(cut)} to finish", 0.1)
     moved_s = time.monotonic() - killed_at
@@ -210,3 +239,25 @@ def test_a_dead_engines_batches_finish_on_a_worker_with_room_while_it_restarts(
         f"{sum(1 for row in by_roomy if row.get('resumed_tokens'))} from their ids), before "
         f"the slow engine's restart (8-s load)"
     )
+
+
+def test_a_dead_engines_batch_whose_answers_started_over_waits_for_it_with_their_account(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    """With a repetition penalty the cut answers cannot go on from their ids: they start
+    over, and their records say what that threw away, an account only the batch's own try
+    holds. Such a batch is not handed back: it waits for its engine's restart."""
+    killed = kill_a_slow_engine_with_no_order_waiting(
+        tmp_path, redis_url, redis_client, start_worker, "penalty", repetition_penalty=1.1
+    )
+    restarting, _roomy, settings, store, ids, cut, _killed_at = killed
+    wait_run_done(settings, redis_client, "penalty", 90, store)
+    result, rows = assert_exactly_once(settings, "penalty", ids, redis_client, store)
+    assert result.errors == 0
+    restarted = [row for row in rows if row["batch"] in cut and row.get("restarted")]
+    assert restarted, "no cut answer says it started over"
+    assert {row["engine"]["worker"] for row in restarted} == {restarting.hostname}
+    assert all(row["restarted"]["tokens"] > 0 for row in restarted)
