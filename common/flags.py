@@ -136,6 +136,11 @@ FIELDS: dict[str, tuple[str, str]] = {
         "kill and restart an engine that generates nothing this long with work in flight, or"
         " that starts and moves not at all (no CPU time, no log line) this long; 0: off",
     ),
+    "hand_back_min_start_s": (
+        ENGINE,
+        "an engine whose last start took this long or more hands its running batches back to"
+        " the queue when it dies with no order waiting, for a worker with room",
+    ),
     "worker_restart_budget": (ENGINE, "restarts of each dead child worker of a --gpus worker"),
     "log_dir": (ENGINE, "engine and run logs; unset: a temporary directory"),
     "mtp": (MTP, "speculative decoding with the checkpoint's MTP head"),
