@@ -165,6 +165,39 @@ def test_a_full_queue_answers_as_sglang_does(tmp_path: Path) -> None:
         engine.stop()
 
 
+def test_the_engine_is_ready_on_sglangs_ready_line_before_its_health_answers(
+    tmp_path: Path,
+) -> None:
+    """SGLang logs `The server is fired up and ready to roll!` as its status turns Up; its
+    /health then sleeps a second before its 200. The supervisor is ready on the line."""
+    settings = Settings(
+        model=str(DENSE),
+        engine="sglang",
+        mtp=False,
+        attention_backend="triton",
+        engine_extra_args=ENGINE_ENV["GENFLEET_ENGINE_EXTRA_ARGS"] + " --disable-cuda-graph",
+    )
+    launch = engine_launch(settings, free_port())
+    assert launch is not None
+    engine = EngineSupervisor(
+        launch, gpus="0", log_path=tmp_path / "engine.log", startup_timeout_s=300
+    )
+    try:
+        engine.start()
+        assert engine.ready_by == "line"
+        asked = time.monotonic()
+        health = httpx.get(f"{launch.base_url}/health", timeout=30)
+        health_s = time.monotonic() - asked
+        assert health.status_code == 200
+        assert health_s >= 0.9  # what a readiness poll of /health would have waited more
+        print(
+            f"\n[real sglang ready line] ready {engine.last_start_s:.1f} s after the spawn, on "
+            f"its ready line; /health answered 200 {health_s:.2f} s after it was asked"
+        )
+    finally:
+        engine.stop()
+
+
 def test_no_mtp_raises_no_mtp_finding(tmp_path: Path) -> None:
     with worker_stack(tmp_path, DENSE, "dense0@h200", 30300, GENFLEET_MTP="false") as stack:
         ids = stack.run("dense", 100, tmp_path)

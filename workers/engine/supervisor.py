@@ -106,6 +106,8 @@ class EngineSupervisor:
         self._spawned_at: float | None = None  # when the running engine's process started
         self._ready_at: float | None = None  # when it first served (None: not yet)
         self.last_start_s: float | None = None  # spawn to serving, of the last start that served
+        # What told the last start it serves: its ready line, or its health path's 200.
+        self.ready_by: Literal["line", "health"] | None = None
         self.exits = 0  # unexpected exits, stalls killed included
         # Exits no known engine crash explains: a prompt in flight may have caused them (the
         # feeder counts them per prompt; see feeding.suspects).
@@ -371,14 +373,17 @@ class EngineSupervisor:
                 # for the poll after it is ready; a refused connect or a 503 costs nothing.
                 delay = min(delay * 1.5, READY_POLL_MAX_S)
         self._ready_at = time.monotonic()
+        self.ready_by = "line" if fired_up.is_set() else "health"
         if self._spawned_at is not None:
             self.last_start_s = self._ready_at - self._spawned_at
         self.server_info = self._get_server_info()
         self._set_state("ready")
         log.info(
-            "engine ready at %s (pid %s): %s",
+            "engine ready at %s (pid %s) %.1f s after its spawn, by its %s: %s",
             self.launch.base_url,
             self.pid,
+            self.last_start_s or 0.0,
+            "ready line" if self.ready_by == "line" else "health path's 200",
             _info_line(self.server_info),
         )
 

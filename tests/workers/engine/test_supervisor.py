@@ -55,7 +55,7 @@ def test_start_stop_in_own_group_with_logs(tmp_path: Path) -> None:
     log = tmp_path / "engine.log"
     sup = EngineSupervisor(http_engine(port, 0.3), log_path=log, startup_timeout_s=20)
     sup.start()
-    assert sup.state == "ready"
+    assert (sup.state, sup.ready_by) == ("ready", "health")  # no ready line: its health path
     pid = sup.pid
     assert pid is not None and os.getpgid(pid) == pid != os.getpgid(0)
     assert not port_is_free("127.0.0.1", port)
@@ -115,7 +115,8 @@ def test_an_engine_is_ready_once_it_logs_its_ready_line_without_a_health_poll() 
     sup = EngineSupervisor(launch, startup_timeout_s=20, stop_timeout_s=5)
     try:
         sup.start()
-        assert sup.state == "ready"
+        assert (sup.state, sup.ready_by) == ("ready", "line")
+        assert sup.last_start_s is not None and sup.last_start_s > 0
     finally:
         sup.stop()
 
