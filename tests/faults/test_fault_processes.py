@@ -169,27 +169,29 @@ def kill_a_slow_engine_with_no_order_waiting(
     **overrides: Any,
 ) -> SlowRestart:
     store_url = (tmp_path / "store").as_uri()
-    # Answers of a few seconds: the kill lands with each part-way.
     env = base_env(
         redis_url, store_url, log_dir=tmp_path, emulator_mean_completion_tokens=600, **SLOW
     )
+    # Its engine at the emulator's own pace: the kill lands with every answer part-way.
     slow_start = {
         **env,
         "GENFLEET_PORT": str(free_port()),
         "GENFLEET_EMULATOR_LOAD_S": "8",
+        "GENFLEET_EMULATOR_TIME_SCALE": "1",
         "GENFLEET_HAND_BACK_MIN_START_S": "6",
     }
-    restarting = start_worker(slow_start, name="restarting")
-    roomy = start_worker({**env, "GENFLEET_PORT": str(free_port())}, name="roomy")
     ids = write_prompts(tmp_path / "prompts.jsonl", 75)
     settings = fault_settings(redis_url, store_url, **overrides)
-    for worker in (restarting, roomy):
-        worker.wait_ready()
     store = open_run_store(settings)
+    restarting = start_worker(slow_start, name="restarting")
+    restarting.wait_ready()
+    # Still starting while the run is staged: every order goes to the first worker.
+    roomy = start_worker({**env, "GENFLEET_PORT": str(free_port())}, name="roomy")
     stage(settings, run, tmp_path / "prompts.jsonl")
-
     held = wait_batch_running(redis_client, store, run, restarting.hostname, checkpointed=True)
     wait_for(lambda: orders_waiting(redis_client, settings) == 0, 30, "every order taken")
+    roomy.wait_ready()
+
     first = engine_pid(restarting)
     assert first is not None
     os.kill(first, signal.SIGKILL)
