@@ -117,33 +117,33 @@ class EngineStep(bootsteps.StartStopStep):  # type: ignore[misc]
 
         queue = worker_queue(settings)
 
+        def consume(on: bool) -> None:
+            """Start or stop consuming `queue`; a broker that is gone only leaves it as it is
+            (the next cool-down or restart tries again, the state says why)."""
+            control = parent.app.control
+            try:
+                if on:
+                    control.add_consumer(queue, destination=[hostname])
+                else:
+                    control.cancel_consumer(queue, destination=[hostname])
+            except Exception:  # noqa: BLE001 - broker may be gone too
+                log.exception("could not %s consuming from %s", "go on" if on else "stop", queue)
+
         def exhausted(message: str) -> None:
             log.error("%s: %s", hostname, message)
-            try:
-                parent.app.control.cancel_consumer(queue, destination=[hostname])
-            except Exception:  # noqa: BLE001 - broker may be gone too; the state says why
-                log.exception("could not stop consuming from %s", queue)
+            consume(False)
 
         def recovered() -> None:
             log.warning("%s: engine back after its cool-down, consuming %s again", hostname, queue)
-            try:
-                parent.app.control.add_consumer(queue, destination=[hostname])
-            except Exception:  # noqa: BLE001 - broker may be gone; the next cool-down tries
-                log.exception("could not consume from %s again", queue)
+            consume(True)
 
         def pause(message: str) -> None:
             log.warning("%s: %s: taking no order from %s meanwhile", hostname, message, queue)
-            try:
-                parent.app.control.cancel_consumer(queue, destination=[hostname])
-            except Exception:  # noqa: BLE001 - broker may be gone; its batches still go back
-                log.exception("could not stop consuming from %s", queue)
+            consume(False)
 
         def resume() -> None:
             log.warning("%s: engine back, consuming %s again", hostname, queue)
-            try:
-                parent.app.control.add_consumer(queue, destination=[hostname])
-            except Exception:  # noqa: BLE001 - broker may be gone; the next restart tries
-                log.exception("could not consume from %s again", queue)
+            consume(True)
 
         runtime = None
         try:
