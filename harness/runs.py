@@ -13,7 +13,6 @@ from pydantic import SecretStr
 
 from genfleet.common import keys
 from genfleet.common.celery_config import REAPER_TASK
-from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store, open_store
 from genfleet.producer.enqueue import EnqueueResult, enqueue_run, reader_options
@@ -153,11 +152,6 @@ def wait_batch_running(
         lambda: running_batches(client, store, run, hostname, checkpointed), 60, what, interval_s
     )
     return found
-
-
-def orders_waiting(client: redis.Redis, settings: Settings) -> int:
-    """Orders in the settings' work queue that no worker has taken yet."""
-    return sum(int(client.llen(name)) for name in keys.broker_queue_keys(worker_queue(settings)))
 
 
 def reaped(client: redis.Redis, run: str) -> list[str]:

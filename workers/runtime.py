@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 import redis
 
-from genfleet.common import engine_alarms, findings, keys
+from genfleet.common import engine_alarms, findings
 from genfleet.common.redis_conn import connect
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
@@ -52,7 +52,7 @@ from genfleet.workers.observe.engine_state import (
 )
 from genfleet.workers.observe.live_progress import ProgressTally
 from genfleet.workers.observe.liveness import Presence, connection_name
-from genfleet.workers.observe.power_watch import fleet_state
+from genfleet.workers.observe.power_watch import fleet_state, queue_depth
 from genfleet.workers.observe.sampler import Monitor, make_sampler
 from genfleet.workers.process.slots import PrefetchSlots, room_left
 from genfleet.workers.refusals import RunVerdicts
@@ -344,7 +344,7 @@ class WorkerRuntime:
     def _orders_waiting(self) -> int | None:
         """Orders in this worker's queue, none taken yet (None: Redis did not answer)."""
         try:
-            return sum(int(self.redis.llen(name)) for name in keys.broker_queue_keys(self.queue))
+            return queue_depth(self.redis, self.queue)
         except redis.RedisError as exc:
             log.warning("orders waiting not read (%s): the batches stay", exc)
             return None

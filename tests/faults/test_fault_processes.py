@@ -17,8 +17,10 @@ from typing import Any, NamedTuple
 import pytest
 import redis
 
+from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store
+from genfleet.workers.observe.power_watch import queue_depth
 from harness.assertions import assert_exactly_once
 from harness.control import engine_report, wait_engine_up
 from harness.env import base_env, free_port
@@ -26,7 +28,6 @@ from harness.processes import Worker, engine_pid, pid_alive
 from harness.runs import (
     fault_settings,
     open_run_store,
-    orders_waiting,
     outputs,
     reaped,
     stage,
@@ -189,7 +190,8 @@ def kill_a_slow_engine_with_no_order_waiting(
     roomy = start_worker({**env, "GENFLEET_PORT": str(free_port())}, name="roomy")
     stage(settings, run, tmp_path / "prompts.jsonl")
     held = wait_batch_running(redis_client, store, run, restarting.hostname, checkpointed=True)
-    wait_for(lambda: orders_waiting(redis_client, settings) == 0, 30, "every order taken")
+    queue = worker_queue(settings)
+    wait_for(lambda: queue_depth(redis_client, queue) == 0, 30, "every order taken")
     roomy.wait_ready()
 
     first = engine_pid(restarting)
