@@ -8,24 +8,33 @@ client keeps far more than 48 requests open.
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
+import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 
 from genfleet.common.errors import GenfleetError
+from genfleet.common.records import GenerationParams, PromptRecord
 from genfleet.common.settings import Settings
 from genfleet.workers.cli import parse_tune_args as parse_args
 from genfleet.workers.engine.sglang_argv import sglang_launch
+from genfleet.workers.feeding import EngineClient
+from genfleet.workers.observe.telemetry import GpuSample, Sampler
 from genfleet.workers.tune.command import point_settings, start_engine
-from genfleet.workers.tune.measure import Live, window_tokens
+from genfleet.workers.tune.measure import EngineReader, Live, Load, measure, window_tokens
 from genfleet.workers.tune.sweep import (
     AUTO_CONCURRENCY,
     Point,
@@ -510,3 +519,84 @@ def test_a_radix_point_keeps_sglangs_own_split_with_the_ratio_it_names(tmp_path:
 def test_a_radix_point_on_a_model_without_a_plan_is_refused() -> None:
     with pytest.raises(GenfleetError, match="no engine plan"):
         point_settings(Settings(engine="emulator"), TuneConfig(mtp=False, radix=True), None)
+
+
+class SpinningClient:
+    """A request whose code runs a second with no `await` (an HTTP library's bookkeeping),
+    then waits for its answer; it counts where an interrupt reached it."""
+
+    def __init__(self) -> None:
+        self.spinning = threading.Event()
+        self.torn = 0  # a KeyboardInterrupt raised inside the request's code
+        self.cancelled = 0  # cancelled at an await, as asyncio cancels
+        self.closed = False
+
+    async def chat(self, record: PromptRecord, params: GenerationParams, **_: Any) -> None:
+        self.spinning.set()
+        try:
+            until = time.monotonic() + 1.0
+            while time.monotonic() < until:
+                pass
+        except KeyboardInterrupt:
+            self.torn += 1
+            raise
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+
+    async def aclose(self) -> None:
+        self.closed = True
+
+
+class NoGpu:
+    available = True
+    reason = None
+
+    def sample(self) -> list[GpuSample]:
+        return []
+
+
+def test_a_sigterm_while_a_point_runs_cancels_its_requests_at_an_await() -> None:
+    """The sweep's SIGTERM handler raises KeyboardInterrupt where it lands; while a point's
+    requests run that could be inside an HTTP library's code (a lock held, a connection
+    half-updated) whose cleanup then never ends. Here the signal arrives while a request's
+    code runs with no await: it finishes that code, is cancelled at its next await, the
+    client is closed, and the sweep gets its KeyboardInterrupt after the point's loop."""
+    client = SpinningClient()
+    record = PromptRecord("p0", [{"role": "user", "content": "q"}])
+    load = Load(
+        client=cast(EngineClient, client),
+        prompts=itertools.repeat(record),
+        params=GenerationParams(max_tokens=16, temperature=0.0, top_p=1.0, thinking=False),
+        concurrency=1,
+        seconds=60.0,
+        ramp_s=0.0,
+        drain_s=0.0,
+    )
+    reader = cast(EngineReader, type("Reader", (), {"read": lambda self: {}})())
+
+    def sweep_handler(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    def send_when_spinning() -> None:
+        if client.spinning.wait(30):
+            time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    previous: Callable[..., Any] | int | None = signal.signal(signal.SIGTERM, sweep_handler)
+    sender = threading.Thread(target=send_when_spinning, daemon=True)
+    try:
+        sender.start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            measure(load, cast(Sampler, NoGpu()), reader, lambda text, done_s: None, "C=1")
+        took_s = time.monotonic() - started
+        handler_after = signal.getsignal(signal.SIGTERM)
+    finally:
+        sender.join(timeout=5)
+        signal.signal(signal.SIGTERM, previous)
+    assert client.torn == 0 and client.cancelled == 1 and client.closed
+    assert took_s < 20  # not the point's 60 s, nor the request's 30
+    assert handler_after is sweep_handler  # the sweep's own handler back after the point

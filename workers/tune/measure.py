@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -101,10 +102,13 @@ async def drive(
             live.usage_streamed = live.usage_streamed or result.usage.completion_tokens > 0
 
     lanes = [asyncio.create_task(lane()) for _ in range(concurrency)]
-    _, pending = await asyncio.wait(lanes, timeout=max(0.0, until - time.time()) + drain_s)
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*pending, return_exceptions=True)
+    pending = set(lanes)
+    try:
+        _, pending = await asyncio.wait(lanes, timeout=max(0.0, until - time.time()) + drain_s)
+    finally:  # past the drain, or the drive itself cancelled (an interrupt): no lane outlives it
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
 
 
 class EngineReader:
@@ -247,25 +251,65 @@ def measure(
     opening = threading.Thread(target=_sample_at, args=(sampler, live, t0, "start_ts"))
     closing = threading.Thread(target=_sample_at, args=(sampler, live, until, "end_ts"))
 
+    interrupted: list[int] = []
+
     async def go() -> None:
-        try:
-            await drive(
-                load.client, load.prompts, load.params, load.concurrency, until, load.drain_s, live
-            )
-        finally:
-            await load.client.aclose()
+        with _signal_cancels(asyncio.get_running_loop(), interrupted):
+            try:
+                await drive(
+                    load.client,
+                    load.prompts,
+                    load.params,
+                    load.concurrency,
+                    until,
+                    load.drain_s,
+                    live,
+                )
+            finally:
+                await load.client.aclose()
 
     sampling.start()
     opening.start()
     closing.start()
     try:
-        asyncio.run(go())
+        try:
+            asyncio.run(go())
+        except asyncio.CancelledError:
+            if not interrupted:
+                raise
+        if interrupted:  # here, between two statements of this function: a safe place
+            raise KeyboardInterrupt
         opening.join()
         closing.join()
     finally:
         live.stop.set()
         sampling.join(timeout=5)
     return live, (live.start_ts or t0, live.end_ts or until)
+
+
+@contextlib.contextmanager
+def _signal_cancels(loop: asyncio.AbstractEventLoop, interrupted: list[int]) -> Iterator[None]:
+    """While a point's requests run, SIGTERM cancels them at their next `await` (the way
+    `asyncio.run` treats Ctrl-C), where the sweep's own handler would raise
+    KeyboardInterrupt at whatever bytecode runs: inside an HTTP library holding a lock or
+    half-way through a connection's state, its cleanup could then wait forever, the engine
+    never stopped and the points never written. The signal's number lands in `interrupted`;
+    `measure` raises KeyboardInterrupt once the loop is done. Off the main thread (no
+    signals there) it does nothing."""
+    task = asyncio.current_task()
+    if task is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def cancel(signum: int, frame: object) -> None:
+        interrupted.append(signum)
+        loop.call_soon_threadsafe(task.cancel)  # safe from a handler: no lock, a self-pipe
+
+    previous = signal.signal(signal.SIGTERM, cancel)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _sample_at(sampler: Sampler, live: Live, when: float, edge: str) -> None:
