@@ -35,11 +35,12 @@ import pytest
 
 from genfleet.common.settings import Settings
 from genfleet.workers.engine.kinds import engine_launch
+from genfleet.workers.engine.ports import pick_port
 from genfleet.workers.engine.supervisor import EngineSupervisor
 from genfleet.workers.observe.engine_state import enforced_cap
 from harness import continuation
 from harness.assertions import assert_exactly_once
-from harness.env import ROOT, free_port
+from harness.env import ROOT, engine_port_base, free_port
 from harness.processes import pid_alive
 from harness.services import RedisServer
 from harness.waits import wait_for
@@ -126,7 +127,7 @@ def test_a_full_queue_answers_as_sglang_does(tmp_path: Path) -> None:
         engine_extra_args=ENGINE_ENV["GENFLEET_ENGINE_EXTRA_ARGS"]
         + " --max-queued-requests 1 --disable-cuda-graph",
     )
-    port = free_port()
+    port = pick_port("127.0.0.1", engine_port_base())  # SGLang's --port: 55535 at most
     launch = engine_launch(settings, port)
     assert launch is not None
     engine = EngineSupervisor(
@@ -177,7 +178,7 @@ def test_the_engine_is_ready_on_sglangs_ready_line_before_its_health_answers(
         attention_backend="triton",
         engine_extra_args=ENGINE_ENV["GENFLEET_ENGINE_EXTRA_ARGS"] + " --disable-cuda-graph",
     )
-    launch = engine_launch(settings, free_port())
+    launch = engine_launch(settings, pick_port("127.0.0.1", engine_port_base()))
     assert launch is not None
     engine = EngineSupervisor(
         launch, gpus="0", log_path=tmp_path / "engine.log", startup_timeout_s=300

@@ -70,6 +70,9 @@ ADAPTIVE_STEPS = (1, 3, 7)
 ADAPTIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
 
 LOOPBACK = "127.0.0.1"
+# SGLang (0.5.15 at least) takes --port + 10000 as its gRPC port, served or not, and exits at
+# start where that passes 65535 (`ServerArgs._handle_deprecated_args`).
+MAX_SGLANG_PORT = 55535
 
 # With speculative decoding and no --max-running-requests, SGLang silently caps the running
 # batch at 48 (`speculative_hook.py::_handle_eagle_family`), which starves a saturating client:
@@ -119,6 +122,12 @@ def sglang_launch(
             "--mamba-scheduler-strategy extra_buffer. Pass the checkpoint's architectures[0] "
             "as --model-architecture (GENFLEET_MODEL_ARCHITECTURE), e.g. "
             "Qwen3_5ForConditionalGeneration, or run without MTP: --no-mtp"
+        )
+    if program is None and port > MAX_SGLANG_PORT:
+        raise ConfigError(
+            f"engine port {port} is above {MAX_SGLANG_PORT}: SGLang derives its gRPC port as "
+            f"--port + 10000 and refuses to start past 65535; set --port (GENFLEET_PORT) to "
+            f"{MAX_SGLANG_PORT} or below (SGLang's default is 30000)"
         )
     choice = choose(settings, arch)
     served = settings.served_model_name or settings.model

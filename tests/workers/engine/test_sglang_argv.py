@@ -516,3 +516,14 @@ def test_a_cap_above_256_runs_in_cuda_graphs_and_says_why(tmp_path: Any) -> None
     (tmp_path / "config.json").write_text(json.dumps({"architectures": [QWEN35]}))
     words = print_engine_command(mtp_triton, PORT).splitlines()[0].split()
     assert "--disable-cuda-graph" in words and "--cuda-graph-max-bs" not in words
+
+
+def test_a_port_sglang_cannot_start_on_is_refused_before_the_launch() -> None:
+    """SGLang exits at start where --port + 10000 (its gRPC port) passes 65535: refused here,
+    naming the flag; the emulator, which has no such port, takes any."""
+    settings = Settings(model=MODEL, mtp=False)
+    assert "55535" in sglang_launch(settings, 55535, "0.5.15", arch=QWEN35).argv
+    with pytest.raises(ConfigError, match=r"port 55536 .*GENFLEET_PORT"):
+        sglang_launch(settings, 55536, "0.5.15", arch=QWEN35)
+    emulated = sglang_launch(settings, 60000, "0.5.15", program=["emulator"], arch=QWEN35)
+    assert "60000" in emulated.argv
