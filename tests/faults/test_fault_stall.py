@@ -1,6 +1,8 @@
-"""An engine that stops answering without exiting (SIGSTOP): the stall watchdog kills its
-process group, the supervisor restarts it, the in-flight prompts are retried, and the run
-finishes with every prompt exactly once."""
+"""An engine that stops answering without exiting: the stall watchdog kills its process
+group, the supervisor restarts it, the in-flight prompts go on, and the run finishes with
+every prompt exactly once. Two kinds of freeze: a hang that spins (the emulator's SIGUSR1: a
+core busy, no token, no answer), judged by the window and the probe; and a stopped process
+(SIGSTOP: no CPU time at all), judged by its CPU time within seconds."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import redis
 from genfleet.common import keys
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store
+from genfleet.workers.engine.watchdog import CPU_STILL_S
 from harness.assertions import assert_exactly_once
 from harness.control import engine_report, wait_engine_up
 from harness.env import base_env, free_port
@@ -92,7 +95,7 @@ def test_frozen_engine_is_killed_restarted_and_the_run_finishes(
     )  # fmt: skip
     frozen = engine_pid(worker)
     assert frozen is not None
-    os.kill(frozen, signal.SIGSTOP)
+    os.kill(frozen, signal.SIGUSR1)  # hangs, spinning: its CPU time still rises
     frozen_at = time.monotonic()
     try:
         assert outputs(store, "frozen") != set(keys.batch_id(i) for i in range(6))
@@ -122,7 +125,7 @@ def test_frozen_engine_is_killed_restarted_and_the_run_finishes(
     assert isinstance(numbers, dict)
     assert numbers["stalled_s"] >= STALL_TIMEOUT_S and numbers["inflight"] > 0
     print(
-        f"\n[fault frozen-engine] engine SIGSTOPped; killed {killed_s:.1f} s later (stall "
+        f"\n[fault frozen-engine] engine hung, spinning; killed {killed_s:.1f} s later (stall "
         f"timeout {STALL_TIMEOUT_S} s), run done {done_s:.1f} s after the freeze; finding "
         f"{numbers}"
     )
@@ -163,13 +166,15 @@ def test_an_engine_frozen_as_it_restarts_is_started_again_after_the_stall_window
     print(f"\n[fault frozen-start] the restarting engine was frozen; killed {killed_s:.1f} s later")
 
 
-def freeze_until_killed(worker: Worker, redis_client: redis.Redis) -> tuple[float, dict[str, Any]]:
-    """SIGSTOP the worker's engine; the seconds until the watchdog killed it, and the numbers
-    of the stall finding it made."""
+def freeze_until_killed(
+    worker: Worker, redis_client: redis.Redis, how: signal.Signals = signal.SIGUSR1
+) -> tuple[float, dict[str, Any]]:
+    """Freeze the worker's engine (`how`: SIGUSR1, a hang that spins; SIGSTOP, stopped); the
+    seconds until the watchdog killed it, and the numbers of the stall finding it made."""
     frozen = engine_pid(worker)
     assert frozen is not None
     before = len(stall_findings(redis_client))
-    os.kill(frozen, signal.SIGSTOP)
+    os.kill(frozen, how)
     frozen_at = time.monotonic()
     try:
         wait_for(lambda: not pid_alive(frozen), 60, f"the frozen engine (pid {frozen}) to die")
@@ -192,10 +197,10 @@ def test_a_warm_engine_that_freezes_is_found_by_its_own_pauses_not_the_whole_tim
     start_worker: Callable[..., Worker],
 ) -> None:
     """An engine that has moved for a whole stall timeout gets a window of four times its
-    longest pause, at least a quarter of the timeout: frozen then, it is killed well before
-    the timeout. Its successor, young, is judged by what the first one paused at most: frozen
-    seconds after it serves, it too is killed well before the timeout, not after all of it.
-    The run ends exactly once."""
+    longest pause, at least a quarter of the timeout: hung then (spinning: its CPU time says
+    nothing), it is killed well before the timeout. Its successor, young, is judged by what
+    the first one paused at most: hung seconds after it serves, it too is killed well before
+    the timeout, not after all of it. The run ends exactly once."""
     stall_timeout_s = 24.0
     # A real engine's pace: 1,200 answers take about 100 s.
     worker, ids, settings, store = a_running_batch(
@@ -228,6 +233,31 @@ def test_a_warm_engine_that_freezes_is_found_by_its_own_pauses_not_the_whole_tim
     assert young_killed_s < young_window_s + 8 and young_killed_s < stall_timeout_s, young
     wait_run_done(settings, redis_client, "warm", 240)
     result, _rows = assert_exactly_once(settings, "warm", ids, redis_client, store)
+    assert result.errors == 0
+
+
+def test_a_stopped_engine_is_killed_by_its_cpu_time_well_inside_its_window(
+    tmp_path: Path,
+    redis_url: str,
+    redis_client: redis.Redis,
+    start_worker: Callable[..., Worker],
+) -> None:
+    """SIGSTOP, requests in flight: no token and no CPU time. Killed about `CPU_STILL_S`
+    after it stopped, with no probe waited out, where its young window is the whole 20-s
+    timeout; restarted, and the run ends exactly once."""
+    worker, ids, settings, store = a_running_batch(
+        tmp_path, redis_url, redis_client, start_worker, "stopped", 150, STALL_TIMEOUT_S,
+        emulator_time_scale=4,
+    )  # fmt: skip
+    killed_s, numbers = freeze_until_killed(worker, redis_client, signal.SIGSTOP)
+    print(f"\n[fault stopped-engine] killed {killed_s:.1f} s after SIGSTOP: {numbers}")
+    assert numbers["stall_window_s"] == STALL_TIMEOUT_S and numbers["inflight"] > 0, numbers
+    cpu_still_s = numbers["cpu_still_s"]
+    assert isinstance(cpu_still_s, float) and cpu_still_s >= CPU_STILL_S, numbers
+    assert str(numbers["health"]).startswith("no CPU time"), numbers
+    assert CPU_STILL_S <= killed_s < CPU_STILL_S + 4, (killed_s, numbers)
+    wait_run_done(settings, redis_client, "stopped", 180)
+    result, _rows = assert_exactly_once(settings, "stopped", ids, redis_client, store)
     assert result.errors == 0
 
 

@@ -19,6 +19,7 @@ from genfleet.workers.engine.external import ExternalEngine
 from genfleet.workers.engine.launch import auth_headers
 from genfleet.workers.engine.plan import EnginePlan
 from genfleet.workers.engine.ports import pick_port, private_dir
+from genfleet.workers.engine.start_watch import group_cpu_s
 from genfleet.workers.engine.supervisor import EngineSupervisor
 from genfleet.workers.engine.watchdog import StallWatchdog, WatchedEngine
 
@@ -161,7 +162,16 @@ def watchdog(
         completions=completions,
         ready=lambda: engine.state == "ready",
         incarnation=lambda: engine.restarts,
+        cpu_s=lambda: _group_cpu_s(engine),
     )
     dog = StallWatchdog(watched, settings.engine_stall_timeout_s, on_stall)
     dog.start()
     return dog
+
+
+def _group_cpu_s(engine: Engine) -> float | None:
+    """The CPU seconds of the engine's process group (its own session: the supervisor starts
+    it so); None for an engine genfleet did not start, or one not running."""
+    if isinstance(engine, ExternalEngine) or engine.pid is None:
+        return None
+    return group_cpu_s(engine.pid)

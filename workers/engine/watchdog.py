@@ -33,6 +33,17 @@ as it makes them. Without it an engine restarted seconds before a hang got the w
 timeout: in the chaos bench, 8 s against the 3-4 s of a mature one, on every freeze that
 followed a restart.
 
+An engine that, requests in flight, neither moves nor uses CPU time is not slow but stopped:
+a process that computes, waits on its GPU (the CUDA runtime spins) or polls its queues spends
+CPU time every look, and one starved by a busy machine still gets its turns. A stopped
+process (`kill -STOP`, a frozen cgroup), one deadlocked on a lock, or one stuck in the kernel
+on a hung device spends none. Where the process group's CPU time can be read, an engine
+still in both for `CPU_STILL_S` is stalled without waiting for the window or a probe (a
+stopped process answers none; its timeout only added to the stall): in the chaos bench a
+frozen engine was held 4-6 s by windows of four times the pauses a CPU-bound machine made.
+An engine that spins without moving (a GPU hang the CUDA runtime polls) still uses CPU time
+and is judged by the window and the probe as before.
+
 The decision is the pure `advance()`; the thread only gathers its inputs.
 """
 
@@ -58,6 +69,9 @@ PROGRESS_COUNTERS = ("sglang:generation_tokens_total", "sglang:realtime_tokens_t
 GAP_FACTOR = 4.0
 # ... but never under this share of `stall_timeout_s` (nor over all of it).
 FLOOR_SHARE = 0.25
+# Still and no CPU time for this long, requests in flight: stopped (module docstring). A
+# process that runs spends a clock tick (10 ms) within a look (0.5-2 s) many times over.
+CPU_STILL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +88,10 @@ class StallClock:
     # The longest pause of the earlier engines of this worker that matured (module docstring);
     # None while none has.
     learned_pause_s: float | None = None
+    # The engine's process group CPU seconds at the last look that found them risen, and
+    # when that was (None: not read, or unreadable: no CPU verdict).
+    cpu_s: float | None = None
+    cpu_at: float | None = None
 
     def stalled_s(self, now: float) -> float:
         return max(0.0, now - self.moved_at)
@@ -125,10 +143,16 @@ def looked_at(
 
 
 def advance(
-    clock: StallClock, now: float, inflight: int, progress: tuple[float, ...]
+    clock: StallClock,
+    now: float,
+    inflight: int,
+    progress: tuple[float, ...],
+    cpu_s: float | None = None,
 ) -> StallClock:
     """The clock after one look: reset when nothing is in flight or any figure moved; a
     move with requests in flight ends a pause, whose length is kept when it is the longest.
+    `cpu_s`, the engine's CPU seconds with requests in flight (None: unreadable), is kept
+    with the look that last found it risen: about when the engine last ran.
 
     >>> c = advance(StallClock(0.0, (5.0,)), 10.0, inflight=3, progress=(5.0,))
     >>> c.stalled_s(10.0)
@@ -136,12 +160,46 @@ def advance(
     >>> m = advance(c, 12.0, inflight=3, progress=(6.0,))
     >>> m.stalled_s(12.0), m.longest_pause_s, m.first_moved_at
     (0.0, 12.0, 12.0)
+    >>> s = advance(m, 13.0, inflight=3, progress=(6.0,), cpu_s=4.0)
+    >>> advance(s, 14.0, 3, (6.0,), cpu_s=4.0).cpu_at, advance(s, 14.0, 3, (6.0,), 4.5).cpu_at
+    (13.0, 14.0)
     """
     if inflight <= 0:
-        return replace(clock, moved_at=now, progress=progress)
+        return replace(clock, moved_at=now, progress=progress, cpu_s=None, cpu_at=None)
     if progress != clock.progress:
-        return replace(moved(clock, now), progress=progress)
+        clock = replace(moved(clock, now), progress=progress)
+    if cpu_s is None:
+        return replace(clock, cpu_s=None, cpu_at=None) if clock.cpu_s is not None else clock
+    if clock.cpu_s is None or cpu_s > clock.cpu_s:
+        return replace(clock, cpu_s=cpu_s, cpu_at=now)
     return clock
+
+
+def cpu_still_s(clock: StallClock, now: float) -> float | None:
+    """How long the still engine has used no CPU time (None: not known), counted from the
+    look that last saw it rise, or from when it went still where that was later.
+
+    >>> still = StallClock(10.0, (1.0,), cpu_s=4.0, cpu_at=11.0)
+    >>> cpu_still_s(still, 13.5), cpu_still_s(StallClock(10.0), 13.5)
+    (2.5, None)
+    """
+    if clock.cpu_s is None or clock.cpu_at is None:
+        return None
+    return now - max(clock.cpu_at, clock.moved_at)
+
+
+def cpu_stopped(clock: StallClock, now: float, window_s: float) -> bool:
+    """Whether the engine, still with requests in flight, has used no CPU time for
+    `CPU_STILL_S` (or its whole window, where that is shorter): stopped, not slow.
+
+    >>> still = StallClock(10.0, (1.0,), cpu_s=4.0, cpu_at=11.0)
+    >>> cpu_stopped(still, 12.9, 6.0), cpu_stopped(still, 13.0, 6.0), cpu_stopped(still, 12.0, 1.0)
+    (False, True, True)
+    >>> cpu_stopped(StallClock(10.0), 30.0, 6.0)
+    False
+    """
+    idle_s = cpu_still_s(clock, now)
+    return idle_s is not None and idle_s >= min(CPU_STILL_S, window_s)
 
 
 def moved(clock: StallClock, now: float) -> StallClock:
@@ -222,6 +280,8 @@ class WatchedEngine:
     completions: Callable[[], int]  # completion tokens the client has received
     ready: Callable[[], bool]
     incarnation: Callable[[], int] = lambda: 0  # the engine's restarts so far
+    # The engine's process group CPU seconds (None: unknown, e.g. an engine not ours).
+    cpu_s: Callable[[], float | None] = lambda: None
 
 
 class StallWatchdog:
@@ -279,6 +339,14 @@ class StallWatchdog:
         figures.extend(self._metrics.get(name, -1.0) for name in PROGRESS_COUNTERS)
         return tuple(figures)
 
+    def _look(self, clock: StallClock, client: httpx.Client, inflight: int) -> StallClock:
+        """The clock after one look; the CPU time (a walk of /proc) is read while requests
+        are in flight, so that a freeze is timed from the last look that saw the engine run,
+        not the first that saw it still."""
+        progress = self._progress(client)
+        cpu = self.engine.cpu_s() if inflight > 0 else None
+        return advance(clock, time.monotonic(), inflight, progress, cpu)
+
     def _probe(self, client: httpx.Client) -> str | None:
         """None when the engine generates (health 200), else what went wrong."""
         url = self.engine.base_url + self.engine.health_path
@@ -307,20 +375,34 @@ class StallWatchdog:
                 if not ready:
                     continue
                 inflight = self.engine.inflight()
-                clock = advance(clock, time.monotonic(), inflight, self._progress(client))
+                clock = self._look(clock, client, inflight)
                 now = time.monotonic()
                 window_s = stall_window_s(clock, now, self.stall_timeout_s)
-                # The next look comes an interval on, and its /metrics read may time out.
-                look_s = self.interval_s + self.metrics_timeout_s
-                if not probe_due(clock.stalled_s(now), window_s, self.probe_timeout_s, look_s):
+                cpu_idle_s = cpu_still_s(clock, now)
+                by_cpu = cpu_stopped(clock, now, window_s)
+                if by_cpu:
+                    health: str | None = f"no CPU time for {cpu_idle_s or 0.0:.1f} s"
+                elif (
+                    cpu_idle_s is not None
+                    and cpu_idle_s >= self.interval_s / 2
+                    and clock.stalled_s(now) < window_s
+                ):
+                    # No CPU time since the last look either: the CPU time decides within
+                    # CPU_STILL_S, where a probe of a stopped engine waits out its timeout.
+                    # One that spins (its CPU time rose at this look) is probed as before.
                     continue
-                health = self._probe(client)
+                else:
+                    # The next look comes an interval on, and its /metrics read may time out.
+                    look_s = self.interval_s + self.metrics_timeout_s
+                    if not probe_due(clock.stalled_s(now), window_s, self.probe_timeout_s, look_s):
+                        continue
+                    health = self._probe(client)
                 if health is None or self._stop.is_set():
                     # It answered: the pause was the engine's own, one to allow again.
                     clock = moved(clock, time.monotonic())
                     continue
                 left_s = window_s - clock.stalled_s(time.monotonic())
-                if left_s > 0:
+                if left_s > 0 and not by_cpu:
                     # The probe failed a moment before the window closed (a look's
                     # granularity): its answer stands unless the engine moves by then.
                     # Probing again would add a whole probe timeout to every stall.
@@ -338,7 +420,7 @@ class StallWatchdog:
                     if again is not clock:
                         clock = again
                         continue
-                    clock = advance(clock, time.monotonic(), inflight, self._progress(client))
+                    clock = self._look(clock, client, inflight)
                     if clock.stalled_s(time.monotonic()) < window_s:
                         continue
                 self.stalls += 1
@@ -350,6 +432,7 @@ class StallWatchdog:
                     "learned_pause_s": (
                         None if clock.learned_pause_s is None else round(clock.learned_pause_s, 1)
                     ),
+                    "cpu_still_s": None if cpu_idle_s is None else round(cpu_idle_s, 1),
                     "inflight": inflight,
                     "completions": self.engine.completions(),
                     "generation_tokens_total": self._metrics.get(PROGRESS_COUNTERS[0]),

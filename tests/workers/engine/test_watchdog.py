@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import replace
@@ -9,11 +13,14 @@ from typing import Any
 
 import pytest
 
+from genfleet.workers.engine.start_watch import group_cpu_s
 from genfleet.workers.engine.watchdog import (
+    CPU_STILL_S,
     StallClock,
     StallWatchdog,
     WatchedEngine,
     advance,
+    cpu_stopped,
     looked_at,
     moved,
     parse_counters,
@@ -201,3 +208,59 @@ def test_an_engine_restarting_while_a_failed_probe_waits_for_the_window_is_not_j
     finally:
         watchdog.stop()
     assert len(stalls) == (0 if restarted else 1), stalls
+
+
+@pytest.mark.parametrize(
+    ("cpu", "now", "window_s", "stopped"),
+    [
+        ((4.0, 4.0, 4.0), 12.0, 20.0, True),  # none since the look at 10 s, inside a 20-s window
+        ((4.0, 4.0, 4.0), 11.9, 20.0, False),  # not yet CPU_STILL_S
+        ((4.0, 4.1, 4.2), 13.0, 20.0, False),  # it spins: its CPU time rose at the last look
+        ((4.0, None, 4.0), 13.0, 20.0, False),  # unreadable once: its time starts again
+        ((None, None, None), 40.0, 20.0, False),  # never readable: the window alone judges
+        ((4.0, 4.0, 4.0), 11.0, 1.0, True),  # a window shorter than CPU_STILL_S bounds it
+    ],
+)
+def test_an_engine_still_in_tokens_and_cpu_time_is_stopped(
+    cpu: tuple[float | None, ...], now: float, window_s: float, stopped: bool
+) -> None:
+    """Looks at 10, 11 and 12 s find no token (requests in flight) and these CPU times."""
+    clock = StallClock(9.0, (5.0,))
+    for at, cpu_s in zip((10.0, 11.0, 12.0), cpu, strict=True):
+        clock = advance(clock, at, 3, (5.0,), cpu_s)
+    assert cpu_stopped(clock, now, window_s) is stopped
+
+
+def test_a_stopped_process_is_found_by_its_cpu_time_a_spinning_one_is_not() -> None:
+    """A real process group as the engine, requests in flight, no token ever: spinning, it
+    is not judged inside its 30-s window; stopped (SIGSTOP), it is found about CPU_STILL_S
+    later, by its CPU time, with no probe waited out."""
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+    stalls: list[dict[str, Any]] = []
+    engine = WatchedEngine(
+        base_url=f"http://127.0.0.1:{free_port()}",
+        health_path="/health_generate",
+        headers={},
+        inflight=lambda: 5,
+        completions=lambda: 0,
+        ready=lambda: True,
+        cpu_s=lambda: group_cpu_s(spinner.pid),
+    )
+    watchdog = StallWatchdog(engine, 30.0, stalls.append, interval_s=0.25)
+    try:
+        watchdog.start()
+        time.sleep(3.0)
+        assert stalls == []  # spinning: its CPU time rises
+        os.kill(spinner.pid, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        while not stalls and time.monotonic() - stopped_at < 10:
+            threading.Event().wait(0.05)
+        found_s = time.monotonic() - stopped_at
+    finally:
+        watchdog.stop()
+        spinner.kill()
+        spinner.wait()
+    assert len(stalls) == 1, stalls
+    assert stalls[0]["health"].startswith("no CPU time"), stalls
+    assert stalls[0]["stall_window_s"] == 30.0
+    assert CPU_STILL_S - 0.3 <= found_s < CPU_STILL_S + 1.5, (found_s, stalls)

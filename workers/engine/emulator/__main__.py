@@ -2,6 +2,10 @@
 
 Started by the supervisor exactly like `sglang serve`; its knobs come from the environment
 (`GENFLEET_EMULATOR_*`, read through genfleet.common.settings.Settings once, here at the edge).
+
+SIGUSR1 makes it hang the way a GPU that never finishes a kernel hangs an engine: no token, no
+answer (health included), one core busy (the CUDA runtime polls the GPU). `kill -STOP` is the
+other kind of freeze: no CPU time at all. The stall watchdog finds them by different evidence.
 """
 
 from __future__ import annotations
@@ -47,7 +51,15 @@ async def _run(argv: list[str]) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    loop.add_signal_handler(signal.SIGUSR1, _hang)
     return await serve(args, knobs, stop)
+
+
+def _hang() -> None:
+    """A hang that spins (module docstring): the event loop never gets back its thread."""
+    logging.getLogger("genfleet.workers.engine.emulator").warning("SIGUSR1: hanging, spinning")
+    while True:
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
