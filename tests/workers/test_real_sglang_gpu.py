@@ -308,12 +308,18 @@ def test_stall_watchdog_replaces_a_frozen_scheduler(mtp_stack: Stack, tmp_path: 
     ids = mtp_stack.run("stall", 200, tmp_path, max_tokens=2048)
     assert mtp_stack.in_flight("stall", ids) > 0
     os.killpg(os.getpgid(frozen), signal.SIGSTOP)
+    stopped_at = time.monotonic()
     try:
         wait_for(lambda: bool(mtp_stack.findings("engine_stalled")), 120, "engine_stalled", 0.5)
+        found_s = time.monotonic() - stopped_at
         wait_for(lambda: not pid_alive(frozen), 60, "the frozen engine gone", 0.5)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(os.getpgid(frozen), signal.SIGCONT)
+    # Stopped, its whole group spends no CPU time: found by that, not by the window.
+    numbers = mtp_stack.findings("engine_stalled")[0]["numbers"]
+    print(f"\n[gpu stall] found {found_s:.1f} s after SIGSTOP: {numbers}")
+    assert str(numbers["health"]).startswith("no CPU time"), numbers
     wait_for(lambda: mtp_stack.progress("stall")["state"] == "done", 420, "run stall", 1.0)
     assert mtp_stack.engine_pid() != frozen
     _, rows = assert_exactly_once(mtp_stack.settings, "stall", ids, mtp_stack.client)
