@@ -24,6 +24,7 @@ from genfleet.common import (
 from genfleet.common.engine_alarms import of_queue as alarms_of_queue
 from genfleet.common.errors import InputError
 from genfleet.common.ledger import Ledger
+from genfleet.common.queue_depth import queue_depth
 from genfleet.common.redis_conn import server_time
 from genfleet.common.routing import ModelRef, work_queue
 from genfleet.common.settings import Settings
@@ -397,10 +398,7 @@ def stall_facts(
     the work queue's depth and, given the summaries' TTL, the workers loading their engine
     for `queue`."""
     seen = fleet_registry.seen(client)
-    pipe = client.pipeline()
-    for name in keys.broker_queue_keys(queue):
-        pipe.llen(name)
-    depth = sum(int(n) for n in pipe.execute())
+    depth = queue_depth(client, queue)
     starting = loading_workers(client, summary_ttl_s) if summary_ttl_s else {}
     return {
         "workers_seen": seen,

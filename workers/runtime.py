@@ -18,6 +18,7 @@ import orjson
 import redis
 
 from genfleet.common import engine_alarms, findings
+from genfleet.common.queue_depth import queue_depth
 from genfleet.common.redis_conn import connect
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
@@ -52,7 +53,7 @@ from genfleet.workers.observe.engine_state import (
 )
 from genfleet.workers.observe.live_progress import ProgressTally
 from genfleet.workers.observe.liveness import Presence, connection_name
-from genfleet.workers.observe.power_watch import fleet_state, queue_depth
+from genfleet.workers.observe.power_watch import fleet_state
 from genfleet.workers.observe.sampler import Monitor, make_sampler
 from genfleet.workers.process.slots import PrefetchSlots, room_left
 from genfleet.workers.refusals import RunVerdicts

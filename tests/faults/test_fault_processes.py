@@ -17,10 +17,10 @@ from typing import Any, NamedTuple
 import pytest
 import redis
 
+from genfleet.common.queue_depth import queue_depth
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.common.store import Store
-from genfleet.workers.observe.power_watch import queue_depth
 from harness.assertions import assert_exactly_once
 from harness.control import engine_report, wait_engine_up
 from harness.env import base_env, free_port

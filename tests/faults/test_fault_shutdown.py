@@ -15,10 +15,10 @@ import pytest
 import redis
 
 from genfleet.common import keys
+from genfleet.common.queue_depth import queue_depth
 from genfleet.common.routing import worker_queue
 from genfleet.common.settings import Settings
 from genfleet.producer.status import run_status
-from genfleet.workers.observe.power_watch import queue_depth
 from harness.assertions import assert_exactly_once
 from harness.env import base_env
 from harness.processes import Worker

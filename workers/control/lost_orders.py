@@ -38,6 +38,7 @@ from genfleet.common import keys, run_registry
 from genfleet.common.errors import GenfleetError
 from genfleet.common.ledger import Ledger, work_order_of
 from genfleet.common.manifest import Manifest
+from genfleet.common.queue_depth import orders_waiting
 from genfleet.common.records import WorkOrder
 from genfleet.common.redis_conn import text
 from genfleet.common.store import Store
@@ -87,11 +88,6 @@ def reconcile(
         else:
             verdict.missing_since[batch] = since
     return verdict
-
-
-def waiting_orders(client: redis.Redis, queues: Iterable[str]) -> int:
-    """How many orders wait in `queues` (their lists' lengths: no message read)."""
-    return sum(int(client.llen(k)) for queue in queues for k in keys.broker_queue_keys(queue))
 
 
 def held_orders(client: redis.Redis, queues: Iterable[str]) -> set[tuple[str, str]]:
@@ -144,7 +140,7 @@ def reconcile_orders(
     now = time.time() if now is None else now
     found: dict[str, Any] = {"resent": [], "finished": [], "ts": now}
     queues = [text(q) for q in client.smembers(keys.work_queues_key())]
-    waiting = waiting_orders(client, queues)
+    waiting = orders_waiting(client, queues)
     if waiting > MAX_WAITING:
         found["deferred"] = waiting  # the watch is kept as it is for the next pass
         return found

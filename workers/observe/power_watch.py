@@ -19,6 +19,7 @@ from celery import Celery
 from genfleet.common import fleet_registry, keys, run_registry, summaries
 from genfleet.common.findings import record as record_finding
 from genfleet.common.ledger import Ledger
+from genfleet.common.queue_depth import orders_waiting
 from genfleet.common.redis_conn import connect, text
 from genfleet.common.settings import Settings
 from genfleet.workers.observe import pushed
@@ -29,13 +30,6 @@ from genfleet.workers.observe.node import node_rows
 log = logging.getLogger("genfleet.power_watch")
 
 FORGET_WORKER_S = 600.0
-
-
-def queue_depth(client: redis.Redis, queue: str) -> int:
-    pipe = client.pipeline()
-    for name in keys.broker_queue_keys(queue):
-        pipe.llen(name)
-    return sum(int(n) for n in pipe.execute())
 
 
 def fleet_state(client: redis.Redis, settings: Settings, now: float) -> FleetState:
@@ -53,7 +47,7 @@ def fleet_state(client: redis.Redis, settings: Settings, now: float) -> FleetSta
     expected = frozenset(w for w, ts in seen.items() if now - ts < FORGET_WORKER_S)
     queues = {text(name) for name in client.smembers(keys.work_queues_key())}
     return FleetState(
-        queue_depth=sum(queue_depth(client, queue) for queue in sorted(queues)),
+        queue_depth=orders_waiting(client, sorted(queues)),
         pending_batches=pending,
         expected_workers=expected,
         staging=staging,
