@@ -9,6 +9,7 @@ client keeps far more than 48 requests open.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import os
@@ -33,7 +34,8 @@ from genfleet.workers.cli import parse_tune_args as parse_args
 from genfleet.workers.engine.sglang_argv import sglang_launch
 from genfleet.workers.feeding import EngineClient
 from genfleet.workers.observe.telemetry import GpuSample, Sampler
-from genfleet.workers.tune.command import point_settings, start_engine
+from genfleet.workers.tune import command as tune_command
+from genfleet.workers.tune.command import point_settings, start_engine, stop_if_interrupted
 from genfleet.workers.tune.measure import EngineReader, Live, Load, measure, window_tokens
 from genfleet.workers.tune.sweep import (
     AUTO_CONCURRENCY,
@@ -600,3 +602,18 @@ def test_a_sigterm_while_a_point_runs_cancels_its_requests_at_an_await() -> None
     assert client.torn == 0 and client.cancelled == 1 and client.closed
     assert took_s < 20  # not the point's 60 s, nor the request's 30
     assert handler_after is sweep_handler  # the sweep's own handler back after the point
+
+
+def test_a_sigterm_swallowed_where_it_landed_still_stops_the_sweep_at_its_next_step() -> None:
+    """The handler's KeyboardInterrupt can land where Python swallows it (an at-fork hook of
+    Popen's fork, a finalizer: "Exception ignored in"), and the sweep went on to its end with
+    exit 0. The signal is noted too: the next step (an engine started, a point about to run)
+    stops the sweep."""
+    stop_if_interrupted()  # nothing sent: goes on
+    with contextlib.suppress(KeyboardInterrupt):  # swallowed where it landed
+        tune_command._interrupt(signal.SIGTERM, None)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            stop_if_interrupted()
+    finally:
+        tune_command._INTERRUPTS.clear()

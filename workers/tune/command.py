@@ -206,6 +206,7 @@ def run_config(
     bar.show(f"MTP {config.label}: starting the engine")
     supervisor, each = start_engine(settings, config)
     try:
+        stop_if_interrupted()
         measure_engine(config, options, supervisor, each, prompts, bar, points)
     finally:
         supervisor.stop()
@@ -243,6 +244,7 @@ def measure_engine(
             default_max_inflight(cap) if c == AUTO_CONCURRENCY else c for c in options.concurrency
         ]
         for concurrency in [0, *sweep]:
+            stop_if_interrupted()
             warmup = concurrency == 0
             lanes = min(8, max(sweep)) if warmup else concurrency
             seconds = options.warmup_s if warmup else options.duration_s
@@ -357,8 +359,25 @@ def run_tune(options: Options, settings: Settings) -> None:
     report(points, options, settings)
 
 
+# The signals the sweep was sent (SIGTERM), once its handler is installed.
+_INTERRUPTS: list[int] = []
+
+
 def _interrupt(signum: int, frame: object) -> None:
+    """SIGTERM: raise where it lands, and note it. Where it lands can swallow it: a handler
+    run inside an at-fork hook or a finalizer (Popen's fork, logging's lock) is "ignored",
+    and the sweep went on to its end with exit 0. `stop_if_interrupted`, between an engine's
+    start and each point, stops it there. A point's own requests are cancelled at their next
+    await instead (`tune.measure`)."""
+    _INTERRUPTS.append(signum)
     raise KeyboardInterrupt
+
+
+def stop_if_interrupted() -> None:
+    """Raise KeyboardInterrupt, at a place that cannot swallow it, if the sweep was sent
+    SIGTERM (`_interrupt`)."""
+    if _INTERRUPTS:
+        raise KeyboardInterrupt
 
 
 def report(
