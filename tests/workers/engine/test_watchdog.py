@@ -175,6 +175,21 @@ def test_a_restarted_engine_is_judged_by_what_matured_ones_paused(
     assert stall_window_s(paused, life_s + 72.0, 300.0) == own_s
 
 
+def never_moving(**watched: Any) -> WatchedEngine:
+    """An engine with five requests in flight that never moves, on a port where nothing
+    listens (its probe fails at once); `watched` overrides the rest (ready, incarnation,
+    cpu_s)."""
+    engine = WatchedEngine(
+        base_url=f"http://127.0.0.1:{free_port()}",
+        health_path="/health_generate",
+        headers={},
+        inflight=lambda: 5,
+        completions=lambda: 0,
+        ready=lambda: True,
+    )
+    return replace(engine, **watched)
+
+
 @pytest.mark.parametrize("restarted", [False, True])
 def test_an_engine_restarting_while_a_failed_probe_waits_for_the_window_is_not_judged(
     restarted: bool,
@@ -185,15 +200,7 @@ def test_an_engine_restarting_while_a_failed_probe_waits_for_the_window_is_not_j
     close."""
     incarnation, ready = [0], [True]
     stalls: list[dict[str, Any]] = []
-    engine = WatchedEngine(
-        base_url=f"http://127.0.0.1:{free_port()}",
-        health_path="/health_generate",
-        headers={},
-        inflight=lambda: 5,
-        completions=lambda: 0,
-        ready=lambda: ready[0],
-        incarnation=lambda: incarnation[0],
-    )
+    engine = never_moving(ready=lambda: ready[0], incarnation=lambda: incarnation[0])
     # A young window of 4 s from the first look (0.5 s), looks every 0.5 s: the probe goes,
     # and fails, at about 2 s; its answer waits for the close, at about 4.5 s.
     watchdog = StallWatchdog(engine, 4.0, stalls.append)
@@ -237,15 +244,7 @@ def test_a_stopped_process_is_found_by_its_cpu_time_a_spinning_one_is_not() -> N
     later, by its CPU time, with no probe waited out."""
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
     stalls: list[dict[str, Any]] = []
-    engine = WatchedEngine(
-        base_url=f"http://127.0.0.1:{free_port()}",
-        health_path="/health_generate",
-        headers={},
-        inflight=lambda: 5,
-        completions=lambda: 0,
-        ready=lambda: True,
-        cpu_s=lambda: group_cpu_s(spinner.pid),
-    )
+    engine = never_moving(cpu_s=lambda: group_cpu_s(spinner.pid))
     watchdog = StallWatchdog(engine, 30.0, stalls.append, interval_s=0.25)
     try:
         watchdog.start()
